@@ -1,0 +1,117 @@
+// Shared vocabulary of the uniform-execution contract (DESIGN 3): policies, fallbacks,
+// decisions, microbatch keys and the module manifest. Used by the coordinator, the
+// worker library and the tools. Plain value types; safe to use from any thread.
+#ifndef SHARDCOORD_TYPES_H_
+#define SHARDCOORD_TYPES_H_
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <ostream>
+#include <string>
+#include <string_view>
+#include <tuple>
+#include <vector>
+
+#include "shardcoord/export.h"
+
+namespace shardcoord {
+
+// Values match shardcoord.v1.Policy.
+enum class Policy : int { kUnspecified = 0, kAuto = 1, kPerLayer = 2, kRoot = 3, kReplicate = 4 };
+// Values match shardcoord.v1.Fallback.
+enum class Fallback : int { kUnspecified = 0, kRoot = 1, kReplicate = 2 };
+// Values match shardcoord.v1.Decision.
+enum class Decision : int { kUnspecified = 0, kPerLayer = 1, kSkip = 2, kRoot = 3, kReplicate = 4 };
+// Values match shardcoord.v1.DecisionReason.
+enum class DecisionReason : int {
+  kUnspecified = 0,
+  kStaticPolicy = 1,
+  kUniform = 2,
+  kAllSkip = 3,
+  kDivergent = 4,
+  kStickyReplicate = 5,
+  kPromoted = 6,
+};
+
+// Lower-case names used in flags, config files, JSON and logs: "auto", "per_layer",
+// "root", "replicate", "skip".
+SHARDCOORD_EXPORT const char* PolicyName(Policy p);
+SHARDCOORD_EXPORT const char* FallbackName(Fallback f);
+SHARDCOORD_EXPORT const char* DecisionName(Decision d);
+SHARDCOORD_EXPORT const char* DecisionReasonName(DecisionReason r);
+// Parse the names above; std::nullopt for anything else (callers report the error).
+SHARDCOORD_EXPORT std::optional<Policy> ParsePolicy(std::string_view name);
+SHARDCOORD_EXPORT std::optional<Fallback> ParseFallback(std::string_view name);
+SHARDCOORD_EXPORT std::optional<Decision> ParseDecision(std::string_view name);
+
+// Identifies a microbatch. Keys are totally ordered; each rank reports them in strictly
+// increasing order.
+struct MicrobatchKey {
+  int64_t step = 0;
+  int32_t microbatch = 0;
+
+  friend bool operator<(const MicrobatchKey& a, const MicrobatchKey& b) {
+    return std::tie(a.step, a.microbatch) < std::tie(b.step, b.microbatch);
+  }
+  friend bool operator==(const MicrobatchKey& a, const MicrobatchKey& b) {
+    return a.step == b.step && a.microbatch == b.microbatch;
+  }
+  friend bool operator!=(const MicrobatchKey& a, const MicrobatchKey& b) { return !(a == b); }
+  friend bool operator<=(const MicrobatchKey& a, const MicrobatchKey& b) { return !(b < a); }
+  friend bool operator>(const MicrobatchKey& a, const MicrobatchKey& b) { return b < a; }
+  // "(step,microbatch)", as in logs and error messages.
+  SHARDCOORD_EXPORT std::string ToString() const;
+};
+
+// One layer unit of a controlled module.
+struct LayerUnit {
+  std::string name;
+  int64_t param_bytes = 0;
+};
+
+// A controlled (fully frozen multimodal) module. The manifest is the list of these.
+struct ModuleSpec {
+  std::string name;
+  int64_t param_bytes = 0;
+  std::vector<LayerUnit> units;
+  bool outside_inner_root = false;
+};
+
+// What a rank will run in one microbatch: module name -> number of calls.
+struct MicrobatchPlan {
+  MicrobatchKey key;
+  std::map<std::string, int32_t> calls;
+};
+
+struct ModuleDecision {
+  std::string module;
+  Decision decision = Decision::kUnspecified;
+  DecisionReason reason = DecisionReason::kUnspecified;
+};
+
+// The decision for one (group, microbatch); identical on every rank of the group.
+struct MicrobatchDecision {
+  int32_t group = 0;
+  MicrobatchKey key;
+  uint64_t seq = 0;
+  int64_t epoch = 0;
+  std::vector<ModuleDecision> modules;  // In manifest order.
+  uint64_t digest = 0;
+
+  // The decision for `module`, or nullptr when the module is not controlled.
+  const ModuleDecision* Find(std::string_view module) const {
+    for (const auto& m : modules) {
+      if (m.module == module) return &m;
+    }
+    return nullptr;
+  }
+};
+
+inline std::ostream& operator<<(std::ostream& os, const MicrobatchKey& k) {
+  return os << k.ToString();
+}
+
+}  // namespace shardcoord
+
+#endif  // SHARDCOORD_TYPES_H_

@@ -1,0 +1,76 @@
+#include "shardcoord/types.h"
+
+#include <string>
+
+namespace shardcoord {
+
+const char* PolicyName(Policy p) {
+  switch (p) {
+    case Policy::kAuto: return "auto";
+    case Policy::kPerLayer: return "per_layer";
+    case Policy::kRoot: return "root";
+    case Policy::kReplicate: return "replicate";
+    case Policy::kUnspecified: break;
+  }
+  return "unspecified";
+}
+
+const char* FallbackName(Fallback f) {
+  switch (f) {
+    case Fallback::kRoot: return "root";
+    case Fallback::kReplicate: return "replicate";
+    case Fallback::kUnspecified: break;
+  }
+  return "unspecified";
+}
+
+const char* DecisionName(Decision d) {
+  switch (d) {
+    case Decision::kPerLayer: return "per_layer";
+    case Decision::kSkip: return "skip";
+    case Decision::kRoot: return "root";
+    case Decision::kReplicate: return "replicate";
+    case Decision::kUnspecified: break;
+  }
+  return "unspecified";
+}
+
+const char* DecisionReasonName(DecisionReason r) {
+  switch (r) {
+    case DecisionReason::kStaticPolicy: return "static_policy";
+    case DecisionReason::kUniform: return "uniform";
+    case DecisionReason::kAllSkip: return "all_skip";
+    case DecisionReason::kDivergent: return "divergent";
+    case DecisionReason::kStickyReplicate: return "sticky_replicate";
+    case DecisionReason::kPromoted: return "promoted";
+    case DecisionReason::kUnspecified: break;
+  }
+  return "unspecified";
+}
+
+std::optional<Policy> ParsePolicy(std::string_view name) {
+  for (Policy p : {Policy::kAuto, Policy::kPerLayer, Policy::kRoot, Policy::kReplicate}) {
+    if (name == PolicyName(p)) return p;
+  }
+  return std::nullopt;
+}
+
+std::optional<Fallback> ParseFallback(std::string_view name) {
+  for (Fallback f : {Fallback::kRoot, Fallback::kReplicate}) {
+    if (name == FallbackName(f)) return f;
+  }
+  return std::nullopt;
+}
+
+std::optional<Decision> ParseDecision(std::string_view name) {
+  for (Decision d : {Decision::kPerLayer, Decision::kSkip, Decision::kRoot, Decision::kReplicate}) {
+    if (name == DecisionName(d)) return d;
+  }
+  return std::nullopt;
+}
+
+std::string MicrobatchKey::ToString() const {
+  return "(" + std::to_string(step) + "," + std::to_string(microbatch) + ")";
+}
+
+}  // namespace shardcoord

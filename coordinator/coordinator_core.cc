@@ -1,0 +1,887 @@
+#include "coordinator_core.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "shardcoord/decide.h"
+#include "shardcoord/internal/logging.h"
+#include "shardcoord/proto/convert.h"
+
+namespace shardcoord::coordinator {
+namespace {
+
+constexpr char kVersion[] = "0.1.0";
+
+std::string RankList(const std::vector<int>& ranks) { return absl::StrJoin(ranks, ","); }
+
+std::string DescribeManifestDifference(const v1::RegisterRequest& a, int rank_a,
+                                       const v1::RegisterRequest& b, int rank_b) {
+  auto names = [](const v1::RegisterRequest& r) {
+    std::vector<std::string> n;
+    for (const auto& m : r.modules()) n.push_back(m.name());
+    return absl::StrJoin(n, ",");
+  };
+  if (a.modules_size() != b.modules_size()) {
+    return absl::StrCat("rank ", rank_b, " registered modules [", names(b), "] but rank ", rank_a,
+                        " registered [", names(a), "]");
+  }
+  for (int i = 0; i < a.modules_size(); ++i) {
+    const auto& ma = a.modules(i);
+    const auto& mb = b.modules(i);
+    if (ma.name() != mb.name()) {
+      return absl::StrCat("rank ", rank_b, " registered modules [", names(b), "] but rank ",
+                          rank_a, " registered [", names(a), "] (same order required)");
+    }
+    if (ma.param_bytes() != mb.param_bytes()) {
+      return absl::StrCat("module '", ma.name(), "': param_bytes ", mb.param_bytes(), " on rank ",
+                          rank_b, " vs ", ma.param_bytes(), " on rank ", rank_a);
+    }
+    if (ma.outside_inner_root() != mb.outside_inner_root()) {
+      return absl::StrCat("module '", ma.name(), "': outside_inner_root differs between rank ",
+                          rank_b, " and rank ", rank_a);
+    }
+    if (ma.units_size() != mb.units_size()) {
+      return absl::StrCat("module '", ma.name(), "': ", mb.units_size(), " layer units on rank ",
+                          rank_b, " vs ", ma.units_size(), " on rank ", rank_a);
+    }
+    for (int u = 0; u < ma.units_size(); ++u) {
+      if (ma.units(u).name() != mb.units(u).name() ||
+          ma.units(u).param_bytes() != mb.units(u).param_bytes()) {
+        return absl::StrCat("module '", ma.name(), "': layer unit ", u, " is '",
+                            mb.units(u).name(), "' (", mb.units(u).param_bytes(),
+                            " bytes) on rank ", rank_b, " vs '", ma.units(u).name(), "' (",
+                            ma.units(u).param_bytes(), " bytes) on rank ", rank_a);
+      }
+    }
+  }
+  return "";
+}
+
+}  // namespace
+
+CoordinatorCore::CoordinatorCore(CoordinatorOptions options, std::shared_ptr<const Clock> clock)
+    : options_(std::move(options)),
+      clock_(std::move(clock)),
+      started_(clock_->Now()),
+      journal_(options_.event_capacity) {}
+
+CoordinatorCore::~CoordinatorCore() = default;
+
+void CoordinatorCore::Event(const std::string& severity, const std::string& kind,
+                            const std::string& job, int rank, int group,
+                            const std::string& message) {
+  journal_.Add(clock_->Now(), severity, kind, job, rank, group, message);
+}
+
+// ----------------------------------------------------------------------------------------
+// Registration
+
+absl::Status CoordinatorCore::ValidateAgainstGroup(const Job& job, const Group& group,
+                                                   const v1::RegisterRequest& req) const {
+  const v1::RegisterRequest& ref = group.reference;
+  const int ref_rank = group.reference_rank;
+  const std::string where = absl::StrCat(" (job '", job.id, "', group ", group.index, ")");
+  if (ref.policy() != req.policy()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "rank ", req.rank(), " registered policy ", PolicyName(FromProto(req.policy())),
+        " but rank ", ref_rank, " registered ", PolicyName(FromProto(ref.policy())), where,
+        "; every rank of a shard group must use the same policy"));
+  }
+  if (ref.fallback() != req.fallback()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "rank ", req.rank(), " registered fallback ", FallbackName(FromProto(req.fallback())),
+        " but rank ", ref_rank, " registered ", FallbackName(FromProto(ref.fallback())), where,
+        "; every rank of a shard group must use the same fallback"));
+  }
+  if (ref.wrap_outer_model() != req.wrap_outer_model()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "rank ", req.rank(), " registered wrap_outer_model=", req.wrap_outer_model(),
+        " but rank ", ref_rank, " registered ", ref.wrap_outer_model(), where));
+  }
+  std::string diff = DescribeManifestDifference(ref, ref_rank, req, req.rank());
+  if (!diff.empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("module manifest mismatch", where, ": ", diff,
+                     "; every rank of a shard group must register the same controlled modules"));
+  }
+  return absl::OkStatus();
+}
+
+void CoordinatorCore::SetReference(Group& group, const v1::RegisterRequest& req) {
+  group.has_reference = true;
+  group.reference = req;
+  group.reference.clear_host();
+  group.reference.clear_pid();
+  group.reference_rank = req.rank();
+  group.modules.clear();
+  group.module_index.clear();
+  for (const auto& m : req.modules()) {
+    group.module_index[m.name()] = static_cast<int>(group.modules.size());
+    group.modules.push_back(FromProto(m));
+  }
+  EngineConfig cfg;
+  cfg.group = group.index;
+  cfg.policy = FromProto(req.policy());
+  cfg.fallback = FromProto(req.fallback());
+  cfg.modules = group.modules;
+  cfg.promotion = options_.promotion;
+  group.engine = std::make_unique<DecisionEngine>(std::move(cfg));
+}
+
+absl::Status CoordinatorCore::Register(uint64_t session_id, const v1::RegisterRequest& in,
+                                       std::shared_ptr<RankSink> sink) {
+  v1::RegisterRequest req = in;
+  // Stateless checks first: a malformed request changes nothing.
+  if (req.job_id().empty()) {
+    return absl::InvalidArgumentError("register: job_id is empty; every rank of a job must "
+                                      "send the same non-empty job id");
+  }
+  if (req.world_size() <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("register: world_size ", req.world_size(),
+                                                   " must be >= 1 (job '", req.job_id(), "')"));
+  }
+  if (req.group_size() <= 0 || req.world_size() % req.group_size() != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("register: group_size ", req.group_size(), " must be >= 1 and divide world_size ",
+                     req.world_size(), " (job '", req.job_id(), "', rank ", req.rank(), ")"));
+  }
+  if (req.rank() < 0 || req.rank() >= req.world_size()) {
+    return absl::InvalidArgumentError(absl::StrCat("register: unknown rank ", req.rank(),
+                                                   ": job '", req.job_id(), "' has ranks 0..",
+                                                   req.world_size() - 1));
+  }
+  std::set<std::string> names;
+  for (const auto& m : req.modules()) {
+    if (m.name().empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("register: rank ", req.rank(), " sent a module with an empty name"));
+    }
+    if (!names.insert(m.name()).second) {
+      return absl::InvalidArgumentError(absl::StrCat("register: rank ", req.rank(),
+                                                     " lists module '", m.name(), "' twice"));
+    }
+    if (m.param_bytes() < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("register: module '", m.name(),
+                                                     "' has negative param_bytes ",
+                                                     m.param_bytes()));
+    }
+  }
+  if (req.policy() == v1::POLICY_UNSPECIFIED) req.set_policy(ToProto(options_.default_policy));
+  if (req.fallback() == v1::FALLBACK_UNSPECIFIED) {
+    req.set_fallback(ToProto(options_.default_fallback));
+  }
+  if (!v1::Policy_IsValid(req.policy()) || !v1::Fallback_IsValid(req.fallback())) {
+    return absl::InvalidArgumentError(absl::StrCat("register: rank ", req.rank(),
+                                                   " sent an unknown policy or fallback value"));
+  }
+  if (req.lookahead() == 0) req.set_lookahead(std::min(kDefaultLookahead, options_.max_lookahead));
+  if (req.lookahead() < 0 || req.lookahead() > options_.max_lookahead) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "register: lookahead ", req.lookahead(), " of rank ", req.rank(),
+        " is outside 1..", options_.max_lookahead,
+        " (the coordinator's --max-lookahead); lower it or raise the coordinator's limit"));
+  }
+  const Policy policy = FromProto(req.policy());
+  const Fallback fallback = FromProto(req.fallback());
+  const bool uses_root = policy == Policy::kRoot ||
+                         ((policy == Policy::kAuto || policy == Policy::kPerLayer) &&
+                          fallback == Fallback::kRoot);
+  if (uses_root && !req.wrap_outer_model()) {
+    std::vector<std::string> outside;
+    for (const auto& m : req.modules()) {
+      if (m.outside_inner_root()) outside.push_back(m.name());
+    }
+    if (!outside.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "register: ", policy == Policy::kRoot ? "policy root" : "fallback root",
+          " is impossible for rank ", req.rank(), ": wrap_outer_model is false and modules [",
+          absl::StrJoin(outside, ", "),
+          "] lie outside the inner FSDP root, so no always-run unit can own them. Ways out: "
+          "enable wrap_outer_model, use fallback replicate, or use policy replicate"));
+    }
+  }
+
+  absl::MutexLock lock(&mu_);
+  if (shut_down_) return absl::UnavailableError("coordinator is shutting down");
+  auto it = jobs_.find(req.job_id());
+  Job* job = it == jobs_.end() ? nullptr : it->second.get();
+  if (job != nullptr) {
+    if (job->world_size != req.world_size()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "register: world size mismatch: job '", job->id, "' has world_size ", job->world_size,
+          " but rank ", req.rank(), " registered with ", req.world_size(),
+          "; every rank of a job must pass the same world size"));
+    }
+    if (job->group_size != req.group_size()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "register: group size mismatch: job '", job->id, "' has group_size ", job->group_size,
+          " but rank ", req.rank(), " registered with ", req.group_size()));
+    }
+  }
+  if (job != nullptr) {
+    const Member& existing = job->members[req.rank()];
+    if (existing.state == v1::RANK_STATE_LIVE) {
+      return absl::AlreadyExistsError(absl::StrCat(
+          "register: duplicate rank ", req.rank(), " of job '", job->id,
+          "': it is already live (host ", existing.host, ", pid ", existing.pid,
+          "). If that process is gone, it is declared dead after the heartbeat timeout (",
+          absl::ToInt64Milliseconds(options_.heartbeat_timeout),
+          " ms); register again then"));
+    }
+    const Group& g = job->groups[existing.group];
+    if (g.has_reference) {
+      absl::Status s = ValidateAgainstGroup(*job, g, req);
+      if (!s.ok()) return s;
+    }
+  }
+
+  // Accepted: from here on state changes.
+  if (job == nullptr) {
+    auto created = std::make_unique<Job>();
+    created->id = req.job_id();
+    created->world_size = req.world_size();
+    created->group_size = req.group_size();
+    created->members.resize(req.world_size());
+    created->groups.resize(req.world_size() / req.group_size());
+    for (int r = 0; r < req.world_size(); ++r) {
+      created->members[r].rank = r;
+      created->members[r].group = r / req.group_size();
+      created->groups[r / req.group_size()].ranks.push_back(r);
+    }
+    for (size_t g = 0; g < created->groups.size(); ++g) created->groups[g].index = static_cast<int>(g);
+    job = created.get();
+    jobs_[req.job_id()] = std::move(created);
+    Event("info", "job_created", job->id, -1, -1,
+          absl::StrCat("world_size=", job->world_size, " group_size=", job->group_size,
+                       " groups=", job->groups.size()));
+  }
+  Member& m = job->members[req.rank()];
+  Group& group = job->groups[m.group];
+  if (!group.has_reference) SetReference(group, req);
+
+  const bool rejoin = m.state == v1::RANK_STATE_DEAD || m.state == v1::RANK_STATE_LEFT;
+  if (m.session != 0) sessions_.erase(m.session);
+  m.state = v1::RANK_STATE_LIVE;
+  m.session = session_id;
+  m.sink = std::move(sink);
+  m.host = req.host();
+  m.pid = req.pid();
+  m.last_seen = clock_->Now();
+  m.last_planned.reset();
+  m.pending = 0;
+  m.dead_reason.clear();
+  m.registrations++;
+  m.lookahead = req.lookahead();
+  m.memory_budget = req.memory_budget_bytes();
+  m.static_seq = 0;
+  sessions_[session_id] = SessionRef{job, req.rank()};
+
+  v1::CoordinatorMessage msg;
+  v1::RegisterResponse* resp = msg.mutable_registered();
+  resp->set_group(group.index);
+  for (int r : group.ranks) resp->add_group_ranks(r);
+  resp->set_heartbeat_interval_ms(static_cast<int32_t>(absl::ToInt64Milliseconds(options_.heartbeat_interval)));
+  resp->set_heartbeat_timeout_ms(static_cast<int32_t>(absl::ToInt64Milliseconds(options_.heartbeat_timeout)));
+  resp->set_policy(req.policy());
+  resp->set_fallback(req.fallback());
+  resp->set_lookahead(req.lookahead());
+  if (policy == Policy::kPerLayer) {
+    resp->add_warnings(
+        "policy per_layer: microbatches where ranks of the group diverge fall back to " +
+        std::string(FallbackName(fallback)) + "; only uniform or all-skip microbatches shard per layer");
+  }
+  if (group.last_decided) {
+    ToProto(*group.last_decided, resp->mutable_last_decided());
+  }
+  Event("info", rejoin ? "rank_rejoined" : "rank_registered", job->id, req.rank(), group.index,
+        absl::StrCat("host=", req.host(), " pid=", req.pid(), " policy=", PolicyName(policy),
+                     " fallback=", FallbackName(fallback), " modules=", req.modules_size(),
+                     " lookahead=", req.lookahead()));
+  if (policy == Policy::kPerLayer) {
+    Event("warning", "per_layer_requested", job->id, req.rank(), group.index,
+          resp->warnings(0));
+  }
+
+  const int64_t epoch_before = group.epoch;
+  UpdateGroupState(*job, group);
+  resp->set_epoch(group.epoch);
+  SendTo(m, msg);
+  if (group.epoch != epoch_before) {
+    v1::CoordinatorMessage notice;
+    notice.mutable_notice()->set_kind(v1::Notice::KIND_GROUP_REFORMED);
+    notice.mutable_notice()->set_group(group.index);
+    notice.mutable_notice()->set_epoch(group.epoch);
+    notice.mutable_notice()->set_message(absl::StrCat("group ", group.index, " re-formed at epoch ",
+                                                      group.epoch, " (rank ", req.rank(),
+                                                      " registered again)"));
+    for (int r : group.ranks) {
+      if (r != req.rank()) SendTo(job->members[r], notice);
+    }
+  }
+  return absl::OkStatus();
+}
+
+void CoordinatorCore::UpdateGroupState(Job& job, Group& group) {
+  int live = 0, left = 0, dead = 0;
+  for (int r : group.ranks) {
+    switch (job.members[r].state) {
+      case v1::RANK_STATE_LIVE: live++; break;
+      case v1::RANK_STATE_LEFT: left++; break;
+      case v1::RANK_STATE_DEAD: dead++; break;
+      default: break;
+    }
+  }
+  const int size = static_cast<int>(group.ranks.size());
+  const v1::GroupState before = group.state;
+  if (dead > 0) {
+    group.state = v1::GROUP_STATE_FAILED;
+  } else if (left == size) {
+    group.state = v1::GROUP_STATE_FINISHED;
+  } else if (live + left < size) {
+    // Some member never registered (it may have died before it did).
+    group.state = v1::GROUP_STATE_FORMING;
+  } else if (before == v1::GROUP_STATE_FORMING && group.engine->next_seq() == 0) {
+    // Formed for the first time: the promotion budget is known now.
+    group.state = v1::GROUP_STATE_HEALTHY;
+    int64_t min_budget = INT64_MAX;
+    for (int r : group.ranks) min_budget = std::min(min_budget, job.members[r].memory_budget);
+    EngineConfig cfg = group.engine->config();
+    cfg.min_memory_budget_bytes = min_budget;
+    group.engine = std::make_unique<DecisionEngine>(std::move(cfg));
+    Event("info", "group_formed", job.id, -1, group.index,
+          absl::StrCat("ranks ", RankList(group.ranks), " policy=",
+                       PolicyName(group.engine->config().policy),
+                       " fallback=", FallbackName(group.engine->config().fallback),
+                       " min_memory_budget_bytes=", min_budget));
+  } else {
+    if (before == v1::GROUP_STATE_FAILED || before == v1::GROUP_STATE_FINISHED ||
+        before == v1::GROUP_STATE_FORMING) {
+      // Whole again after a failure: a new epoch.
+      group.epoch++;
+      group.failure_reason.clear();
+      Event("info", "group_reformed", job.id, -1, group.index,
+            absl::StrCat("epoch ", group.epoch, " ranks ", RankList(group.ranks)));
+    }
+    group.state = v1::GROUP_STATE_HEALTHY;
+  }
+}
+
+// ----------------------------------------------------------------------------------------
+// Plans
+
+CoordinatorCore::Member* CoordinatorCore::LiveMember(uint64_t session_id, Job** job) {
+  auto it = sessions_.find(session_id);
+  if (it == sessions_.end()) return nullptr;
+  Member& m = it->second.job->members[it->second.rank];
+  if (m.session != session_id || m.state != v1::RANK_STATE_LIVE) return nullptr;
+  *job = it->second.job;
+  return &m;
+}
+
+bool CoordinatorCore::WillNeverReport(const Member& m, const MicrobatchKey& key) const {
+  if (m.state == v1::RANK_STATE_LEFT) return !m.last_planned || *m.last_planned < key;
+  return m.last_planned && key < *m.last_planned;
+}
+
+void CoordinatorCore::OnPlans(uint64_t session_id, const v1::PlanBatch& batch) {
+  absl::MutexLock lock(&mu_);
+  Job* job = nullptr;
+  Member* m = LiveMember(session_id, &job);
+  if (m == nullptr) return;  // A stale session; its rank re-registered or was declared dead.
+  m->last_seen = clock_->Now();
+  Group& group = job->groups[m->group];
+  for (const auto& plan : batch.plans()) {
+    absl::Status s = AcceptPlan(*job, *m, plan);
+    if (!s.ok()) {
+      m->plans_rejected++;
+      v1::CoordinatorMessage msg;
+      auto* rej = msg.mutable_plan_rejected();
+      rej->set_step(plan.step());
+      rej->set_microbatch(plan.microbatch());
+      rej->set_code(static_cast<int>(s.code()));
+      rej->set_message(std::string(s.message()));
+      static const auto log = logging::Get("coordinator");
+      log->warn("plan_rejected job={} rank={} step={} mb={} code={} {}", job->id, m->rank,
+                plan.step(), plan.microbatch(), absl::StatusCodeToString(s.code()), std::string(s.message()));
+      SendTo(*m, msg);
+    }
+  }
+  Flush(*job, group);
+}
+
+absl::Status CoordinatorCore::AcceptPlan(Job& job, Member& m, const v1::MicrobatchPlan& plan) {
+  Group& group = job.groups[m.group];
+  const MicrobatchKey key{plan.step(), plan.microbatch()};
+  const std::string who = absl::StrCat("rank ", m.rank, " (job '", job.id, "', group ", group.index, ")");
+  if (plan.step() < 0 || plan.microbatch() < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("plan ", key.ToString(), " from ", who,
+                                                   ": step and microbatch must be >= 0"));
+  }
+  std::vector<std::pair<int, int32_t>> calls;  // (module index, calls)
+  calls.reserve(plan.calls_size());
+  for (const auto& [name, count] : plan.calls()) {
+    auto mi = group.module_index.find(name);
+    if (mi == group.module_index.end()) {
+      std::vector<std::string> known;
+      for (const auto& spec : group.modules) known.push_back(spec.name);
+      return absl::InvalidArgumentError(absl::StrCat(
+          "plan ", key.ToString(), " from ", who, " names unknown module '", name,
+          "'; the registered controlled modules are [", absl::StrJoin(known, ", "), "]"));
+    }
+    if (count < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("plan ", key.ToString(), " from ", who,
+                                                     ": module '", name, "' has ", count,
+                                                     " calls; calls must be >= 0"));
+    }
+    calls.emplace_back(mi->second, count);
+  }
+  if (m.last_planned && key <= *m.last_planned) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "out-of-order plan ", key.ToString(), " from ", who, ": its previous plan was ",
+        m.last_planned->ToString(), "; plans must be reported in increasing (step, microbatch) order"));
+  }
+  if (group.state == v1::GROUP_STATE_FAILED) {
+    return absl::AbortedError(absl::StrCat("plan ", key.ToString(), " from ", who,
+                                           " dropped: the group failed at epoch ", group.epoch,
+                                           " (", group.failure_reason,
+                                           "); wait for the group to re-form"));
+  }
+
+  if (group.engine->is_static()) {
+    // root / replicate: no plans needed, never wait for the group.
+    m.last_planned = key;
+    m.plans_received++;
+    job.plans_received++;
+    MicrobatchDecision d = group.engine->DecideStatic(key, group.epoch, m.static_seq++);
+    v1::MicrobatchDecision pd;
+    ToProto(d, &pd);
+    pd.set_decided_unix_ms(absl::ToUnixMillis(clock_->Now()));
+    // Count and record each microbatch once per group: when its lowest rank reports it.
+    if (m.rank == group.ranks.front()) RecordDecision(job, group, pd);
+    QueueDecision(m, pd);
+    return absl::OkStatus();
+  }
+
+  if (group.last_resolved && key <= *group.last_resolved && !group.pending.count(key)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "plan ", key.ToString(), " from ", who, " is stale: group ", group.index,
+        " already resolved every microbatch up to ", group.last_resolved->ToString()));
+  }
+  if (m.pending >= m.lookahead) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "plan ", key.ToString(), " from ", who, " is beyond the lookahead window: ", m.pending,
+        " plans are undecided and the window is ", m.lookahead,
+        "; wait for the oldest decision before planning further ahead"));
+  }
+
+  // Accepted.
+  m.last_planned = key;
+  m.plans_received++;
+  job.plans_received++;
+  const int idx = static_cast<int>(std::lower_bound(group.ranks.begin(), group.ranks.end(), m.rank) -
+                                   group.ranks.begin());
+  const int size = static_cast<int>(group.ranks.size());
+  auto [it, inserted] = group.pending.try_emplace(key);
+  PendingMicrobatch& p = it->second;
+  if (inserted) {
+    p.calls.assign(group.modules.size(), std::vector<int32_t>(size, 0));
+    p.reported.assign(size, false);
+    p.first_report = clock_->Now();
+  }
+  for (const auto& [mi, count] : calls) p.calls[mi][idx] = count;
+  p.reported[idx] = true;
+  p.num_reported++;
+  m.pending++;
+
+  // Microbatches this rank skipped: earlier pending ones it never reported.
+  std::vector<MicrobatchKey> skipped;
+  for (auto& [k, pk] : group.pending) {
+    if (!(k < key)) break;
+    if (!pk.reported[idx]) skipped.push_back(k);
+  }
+  for (const auto& k : skipped) {
+    FailMicrobatch(job, group, k, absl::FailedPreconditionError(absl::StrCat(
+        "microbatch ", k.ToString(), " of group ", group.index, " can never be decided: rank ",
+        m.rank, " reported ", key.ToString(), " without reporting ", k.ToString(),
+        "; every rank of a shard group must run the same microbatches")));
+  }
+  // Ranks that already moved past this key (or left) will never report it.
+  if (inserted) {
+    std::vector<int> never;
+    for (int i = 0; i < size; ++i) {
+      if (!p.reported[i] && WillNeverReport(job.members[group.ranks[i]], key)) never.push_back(group.ranks[i]);
+    }
+    if (!never.empty()) {
+      FailMicrobatch(job, group, key, absl::FailedPreconditionError(absl::StrCat(
+          "microbatch ", key.ToString(), " of group ", group.index,
+          " can never be decided: ranks ", RankList(never),
+          " already planned later microbatches or left; every rank of a shard group must run "
+          "the same microbatches")));
+      return absl::OkStatus();
+    }
+  }
+  DrainGroup(job, group);
+  return absl::OkStatus();
+}
+
+void CoordinatorCore::DrainGroup(Job& job, Group& group) {
+  const int size = static_cast<int>(group.ranks.size());
+  if (group.state != v1::GROUP_STATE_HEALTHY) return;  // Forming: not everyone can plan yet.
+  while (!group.pending.empty()) {
+    auto it = group.pending.begin();
+    if (it->second.num_reported < size) break;
+    std::vector<EngineTransition> transitions;
+    MicrobatchDecision d = group.engine->Decide(it->first, group.epoch, it->second.calls, &transitions);
+    v1::MicrobatchDecision pd;
+    ToProto(d, &pd);
+    pd.set_decided_unix_ms(absl::ToUnixMillis(clock_->Now()));
+    for (int r : group.ranks) {
+      Member& mem = job.members[r];
+      if (mem.pending > 0) mem.pending--;
+      QueueDecision(mem, pd);
+    }
+    group.last_resolved = it->first;
+    group.last_decided = it->first;
+    RecordDecision(job, group, pd);
+    group.pending.erase(it);
+    for (const auto& t : transitions) {
+      Event("info", "module_" + t.what, job.id, -1, group.index,
+            absl::StrCat("module '", t.module, "': ", t.detail));
+    }
+  }
+}
+
+void CoordinatorCore::RecordDecision(Job& job, Group& group, const v1::MicrobatchDecision& d) {
+  job.microbatches_decided++;
+  for (const auto& md : d.modules()) {
+    switch (md.decision()) {
+      case v1::DECISION_PER_LAYER: group.counts.set_per_layer(group.counts.per_layer() + 1); break;
+      case v1::DECISION_SKIP: group.counts.set_skip(group.counts.skip() + 1); break;
+      case v1::DECISION_ROOT: group.counts.set_root(group.counts.root() + 1); break;
+      case v1::DECISION_REPLICATE: group.counts.set_replicate(group.counts.replicate() + 1); break;
+      default: break;
+    }
+    if (md.reason() == v1::REASON_DIVERGENT) group.counts.set_divergent(group.counts.divergent() + 1);
+  }
+  group.last_decided = MicrobatchKey{d.step(), d.microbatch()};
+  group.history.push_back(d);
+  while (static_cast<int>(group.history.size()) > options_.decision_history) group.history.pop_front();
+}
+
+void CoordinatorCore::QueueDecision(Member& m, const v1::MicrobatchDecision& d) {
+  if (m.state != v1::RANK_STATE_LIVE || !m.sink) return;
+  *m.outgoing.mutable_decisions()->add_decisions() = d;
+}
+
+void CoordinatorCore::Flush(Job& job, const Group& group) {
+  for (int r : group.ranks) {
+    Member& m = job.members[r];
+    if (m.outgoing.has_decisions() && m.outgoing.decisions().decisions_size() > 0) {
+      if (m.sink) m.sink->Send(m.outgoing);
+      m.outgoing.Clear();
+    }
+  }
+}
+
+void CoordinatorCore::SendTo(Member& m, const v1::CoordinatorMessage& msg) {
+  if (m.state != v1::RANK_STATE_LIVE || !m.sink) return;
+  // Decisions batched so far go first: the rank sees messages in the order produced.
+  if (m.outgoing.has_decisions() && m.outgoing.decisions().decisions_size() > 0) {
+    m.sink->Send(m.outgoing);
+    m.outgoing.Clear();
+  }
+  m.sink->Send(msg);
+}
+
+void CoordinatorCore::FailMicrobatch(Job& job, Group& group, const MicrobatchKey& key,
+                                     absl::Status why) {
+  auto it = group.pending.find(key);
+  if (it == group.pending.end()) return;
+  v1::CoordinatorMessage msg;
+  auto* f = msg.mutable_microbatch_failed();
+  f->set_group(group.index);
+  f->set_step(key.step);
+  f->set_microbatch(key.microbatch);
+  f->set_code(static_cast<int>(why.code()));
+  f->set_message(std::string(why.message()));
+  for (size_t i = 0; i < group.ranks.size(); ++i) {
+    Member& mem = job.members[group.ranks[i]];
+    if (it->second.reported[i] && mem.pending > 0) mem.pending--;
+    SendTo(mem, msg);
+  }
+  group.pending.erase(it);
+  if (!group.last_resolved || *group.last_resolved < key) group.last_resolved = key;
+  Event("error", "microbatch_failed", job.id, -1, group.index, std::string(why.message()));
+}
+
+// ----------------------------------------------------------------------------------------
+// Liveness
+
+void CoordinatorCore::OnHeartbeat(uint64_t session_id) {
+  absl::MutexLock lock(&mu_);
+  Job* job = nullptr;
+  if (Member* m = LiveMember(session_id, &job)) m->last_seen = clock_->Now();
+}
+
+void CoordinatorCore::OnGoodbye(uint64_t session_id, const std::string& reason) {
+  absl::MutexLock lock(&mu_);
+  Job* job = nullptr;
+  Member* m = LiveMember(session_id, &job);
+  if (m == nullptr) return;
+  RemoveMember(*job, *m, /*clean=*/true,
+               reason.empty() ? std::string("left cleanly") : absl::StrCat("left cleanly: ", reason));
+}
+
+void CoordinatorCore::OnSessionClosed(uint64_t session_id, const std::string& why) {
+  absl::MutexLock lock(&mu_);
+  Job* job = nullptr;
+  Member* m = LiveMember(session_id, &job);
+  if (m == nullptr) {
+    sessions_.erase(session_id);
+    return;
+  }
+  RemoveMember(*job, *m, /*clean=*/false, absl::StrCat("session stream lost (", why, ")"));
+}
+
+void CoordinatorCore::RemoveMember(Job& job, Member& m, bool clean, const std::string& reason) {
+  Group& group = job.groups[m.group];
+  const std::string full = absl::StrCat("rank ", m.rank, " ", clean ? "" : "declared dead: ", reason);
+  // Flush what it was owed, then detach it.
+  if (m.sink) {
+    if (m.outgoing.has_decisions()) {
+      m.sink->Send(m.outgoing);
+      m.outgoing.Clear();
+    }
+    m.sink->Close(clean ? absl::OkStatus() : absl::AbortedError(full));
+  }
+  m.sink.reset();
+  sessions_.erase(m.session);
+  m.state = clean ? v1::RANK_STATE_LEFT : v1::RANK_STATE_DEAD;
+  m.dead_reason = reason;
+  Event(clean ? "info" : "error", clean ? "rank_left" : "rank_dead", job.id, m.rank, group.index, full);
+
+  if (clean) {
+    // Pending microbatches it never reported can never be decided.
+    const int idx = static_cast<int>(
+        std::lower_bound(group.ranks.begin(), group.ranks.end(), m.rank) - group.ranks.begin());
+    std::vector<MicrobatchKey> doomed;
+    for (const auto& [k, p] : group.pending) {
+      if (!p.reported[idx]) doomed.push_back(k);
+    }
+    for (const auto& k : doomed) {
+      FailMicrobatch(job, group, k, absl::FailedPreconditionError(absl::StrCat(
+          "microbatch ", k.ToString(), " of group ", group.index, " can never be decided: rank ",
+          m.rank, " left the job without planning it")));
+    }
+    UpdateGroupState(job, group);
+    DrainGroup(job, group);
+    Flush(job, group);
+    return;
+  }
+
+  // A death fails the group: cancel everything pending and tell every live member.
+  const bool was_failed = group.state == v1::GROUP_STATE_FAILED;
+  v1::CoordinatorMessage msg;
+  auto* gf = msg.mutable_group_failure();
+  gf->set_group(group.index);
+  gf->set_epoch(group.epoch);
+  for (int r : group.ranks) {
+    if (job.members[r].state == v1::RANK_STATE_DEAD) gf->add_dead_ranks(r);
+  }
+  for (const auto& [k, p] : group.pending) ToProto(k, gf->add_cancelled());
+  group.pending.clear();
+  for (int r : group.ranks) job.members[r].pending = 0;
+  group.failure_reason = was_failed ? absl::StrCat(group.failure_reason, "; ", full) : full;
+  gf->set_reason(absl::StrCat("group ", group.index, " of job '", job.id, "' failed at epoch ",
+                              group.epoch, ": ", group.failure_reason));
+  UpdateGroupState(job, group);
+  for (int r : group.ranks) SendTo(job.members[r], msg);
+  Event("error", "group_failed", job.id, m.rank, group.index,
+        absl::StrCat(gf->reason(), "; cancelled ", gf->cancelled_size(), " pending microbatches"));
+}
+
+void CoordinatorCore::Tick() {
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = clock_->Now();
+  for (auto& [id, job] : jobs_) {
+    for (Member& m : job->members) {
+      if (m.state != v1::RANK_STATE_LIVE) continue;
+      absl::Duration silent = now - m.last_seen;
+      if (silent > options_.heartbeat_timeout) {
+        RemoveMember(*job, m, /*clean=*/false,
+                     absl::StrCat("no heartbeat for ", absl::ToInt64Milliseconds(silent),
+                                  " ms (heartbeat timeout ",
+                                  absl::ToInt64Milliseconds(options_.heartbeat_timeout), " ms)"));
+      }
+    }
+    for (Group& group : job->groups) {
+      std::vector<std::pair<MicrobatchKey, absl::Status>> expired;
+      for (const auto& [k, p] : group.pending) {
+        absl::Duration waited = now - p.first_report;
+        if (waited <= options_.plan_timeout) continue;
+        std::vector<int> missing, have;
+        for (size_t i = 0; i < group.ranks.size(); ++i) {
+          (p.reported[i] ? have : missing).push_back(group.ranks[i]);
+        }
+        expired.emplace_back(k, absl::DeadlineExceededError(absl::StrCat(
+            "group ", group.index, " waited ", absl::ToInt64Milliseconds(waited),
+            " ms for the plan of ", k.ToString(), " from ranks ", RankList(missing), " (ranks ",
+            RankList(have), " reported it); plan timeout is ",
+            absl::ToInt64Milliseconds(options_.plan_timeout),
+            " ms: raise --plan-timeout-ms if ranks legitimately fall this far behind")));
+      }
+      for (auto& [k, s] : expired) FailMicrobatch(*job, group, k, s);
+      if (!expired.empty()) Flush(*job, group);
+    }
+  }
+}
+
+void CoordinatorCore::Shutdown() {
+  absl::MutexLock lock(&mu_);
+  shut_down_ = true;
+  v1::CoordinatorMessage notice;
+  notice.mutable_notice()->set_kind(v1::Notice::KIND_SHUTDOWN);
+  notice.mutable_notice()->set_message("coordinator is shutting down");
+  for (auto& [id, job] : jobs_) {
+    for (Member& m : job->members) {
+      if (m.state != v1::RANK_STATE_LIVE || !m.sink) continue;
+      SendTo(m, notice);
+      m.sink->Close(absl::UnavailableError("coordinator is shutting down"));
+      m.sink.reset();
+    }
+  }
+}
+
+// ----------------------------------------------------------------------------------------
+// Queries
+
+v1::StatusResponse CoordinatorCore::Status(const std::string& job_id) const {
+  absl::MutexLock lock(&mu_);
+  v1::StatusResponse out;
+  const absl::Time now = clock_->Now();
+  out.set_version(kVersion);
+  out.set_listen_address(options_.listen_address);
+  out.set_started_unix_ms(absl::ToUnixMillis(started_));
+  out.set_uptime_ms(absl::ToInt64Milliseconds(now - started_));
+  for (const auto& [id, job] : jobs_) {
+    if (!job_id.empty() && id != job_id) continue;
+    v1::JobStatus* js = out.add_jobs();
+    js->set_job_id(id);
+    js->set_world_size(job->world_size);
+    js->set_group_size(job->group_size);
+    js->set_plans_received(job->plans_received);
+    js->set_microbatches_decided(job->microbatches_decided);
+    for (const Member& m : job->members) {
+      switch (m.state) {
+        case v1::RANK_STATE_LIVE: js->set_ranks_live(js->ranks_live() + 1); break;
+        case v1::RANK_STATE_DEAD: js->set_ranks_dead(js->ranks_dead() + 1); break;
+        case v1::RANK_STATE_LEFT: js->set_ranks_left(js->ranks_left() + 1); break;
+        default: js->set_ranks_unregistered(js->ranks_unregistered() + 1); break;
+      }
+    }
+    v1::DecisionCounts* c = js->mutable_counts();
+    for (const Group& g : job->groups) {
+      switch (g.state) {
+        case v1::GROUP_STATE_HEALTHY: js->set_groups_healthy(js->groups_healthy() + 1); break;
+        case v1::GROUP_STATE_FAILED: js->set_groups_failed(js->groups_failed() + 1); break;
+        case v1::GROUP_STATE_FINISHED: js->set_groups_finished(js->groups_finished() + 1); break;
+        default: js->set_groups_forming(js->groups_forming() + 1); break;
+      }
+      c->set_per_layer(c->per_layer() + g.counts.per_layer());
+      c->set_skip(c->skip() + g.counts.skip());
+      c->set_root(c->root() + g.counts.root());
+      c->set_replicate(c->replicate() + g.counts.replicate());
+      c->set_divergent(c->divergent() + g.counts.divergent());
+    }
+    for (const Group& g : job->groups) {
+      if (g.has_reference) {
+        for (const auto& spec : g.modules) js->add_modules(spec.name);
+        break;
+      }
+    }
+  }
+  return out;
+}
+
+v1::ListRanksResponse CoordinatorCore::Ranks(const std::string& job_id) const {
+  absl::MutexLock lock(&mu_);
+  v1::ListRanksResponse out;
+  const absl::Time now = clock_->Now();
+  for (const auto& [id, job] : jobs_) {
+    if (!job_id.empty() && id != job_id) continue;
+    for (const Member& m : job->members) {
+      v1::RankStatus* rs = out.add_ranks();
+      rs->set_job_id(id);
+      rs->set_rank(m.rank);
+      rs->set_group(m.group);
+      rs->set_state(m.state);
+      rs->set_host(m.host);
+      rs->set_pid(m.pid);
+      rs->set_last_heartbeat_age_ms(m.last_seen == absl::InfinitePast()
+                                        ? -1
+                                        : absl::ToInt64Milliseconds(now - m.last_seen));
+      if (m.last_planned) {
+        ToProto(*m.last_planned, rs->mutable_last_planned());
+      }
+      rs->set_pending_plans(m.pending);
+      rs->set_plans_received(m.plans_received);
+      rs->set_plans_rejected(m.plans_rejected);
+      rs->set_dead_reason(m.dead_reason);
+      rs->set_registrations(m.registrations);
+    }
+  }
+  return out;
+}
+
+void CoordinatorCore::FillGroupStatus(const Job& job, const Group& g, v1::GroupStatus* gs) const {
+  gs->set_job_id(job.id);
+  gs->set_group(g.index);
+  for (int r : g.ranks) gs->add_ranks(r);
+  gs->set_state(g.state);
+  gs->set_epoch(g.epoch);
+  gs->set_pending_microbatches(static_cast<int32_t>(g.pending.size()));
+  *gs->mutable_counts() = g.counts;
+  gs->set_failure_reason(g.failure_reason);
+  if (g.engine) {
+    gs->set_next_seq(g.engine->next_seq());
+    for (const auto& name : g.engine->ReplicatedModules()) gs->add_promoted_modules(name);
+    gs->set_policy(ToProto(g.engine->config().policy));
+    gs->set_fallback(ToProto(g.engine->config().fallback));
+  }
+  if (g.last_decided) {
+    ToProto(*g.last_decided, gs->mutable_last_decided());
+  }
+}
+
+v1::ListGroupsResponse CoordinatorCore::Groups(const std::string& job_id) const {
+  absl::MutexLock lock(&mu_);
+  v1::ListGroupsResponse out;
+  for (const auto& [id, job] : jobs_) {
+    if (!job_id.empty() && id != job_id) continue;
+    for (const Group& g : job->groups) FillGroupStatus(*job, g, out.add_groups());
+  }
+  return out;
+}
+
+v1::ListDecisionsResponse CoordinatorCore::Decisions(const std::string& job_id, int group,
+                                                     int limit) const {
+  absl::MutexLock lock(&mu_);
+  v1::ListDecisionsResponse out;
+  if (limit <= 0) limit = 20;
+  for (const auto& [id, job] : jobs_) {
+    if (!job_id.empty() && id != job_id) continue;
+    for (const Group& g : job->groups) {
+      if (group >= 0 && g.index != group) continue;
+      size_t start = g.history.size() > static_cast<size_t>(limit) ? g.history.size() - limit : 0;
+      for (size_t i = start; i < g.history.size(); ++i) {
+        auto* e = out.add_decisions();
+        e->set_job_id(id);
+        *e->mutable_decision() = g.history[i];
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace shardcoord::coordinator

@@ -1,0 +1,200 @@
+// CoordinatorCore: the coordinator's state and rules, independent of gRPC.
+//
+// It keeps the registry of jobs, ranks and shard groups, validates registrations and
+// plans, runs one DecisionEngine per group, detects dead ranks (stream lost, heartbeats
+// missed), fails microbatches that can never be decided, and answers status queries.
+// The gRPC adapter (grpc_service.h) converts streams into calls on this class and gives
+// each session a RankSink through which the core sends messages.
+//
+// Thread-safety: every public method may be called from any thread. All state is
+// guarded by one mutex; RankSink::Send is called with it held, which is why a sink must
+// only queue (never block, never call back). Messages to one rank are therefore sent in
+// the order the core produced them.
+#ifndef SHARDCOORD_COORDINATOR_COORDINATOR_CORE_H_
+#define SHARDCOORD_COORDINATOR_COORDINATOR_CORE_H_
+
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "clock.h"
+#include "decision_engine.h"
+#include "event_journal.h"
+#include "options.h"
+#include "shardcoord/v1/coordinator.pb.h"
+
+namespace shardcoord::coordinator {
+
+// The core's handle on one rank's session stream.
+class RankSink {
+ public:
+  virtual ~RankSink() = default;
+  // Queues `msg` for the rank. Must not block and must not call into CoordinatorCore.
+  virtual void Send(const v1::CoordinatorMessage& msg) = 0;
+  // Ends the session with `status` once the queued messages are written.
+  virtual void Close(const absl::Status& status) = 0;
+};
+
+class CoordinatorCore {
+ public:
+  CoordinatorCore(CoordinatorOptions options, std::shared_ptr<const Clock> clock);
+  ~CoordinatorCore();
+
+  CoordinatorCore(const CoordinatorCore&) = delete;
+  CoordinatorCore& operator=(const CoordinatorCore&) = delete;
+
+  const CoordinatorOptions& options() const { return options_; }
+
+  // Registers the rank behind `session_id`. On success the RegisterResponse has already
+  // been sent through `sink` (so it precedes any decision). On failure nothing changed and
+  // the status says what was wrong: INVALID_ARGUMENT (malformed request, rank outside the
+  // world, root without an outer root, ...), FAILED_PRECONDITION (world size, group size,
+  // manifest or policy differ from what the job / group already has), ALREADY_EXISTS (the
+  // rank is live in another session).
+  absl::Status Register(uint64_t session_id, const v1::RegisterRequest& request,
+                        std::shared_ptr<RankSink> sink);
+
+  // Plans from a registered session. Bad plans are answered with PlanRejected on the
+  // session; decisions that became ready are sent to every member of the group.
+  void OnPlans(uint64_t session_id, const v1::PlanBatch& batch);
+  void OnHeartbeat(uint64_t session_id);
+  // A clean leave: the rank becomes LEFT.
+  void OnGoodbye(uint64_t session_id, const std::string& reason);
+  // The session's stream ended without a goodbye: a registered rank is declared dead.
+  // Idempotent; unknown sessions are ignored.
+  void OnSessionClosed(uint64_t session_id, const std::string& why);
+
+  // Declares dead every live rank silent for longer than the heartbeat timeout and fails
+  // microbatches pending for longer than the plan timeout. Called periodically.
+  void Tick();
+
+  // Sends a shutdown notice to every live session and closes it with UNAVAILABLE.
+  void Shutdown();
+
+  // Queries for operators. job_id "" means every job.
+  v1::StatusResponse Status(const std::string& job_id) const;
+  v1::ListRanksResponse Ranks(const std::string& job_id) const;
+  v1::ListGroupsResponse Groups(const std::string& job_id) const;
+  v1::ListDecisionsResponse Decisions(const std::string& job_id, int group, int limit) const;
+  std::vector<v1::Event> Events(const std::string& job_id, uint64_t after_id, int limit) const {
+    return journal_.List(job_id, after_id, limit);
+  }
+
+ private:
+  struct Member {
+    int rank = 0;
+    int group = 0;
+    v1::RankState state = v1::RANK_STATE_UNREGISTERED;
+    uint64_t session = 0;
+    std::shared_ptr<RankSink> sink;
+    std::string host;
+    int64_t pid = 0;
+    absl::Time last_seen = absl::InfinitePast();
+    std::optional<MicrobatchKey> last_planned;
+    int pending = 0;  // Reported, not yet resolved.
+    int64_t plans_received = 0;
+    int64_t plans_rejected = 0;
+    std::string dead_reason;
+    int64_t registrations = 0;
+    int lookahead = kDefaultLookahead;
+    int64_t memory_budget = 0;
+    uint64_t static_seq = 0;  // Next seq for static policies (the rank's own ordinal).
+    v1::CoordinatorMessage outgoing;  // Decisions batched during one call; see Flush.
+  };
+
+  struct PendingMicrobatch {
+    std::vector<std::vector<int32_t>> calls;  // [module][member index]
+    std::vector<bool> reported;               // [member index]
+    int num_reported = 0;
+    absl::Time first_report;
+  };
+
+  struct Group {
+    int index = 0;
+    std::vector<int> ranks;  // Ascending.
+    v1::GroupState state = v1::GROUP_STATE_FORMING;
+    int64_t epoch = 0;
+    bool has_reference = false;
+    v1::RegisterRequest reference;  // The first registration: manifest and policy.
+    int reference_rank = -1;
+    std::vector<ModuleSpec> modules;
+    absl::flat_hash_map<std::string, int> module_index;
+    std::unique_ptr<DecisionEngine> engine;
+    std::map<MicrobatchKey, PendingMicrobatch> pending;
+    std::optional<MicrobatchKey> last_resolved;  // Decided or failed.
+    std::optional<MicrobatchKey> last_decided;
+    std::deque<v1::MicrobatchDecision> history;
+    v1::DecisionCounts counts;
+    std::string failure_reason;
+  };
+
+  struct Job {
+    std::string id;
+    int world_size = 0;
+    int group_size = 0;
+    std::vector<Member> members;
+    std::vector<Group> groups;
+    int64_t plans_received = 0;
+    int64_t microbatches_decided = 0;
+  };
+
+  struct SessionRef {
+    Job* job;
+    int rank;
+  };
+
+  // Returns the session's member if it is the rank's current live session.
+  Member* LiveMember(uint64_t session_id, Job** job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status ValidateAgainstGroup(const Job& job, const Group& group,
+                                    const v1::RegisterRequest& req) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void SetReference(Group& group, const v1::RegisterRequest& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // Handles one plan; returns a non-OK status to reject it (nothing changed then).
+  absl::Status AcceptPlan(Job& job, Member& member, const v1::MicrobatchPlan& plan)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Decides pending microbatches from the front while every member has reported.
+  void DrainGroup(Job& job, Group& group) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // True when member `m` can no longer report `key` (it planned past it, or left).
+  bool WillNeverReport(const Member& m, const MicrobatchKey& key) const;
+  void FailMicrobatch(Job& job, Group& group, const MicrobatchKey& key, absl::Status why)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Marks the rank dead (or left) and fails / cancels what its group was waiting for.
+  void RemoveMember(Job& job, Member& member, bool clean, const std::string& reason)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RecordDecision(Job& job, Group& group, const v1::MicrobatchDecision& d)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void QueueDecision(Member& member, const v1::MicrobatchDecision& d)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Sends the decisions batched in members' `outgoing`.
+  void Flush(Job& job, const Group& group) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void SendTo(Member& member, const v1::CoordinatorMessage& msg) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FillGroupStatus(const Job& job, const Group& group, v1::GroupStatus* out) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void UpdateGroupState(Job& job, Group& group) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Event(const std::string& severity, const std::string& kind, const std::string& job,
+             int rank, int group, const std::string& message);
+
+  const CoordinatorOptions options_;
+  const std::shared_ptr<const Clock> clock_;
+  const absl::Time started_;
+  EventJournal journal_;
+
+  mutable absl::Mutex mu_;
+  std::map<std::string, std::unique_ptr<Job>> jobs_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<uint64_t, SessionRef> sessions_ ABSL_GUARDED_BY(mu_);
+  bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+}  // namespace shardcoord::coordinator
+
+#endif  // SHARDCOORD_COORDINATOR_COORDINATOR_CORE_H_

@@ -1,0 +1,307 @@
+#include "coordinator_server.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <atomic>
+#include <deque>
+#include <optional>
+
+#include "absl/strings/str_cat.h"
+#include "shardcoord/internal/logging.h"
+#include "shardcoord/proto/convert.h"
+#include "shardcoord/v1/coordinator.grpc.pb.h"
+
+namespace shardcoord::coordinator {
+namespace {
+
+// Consecutive decision messages queued for a rank are written as one message.
+constexpr int kMaxDecisionsPerWrite = 256;
+
+class SessionReactor;
+
+// The RankSink of one session: a write queue in front of the reactor. The core may call
+// it after the stream is gone; it then drops messages. Thread-safe.
+class SessionSink final : public RankSink {
+ public:
+  explicit SessionSink(SessionReactor* reactor) : reactor_(reactor) {}
+
+  void Send(const v1::CoordinatorMessage& msg) override;
+  void Close(const absl::Status& status) override;
+  void OnWriteDone(bool ok);
+  void Detach() {
+    absl::MutexLock lock(&mu_);
+    reactor_ = nullptr;
+  }
+
+ private:
+  // Starts the next write or the finish, if nothing is in flight. Called with mu_ held;
+  // releases it before touching the reactor (its reactions may run inline).
+  void StartNextLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) ABSL_UNLOCK_FUNCTION(mu_);
+
+  absl::Mutex mu_;
+  SessionReactor* reactor_ ABSL_GUARDED_BY(mu_);
+  std::deque<v1::CoordinatorMessage> queue_ ABSL_GUARDED_BY(mu_);
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  std::optional<grpc::Status> finish_ ABSL_GUARDED_BY(mu_);
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  v1::CoordinatorMessage current_;  // Owned by the write in flight.
+};
+
+class SessionReactor final
+    : public grpc::ServerBidiReactor<v1::WorkerMessage, v1::CoordinatorMessage> {
+ public:
+  SessionReactor(CoordinatorCore* core, uint64_t id, std::string peer)
+      : core_(core), id_(id), peer_(std::move(peer)), sink_(std::make_shared<SessionSink>(this)) {
+    StartRead(&in_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {
+      core_->OnSessionClosed(id_, absl::StrCat("stream from ", peer_, " ended"));
+      sink_->Close(absl::OkStatus());
+      return;
+    }
+    if (!registered_) {
+      if (in_.kind_case() != v1::WorkerMessage::kRegister) {
+        sink_->Close(absl::FailedPreconditionError(
+            "the first message of a Session must be `register`; send a RegisterRequest first"));
+        return;
+      }
+      absl::Status s = core_->Register(id_, in_.register_(), sink_);
+      if (!s.ok()) {
+        sink_->Close(s);
+        return;
+      }
+      registered_ = true;
+      StartRead(&in_);
+      return;
+    }
+    switch (in_.kind_case()) {
+      case v1::WorkerMessage::kPlans:
+        core_->OnPlans(id_, in_.plans());
+        break;
+      case v1::WorkerMessage::kHeartbeat:
+        core_->OnHeartbeat(id_);
+        break;
+      case v1::WorkerMessage::kGoodbye:
+        core_->OnGoodbye(id_, in_.goodbye().reason());
+        sink_->Close(absl::OkStatus());
+        return;
+      case v1::WorkerMessage::kRegister:
+        core_->OnSessionClosed(id_, "register sent twice on one stream");
+        sink_->Close(absl::FailedPreconditionError(
+            "`register` may only be the first message of a Session; open a new stream to "
+            "register again"));
+        return;
+      default:
+        break;  // An empty message (a newer client's unknown kind): ignored.
+    }
+    StartRead(&in_);
+  }
+
+  void OnWriteDone(bool ok) override { sink_->OnWriteDone(ok); }
+
+  void OnCancel() override { core_->OnSessionClosed(id_, absl::StrCat("stream from ", peer_, " cancelled")); }
+
+  void OnDone() override {
+    sink_->Detach();
+    core_->OnSessionClosed(id_, absl::StrCat("stream from ", peer_, " done"));
+    delete this;
+  }
+
+ private:
+  CoordinatorCore* const core_;
+  const uint64_t id_;
+  const std::string peer_;
+  std::shared_ptr<SessionSink> sink_;
+  v1::WorkerMessage in_;
+  bool registered_ = false;
+};
+
+void SessionSink::Send(const v1::CoordinatorMessage& msg) {
+  mu_.Lock();
+  if (reactor_ == nullptr || finish_.has_value()) {
+    mu_.Unlock();
+    return;
+  }
+  queue_.push_back(msg);
+  if (writing_) {
+    mu_.Unlock();
+    return;
+  }
+  StartNextLocked();
+}
+
+void SessionSink::Close(const absl::Status& status) {
+  mu_.Lock();
+  if (reactor_ == nullptr || finish_.has_value()) {
+    mu_.Unlock();
+    return;
+  }
+  finish_ = ToGrpcStatus(status);
+  if (writing_) {
+    mu_.Unlock();
+    return;
+  }
+  StartNextLocked();
+}
+
+void SessionSink::OnWriteDone(bool ok) {
+  mu_.Lock();
+  writing_ = false;
+  if (!ok) {
+    // The stream is broken; nothing more can be written.
+    queue_.clear();
+    if (!finish_) finish_ = grpc::Status(grpc::StatusCode::UNAVAILABLE, "write failed");
+  }
+  StartNextLocked();
+}
+
+void SessionSink::StartNextLocked() {
+  SessionReactor* reactor = reactor_;
+  if (reactor == nullptr) {
+    mu_.Unlock();
+    return;
+  }
+  if (!queue_.empty()) {
+    current_ = std::move(queue_.front());
+    queue_.pop_front();
+    if (current_.has_decisions()) {
+      auto* batch = current_.mutable_decisions();
+      while (!queue_.empty() && queue_.front().has_decisions() &&
+             batch->decisions_size() < kMaxDecisionsPerWrite) {
+        for (auto& d : *queue_.front().mutable_decisions()->mutable_decisions()) {
+          *batch->add_decisions() = std::move(d);
+        }
+        queue_.pop_front();
+      }
+    }
+    writing_ = true;
+    mu_.Unlock();
+    reactor->StartWrite(&current_);
+    return;
+  }
+  if (finish_.has_value() && !finished_) {
+    finished_ = true;
+    grpc::Status st = *finish_;
+    mu_.Unlock();
+    reactor->Finish(st);
+    return;
+  }
+  mu_.Unlock();
+}
+
+}  // namespace
+
+// The gRPC adapter: converts calls into CoordinatorCore calls. No logic of its own.
+class CoordinatorService final : public v1::Coordinator::CallbackService {
+ public:
+  explicit CoordinatorService(CoordinatorCore* core) : core_(core) {}
+
+  grpc::ServerBidiReactor<v1::WorkerMessage, v1::CoordinatorMessage>* Session(
+      grpc::CallbackServerContext* ctx) override {
+    return new SessionReactor(core_, next_session_.fetch_add(1), ctx->peer());
+  }
+
+  grpc::ServerUnaryReactor* GetStatus(grpc::CallbackServerContext* ctx, const v1::StatusRequest* req,
+                                      v1::StatusResponse* resp) override {
+    *resp = core_->Status(req->job_id());
+    return Done(ctx);
+  }
+  grpc::ServerUnaryReactor* ListRanks(grpc::CallbackServerContext* ctx,
+                                      const v1::ListRanksRequest* req,
+                                      v1::ListRanksResponse* resp) override {
+    *resp = core_->Ranks(req->job_id());
+    return Done(ctx);
+  }
+  grpc::ServerUnaryReactor* ListGroups(grpc::CallbackServerContext* ctx,
+                                       const v1::ListGroupsRequest* req,
+                                       v1::ListGroupsResponse* resp) override {
+    *resp = core_->Groups(req->job_id());
+    return Done(ctx);
+  }
+  grpc::ServerUnaryReactor* ListDecisions(grpc::CallbackServerContext* ctx,
+                                          const v1::ListDecisionsRequest* req,
+                                          v1::ListDecisionsResponse* resp) override {
+    *resp = core_->Decisions(req->job_id(), req->group(), req->limit());
+    return Done(ctx);
+  }
+  grpc::ServerUnaryReactor* ListEvents(grpc::CallbackServerContext* ctx,
+                                       const v1::ListEventsRequest* req,
+                                       v1::ListEventsResponse* resp) override {
+    for (auto& e : core_->Events(req->job_id(), req->after_id(), req->limit() > 0 ? req->limit() : 100)) {
+      *resp->add_events() = std::move(e);
+    }
+    return Done(ctx);
+  }
+
+ private:
+  static grpc::ServerUnaryReactor* Done(grpc::CallbackServerContext* ctx) {
+    auto* r = ctx->DefaultReactor();
+    r->Finish(grpc::Status::OK);
+    return r;
+  }
+
+  CoordinatorCore* const core_;
+  std::atomic<uint64_t> next_session_{1};
+};
+
+absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
+    CoordinatorOptions options, std::shared_ptr<const Clock> clock) {
+  if (absl::Status s = ValidateOptions(options); !s.ok()) return s;
+  if (!clock) clock = std::make_shared<RealClock>();
+  std::unique_ptr<CoordinatorServer> server(new CoordinatorServer);
+  const std::string listen = options.listen_address;
+  server->core_ = std::make_unique<CoordinatorCore>(options, clock);
+  server->service_ = std::make_unique<CoordinatorService>(server->core_.get());
+
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &server->port_);
+  builder.RegisterService(server->service_.get());
+  // Workers send keepalive pings to notice a lost coordinator; let them.
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 1000);
+  server->server_ = builder.BuildAndStart();
+  if (!server->server_ || server->port_ == 0) {
+    return absl::UnavailableError(absl::StrCat("cannot listen on ", listen,
+                                               ": address in use or not local; pick another "
+                                               "--listen HOST:PORT (port 0 picks a free one)"));
+  }
+  size_t colon = listen.rfind(':');
+  server->address_ = absl::StrCat(listen.substr(0, colon), ":", server->port_);
+  server->ticker_ = std::thread([s = server.get()] { s->TickLoop(); });
+  logging::Get("coordinator")->info("serving address={}", server->address_);
+  return server;
+}
+
+CoordinatorServer::~CoordinatorServer() { Shutdown(absl::Milliseconds(200)); }
+
+void CoordinatorServer::TickLoop() {
+  const CoordinatorOptions& o = core_->options();
+  const absl::Duration period =
+      std::max(absl::Milliseconds(5), std::min(absl::Milliseconds(100), o.heartbeat_interval / 2));
+  absl::MutexLock lock(&mu_);
+  while (!stopping_) {
+    mu_.AwaitWithTimeout(absl::Condition(&stopping_), period);
+    if (stopping_) break;
+    mu_.Unlock();
+    core_->Tick();
+    mu_.Lock();
+  }
+}
+
+void CoordinatorServer::Shutdown(absl::Duration grace) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (shut_down_) return;
+    shut_down_ = true;
+    stopping_ = true;
+  }
+  if (ticker_.joinable()) ticker_.join();
+  core_->Shutdown();
+  server_->Shutdown(absl::ToChronoTime(absl::Now() + grace));
+  server_->Wait();
+  logging::Get("coordinator")->info("stopped address={}", address_);
+}
+
+}  // namespace shardcoord::coordinator

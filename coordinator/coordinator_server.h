@@ -1,0 +1,63 @@
+// CoordinatorServer: the coordinator as a running gRPC server. It owns the
+// CoordinatorCore, the thin gRPC adapter (callback API: one reactor per Session stream,
+// unary reactors for queries) and the ticker thread that drives failure detection.
+// Used by shardcoordd, by `shardctl replay` (embedded), by tests and by benchmarks.
+//
+// Thread-safety: Start, Shutdown and the accessors may be called from any thread.
+#ifndef SHARDCOORD_COORDINATOR_COORDINATOR_SERVER_H_
+#define SHARDCOORD_COORDINATOR_COORDINATOR_SERVER_H_
+
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "clock.h"
+#include "coordinator_core.h"
+#include "options.h"
+
+namespace grpc {
+class Server;
+}
+
+namespace shardcoord::coordinator {
+
+class CoordinatorService;
+
+class CoordinatorServer {
+ public:
+  // Binds options.listen_address (port 0 picks a free port) and starts serving.
+  // Errors: INVALID_ARGUMENT for bad options, UNAVAILABLE when the address cannot be bound.
+  static absl::StatusOr<std::unique_ptr<CoordinatorServer>> Start(
+      CoordinatorOptions options, std::shared_ptr<const Clock> clock = nullptr);
+
+  ~CoordinatorServer();  // Shuts down if still running.
+
+  // "host:port" actually bound.
+  const std::string& address() const { return address_; }
+  int port() const { return port_; }
+  CoordinatorCore& core() { return *core_; }
+
+  // Tells every session the coordinator is stopping, closes the streams and stops the
+  // server, cancelling calls still running after `grace`. Idempotent.
+  void Shutdown(absl::Duration grace = absl::Seconds(2));
+
+ private:
+  CoordinatorServer() = default;
+  void TickLoop();
+
+  std::unique_ptr<CoordinatorCore> core_;
+  std::unique_ptr<CoordinatorService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::string address_;
+  int port_ = 0;
+  std::thread ticker_;
+  absl::Mutex mu_;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+}  // namespace shardcoord::coordinator
+
+#endif  // SHARDCOORD_COORDINATOR_COORDINATOR_SERVER_H_

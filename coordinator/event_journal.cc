@@ -1,0 +1,43 @@
+#include "event_journal.h"
+
+#include "shardcoord/internal/logging.h"
+
+namespace shardcoord::coordinator {
+
+void EventJournal::Add(absl::Time when, const std::string& severity, const std::string& kind,
+                       const std::string& job_id, int rank, int group,
+                       const std::string& message) {
+  static const auto log = logging::Get("coordinator");
+  auto level = severity == "error"     ? spdlog::level::err
+               : severity == "warning" ? spdlog::level::warn
+                                       : spdlog::level::info;
+  log->log(level, "event={} job={} rank={} group={} {}", kind, job_id, rank, group, message);
+
+  absl::MutexLock lock(&mu_);
+  v1::Event e;
+  e.set_id(next_id_++);
+  e.set_unix_ms(absl::ToUnixMillis(when));
+  e.set_severity(severity);
+  e.set_kind(kind);
+  e.set_job_id(job_id);
+  e.set_rank(rank);
+  e.set_group(group);
+  e.set_message(message);
+  events_.push_back(std::move(e));
+  while (static_cast<int>(events_.size()) > capacity_) events_.pop_front();
+}
+
+std::vector<v1::Event> EventJournal::List(const std::string& job_id, uint64_t after_id,
+                                          int limit) const {
+  absl::MutexLock lock(&mu_);
+  std::vector<v1::Event> out;
+  for (const auto& e : events_) {
+    if (e.id() <= after_id) continue;
+    if (!job_id.empty() && e.job_id() != job_id) continue;
+    out.push_back(e);
+    if (static_cast<int>(out.size()) >= limit) break;
+  }
+  return out;
+}
+
+}  // namespace shardcoord::coordinator

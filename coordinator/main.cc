@@ -1,0 +1,128 @@
+// shardcoordd: the shardcoord coordinator daemon.
+//
+//   shardcoordd [--config FILE] [--listen HOST:PORT] [--default-policy auto] ...
+//
+// Settings come from the optional YAML file, then from flags (flags win). Stops cleanly
+// on SIGTERM or SIGINT: every session gets a shutdown notice and its stream is closed.
+#include <signal.h>
+
+#include <CLI/CLI.hpp>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+
+#include "coordinator_server.h"
+#include "options.h"
+#include "shardcoord/internal/logging.h"
+
+namespace {
+
+using shardcoord::coordinator::CoordinatorOptions;
+
+// Writes atomically, so a reader never sees a half-written address.
+bool WriteAddressFile(const std::string& path, const std::string& address) {
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp);
+    if (!out) return false;
+    out << address << "\n";
+    if (!out) return false;
+  }
+  return std::rename(tmp.c_str(), path.c_str()) == 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"shardcoordd: coordinator for frozen multimodal FSDP sharding decisions"};
+  std::string config_file;
+  std::string listen, policy, fallback, log_level, address_file;
+  int64_t hb_interval_ms = -1, hb_timeout_ms = -1, plan_timeout_ms = -1;
+  int max_lookahead = -1, promote_window = -1, promote_threshold = -1, demote_threshold = -1;
+  app.add_option("--config", config_file, "YAML config file (keys as in README 'Config')")
+      ->check(CLI::ExistingFile);
+  app.add_option("--listen", listen, "address to serve on, HOST:PORT (port 0 picks a free port)")
+      ->envname("SHARDCOORD_LISTEN");
+  app.add_option("--default-policy", policy, "policy for ranks that send none")
+      ->check(CLI::IsMember({"auto", "per_layer", "root", "replicate"}));
+  app.add_option("--default-fallback", fallback, "fallback for ranks that send none")
+      ->check(CLI::IsMember({"root", "replicate"}));
+  app.add_option("--heartbeat-interval-ms", hb_interval_ms, "heartbeat interval told to workers");
+  app.add_option("--heartbeat-timeout-ms", hb_timeout_ms, "silence after which a rank is dead");
+  app.add_option("--plan-timeout-ms", plan_timeout_ms,
+                 "how long a microbatch may wait for the plans of missing ranks");
+  app.add_option("--max-lookahead", max_lookahead, "largest lookahead a rank may register");
+  app.add_option("--promote-window", promote_window, "auto promotion: microbatches considered");
+  app.add_option("--promote-threshold", promote_threshold,
+                 "auto promotion: divergent microbatches in the window that promote");
+  app.add_option("--demote-threshold", demote_threshold,
+                 "auto promotion: at most this many divergent in a full window demotes");
+  app.add_option("--log-level", log_level, "trace, debug, info, warn, error")
+      ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "off"}));
+  app.add_option("--address-file", address_file,
+                 "write the bound HOST:PORT here once serving (for --listen ...:0)");
+  CLI11_PARSE(app, argc, argv);
+
+  CoordinatorOptions options;
+  if (!config_file.empty()) {
+    auto loaded = shardcoord::coordinator::LoadConfigFile(config_file, options);
+    if (!loaded.ok()) {
+      std::cerr << "shardcoordd: " << loaded.status().message() << "\n";
+      return 2;
+    }
+    options = *loaded;
+  }
+  if (!listen.empty()) options.listen_address = listen;
+  if (!policy.empty()) options.default_policy = *shardcoord::ParsePolicy(policy);
+  if (!fallback.empty()) options.default_fallback = *shardcoord::ParseFallback(fallback);
+  if (hb_interval_ms >= 0) options.heartbeat_interval = absl::Milliseconds(hb_interval_ms);
+  if (hb_timeout_ms >= 0) options.heartbeat_timeout = absl::Milliseconds(hb_timeout_ms);
+  if (plan_timeout_ms >= 0) options.plan_timeout = absl::Milliseconds(plan_timeout_ms);
+  if (max_lookahead >= 0) options.max_lookahead = max_lookahead;
+  if (promote_window >= 0) options.promotion.window = promote_window;
+  if (promote_threshold >= 0) options.promotion.promote_threshold = promote_threshold;
+  if (demote_threshold >= 0) options.promotion.demote_threshold = demote_threshold;
+  if (!log_level.empty()) options.log_level = log_level;
+  if (!address_file.empty()) options.address_file = address_file;
+  if (!shardcoord::logging::SetLevel(options.log_level)) {
+    std::cerr << "shardcoordd: unknown log level '" << options.log_level
+              << "'; use trace, debug, info, warn, error or off\n";
+    return 2;
+  }
+  if (absl::Status s = shardcoord::coordinator::ValidateOptions(options); !s.ok()) {
+    std::cerr << "shardcoordd: " << s.message() << "\n";
+    return 2;
+  }
+
+  // Block the stop signals in every thread; the main thread waits for them below.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+
+  auto server = shardcoord::coordinator::CoordinatorServer::Start(options);
+  if (!server.ok()) {
+    std::cerr << "shardcoordd: " << server.status().message() << "\n";
+    return 1;
+  }
+  auto log = shardcoord::logging::Get("coordinator");
+  if (!options.address_file.empty() &&
+      !WriteAddressFile(options.address_file, (*server)->address())) {
+    std::cerr << "shardcoordd: cannot write --address-file " << options.address_file << "\n";
+    return 1;
+  }
+  log->info("ready address={} default_policy={} default_fallback={} heartbeat_interval_ms={} "
+            "heartbeat_timeout_ms={} plan_timeout_ms={} max_lookahead={}",
+            (*server)->address(), shardcoord::PolicyName(options.default_policy),
+            shardcoord::FallbackName(options.default_fallback),
+            absl::ToInt64Milliseconds(options.heartbeat_interval),
+            absl::ToInt64Milliseconds(options.heartbeat_timeout),
+            absl::ToInt64Milliseconds(options.plan_timeout), options.max_lookahead);
+
+  int sig = 0;
+  sigwait(&stop_signals, &sig);
+  log->info("signal={} shutting down", sig == SIGTERM ? "SIGTERM" : "SIGINT");
+  (*server)->Shutdown();
+  return 0;
+}

@@ -1,0 +1,69 @@
+// Configuration of the coordinator. Every field has a named default; shardcoordd fills
+// it from an optional YAML file and then from flags (flags win). See README "Config".
+#ifndef SHARDCOORD_COORDINATOR_OPTIONS_H_
+#define SHARDCOORD_COORDINATOR_OPTIONS_H_
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "shardcoord/types.h"
+
+namespace shardcoord::coordinator {
+
+inline constexpr char kDefaultListenAddress[] = "127.0.0.1:7871";
+inline constexpr absl::Duration kDefaultHeartbeatInterval = absl::Milliseconds(500);
+inline constexpr absl::Duration kDefaultHeartbeatTimeout = absl::Seconds(5);
+inline constexpr absl::Duration kDefaultPlanTimeout = absl::Seconds(300);
+inline constexpr int kDefaultMaxLookahead = 64;
+inline constexpr int kDefaultLookahead = 4;
+inline constexpr int kDefaultPromoteWindow = 32;
+inline constexpr int kDefaultPromoteThreshold = 8;
+inline constexpr int kDefaultDemoteThreshold = 0;
+inline constexpr int kDefaultEventCapacity = 10000;
+inline constexpr int kDefaultDecisionHistory = 256;
+
+// `auto` promotion (DESIGN 3). Over the last `window` decided microbatches of a group,
+// a module whose ranks diverged in at least `promote_threshold` of them is replicated
+// from the next microbatch on, provided its parameter bytes fit the smallest
+// memory_budget_bytes any member reported (0 there disables promotion). A promoted
+// module returns to per-microbatch decisions once the last `window` microbatches hold at
+// most `demote_threshold` divergent ones.
+struct PromotionOptions {
+  int window = kDefaultPromoteWindow;
+  int promote_threshold = kDefaultPromoteThreshold;
+  int demote_threshold = kDefaultDemoteThreshold;
+};
+
+struct CoordinatorOptions {
+  std::string listen_address = kDefaultListenAddress;
+  Policy default_policy = Policy::kAuto;
+  Fallback default_fallback = Fallback::kRoot;
+  // Told to workers at registration; they heartbeat at this interval.
+  absl::Duration heartbeat_interval = kDefaultHeartbeatInterval;
+  // A live rank silent for this long is declared dead.
+  absl::Duration heartbeat_timeout = kDefaultHeartbeatTimeout;
+  // A microbatch some ranks of a group planned but others never did fails after this.
+  absl::Duration plan_timeout = kDefaultPlanTimeout;
+  // Largest lookahead a rank may register; 0 in a registration means kDefaultLookahead.
+  int max_lookahead = kDefaultMaxLookahead;
+  PromotionOptions promotion;
+  int event_capacity = kDefaultEventCapacity;      // Events kept for `shardctl events`.
+  int decision_history = kDefaultDecisionHistory;  // Decisions kept per group.
+  std::string log_level = "info";
+  // When set, the bound address is written here once serving (for --listen ...:0).
+  std::string address_file;
+};
+
+// Checks ranges and relations (timeout > interval, ...). The message names the field.
+absl::Status ValidateOptions(const CoordinatorOptions& options);
+
+// Reads a YAML config file over `base`. Unknown keys are errors (typos must not pass
+// silently); the message names the file, the key and the accepted keys.
+absl::StatusOr<CoordinatorOptions> LoadConfigFile(const std::string& path,
+                                                  CoordinatorOptions base = {});
+
+}  // namespace shardcoord::coordinator
+
+#endif  // SHARDCOORD_COORDINATOR_OPTIONS_H_

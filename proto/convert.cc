@@ -1,0 +1,93 @@
+#include "shardcoord/proto/convert.h"
+
+namespace shardcoord {
+
+static_assert(static_cast<int>(Policy::kReplicate) == v1::POLICY_REPLICATE);
+static_assert(static_cast<int>(Fallback::kReplicate) == v1::FALLBACK_REPLICATE);
+static_assert(static_cast<int>(Decision::kReplicate) == v1::DECISION_REPLICATE);
+static_assert(static_cast<int>(DecisionReason::kPromoted) == v1::REASON_PROMOTED);
+static_assert(static_cast<int>(absl::StatusCode::kUnauthenticated) ==
+              static_cast<int>(grpc::StatusCode::UNAUTHENTICATED));
+
+void ToProto(const MicrobatchKey& k, v1::MicrobatchKey* out) {
+  out->set_step(k.step);
+  out->set_microbatch(k.microbatch);
+}
+
+MicrobatchKey FromProto(const v1::MicrobatchKey& k) { return {k.step(), k.microbatch()}; }
+
+void ToProto(const ModuleSpec& m, v1::ModuleSpec* out) {
+  out->set_name(m.name);
+  out->set_param_bytes(m.param_bytes);
+  out->set_outside_inner_root(m.outside_inner_root);
+  for (const auto& u : m.units) {
+    auto* pu = out->add_units();
+    pu->set_name(u.name);
+    pu->set_param_bytes(u.param_bytes);
+  }
+}
+
+ModuleSpec FromProto(const v1::ModuleSpec& m) {
+  ModuleSpec out;
+  out.name = m.name();
+  out.param_bytes = m.param_bytes();
+  out.outside_inner_root = m.outside_inner_root();
+  for (const auto& u : m.units()) out.units.push_back({u.name(), u.param_bytes()});
+  return out;
+}
+
+void ToProto(const MicrobatchPlan& p, v1::MicrobatchPlan* out) {
+  out->set_step(p.key.step);
+  out->set_microbatch(p.key.microbatch);
+  for (const auto& [name, calls] : p.calls) (*out->mutable_calls())[name] = calls;
+}
+
+MicrobatchPlan FromProto(const v1::MicrobatchPlan& p) {
+  MicrobatchPlan out;
+  out.key = {p.step(), p.microbatch()};
+  for (const auto& [name, calls] : p.calls()) out.calls[name] = calls;
+  return out;
+}
+
+void ToProto(const MicrobatchDecision& d, v1::MicrobatchDecision* out) {
+  out->set_group(d.group);
+  out->set_step(d.key.step);
+  out->set_microbatch(d.key.microbatch);
+  out->set_seq(d.seq);
+  out->set_epoch(d.epoch);
+  out->set_digest(d.digest);
+  for (const auto& m : d.modules) {
+    auto* pm = out->add_modules();
+    pm->set_module(m.module);
+    pm->set_decision(ToProto(m.decision));
+    pm->set_reason(ToProto(m.reason));
+  }
+}
+
+MicrobatchDecision FromProto(const v1::MicrobatchDecision& d) {
+  MicrobatchDecision out;
+  out.group = d.group();
+  out.key = {d.step(), d.microbatch()};
+  out.seq = d.seq();
+  out.epoch = d.epoch();
+  out.digest = d.digest();
+  for (const auto& m : d.modules()) {
+    out.modules.push_back({m.module(), FromProto(m.decision()), FromProto(m.reason())});
+  }
+  return out;
+}
+
+grpc::Status ToGrpcStatus(const absl::Status& s) {
+  if (s.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
+}
+
+absl::Status FromGrpcStatus(const grpc::Status& s) {
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+}
+
+absl::Status MakeStatus(int code, const std::string& message) {
+  return absl::Status(static_cast<absl::StatusCode>(code), message);
+}
+
+}  // namespace shardcoord

@@ -1,0 +1,42 @@
+// Conversions between shardcoord.v1 wire messages and the contract's value types, and
+// between absl::Status and grpc::Status (same codes, same messages). Pure functions.
+#ifndef SHARDCOORD_PROTO_CONVERT_H_
+#define SHARDCOORD_PROTO_CONVERT_H_
+
+#include <grpcpp/support/status.h>
+
+#include "absl/status/status.h"
+#include "shardcoord/types.h"
+#include "shardcoord/v1/coordinator.pb.h"
+
+namespace shardcoord {
+
+inline v1::Policy ToProto(Policy p) { return static_cast<v1::Policy>(p); }
+inline v1::Fallback ToProto(Fallback f) { return static_cast<v1::Fallback>(f); }
+inline v1::Decision ToProto(Decision d) { return static_cast<v1::Decision>(d); }
+inline v1::DecisionReason ToProto(DecisionReason r) { return static_cast<v1::DecisionReason>(r); }
+inline Policy FromProto(v1::Policy p) { return static_cast<Policy>(p); }
+inline Fallback FromProto(v1::Fallback f) { return static_cast<Fallback>(f); }
+inline Decision FromProto(v1::Decision d) { return static_cast<Decision>(d); }
+inline DecisionReason FromProto(v1::DecisionReason r) { return static_cast<DecisionReason>(r); }
+
+void ToProto(const MicrobatchKey& k, v1::MicrobatchKey* out);
+MicrobatchKey FromProto(const v1::MicrobatchKey& k);
+
+void ToProto(const ModuleSpec& m, v1::ModuleSpec* out);
+ModuleSpec FromProto(const v1::ModuleSpec& m);
+
+void ToProto(const MicrobatchPlan& p, v1::MicrobatchPlan* out);
+MicrobatchPlan FromProto(const v1::MicrobatchPlan& p);
+
+void ToProto(const MicrobatchDecision& d, v1::MicrobatchDecision* out);
+MicrobatchDecision FromProto(const v1::MicrobatchDecision& d);
+
+grpc::Status ToGrpcStatus(const absl::Status& s);
+absl::Status FromGrpcStatus(const grpc::Status& s);
+// For codes carried inside messages (PlanRejected, MicrobatchFailed).
+absl::Status MakeStatus(int code, const std::string& message);
+
+}  // namespace shardcoord
+
+#endif  // SHARDCOORD_PROTO_CONVERT_H_
