@@ -1,0 +1,131 @@
+// shardcoord worker: the library a trainer links to take part in the uniform-execution
+// contract for frozen multimodal modules.
+//
+// Typical use, on every rank:
+//
+//   shardcoord::WorkerOptions opts;
+//   opts.coordinator_address = "coord-host:7871";   // or $SHARDCOORD_ADDR
+//   opts.job_id = "vlm-run-42"; opts.rank = rank; opts.world_size = world;
+//   opts.group_size = 8;                            // FSDP shard group: contiguous blocks
+//   opts.modules = manifest;                        // the controlled (fully frozen) modules
+//   opts.lookahead = 4;
+//   auto worker = shardcoord::Worker::Connect(opts);   // registers, with a deadline
+//
+//   // Data loader thread, ahead of time: which modules each microbatch will run.
+//   (*worker)->ReportPlan({{step, mb}, {{"model.vision_tower", has_images ? 1 : 0}}});
+//
+//   // Training loop, right before the microbatch: normally already decided (a map lookup).
+//   auto d = (*worker)->GetDecision({step, mb}, absl::Seconds(30));
+//   if (!d.ok()) { /* ABORTED: group failed (names the rank); UNAVAILABLE: coordinator lost */ }
+//
+// Contract: every rank of a shard group reports the same microbatches in increasing
+// (step, microbatch) order; the coordinator gives all of them the identical decision.
+//
+// Thread-safety: all methods may be called from any thread, concurrently. The worker runs
+// two background threads (stream reader; writer that batches plans and sends heartbeats).
+// No call blocks longer than its timeout; ReportPlan never blocks on the network.
+//
+// Reconnect: there is none in this version. When the session stream is lost (coordinator
+// gone, network cut), every pending and later call fails with UNAVAILABLE and a message
+// naming the coordinator and the cause. Create a new Worker to register again; the rank's
+// group re-forms under a new epoch once all its members are back.
+//
+// Logging goes to the "shardcoord.worker" spdlog logger (stderr); the library never
+// touches the process's default logger. SHARDCOORD_LOG_LEVEL sets the level.
+#ifndef SHARDCOORD_WORKER_H_
+#define SHARDCOORD_WORKER_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "shardcoord/export.h"
+#include "shardcoord/types.h"
+
+namespace shardcoord {
+
+// Environment variable consulted when WorkerOptions::coordinator_address is empty.
+inline constexpr char kCoordinatorAddressEnv[] = "SHARDCOORD_ADDR";
+inline constexpr absl::Duration kDefaultConnectTimeout = absl::Seconds(30);
+inline constexpr absl::Duration kDefaultCloseTimeout = absl::Seconds(2);
+
+struct WorkerOptions {
+  std::string coordinator_address;  // HOST:PORT; empty: $SHARDCOORD_ADDR.
+  std::string job_id;               // Same on every rank of the job.
+  int rank = -1;
+  int world_size = 0;
+  int group_size = 0;               // Shard groups are contiguous blocks of this many ranks.
+  std::vector<ModuleSpec> modules;  // Controlled modules; same on every rank of a group.
+  Policy policy = Policy::kUnspecified;        // Unspecified: the coordinator's default.
+  Fallback fallback = Fallback::kUnspecified;  // Unspecified: the coordinator's default.
+  bool wrap_outer_model = true;
+  int lookahead = 0;                // Undecided plans allowed in flight; 0: default (4).
+  int64_t memory_budget_bytes = 0;  // For `auto` promotion; 0: unknown (no promotion).
+  absl::Duration connect_timeout = kDefaultConnectTimeout;
+};
+
+// What registration established.
+struct GroupInfo {
+  int group = 0;
+  std::vector<int> ranks;  // Members, ascending.
+  int64_t epoch = 0;
+  Policy policy = Policy::kUnspecified;  // Effective.
+  Fallback fallback = Fallback::kUnspecified;
+  int lookahead = 0;
+  absl::Duration heartbeat_interval;
+  std::vector<std::string> warnings;
+};
+
+class SHARDCOORD_EXPORT Worker {
+ public:
+  // Connects, registers and starts the background threads, within connect_timeout.
+  // Errors: INVALID_ARGUMENT (options incomplete), UNAVAILABLE (coordinator unreachable),
+  // DEADLINE_EXCEEDED, or the coordinator's registration error (INVALID_ARGUMENT,
+  // FAILED_PRECONDITION, ALREADY_EXISTS) with its message.
+  static absl::StatusOr<std::unique_ptr<Worker>> Connect(WorkerOptions options);
+
+  ~Worker();  // Close()s if still open.
+  Worker(const Worker&) = delete;
+  Worker& operator=(const Worker&) = delete;
+
+  // The group as of registration; `epoch` is updated when the group re-forms.
+  GroupInfo group() const;
+
+  // Queues the plan for the coordinator; never blocks on the network. Checked locally
+  // first, with the coordinator's codes: INVALID_ARGUMENT (negative step, microbatch or
+  // calls; unknown module), FAILED_PRECONDITION (not after the previous plan),
+  // RESOURCE_EXHAUSTED (lookahead window full: GetDecision the oldest first), ABORTED
+  // (the group failed and has not re-formed), UNAVAILABLE (session lost).
+  absl::Status ReportPlan(const MicrobatchPlan& plan);
+
+  // The group's decision for `key`, waiting at most `timeout`. Errors: FAILED_PRECONDITION
+  // (no plan was reported for key, or the microbatch can never be decided and why),
+  // the coordinator's rejection of the plan, ABORTED (the group failed: names the rank
+  // and the cause), UNAVAILABLE (session lost), DEADLINE_EXCEEDED.
+  absl::StatusOr<MicrobatchDecision> GetDecision(const MicrobatchKey& key,
+                                                 absl::Duration timeout);
+
+  // Plans reported whose decision has not arrived yet.
+  int UndecidedPlans() const;
+
+  // OK while the session is usable; otherwise why it is not.
+  absl::Status Health() const;
+
+  // Says goodbye (a clean leave: the rank becomes LEFT, not dead) and stops the
+  // background threads, within `timeout`. Idempotent.
+  void Close(absl::Duration timeout = kDefaultCloseTimeout);
+
+  class Impl;
+
+ private:
+  explicit Worker(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace shardcoord
+
+#endif  // SHARDCOORD_WORKER_H_

@@ -1,0 +1,466 @@
+#include "shardcoord/worker.h"
+
+#include <grpcpp/grpcpp.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <deque>
+#include <map>
+#include <set>
+#include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
+#include "shardcoord/internal/logging.h"
+#include "shardcoord/proto/convert.h"
+#include "shardcoord/v1/coordinator.grpc.pb.h"
+
+namespace shardcoord {
+namespace {
+
+// Keepalive pings notice a coordinator that vanished without closing the connection.
+constexpr int kKeepaliveTimeMs = 5000;
+constexpr int kKeepaliveTimeoutMs = 5000;
+
+std::string HostName() {
+  char buf[256] = {0};
+  if (gethostname(buf, sizeof(buf) - 1) != 0) return "unknown";
+  return buf;
+}
+
+}  // namespace
+
+class Worker::Impl {
+ public:
+  explicit Impl(WorkerOptions options) : options_(std::move(options)) {
+    log_ = logging::Get("worker");
+    for (const auto& m : options_.modules) module_names_.insert(m.name);
+  }
+
+  ~Impl() { Close(kDefaultCloseTimeout); }
+
+  absl::Status Start();
+  absl::Status ReportPlan(const MicrobatchPlan& plan);
+  absl::StatusOr<MicrobatchDecision> GetDecision(const MicrobatchKey& key, absl::Duration timeout);
+  int UndecidedPlans() const {
+    absl::MutexLock lock(&mu_);
+    return undecided_;
+  }
+  absl::Status Health() const {
+    absl::MutexLock lock(&mu_);
+    if (!session_status_.ok()) return session_status_;
+    if (!group_failure_.empty()) return absl::AbortedError(group_failure_);
+    return absl::OkStatus();
+  }
+  GroupInfo group() const {
+    absl::MutexLock lock(&mu_);
+    return group_;
+  }
+  void Close(absl::Duration timeout);
+
+ private:
+  enum class EntryState { kPending, kDecided, kFailed };
+  struct Entry {
+    EntryState state = EntryState::kPending;
+    MicrobatchDecision decision;
+    absl::Status status;
+  };
+
+  void ReaderLoop();
+  void WriterLoop();
+  void Handle(const v1::CoordinatorMessage& msg) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Resolve(Entry& e, EntryState state) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (e.state == EntryState::kPending) undecided_--;
+    e.state = state;
+  }
+  std::string Prefix() const {
+    return absl::StrCat("job=", options_.job_id, " rank=", options_.rank);
+  }
+
+  const WorkerOptions options_;
+  std::shared_ptr<spdlog::logger> log_;
+  std::set<std::string> module_names_;
+  std::string address_;
+
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::Coordinator::Stub> stub_;
+  grpc::ClientContext ctx_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::WorkerMessage, v1::CoordinatorMessage>> stream_;
+  std::thread reader_;
+  std::thread writer_;
+
+  mutable absl::Mutex mu_;
+  bool registered_ ABSL_GUARDED_BY(mu_) = false;
+  GroupInfo group_ ABSL_GUARDED_BY(mu_);
+  absl::Status session_status_ ABSL_GUARDED_BY(mu_);  // Non-OK once the stream is gone.
+  bool read_ended_ ABSL_GUARDED_BY(mu_) = false;   // The reader saw the stream end.
+  bool reader_done_ ABSL_GUARDED_BY(mu_) = false;  // ... and recorded why.
+  bool writer_started_ ABSL_GUARDED_BY(mu_) = false;
+  std::string group_failure_ ABSL_GUARDED_BY(mu_);     // Non-empty while the group is failed.
+  std::map<MicrobatchKey, Entry> entries_ ABSL_GUARDED_BY(mu_);
+  int undecided_ ABSL_GUARDED_BY(mu_) = 0;
+  std::optional<MicrobatchKey> last_reported_ ABSL_GUARDED_BY(mu_);
+  std::deque<v1::MicrobatchPlan> outbox_ ABSL_GUARDED_BY(mu_);
+  bool closing_ ABSL_GUARDED_BY(mu_) = false;
+  bool goodbye_sent_ ABSL_GUARDED_BY(mu_) = false;
+  bool writer_done_ ABSL_GUARDED_BY(mu_) = false;
+  bool closed_ = false;  // Touched only by Close, which callers serialize via close_mu_.
+  absl::Mutex close_mu_;
+};
+
+absl::Status Worker::Impl::Start() {
+  address_ = options_.coordinator_address;
+  if (address_.empty()) {
+    if (const char* env = std::getenv(kCoordinatorAddressEnv)) address_ = env;
+  }
+  if (address_.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "no coordinator address: set WorkerOptions::coordinator_address or ",
+        kCoordinatorAddressEnv, " to the HOST:PORT of shardcoordd"));
+  }
+  if (options_.job_id.empty() || options_.rank < 0 || options_.world_size <= 0 ||
+      options_.group_size <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "WorkerOptions incomplete: job_id='", options_.job_id, "' rank=", options_.rank,
+        " world_size=", options_.world_size, " group_size=", options_.group_size,
+        "; all four are required"));
+  }
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, kKeepaliveTimeMs);
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, kKeepaliveTimeoutMs);
+  args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  // A fresh channel per worker: a reconnecting trainer must not reuse a broken one.
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  channel_ = grpc::CreateCustomChannel(address_, grpc::InsecureChannelCredentials(), args);
+  const absl::Time deadline = absl::Now() + options_.connect_timeout;
+  if (!channel_->WaitForConnected(absl::ToChronoTime(deadline))) {
+    return absl::UnavailableError(absl::StrCat(
+        "cannot reach coordinator at ", address_, " within ",
+        absl::ToInt64Milliseconds(options_.connect_timeout),
+        " ms; is shardcoordd running there? (", Prefix(), ")"));
+  }
+  stub_ = v1::Coordinator::NewStub(channel_);
+  stream_ = stub_->Session(&ctx_);
+
+  v1::WorkerMessage reg_msg;
+  v1::RegisterRequest* reg = reg_msg.mutable_register_();
+  reg->set_job_id(options_.job_id);
+  reg->set_rank(options_.rank);
+  reg->set_world_size(options_.world_size);
+  reg->set_group_size(options_.group_size);
+  for (const auto& m : options_.modules) ToProto(m, reg->add_modules());
+  reg->set_policy(ToProto(options_.policy));
+  reg->set_fallback(ToProto(options_.fallback));
+  reg->set_wrap_outer_model(options_.wrap_outer_model);
+  reg->set_lookahead(options_.lookahead);
+  reg->set_memory_budget_bytes(options_.memory_budget_bytes);
+  reg->set_host(HostName());
+  reg->set_pid(getpid());
+  if (!stream_->Write(reg_msg)) {
+    ctx_.TryCancel();
+    stream_->Finish();
+    return absl::UnavailableError(absl::StrCat("coordinator at ", address_,
+                                               " closed the session before registration"));
+  }
+  reader_ = std::thread([this] { ReaderLoop(); });
+
+  absl::MutexLock lock(&mu_);
+  auto done = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return registered_ || reader_done_; };
+  mu_.AwaitWithDeadline(absl::Condition(&done), deadline);
+  if (!registered_) {
+    absl::Status s = reader_done_ ? session_status_
+                                  : absl::DeadlineExceededError(absl::StrCat(
+                                        "registration with ", address_, " not answered within ",
+                                        absl::ToInt64Milliseconds(options_.connect_timeout), " ms"));
+    mu_.Unlock();
+    ctx_.TryCancel();
+    reader_.join();
+    mu_.Lock();
+    closed_ = true;
+    return s;
+  }
+  writer_started_ = true;
+  writer_ = std::thread([this] { WriterLoop(); });
+  log_->info("{} registered coordinator={} group={} ranks={} epoch={} policy={} fallback={} lookahead={}",
+             Prefix(), address_, group_.group, absl::StrJoin(group_.ranks, ","), group_.epoch,
+             PolicyName(group_.policy), FallbackName(group_.fallback), group_.lookahead);
+  for (const auto& w : group_.warnings) log_->warn("{} {}", Prefix(), w);
+  return absl::OkStatus();
+}
+
+void Worker::Impl::ReaderLoop() {
+  v1::CoordinatorMessage msg;
+  while (stream_->Read(&msg)) {
+    absl::MutexLock lock(&mu_);
+    Handle(msg);
+  }
+  {
+    // Finish may only run once the writer no longer writes: stop it first. Its Write
+    // fails fast on an ended stream.
+    absl::MutexLock lock(&mu_);
+    read_ended_ = true;
+    auto writer_stopped = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return !writer_started_ || writer_done_;
+    };
+    mu_.Await(absl::Condition(&writer_stopped));
+  }
+  grpc::Status st = stream_->Finish();
+  absl::MutexLock lock(&mu_);
+  reader_done_ = true;
+  if (!registered_) {
+    // Registration refused: the coordinator's status says why.
+    session_status_ = st.ok() ? absl::UnavailableError(absl::StrCat(
+                                    "coordinator at ", address_, " ended the session before "
+                                    "answering the registration"))
+                              : FromGrpcStatus(st);
+    return;
+  }
+  if (session_status_.ok()) {
+    session_status_ = absl::UnavailableError(absl::StrCat(
+        "session with coordinator at ", address_, " lost (", Prefix(), "): ",
+        st.ok() ? std::string("stream closed") : st.error_message(),
+        closing_ ? "" : "; create a new Worker to register again"));
+  }
+  // Every pending decision fails now instead of waiting for its deadline.
+  for (auto& [key, e] : entries_) {
+    if (e.state == EntryState::kPending) {
+      e.status = session_status_;
+      Resolve(e, EntryState::kFailed);
+    }
+  }
+  if (!closing_) log_->error("{} {}", Prefix(), std::string(session_status_.message()));
+}
+
+void Worker::Impl::Handle(const v1::CoordinatorMessage& msg) {
+  switch (msg.kind_case()) {
+    case v1::CoordinatorMessage::kRegistered: {
+      const auto& r = msg.registered();
+      group_.group = r.group();
+      group_.ranks.assign(r.group_ranks().begin(), r.group_ranks().end());
+      group_.epoch = r.epoch();
+      group_.policy = FromProto(r.policy());
+      group_.fallback = FromProto(r.fallback());
+      group_.lookahead = r.lookahead();
+      group_.heartbeat_interval = absl::Milliseconds(r.heartbeat_interval_ms());
+      group_.warnings.assign(r.warnings().begin(), r.warnings().end());
+      registered_ = true;
+      break;
+    }
+    case v1::CoordinatorMessage::kDecisions:
+      for (const auto& pd : msg.decisions().decisions()) {
+        MicrobatchKey key{pd.step(), pd.microbatch()};
+        auto it = entries_.find(key);
+        if (it == entries_.end() || it->second.state != EntryState::kPending) continue;
+        it->second.decision = FromProto(pd);
+        Resolve(it->second, EntryState::kDecided);
+      }
+      break;
+    case v1::CoordinatorMessage::kPlanRejected: {
+      const auto& r = msg.plan_rejected();
+      MicrobatchKey key{r.step(), r.microbatch()};
+      log_->warn("{} step={} mb={} plan rejected: {}", Prefix(), key.step, key.microbatch, r.message());
+      auto it = entries_.find(key);
+      if (it == entries_.end() || it->second.state != EntryState::kPending) break;
+      it->second.status = MakeStatus(r.code(), r.message());
+      Resolve(it->second, EntryState::kFailed);
+      break;
+    }
+    case v1::CoordinatorMessage::kMicrobatchFailed: {
+      const auto& f = msg.microbatch_failed();
+      MicrobatchKey key{f.step(), f.microbatch()};
+      log_->error("{} step={} mb={} microbatch failed: {}", Prefix(), key.step, key.microbatch, f.message());
+      auto it = entries_.find(key);
+      if (it == entries_.end() || it->second.state != EntryState::kPending) break;
+      it->second.status = MakeStatus(f.code(), f.message());
+      Resolve(it->second, EntryState::kFailed);
+      break;
+    }
+    case v1::CoordinatorMessage::kGroupFailure: {
+      const auto& g = msg.group_failure();
+      group_failure_ = g.reason();
+      int cancelled = 0;
+      for (auto& [key, e] : entries_) {
+        if (e.state != EntryState::kPending) continue;
+        e.status = absl::AbortedError(g.reason());
+        Resolve(e, EntryState::kFailed);
+        cancelled++;
+      }
+      log_->error("{} {} (cancelled {} pending decisions here)", Prefix(), g.reason(), cancelled);
+      break;
+    }
+    case v1::CoordinatorMessage::kNotice: {
+      const auto& n = msg.notice();
+      if (n.kind() == v1::Notice::KIND_GROUP_REFORMED) {
+        group_failure_.clear();
+        group_.epoch = n.epoch();
+        log_->info("{} {}", Prefix(), n.message());
+      } else if (n.kind() == v1::Notice::KIND_SHUTDOWN) {
+        session_status_ = absl::UnavailableError(absl::StrCat(
+            "coordinator at ", address_, " is shutting down (", Prefix(), ")"));
+        log_->warn("{} {}", Prefix(), n.message());
+      }
+      break;
+    }
+    default:
+      break;
+  }
+}
+
+void Worker::Impl::WriterLoop() {
+  absl::Duration interval;
+  {
+    absl::MutexLock lock(&mu_);
+    interval = group_.heartbeat_interval > absl::ZeroDuration() ? group_.heartbeat_interval
+                                                                : absl::Milliseconds(500);
+  }
+  absl::Time last_sent = absl::Now();
+  while (true) {
+    v1::WorkerMessage msg;
+    bool goodbye = false;
+    {
+      absl::MutexLock lock(&mu_);
+      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return !outbox_.empty() || closing_ || read_ended_;
+      };
+      mu_.AwaitWithDeadline(absl::Condition(&ready), last_sent + interval);
+      if (read_ended_) break;
+      if (!outbox_.empty()) {
+        auto* batch = msg.mutable_plans();
+        while (!outbox_.empty()) {
+          *batch->add_plans() = std::move(outbox_.front());
+          outbox_.pop_front();
+        }
+      } else if (closing_) {
+        msg.mutable_goodbye()->set_reason("worker closed");
+        goodbye = true;
+      } else {
+        msg.mutable_heartbeat()->set_sent_unix_ms(absl::ToUnixMillis(absl::Now()));
+      }
+    }
+    if (!stream_->Write(msg)) break;  // The reader sees the end and records why.
+    last_sent = absl::Now();
+    if (goodbye) {
+      stream_->WritesDone();
+      absl::MutexLock lock(&mu_);
+      goodbye_sent_ = true;
+      break;
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  writer_done_ = true;
+}
+
+absl::Status Worker::Impl::ReportPlan(const MicrobatchPlan& plan) {
+  const std::string where = absl::StrCat("plan ", plan.key.ToString(), " (", Prefix(), ")");
+  if (plan.key.step < 0 || plan.key.microbatch < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": step and microbatch must be >= 0"));
+  }
+  for (const auto& [name, calls] : plan.calls) {
+    if (!module_names_.count(name)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, " names unknown module '", name, "'; the registered controlled modules are [",
+          absl::StrJoin(module_names_, ", "), "]"));
+    }
+    if (calls < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": module '", name, "' has ", calls, " calls; must be >= 0"));
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  if (!session_status_.ok()) return session_status_;
+  if (!group_failure_.empty()) {
+    return absl::AbortedError(absl::StrCat(where, " not sent: ", group_failure_,
+                                           "; wait for the group to re-form"));
+  }
+  if (last_reported_ && plan.key <= *last_reported_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "out-of-order ", where, ": the previous plan was ", last_reported_->ToString(),
+        "; report plans in increasing (step, microbatch) order"));
+  }
+  if (undecided_ >= group_.lookahead) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        where, " is beyond the lookahead window: ", undecided_, " plans are undecided (window ",
+        group_.lookahead, "); GetDecision the oldest first"));
+  }
+  last_reported_ = plan.key;
+  entries_[plan.key] = Entry{};
+  undecided_++;
+  v1::MicrobatchPlan pp;
+  ToProto(plan, &pp);
+  outbox_.push_back(std::move(pp));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<MicrobatchDecision> Worker::Impl::GetDecision(const MicrobatchKey& key,
+                                                             absl::Duration timeout) {
+  absl::MutexLock lock(&mu_);
+  auto it = entries_.find(key);
+  if (it == entries_.end()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "no plan was reported for ", key.ToString(), " (", Prefix(),
+        "), or its decision was already taken; call ReportPlan before GetDecision"));
+  }
+  Entry& e = it->second;
+  auto resolved = [&e]() { return e.state != EntryState::kPending; };
+  if (!resolved()) {
+    mu_.AwaitWithTimeout(absl::Condition(&resolved), timeout);
+  }
+  if (e.state == EntryState::kPending) {
+    return absl::DeadlineExceededError(absl::StrCat(
+        "no decision for ", key.ToString(), " within ", absl::ToInt64Milliseconds(timeout),
+        " ms (", Prefix(), ", group ", group_.group, " ranks ", absl::StrJoin(group_.ranks, ","),
+        "): some rank of the group has not reported its plan yet"));
+  }
+  absl::StatusOr<MicrobatchDecision> out =
+      e.state == EntryState::kDecided ? absl::StatusOr<MicrobatchDecision>(e.decision)
+                                      : absl::StatusOr<MicrobatchDecision>(e.status);
+  // Entries up to this key are done with: the trainer moves forward.
+  entries_.erase(entries_.begin(), std::next(it));
+  return out;
+}
+
+void Worker::Impl::Close(absl::Duration timeout) {
+  absl::MutexLock close_lock(&close_mu_);
+  if (closed_) return;
+  closed_ = true;
+  const absl::Time deadline = absl::Now() + timeout;
+  {
+    absl::MutexLock lock(&mu_);
+    closing_ = true;
+    auto done = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return writer_done_; };
+    mu_.AwaitWithDeadline(absl::Condition(&done), deadline);
+    auto reader_done = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return reader_done_; };
+    mu_.AwaitWithDeadline(absl::Condition(&reader_done), deadline);
+    if (!reader_done_) {
+      log_->warn("{} coordinator did not end the session within {} ms; cancelling", Prefix(),
+                 absl::ToInt64Milliseconds(timeout));
+    }
+  }
+  ctx_.TryCancel();
+  if (writer_.joinable()) writer_.join();
+  if (reader_.joinable()) reader_.join();
+}
+
+Worker::Worker(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Worker::~Worker() = default;
+
+absl::StatusOr<std::unique_ptr<Worker>> Worker::Connect(WorkerOptions options) {
+  auto impl = std::make_unique<Impl>(std::move(options));
+  absl::Status s = impl->Start();
+  if (!s.ok()) return s;
+  return std::unique_ptr<Worker>(new Worker(std::move(impl)));
+}
+
+GroupInfo Worker::group() const { return impl_->group(); }
+absl::Status Worker::ReportPlan(const MicrobatchPlan& plan) { return impl_->ReportPlan(plan); }
+absl::StatusOr<MicrobatchDecision> Worker::GetDecision(const MicrobatchKey& key,
+                                                       absl::Duration timeout) {
+  return impl_->GetDecision(key, timeout);
+}
+int Worker::UndecidedPlans() const { return impl_->UndecidedPlans(); }
+absl::Status Worker::Health() const { return impl_->Health(); }
+void Worker::Close(absl::Duration timeout) { impl_->Close(timeout); }
+
+}  // namespace shardcoord
