@@ -1,0 +1,347 @@
+// shardctl: the operator CLI of shardcoord.
+//
+//   shardctl [--coordinator ADDR] [--timeout-ms N] status|ranks|groups|decisions|events [--json]
+//   shardctl replay TRACE.jsonl [--coordinator ADDR] [--ranks 0,1] ...
+//
+// ADDR defaults to $SHARDCOORD_ADDR, then 127.0.0.1:7871. Every RPC has a deadline: an
+// unreachable coordinator gives a one-line error and exit code 2, never a hang.
+#include <google/protobuf/util/json_util.h>
+#include <grpcpp/grpcpp.h>
+
+#include <CLI/CLI.hpp>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/time.h"
+#include "replay.h"
+#include "shardcoord/internal/logging.h"
+#include "shardcoord/proto/convert.h"
+#include "shardcoord/v1/coordinator.grpc.pb.h"
+#include "trace.h"
+
+namespace {
+
+namespace v1 = shardcoord::v1;
+
+constexpr char kDefaultAddress[] = "127.0.0.1:7871";
+constexpr int kExitUnreachable = 2;
+
+std::string ToJson(const google::protobuf::Message& m) {
+  google::protobuf::util::JsonPrintOptions opts;
+  opts.preserve_proto_field_names = true;
+  opts.always_print_primitive_fields = true;
+  std::string out;
+  (void)google::protobuf::util::MessageToJsonString(m, &out, opts);
+  return out;
+}
+
+std::string Lower(std::string s, const std::string& prefix) {
+  if (s.rfind(prefix, 0) == 0) s = s.substr(prefix.size());
+  for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return s;
+}
+
+std::string KeyText(const v1::MicrobatchKey& k) { return absl::StrFormat("(%d,%d)", k.step(), k.microbatch()); }
+
+std::string FormatTime(int64_t unix_ms) {
+  return absl::FormatTime("%Y-%m-%dT%H:%M:%E3SZ", absl::FromUnixMillis(unix_ms), absl::UTCTimeZone());
+}
+
+struct Client {
+  std::string address;
+  int timeout_ms = 5000;
+  std::unique_ptr<v1::Coordinator::Stub> stub;
+
+  void Connect() {
+    stub = v1::Coordinator::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  }
+
+  // Runs one RPC with a deadline; on failure prints one line and returns false.
+  template <typename Req, typename Resp, typename Fn>
+  bool Call(const char* what, Fn fn, const Req& req, Resp* resp) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms));
+    grpc::Status s = (stub.get()->*fn)(&ctx, req, resp);
+    if (!s.ok()) {
+      if (s.error_code() == grpc::StatusCode::UNAVAILABLE ||
+          s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
+        std::cerr << "shardctl: cannot reach coordinator at " << address << " (" << what
+                  << ": " << s.error_message()
+                  << "); is shardcoordd running? set --coordinator or SHARDCOORD_ADDR\n";
+      } else {
+        std::cerr << "shardctl: " << what << " failed: " << s.error_message() << "\n";
+      }
+      return false;
+    }
+    return true;
+  }
+};
+
+void PrintCounts(const v1::DecisionCounts& c) {
+  std::cout << absl::StrFormat("  decisions: per_layer %d  skip %d  root %d  replicate %d  (divergent %d)\n",
+                               c.per_layer(), c.skip(), c.root(), c.replicate(), c.divergent());
+}
+
+int CmdStatus(Client& c, const std::string& job, bool json) {
+  v1::StatusRequest req;
+  req.set_job_id(job);
+  v1::StatusResponse resp;
+  if (!c.Call("GetStatus", &v1::Coordinator::Stub::GetStatus, req, &resp)) return kExitUnreachable;
+  if (json) {
+    std::cout << ToJson(resp) << "\n";
+    return 0;
+  }
+  std::cout << absl::StrFormat("coordinator %s  version %s  up %.1f s  jobs %d\n", c.address,
+                               resp.version(), resp.uptime_ms() / 1000.0, resp.jobs_size());
+  for (const auto& j : resp.jobs()) {
+    std::cout << absl::StrFormat("job %s  world %d  group size %d  modules [%s]\n", j.job_id(),
+                                 j.world_size(), j.group_size(), absl::StrJoin(j.modules(), ", "));
+    std::cout << absl::StrFormat("  ranks: %d live, %d dead, %d left, %d unregistered\n",
+                                 j.ranks_live(), j.ranks_dead(), j.ranks_left(), j.ranks_unregistered());
+    std::cout << absl::StrFormat("  groups: %d healthy, %d failed, %d forming, %d finished\n",
+                                 j.groups_healthy(), j.groups_failed(), j.groups_forming(),
+                                 j.groups_finished());
+    std::cout << absl::StrFormat("  plans received %d, microbatches decided %d\n", j.plans_received(),
+                                 j.microbatches_decided());
+    PrintCounts(j.counts());
+  }
+  return 0;
+}
+
+int CmdRanks(Client& c, const std::string& job, bool json) {
+  v1::ListRanksRequest req;
+  req.set_job_id(job);
+  v1::ListRanksResponse resp;
+  if (!c.Call("ListRanks", &v1::Coordinator::Stub::ListRanks, req, &resp)) return kExitUnreachable;
+  if (json) {
+    std::cout << ToJson(resp) << "\n";
+    return 0;
+  }
+  std::cout << absl::StrFormat("%-10s %5s %5s %-12s %-16s %8s %10s %12s %7s %8s %8s  %s\n", "JOB", "RANK",
+                               "GROUP", "STATE", "HOST", "PID", "HB_AGE_MS", "LAST_PLANNED",
+                               "PENDING", "PLANS", "REJECTED", "REASON");
+  for (const auto& r : resp.ranks()) {
+    std::cout << absl::StrFormat(
+        "%-10s %5d %5d %-12s %-16s %8d %10d %12s %7d %8d %8d  %s\n", r.job_id(), r.rank(), r.group(),
+        Lower(v1::RankState_Name(r.state()), "RANK_STATE_"), r.host(), r.pid(),
+        r.last_heartbeat_age_ms(), r.has_last_planned() ? KeyText(r.last_planned()) : "-",
+        r.pending_plans(), r.plans_received(), r.plans_rejected(), r.dead_reason());
+  }
+  return 0;
+}
+
+int CmdGroups(Client& c, const std::string& job, bool json) {
+  v1::ListGroupsRequest req;
+  req.set_job_id(job);
+  v1::ListGroupsResponse resp;
+  if (!c.Call("ListGroups", &v1::Coordinator::Stub::ListGroups, req, &resp)) return kExitUnreachable;
+  if (json) {
+    std::cout << ToJson(resp) << "\n";
+    return 0;
+  }
+  std::cout << absl::StrFormat("%-10s %5s %-16s %-9s %5s %7s %7s %9s %7s %7s %9s %9s  %s\n", "JOB",
+                               "GROUP", "RANKS", "STATE", "EPOCH", "SEQ", "PENDING", "PER_LAYER",
+                               "SKIP", "ROOT", "REPLICATE", "DIVERGENT", "REPLICATED / REASON");
+  for (const auto& g : resp.groups()) {
+    std::string note = absl::StrJoin(g.promoted_modules(), ",");
+    if (!g.failure_reason().empty()) note += (note.empty() ? "" : " / ") + g.failure_reason();
+    std::cout << absl::StrFormat("%-10s %5d %-16s %-9s %5d %7d %7d %9d %7d %7d %9d %9d  %s\n", g.job_id(),
+                                 g.group(), absl::StrJoin(g.ranks(), ","),
+                                 Lower(v1::GroupState_Name(g.state()), "GROUP_STATE_"), g.epoch(),
+                                 g.next_seq(), g.pending_microbatches(), g.counts().per_layer(),
+                                 g.counts().skip(), g.counts().root(), g.counts().replicate(),
+                                 g.counts().divergent(), note);
+  }
+  return 0;
+}
+
+int CmdDecisions(Client& c, const std::string& job, int group, int limit, bool json) {
+  v1::ListDecisionsRequest req;
+  req.set_job_id(job);
+  req.set_group(group);
+  req.set_limit(limit);
+  v1::ListDecisionsResponse resp;
+  if (!c.Call("ListDecisions", &v1::Coordinator::Stub::ListDecisions, req, &resp)) return kExitUnreachable;
+  if (json) {
+    std::cout << ToJson(resp) << "\n";
+    return 0;
+  }
+  std::cout << absl::StrFormat("%-10s %5s %7s %12s %-28s %-10s %-16s %s\n", "JOB", "GROUP", "SEQ",
+                               "MICROBATCH", "MODULE", "DECISION", "REASON", "DIGEST");
+  for (const auto& e : resp.decisions()) {
+    const auto& d = e.decision();
+    for (const auto& m : d.modules()) {
+      std::cout << absl::StrFormat("%-10s %5d %7d %12s %-28s %-10s %-16s %016x\n", e.job_id(), d.group(),
+                                   d.seq(), absl::StrFormat("(%d,%d)", d.step(), d.microbatch()),
+                                   m.module(), Lower(v1::Decision_Name(m.decision()), "DECISION_"),
+                                   Lower(v1::DecisionReason_Name(m.reason()), "REASON_"), d.digest());
+    }
+  }
+  return 0;
+}
+
+int CmdEvents(Client& c, const std::string& job, uint64_t after, int limit, bool json) {
+  v1::ListEventsRequest req;
+  req.set_job_id(job);
+  req.set_after_id(after);
+  req.set_limit(limit);
+  v1::ListEventsResponse resp;
+  if (!c.Call("ListEvents", &v1::Coordinator::Stub::ListEvents, req, &resp)) return kExitUnreachable;
+  if (json) {
+    std::cout << ToJson(resp) << "\n";
+    return 0;
+  }
+  for (const auto& e : resp.events()) {
+    std::cout << absl::StrFormat("%6d %s %-7s %-20s job=%s rank=%d group=%d %s\n", e.id(),
+                                 FormatTime(e.unix_ms()), e.severity(), e.kind(), e.job_id(), e.rank(),
+                                 e.group(), e.message());
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"shardctl: query a shardcoord coordinator, or replay a plan trace through one"};
+  app.require_subcommand(1);
+  Client client;
+  std::string address;
+  app.add_option("--coordinator", address, "coordinator HOST:PORT (default $SHARDCOORD_ADDR, then 127.0.0.1:7871)")
+      ->envname("SHARDCOORD_ADDR");
+  app.add_option("--timeout-ms", client.timeout_ms, "deadline of each query RPC")->check(CLI::PositiveNumber);
+  std::string job;
+  bool json = false;
+  auto add_common = [&](CLI::App* sub) {
+    sub->add_option("--job", job, "only this job id");
+    sub->add_flag("--json", json, "print JSON (protobuf JSON mapping, snake_case fields)");
+  };
+
+  auto* status = app.add_subcommand("status", "coordinator and job summary");
+  add_common(status);
+  auto* ranks = app.add_subcommand("ranks", "every rank: state, heartbeat age, plans, why dead");
+  add_common(ranks);
+  auto* groups = app.add_subcommand("groups", "every shard group: state, epoch, decisions by kind");
+  add_common(groups);
+  auto* decisions = app.add_subcommand("decisions", "recent decisions per group");
+  add_common(decisions);
+  int group = -1, limit = 20;
+  decisions->add_option("--group", group, "only this group (default: all)");
+  decisions->add_option("--limit", limit, "most recent decisions per group")->check(CLI::PositiveNumber);
+  auto* events = app.add_subcommand("events", "the event journal (registrations, deaths, failures)");
+  add_common(events);
+  uint64_t after = 0;
+  int event_limit = 100;
+  events->add_option("--after", after, "only events with a larger id");
+  events->add_option("--limit", event_limit, "at most this many events")->check(CLI::PositiveNumber);
+
+  auto* replay = app.add_subcommand("replay", "play simulated ranks from a JSON-lines trace through a coordinator");
+  std::string trace_path, ranks_arg, modules_arg, manifest_path, policy = "", fallback = "", output;
+  shardcoord::client::ReplayOptions ro;
+  int interval_ms = 0, decision_timeout_ms = 60000;
+  bool no_outer = false;
+  replay->add_option("trace", trace_path, "trace file, JSON lines ('-' for stdin)")->required();
+  replay->add_option("--job-id", ro.job_id, "job id to register (default 'replay')");
+  replay->add_option("--world-size", ro.world_size, "ranks in the job (default: highest rank in the trace + 1)");
+  replay->add_option("--group-size", ro.group_size, "shard group size (default: world size)");
+  replay->add_option("--policy", policy, "auto, per_layer, root or replicate (default: the coordinator's)")
+      ->check(CLI::IsMember({"auto", "per_layer", "root", "replicate"}));
+  replay->add_option("--fallback", fallback, "root or replicate (default: the coordinator's)")
+      ->check(CLI::IsMember({"root", "replicate"}));
+  replay->add_option("--modules", modules_arg, "controlled module names, comma-separated (default: those in the trace)");
+  replay->add_option("--manifest", manifest_path, "manifest JSON file instead of --modules")->check(CLI::ExistingFile);
+  replay->add_flag("--no-outer-root", no_outer, "register wrap_outer_model=false");
+  replay->add_option("--ranks", ranks_arg, "play only these ranks, e.g. 0,1,5 (default: all)");
+  replay->add_option("--interval-ms", interval_ms, "pause between a rank's microbatches, like a trainer");
+  replay->add_option("--lookahead", ro.lookahead, "plans each rank reports ahead")->check(CLI::PositiveNumber);
+  replay->add_option("--memory-budget-bytes", ro.memory_budget_bytes, "reported per rank, enables auto promotion");
+  replay->add_option("--decision-timeout-ms", decision_timeout_ms, "deadline for each decision");
+  replay->add_flag("--per-rank", ro.per_rank, "one line per rank: what each rank received");
+  replay->add_option("--output", output, "write decisions here instead of stdout");
+
+  auto* verify = app.add_subcommand(
+      "verify", "check that per-rank replay outputs (--per-rank) of one job agree within each group");
+  std::vector<std::string> verify_files;
+  verify->add_option("files", verify_files, "outputs of `shardctl replay --per-rank`")->required()->check(CLI::ExistingFile);
+
+  CLI11_PARSE(app, argc, argv);
+  if (verify->parsed()) return shardcoord::client::VerifyPerRankOutputs(verify_files, std::cout, std::cerr);
+  if (replay->parsed() && std::getenv(shardcoord::logging::kLevelEnv) == nullptr) {
+    // The embedded coordinator and the simulated workers log only problems by default.
+    shardcoord::logging::SetLevel("warn");
+  }
+  client.address = address.empty() ? kDefaultAddress : address;
+
+  if (replay->parsed()) {
+    ro.coordinator = address;  // Empty: embedded coordinator.
+    if (!policy.empty()) ro.policy = *shardcoord::ParsePolicy(policy);
+    if (!fallback.empty()) ro.fallback = *shardcoord::ParseFallback(fallback);
+    ro.wrap_outer_model = !no_outer;
+    ro.interval = absl::Milliseconds(interval_ms);
+    ro.decision_timeout = absl::Milliseconds(decision_timeout_ms);
+    if (!ranks_arg.empty()) {
+      for (absl::string_view part : absl::StrSplit(ranks_arg, ',', absl::SkipEmpty())) {
+        int r;
+        if (!absl::SimpleAtoi(part, &r)) {
+          std::cerr << "shardctl replay: --ranks '" << ranks_arg << "' must be comma-separated integers\n";
+          return shardcoord::client::kReplayBadInput;
+        }
+        ro.ranks.push_back(r);
+      }
+    }
+    if (!manifest_path.empty() && !modules_arg.empty()) {
+      std::cerr << "shardctl replay: give --modules or --manifest, not both\n";
+      return shardcoord::client::kReplayBadInput;
+    }
+    if (!manifest_path.empty()) {
+      std::ifstream mf(manifest_path);
+      std::stringstream ss;
+      ss << mf.rdbuf();
+      auto manifest = shardcoord::client::ParseManifest(ss.str(), manifest_path);
+      if (!manifest.ok()) {
+        std::cerr << "shardctl replay: " << manifest.status().message() << "\n";
+        return shardcoord::client::kReplayBadInput;
+      }
+      ro.modules = *manifest;
+    }
+    for (absl::string_view name : absl::StrSplit(modules_arg, ',', absl::SkipEmpty())) {
+      ro.modules.push_back({std::string(name), 0, {}, false});
+    }
+    absl::StatusOr<shardcoord::client::Trace> trace;
+    if (trace_path == "-") {
+      trace = shardcoord::client::ParseTrace(std::cin, "<stdin>");
+    } else {
+      std::ifstream in(trace_path);
+      if (!in) {
+        std::cerr << "shardctl replay: cannot read trace " << trace_path << "\n";
+        return shardcoord::client::kReplayBadInput;
+      }
+      trace = shardcoord::client::ParseTrace(in, trace_path);
+    }
+    if (!trace.ok()) {
+      std::cerr << "shardctl replay: " << trace.status().message() << "\n";
+      return shardcoord::client::kReplayBadInput;
+    }
+    if (!output.empty()) {
+      std::ofstream out(output);
+      if (!out) {
+        std::cerr << "shardctl replay: cannot write " << output << "\n";
+        return shardcoord::client::kReplayBadInput;
+      }
+      return shardcoord::client::RunReplay(*trace, ro, out, std::cerr);
+    }
+    return shardcoord::client::RunReplay(*trace, ro, std::cout, std::cerr);
+  }
+
+  client.Connect();
+  if (status->parsed()) return CmdStatus(client, job, json);
+  if (ranks->parsed()) return CmdRanks(client, job, json);
+  if (groups->parsed()) return CmdGroups(client, job, json);
+  if (decisions->parsed()) return CmdDecisions(client, job, group, limit, json);
+  if (events->parsed()) return CmdEvents(client, job, after, event_limit, json);
+  return 0;
+}

@@ -1,0 +1,106 @@
+#include "trace.h"
+
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/str_cat.h"
+
+namespace shardcoord::client {
+
+using nlohmann::json;
+
+absl::StatusOr<Trace> ParseTrace(std::istream& in, const std::string& source) {
+  Trace trace;
+  std::string line;
+  int lineno = 0;
+  while (std::getline(in, line)) {
+    ++lineno;
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    const std::string where = absl::StrCat(source, ":", lineno, ": ");
+    json j;
+    try {
+      j = json::parse(line);
+    } catch (const json::exception& e) {
+      return absl::InvalidArgumentError(absl::StrCat(where, "not valid JSON (", e.what(), ")"));
+    }
+    if (!j.is_object()) return absl::InvalidArgumentError(where + "each line must be a JSON object");
+    for (const char* field : {"rank", "step", "microbatch"}) {
+      if (!j.contains(field) || !j[field].is_number_integer() || j[field].get<int64_t>() < 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(where, "'", field, "' must be a non-negative integer"));
+      }
+    }
+    for (auto it = j.begin(); it != j.end(); ++it) {
+      if (it.key() != "rank" && it.key() != "step" && it.key() != "microbatch" && it.key() != "calls") {
+        return absl::InvalidArgumentError(absl::StrCat(
+            where, "unknown field '", it.key(), "' (fields: rank, step, microbatch, calls)"));
+      }
+    }
+    const int rank = j["rank"].get<int>();
+    const MicrobatchKey key{j["step"].get<int64_t>(), j["microbatch"].get<int32_t>()};
+    std::map<std::string, int32_t> calls;
+    if (j.contains("calls")) {
+      if (!j["calls"].is_object()) {
+        return absl::InvalidArgumentError(where + "'calls' must be an object of module -> count");
+      }
+      for (auto it = j["calls"].begin(); it != j["calls"].end(); ++it) {
+        if (!it.value().is_number_integer() || it.value().get<int64_t>() < 0) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              where, "calls of module '", it.key(), "' must be a non-negative integer"));
+        }
+        calls[it.key()] = it.value().get<int32_t>();
+        trace.module_names.insert(it.key());
+      }
+    }
+    auto& per_rank = trace.plans[rank];
+    if (per_rank.count(key)) {
+      return absl::InvalidArgumentError(absl::StrCat(where, "rank ", rank, " microbatch ",
+                                                     key.ToString(), " appears twice"));
+    }
+    per_rank[key] = std::move(calls);
+    trace.keys.insert(key);
+    trace.max_rank = std::max(trace.max_rank, rank);
+  }
+  if (trace.keys.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(source, ": the trace holds no microbatch"));
+  }
+  return trace;
+}
+
+absl::StatusOr<std::vector<ModuleSpec>> ParseManifest(const std::string& text,
+                                                      const std::string& source) {
+  json j;
+  try {
+    j = json::parse(text);
+  } catch (const json::exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat(source, ": not valid JSON (", e.what(), ")"));
+  }
+  if (!j.is_object() || !j.contains("modules") || !j["modules"].is_array()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(source, ": expected {\"modules\": [{\"name\": ..., \"param_bytes\": ...}]}"));
+  }
+  std::vector<ModuleSpec> out;
+  for (size_t i = 0; i < j["modules"].size(); ++i) {
+    const json& m = j["modules"][i];
+    const std::string where = absl::StrCat(source, ": modules[", i, "]");
+    if (!m.is_object() || !m.contains("name") || !m["name"].is_string()) {
+      return absl::InvalidArgumentError(where + " needs a string 'name'");
+    }
+    ModuleSpec spec;
+    spec.name = m["name"].get<std::string>();
+    try {
+      spec.param_bytes = m.value("param_bytes", int64_t{0});
+      spec.outside_inner_root = m.value("outside_inner_root", false);
+      if (m.contains("units")) {
+        for (const json& u : m["units"]) {
+          spec.units.push_back({u.at("name").get<std::string>(), u.value("param_bytes", int64_t{0})});
+        }
+      }
+    } catch (const json::exception& e) {
+      return absl::InvalidArgumentError(absl::StrCat(where, " ('", spec.name, "'): ", e.what()));
+    }
+    out.push_back(std::move(spec));
+  }
+  return out;
+}
+
+}  // namespace shardcoord::client
