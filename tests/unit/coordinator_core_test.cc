@@ -1,1 +1,509 @@
+// Unit tests of CoordinatorCore: registration validation, plan validation, decisions,
+// failure detection and queries, driven through a recording RankSink and a fake clock.
+#include "coordinator_core.h"
+
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
+
+#include "absl/synchronization/mutex.h"
+
+namespace shardcoord::coordinator {
+namespace {
+
+using ::testing::HasSubstr;
+
+class FakeClock final : public Clock {
+ public:
+  absl::Time Now() const override {
+    absl::MutexLock lock(&mu_);
+    return now_;
+  }
+  void Advance(absl::Duration d) {
+    absl::MutexLock lock(&mu_);
+    now_ += d;
+  }
+
+ private:
+  mutable absl::Mutex mu_;
+  absl::Time now_ = absl::FromUnixSeconds(1'700'000'000);
+};
+
+// Records what the core sends to one rank.
+class RecordingSink final : public RankSink {
+ public:
+  void Send(const v1::CoordinatorMessage& msg) override { messages.push_back(msg); }
+  void Close(const absl::Status& status) override {
+    closed = true;
+    close_status = status;
+  }
+
+  std::vector<v1::MicrobatchDecision> Decisions() const {
+    std::vector<v1::MicrobatchDecision> out;
+    for (const auto& m : messages) {
+      if (m.has_decisions()) out.insert(out.end(), m.decisions().decisions().begin(), m.decisions().decisions().end());
+    }
+    return out;
+  }
+  template <typename Pred>
+  std::vector<v1::CoordinatorMessage> Where(Pred pred) const {
+    std::vector<v1::CoordinatorMessage> out;
+    for (const auto& m : messages) {
+      if (pred(m)) out.push_back(m);
+    }
+    return out;
+  }
+  std::vector<v1::PlanRejected> Rejections() const {
+    std::vector<v1::PlanRejected> out;
+    for (const auto& m : messages) {
+      if (m.has_plan_rejected()) out.push_back(m.plan_rejected());
+    }
+    return out;
+  }
+
+  std::vector<v1::CoordinatorMessage> messages;
+  bool closed = false;
+  absl::Status close_status;
+};
+
+class CoreTest : public ::testing::Test {
+ protected:
+  CoreTest() {
+    options_.heartbeat_interval = absl::Milliseconds(100);
+    options_.heartbeat_timeout = absl::Milliseconds(1000);
+    options_.plan_timeout = absl::Seconds(10);
+    options_.max_lookahead = 8;
+    clock_ = std::make_shared<FakeClock>();
+    core_ = std::make_unique<CoordinatorCore>(options_, clock_);
+  }
+
+  static v1::RegisterRequest Request(int rank, int world = 4, int group_size = 2,
+                                     v1::Policy policy = v1::POLICY_AUTO) {
+    v1::RegisterRequest r;
+    r.set_job_id("job");
+    r.set_rank(rank);
+    r.set_world_size(world);
+    r.set_group_size(group_size);
+    r.set_policy(policy);
+    r.set_fallback(v1::FALLBACK_ROOT);
+    r.set_wrap_outer_model(true);
+    r.set_lookahead(4);
+    for (const char* name : {"vision_tower", "audio_tower"}) {
+      auto* m = r.add_modules();
+      m->set_name(name);
+      m->set_param_bytes(1000);
+    }
+    return r;
+  }
+
+  // Registers `rank` on session rank+1 with a fresh sink.
+  absl::Status Register(const v1::RegisterRequest& r) {
+    auto sink = std::make_shared<RecordingSink>();
+    absl::Status s = core_->Register(next_session_, r, sink);
+    if (s.ok()) {
+      sinks_[r.rank()] = sink;
+      sessions_[r.rank()] = next_session_;
+    }
+    next_session_++;
+    return s;
+  }
+
+  void RegisterAll(int world = 4, int group_size = 2, v1::Policy policy = v1::POLICY_AUTO) {
+    for (int r = 0; r < world; ++r) ASSERT_TRUE(Register(Request(r, world, group_size, policy)).ok());
+  }
+
+  void Plan(int rank, int64_t step, int mb, int vision, int audio = 0) {
+    v1::PlanBatch batch;
+    auto* p = batch.add_plans();
+    p->set_step(step);
+    p->set_microbatch(mb);
+    (*p->mutable_calls())["vision_tower"] = vision;
+    (*p->mutable_calls())["audio_tower"] = audio;
+    core_->OnPlans(sessions_[rank], batch);
+  }
+
+  v1::RankStatus RankStatusOf(int rank) {
+    const v1::ListRanksResponse all = core_->Ranks("job");
+    for (const auto& r : all.ranks()) {
+      if (r.rank() == rank) return r;
+    }
+    return {};
+  }
+
+  CoordinatorOptions options_;
+  std::shared_ptr<FakeClock> clock_;
+  std::unique_ptr<CoordinatorCore> core_;
+  std::map<int, std::shared_ptr<RecordingSink>> sinks_;
+  std::map<int, uint64_t> sessions_;
+  uint64_t next_session_ = 1;
+};
+
+// ---------------------------------------------------------------------------------------
+// Registration validation
+
+TEST_F(CoreTest, RegistrationAnswersWithGroupAndEffectiveSettings) {
+  v1::RegisterRequest r = Request(3);
+  r.set_policy(v1::POLICY_UNSPECIFIED);
+  r.set_lookahead(0);
+  ASSERT_TRUE(Register(r).ok());
+  ASSERT_EQ(sinks_[3]->messages.size(), 1u);
+  const auto& resp = sinks_[3]->messages[0].registered();
+  EXPECT_EQ(resp.group(), 1);
+  EXPECT_THAT(std::vector<int>(resp.group_ranks().begin(), resp.group_ranks().end()),
+              ::testing::ElementsAre(2, 3));
+  EXPECT_EQ(resp.policy(), v1::POLICY_AUTO);  // The coordinator's default.
+  EXPECT_EQ(resp.lookahead(), kDefaultLookahead);
+  EXPECT_EQ(resp.heartbeat_timeout_ms(), 1000);
+}
+
+TEST_F(CoreTest, UnknownRankIsInvalidArgument) {
+  absl::Status s = Register(Request(4, /*world=*/4));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("unknown rank 4"));
+  EXPECT_THAT(s.message(), HasSubstr("0..3"));
+  s = Register(Request(-1));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(core_->Status("").jobs().empty()) << "a rejected registration must change nothing";
+}
+
+TEST_F(CoreTest, MalformedRegistrationsAreInvalidArgument) {
+  v1::RegisterRequest r = Request(0);
+  r.set_job_id("");
+  EXPECT_EQ(Register(r).code(), absl::StatusCode::kInvalidArgument);
+  r = Request(0, /*world=*/4, /*group_size=*/3);
+  absl::Status s = Register(r);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("group_size 3"));
+  r = Request(0);
+  r.mutable_modules(1)->set_name("vision_tower");
+  s = Register(r);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("'vision_tower' twice"));
+  r = Request(0);
+  r.set_lookahead(9);
+  s = Register(r);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("lookahead 9"));
+}
+
+TEST_F(CoreTest, WorldSizeMismatchIsFailedPrecondition) {
+  ASSERT_TRUE(Register(Request(0, 4)).ok());
+  absl::Status s = Register(Request(1, 8));
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(s.message(), HasSubstr("world_size 4"));
+  EXPECT_THAT(s.message(), HasSubstr("rank 1 registered with 8"));
+  EXPECT_EQ(RankStatusOf(1).state(), v1::RANK_STATE_UNREGISTERED);
+}
+
+TEST_F(CoreTest, DuplicateLiveRankIsAlreadyExists) {
+  ASSERT_TRUE(Register(Request(0)).ok());
+  auto first_sink = sinks_[0];
+  absl::Status s = core_->Register(99, Request(0), std::make_shared<RecordingSink>());
+  EXPECT_EQ(s.code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_THAT(s.message(), HasSubstr("duplicate rank 0"));
+  EXPECT_FALSE(first_sink->closed) << "the live session must be left alone";
+  EXPECT_EQ(RankStatusOf(0).registrations(), 1);
+}
+
+TEST_F(CoreTest, ManifestMismatchNamesModuleAndRanks) {
+  ASSERT_TRUE(Register(Request(0)).ok());
+  v1::RegisterRequest r = Request(1);
+  r.mutable_modules(0)->set_param_bytes(2000);
+  absl::Status s = Register(r);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(s.message(), HasSubstr("module 'vision_tower'"));
+  EXPECT_THAT(s.message(), HasSubstr("2000 on rank 1"));
+  EXPECT_THAT(s.message(), HasSubstr("1000 on rank 0"));
+
+  r = Request(1);
+  r.mutable_modules()->RemoveLast();
+  s = Register(r);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(s.message(), HasSubstr("[vision_tower]"));
+
+  // A different group may not be compared with group 0: rank 2 is in group 1.
+  v1::RegisterRequest other_group = r;
+  other_group.set_rank(2);
+  EXPECT_TRUE(Register(other_group).ok());
+}
+
+TEST_F(CoreTest, PolicyMismatchIsFailedPrecondition) {
+  ASSERT_TRUE(Register(Request(0)).ok());
+  absl::Status s = Register(Request(1, 4, 2, v1::POLICY_PER_LAYER));
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(s.message(), HasSubstr("policy per_layer"));
+  EXPECT_THAT(s.message(), HasSubstr("rank 0 registered auto"));
+}
+
+TEST_F(CoreTest, RootWithoutOuterRootIsRejectedWithWaysOut) {
+  v1::RegisterRequest r = Request(0, 4, 2, v1::POLICY_ROOT);
+  r.set_wrap_outer_model(false);
+  r.mutable_modules(0)->set_outside_inner_root(true);
+  absl::Status s = Register(r);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("policy root"));
+  EXPECT_THAT(s.message(), HasSubstr("[vision_tower]"));
+  EXPECT_THAT(s.message(), HasSubstr("fallback replicate"));
+  EXPECT_THAT(s.message(), HasSubstr("policy replicate"));
+
+  r.set_policy(v1::POLICY_AUTO);  // fallback root
+  s = Register(r);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("fallback root"));
+
+  r.set_fallback(v1::FALLBACK_REPLICATE);
+  EXPECT_TRUE(Register(r).ok());
+  // Inside the inner root, root stays possible without the outer root.
+  v1::RegisterRequest inside = Request(2, 4, 2, v1::POLICY_ROOT);
+  inside.set_wrap_outer_model(false);
+  EXPECT_TRUE(Register(inside).ok());
+}
+
+TEST_F(CoreTest, PerLayerRegistrationWarns) {
+  ASSERT_TRUE(Register(Request(0, 4, 2, v1::POLICY_PER_LAYER)).ok());
+  const auto& resp = sinks_[0]->messages[0].registered();
+  ASSERT_EQ(resp.warnings_size(), 1);
+  EXPECT_THAT(resp.warnings(0), HasSubstr("fall back to root"));
+  bool found = false;
+  for (const auto& e : core_->Events("job", 0, 100)) found |= e.kind() == "per_layer_requested";
+  EXPECT_TRUE(found);
+}
+
+// ---------------------------------------------------------------------------------------
+// Decisions
+
+TEST_F(CoreTest, GroupGetsOneIdenticalDecisionPerMicrobatch) {
+  RegisterAll();
+  Plan(0, 0, 0, 1, 0);
+  EXPECT_TRUE(sinks_[0]->Decisions().empty()) << "must wait for rank 1";
+  Plan(1, 0, 0, 1, 0);
+  auto d0 = sinks_[0]->Decisions();
+  auto d1 = sinks_[1]->Decisions();
+  ASSERT_EQ(d0.size(), 1u);
+  ASSERT_EQ(d1.size(), 1u);
+  EXPECT_EQ(d0[0].SerializeAsString(), d1[0].SerializeAsString());
+  EXPECT_EQ(d0[0].seq(), 0u);
+  EXPECT_EQ(d0[0].modules(0).module(), "vision_tower");
+  EXPECT_EQ(d0[0].modules(0).decision(), v1::DECISION_PER_LAYER);
+  EXPECT_EQ(d0[0].modules(1).decision(), v1::DECISION_SKIP);
+  EXPECT_TRUE(sinks_[2]->Decisions().empty()) << "group 1 decides on its own plans only";
+
+  Plan(0, 0, 1, 1);
+  Plan(1, 0, 1, 0);
+  d0 = sinks_[0]->Decisions();
+  ASSERT_EQ(d0.size(), 2u);
+  EXPECT_EQ(d0[1].seq(), 1u);
+  EXPECT_EQ(d0[1].modules(0).decision(), v1::DECISION_ROOT);
+  EXPECT_EQ(d0[1].modules(0).reason(), v1::REASON_DIVERGENT);
+}
+
+TEST_F(CoreTest, StaticPolicyNeverWaitsForTheGroup) {
+  ASSERT_TRUE(Register(Request(0, 4, 2, v1::POLICY_REPLICATE)).ok());
+  Plan(0, 0, 0, 1);  // Rank 1 has not even registered.
+  auto d = sinks_[0]->Decisions();
+  ASSERT_EQ(d.size(), 1u);
+  EXPECT_EQ(d[0].modules(0).decision(), v1::DECISION_REPLICATE);
+  EXPECT_EQ(d[0].modules(0).reason(), v1::REASON_STATIC_POLICY);
+}
+
+TEST_F(CoreTest, TwoGroupsDecideIndependently) {
+  RegisterAll();
+  Plan(0, 0, 0, 1);  // Group 0 waits for rank 1.
+  Plan(2, 0, 0, 1);
+  Plan(3, 0, 0, 1);
+  EXPECT_EQ(sinks_[2]->Decisions().size(), 1u);
+  EXPECT_EQ(sinks_[3]->Decisions().size(), 1u);
+  EXPECT_TRUE(sinks_[0]->Decisions().empty());
+}
+
+TEST_F(CoreTest, RankThatSkipsAMicrobatchFailsItForTheGroup) {
+  RegisterAll();
+  Plan(0, 0, 0, 1);
+  Plan(0, 0, 1, 1);
+  Plan(1, 0, 1, 1);  // Rank 1 never reports (0,0).
+  auto failed = sinks_[0]->Where([](const auto& m) { return m.has_microbatch_failed(); });
+  ASSERT_EQ(failed.size(), 1u);
+  EXPECT_EQ(failed[0].microbatch_failed().microbatch(), 0);
+  EXPECT_EQ(failed[0].microbatch_failed().code(), static_cast<int>(absl::StatusCode::kFailedPrecondition));
+  EXPECT_THAT(failed[0].microbatch_failed().message(), HasSubstr("rank 1 reported (0,1) without reporting (0,0)"));
+  auto d = sinks_[1]->Decisions();
+  ASSERT_EQ(d.size(), 1u);
+  EXPECT_EQ(d[0].microbatch(), 1);
+}
+
+// ---------------------------------------------------------------------------------------
+// Bad plans: rejected with a code, the session and everyone else keep going
+
+TEST_F(CoreTest, BadPlansAreRejectedWithPreciseCodes) {
+  RegisterAll();
+  Plan(0, 0, 0, 1);
+  Plan(1, 0, 0, 1);
+  ASSERT_EQ(sinks_[0]->Decisions().size(), 1u);
+  const std::string before = sinks_[0]->Decisions()[0].SerializeAsString();
+
+  Plan(0, -1, 0, 1);  // malformed
+  v1::PlanBatch unknown;
+  auto* p = unknown.add_plans();
+  p->set_step(0);
+  p->set_microbatch(1);
+  (*p->mutable_calls())["vison_tower"] = 1;
+  core_->OnPlans(sessions_[0], unknown);  // unknown module
+  Plan(0, 0, 0, 1);                       // out of order (already planned (0,0))
+  Plan(0, 0, 1, -2);                      // negative calls
+  auto rej = sinks_[0]->Rejections();
+  ASSERT_EQ(rej.size(), 4u);
+  EXPECT_EQ(rej[0].code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(rej[0].message(), HasSubstr(">= 0"));
+  EXPECT_EQ(rej[1].code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(rej[1].message(), HasSubstr("unknown module 'vison_tower'"));
+  EXPECT_THAT(rej[1].message(), HasSubstr("vision_tower, audio_tower"));
+  EXPECT_EQ(rej[2].code(), static_cast<int>(absl::StatusCode::kFailedPrecondition));
+  EXPECT_THAT(rej[2].message(), HasSubstr("out-of-order plan (0,0)"));
+  EXPECT_EQ(rej[3].code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_EQ(RankStatusOf(0).plans_rejected(), 4);
+
+  // Nothing decided changed, and the group keeps deciding.
+  EXPECT_EQ(sinks_[1]->Decisions()[0].SerializeAsString(), before);
+  EXPECT_TRUE(sinks_[1]->Rejections().empty());
+  Plan(0, 0, 1, 0);
+  Plan(1, 0, 1, 0);
+  ASSERT_EQ(sinks_[1]->Decisions().size(), 2u);
+  EXPECT_EQ(sinks_[1]->Decisions()[1].modules(0).decision(), v1::DECISION_SKIP);
+}
+
+TEST_F(CoreTest, PlansBeyondTheLookaheadWindowAreResourceExhausted) {
+  RegisterAll();
+  for (int mb = 0; mb < 4; ++mb) Plan(0, 0, mb, 1);  // lookahead 4, rank 1 silent
+  EXPECT_TRUE(sinks_[0]->Rejections().empty());
+  Plan(0, 0, 4, 1);
+  auto rej = sinks_[0]->Rejections();
+  ASSERT_EQ(rej.size(), 1u);
+  EXPECT_EQ(rej[0].code(), static_cast<int>(absl::StatusCode::kResourceExhausted));
+  EXPECT_THAT(rej[0].message(), HasSubstr("lookahead window"));
+  // Once rank 1 catches up the window frees and the plan is accepted.
+  Plan(1, 0, 0, 1);
+  Plan(0, 0, 4, 1);
+  EXPECT_EQ(sinks_[0]->Rejections().size(), 1u);
+  EXPECT_EQ(RankStatusOf(0).pending_plans(), 4);
+}
+
+// ---------------------------------------------------------------------------------------
+// Failures
+
+TEST_F(CoreTest, SilentRankIsDeclaredDeadAndItsGroupIsToldWhy) {
+  RegisterAll();
+  Plan(0, 0, 0, 1);
+  clock_->Advance(absl::Milliseconds(600));
+  core_->OnHeartbeat(sessions_[0]);
+  core_->OnHeartbeat(sessions_[2]);
+  core_->OnHeartbeat(sessions_[3]);
+  core_->Tick();
+  EXPECT_EQ(RankStatusOf(1).state(), v1::RANK_STATE_LIVE);
+  clock_->Advance(absl::Milliseconds(600));  // rank 1 silent for 1200 ms > 1000 ms
+  core_->OnHeartbeat(sessions_[2]);
+  core_->OnHeartbeat(sessions_[3]);
+  core_->OnHeartbeat(sessions_[0]);
+  core_->Tick();
+
+  v1::RankStatus dead = RankStatusOf(1);
+  EXPECT_EQ(dead.state(), v1::RANK_STATE_DEAD);
+  EXPECT_THAT(dead.dead_reason(), HasSubstr("no heartbeat for 1200 ms"));
+  EXPECT_TRUE(sinks_[1]->closed);
+  auto failures = sinks_[0]->Where([](const auto& m) { return m.has_group_failure(); });
+  ASSERT_EQ(failures.size(), 1u);
+  const auto& gf = failures[0].group_failure();
+  EXPECT_THAT(std::vector<int>(gf.dead_ranks().begin(), gf.dead_ranks().end()), ::testing::ElementsAre(1));
+  EXPECT_THAT(gf.reason(), HasSubstr("rank 1 declared dead"));
+  ASSERT_EQ(gf.cancelled_size(), 1);
+  EXPECT_EQ(gf.cancelled(0).microbatch(), 0);
+  // Group 1 is untouched.
+  EXPECT_TRUE(sinks_[2]->Where([](const auto& m) { return m.has_group_failure(); }).empty());
+  EXPECT_EQ(core_->Groups("job").groups(1).state(), v1::GROUP_STATE_HEALTHY);
+  EXPECT_EQ(core_->Groups("job").groups(0).state(), v1::GROUP_STATE_FAILED);
+
+  // A survivor's plan is refused until the group re-forms.
+  Plan(0, 0, 1, 1);
+  auto rej = sinks_[0]->Rejections();
+  ASSERT_EQ(rej.size(), 1u);
+  EXPECT_EQ(rej[0].code(), static_cast<int>(absl::StatusCode::kAborted));
+  EXPECT_THAT(rej[0].message(), HasSubstr("rank 1"));
+}
+
+TEST_F(CoreTest, DeadRankRegisteringAgainReformsTheGroupUnderANewEpoch) {
+  RegisterAll();
+  core_->OnSessionClosed(sessions_[1], "test cut the stream");
+  EXPECT_EQ(RankStatusOf(1).state(), v1::RANK_STATE_DEAD);
+  EXPECT_THAT(RankStatusOf(1).dead_reason(), HasSubstr("test cut the stream"));
+  ASSERT_TRUE(Register(Request(1)).ok());
+  EXPECT_EQ(core_->Groups("job").groups(0).epoch(), 1);
+  EXPECT_EQ(core_->Groups("job").groups(0).state(), v1::GROUP_STATE_HEALTHY);
+  auto notices = sinks_[0]->Where([](const auto& m) {
+    return m.has_notice() && m.notice().kind() == v1::Notice::KIND_GROUP_REFORMED;
+  });
+  ASSERT_EQ(notices.size(), 1u);
+  EXPECT_EQ(notices[0].notice().epoch(), 1);
+  Plan(0, 0, 5, 1);
+  Plan(1, 0, 5, 1);
+  auto d = sinks_[1]->Decisions();
+  ASSERT_EQ(d.size(), 1u);
+  EXPECT_EQ(d[0].epoch(), 1);
+  EXPECT_EQ(RankStatusOf(1).registrations(), 2);
+}
+
+TEST_F(CoreTest, PlanTimeoutFailsTheMicrobatchNamingMissingRanks) {
+  RegisterAll();
+  Plan(0, 0, 0, 1);
+  clock_->Advance(absl::Seconds(11));
+  for (int r = 0; r < 4; ++r) core_->OnHeartbeat(sessions_[r]);
+  core_->Tick();
+  auto failed = sinks_[1]->Where([](const auto& m) { return m.has_microbatch_failed(); });
+  ASSERT_EQ(failed.size(), 1u);
+  EXPECT_EQ(failed[0].microbatch_failed().code(), static_cast<int>(absl::StatusCode::kDeadlineExceeded));
+  EXPECT_THAT(failed[0].microbatch_failed().message(), HasSubstr("from ranks 1 (ranks 0 reported it)"));
+  EXPECT_EQ(RankStatusOf(0).pending_plans(), 0);
+  EXPECT_EQ(RankStatusOf(1).state(), v1::RANK_STATE_LIVE);
+}
+
+TEST_F(CoreTest, CleanLeaveFailsOnlyWhatTheLeaverNeverPlanned) {
+  RegisterAll();
+  Plan(0, 0, 0, 1);
+  Plan(1, 0, 0, 1);
+  Plan(0, 0, 1, 1);
+  core_->OnGoodbye(sessions_[1], "done");
+  EXPECT_EQ(RankStatusOf(1).state(), v1::RANK_STATE_LEFT);
+  auto failed = sinks_[0]->Where([](const auto& m) { return m.has_microbatch_failed(); });
+  ASSERT_EQ(failed.size(), 1u);
+  EXPECT_THAT(failed[0].microbatch_failed().message(), HasSubstr("rank 1 left the job"));
+  EXPECT_TRUE(sinks_[0]->Where([](const auto& m) { return m.has_group_failure(); }).empty());
+  core_->OnGoodbye(sessions_[0], "done");
+  EXPECT_EQ(core_->Groups("job").groups(0).state(), v1::GROUP_STATE_FINISHED);
+}
+
+TEST_F(CoreTest, StatusCountsDecisionsByKind) {
+  RegisterAll();
+  Plan(0, 0, 0, 1, 0);
+  Plan(1, 0, 0, 1, 1);
+  auto st = core_->Status("job");
+  ASSERT_EQ(st.jobs_size(), 1);
+  EXPECT_EQ(st.jobs(0).counts().per_layer(), 1);
+  EXPECT_EQ(st.jobs(0).counts().root(), 1);
+  EXPECT_EQ(st.jobs(0).counts().divergent(), 1);
+  EXPECT_EQ(st.jobs(0).ranks_live(), 4);
+  EXPECT_EQ(st.jobs(0).plans_received(), 2);
+  auto decisions = core_->Decisions("job", 0, 10);
+  ASSERT_EQ(decisions.decisions_size(), 1);
+  EXPECT_EQ(decisions.decisions(0).decision().seq(), 0u);
+}
+
+TEST_F(CoreTest, ShutdownTellsEverySessionAndClosesIt) {
+  RegisterAll();
+  core_->Shutdown();
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_TRUE(sinks_[r]->closed);
+    EXPECT_EQ(sinks_[r]->close_status.code(), absl::StatusCode::kUnavailable);
+    EXPECT_FALSE(sinks_[r]->Where([](const auto& m) { return m.has_notice(); }).empty());
+  }
+  EXPECT_EQ(Register(Request(0)).code(), absl::StatusCode::kUnavailable);
+}
+
+}  // namespace
+}  // namespace shardcoord::coordinator
