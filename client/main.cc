@@ -209,6 +209,8 @@ int CmdEvents(Client& c, const std::string& job, uint64_t after, int limit, bool
 int main(int argc, char** argv) {
   CLI::App app{"shardctl: query a shardcoord coordinator, or replay a plan trace through one"};
   app.require_subcommand(1);
+  // Global options also work after the subcommand: `shardctl status --coordinator ADDR`.
+  app.fallthrough();
   Client client;
   std::string address;
   app.add_option("--coordinator", address, "coordinator HOST:PORT (default $SHARDCOORD_ADDR, then 127.0.0.1:7871)")

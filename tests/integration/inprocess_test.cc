@@ -1,1 +1,417 @@
+// In-process integration tests: the real coordinator server on 127.0.0.1:0 and real
+// workers (and raw gRPC clients, for bad input) talking to it over loopback.
+#include <gmock/gmock.h>
+#include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
+
+#include <map>
+#include <random>
+#include <thread>
+
+#include "coordinator_server.h"
+#include "shardcoord/decide.h"
+#include "shardcoord/proto/convert.h"
+#include "shardcoord/v1/coordinator.grpc.pb.h"
+#include "shardcoord/worker.h"
+
+namespace shardcoord {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr absl::Duration kDecisionTimeout = absl::Seconds(20);
+const std::vector<std::string> kModules = {"vision_tower", "audio_tower"};
+
+class InProcessTest : public ::testing::Test {
+ protected:
+  void SetUp() override { StartServer(); }
+
+  void StartServer(coordinator::CoordinatorOptions o = {}) {
+    o.listen_address = "127.0.0.1:0";
+    if (o.heartbeat_interval == coordinator::kDefaultHeartbeatInterval) {
+      o.heartbeat_interval = absl::Milliseconds(100);
+      o.heartbeat_timeout = absl::Milliseconds(2000);
+    }
+    auto s = coordinator::CoordinatorServer::Start(o);
+    ASSERT_TRUE(s.ok()) << s.status();
+    server_ = std::move(*s);
+  }
+
+  WorkerOptions Options(int rank, int world, int group_size, Policy policy = Policy::kAuto,
+                        const std::string& job = "job") {
+    WorkerOptions o;
+    o.coordinator_address = server_->address();
+    o.job_id = job;
+    o.rank = rank;
+    o.world_size = world;
+    o.group_size = group_size;
+    for (const auto& name : kModules) o.modules.push_back({name, 4096, {{"layers.0", 2048}, {"layers.1", 2048}}, false});
+    o.policy = policy;
+    o.fallback = Fallback::kRoot;
+    o.lookahead = 4;
+    o.connect_timeout = absl::Seconds(10);
+    return o;
+  }
+
+  std::unique_ptr<Worker> Connect(const WorkerOptions& o) {
+    auto w = Worker::Connect(o);
+    EXPECT_TRUE(w.ok()) << w.status();
+    return w.ok() ? std::move(*w) : nullptr;
+  }
+
+  static MicrobatchPlan PlanOf(int64_t step, int mb, int vision, int audio = 0) {
+    return MicrobatchPlan{{step, mb}, {{"vision_tower", vision}, {"audio_tower", audio}}};
+  }
+
+  std::unique_ptr<coordinator::CoordinatorServer> server_;
+};
+
+// A raw session, for what the worker library would never send.
+struct RawSession {
+  explicit RawSession(const std::string& address) {
+    stub = v1::Coordinator::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+    stream = stub->Session(&ctx);
+  }
+  // Sends `req`; returns the RegisterResponse, or the status the stream ended with.
+  absl::StatusOr<v1::RegisterResponse> Register(const v1::RegisterRequest& req) {
+    v1::WorkerMessage m;
+    *m.mutable_register_() = req;
+    stream->Write(m);
+    v1::CoordinatorMessage in;
+    if (stream->Read(&in) && in.has_registered()) return in.registered();
+    stream->WritesDone();
+    return FromGrpcStatus(stream->Finish());
+  }
+  void SendPlan(const v1::MicrobatchPlan& p) {
+    v1::WorkerMessage m;
+    *m.mutable_plans()->add_plans() = p;
+    stream->Write(m);
+  }
+  // Next message of the given kind, skipping others; nullopt when the stream ends.
+  std::optional<v1::CoordinatorMessage> Next(v1::CoordinatorMessage::KindCase kind) {
+    v1::CoordinatorMessage in;
+    while (stream->Read(&in)) {
+      if (in.kind_case() == kind) return in;
+    }
+    return std::nullopt;
+  }
+
+  std::unique_ptr<v1::Coordinator::Stub> stub;
+  grpc::ClientContext ctx;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::WorkerMessage, v1::CoordinatorMessage>> stream;
+};
+
+v1::RegisterRequest RawRequest(int rank, int world, int group_size) {
+  v1::RegisterRequest r;
+  r.set_job_id("job");
+  r.set_rank(rank);
+  r.set_world_size(world);
+  r.set_group_size(group_size);
+  r.set_policy(v1::POLICY_AUTO);
+  r.set_fallback(v1::FALLBACK_ROOT);
+  r.set_wrap_outer_model(true);
+  r.set_lookahead(4);
+  for (const auto& name : kModules) {
+    auto* m = r.add_modules();
+    m->set_name(name);
+    m->set_param_bytes(4096);
+    auto* u0 = m->add_units();
+    u0->set_name("layers.0");
+    u0->set_param_bytes(2048);
+    auto* u1 = m->add_units();
+    u1->set_name("layers.1");
+    u1->set_param_bytes(2048);
+  }
+  return r;
+}
+
+v1::MicrobatchPlan RawPlan(int64_t step, int mb, const std::string& module, int calls) {
+  v1::MicrobatchPlan p;
+  p.set_step(step);
+  p.set_microbatch(mb);
+  (*p.mutable_calls())[module] = calls;
+  return p;
+}
+
+// ---------------------------------------------------------------------------------------
+
+TEST_F(InProcessTest, EveryRankOfAGroupGetsTheIdenticalCorrectDecision) {
+  constexpr int kWorld = 8, kGroup = 4, kSteps = 15, kMicro = 4;
+  // Random plans, seeded: plans[rank][i] = (vision calls, audio calls).
+  std::mt19937 rng(12345);
+  std::vector<std::vector<std::pair<int, int>>> plans(kWorld);
+  for (int i = 0; i < kSteps * kMicro; ++i) {
+    for (int g = 0; g < kWorld / kGroup; ++g) {
+      int mode = rng() % 3;  // 0: uniform images, 1: text only, 2: mixed
+      for (int r = g * kGroup; r < (g + 1) * kGroup; ++r) {
+        int vision = mode == 0 ? 1 : mode == 1 ? 0 : static_cast<int>(rng() % 3);
+        plans[r].push_back({vision, static_cast<int>(rng() % 2)});
+      }
+    }
+  }
+  std::vector<std::vector<MicrobatchDecision>> got(kWorld);
+  std::vector<std::string> errors(kWorld);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kWorld; ++r) {
+    threads.emplace_back([&, r] {
+      auto w = Worker::Connect(Options(r, kWorld, kGroup));
+      if (!w.ok()) {
+        errors[r] = w.status().ToString();
+        return;
+      }
+      size_t reported = 0;
+      for (size_t i = 0; i < plans[r].size(); ++i) {
+        while (reported < plans[r].size() && reported < i + 4) {
+          MicrobatchKey k{static_cast<int64_t>(reported / kMicro), static_cast<int32_t>(reported % kMicro)};
+          absl::Status s = (*w)->ReportPlan(PlanOf(k.step, k.microbatch, plans[r][reported].first,
+                                                   plans[r][reported].second));
+          if (!s.ok()) {
+            errors[r] = s.ToString();
+            return;
+          }
+          ++reported;
+        }
+        auto d = (*w)->GetDecision({static_cast<int64_t>(i / kMicro), static_cast<int32_t>(i % kMicro)},
+                                   kDecisionTimeout);
+        if (!d.ok()) {
+          errors[r] = d.status().ToString();
+          return;
+        }
+        got[r].push_back(*d);
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < kWorld; ++r) ASSERT_EQ(errors[r], "") << "rank " << r;
+
+  for (int r = 0; r < kWorld; ++r) {
+    const int first = (r / kGroup) * kGroup;
+    ASSERT_EQ(got[r].size(), plans[r].size());
+    for (size_t i = 0; i < got[r].size(); ++i) {
+      const MicrobatchDecision& d = got[r][i];
+      // Identical to the group's first rank, digest included.
+      EXPECT_EQ(d.digest, got[first][i].digest) << "rank " << r << " microbatch " << i;
+      EXPECT_EQ(d.seq, i);
+      EXPECT_EQ(d.digest, DecisionDigest(d));
+      // And correct: the contract applied to what every member planned.
+      std::vector<int32_t> vision, audio;
+      for (int m = first; m < first + kGroup; ++m) {
+        vision.push_back(plans[m][i].first);
+        audio.push_back(plans[m][i].second);
+      }
+      EXPECT_EQ(d.Find("vision_tower")->decision, ApplyContract(Policy::kAuto, Fallback::kRoot, vision).decision);
+      EXPECT_EQ(d.Find("audio_tower")->decision, ApplyContract(Policy::kAuto, Fallback::kRoot, audio).decision);
+    }
+  }
+}
+
+TEST_F(InProcessTest, WithLookaheadTheDecisionIsAlreadyLocal) {
+  auto w0 = Connect(Options(0, 2, 2));
+  auto w1 = Connect(Options(1, 2, 2));
+  ASSERT_TRUE(w0 && w1);
+  for (int mb = 0; mb < 4; ++mb) {
+    ASSERT_TRUE(w0->ReportPlan(PlanOf(0, mb, 1)).ok());
+    ASSERT_TRUE(w1->ReportPlan(PlanOf(0, mb, mb % 2)).ok());
+  }
+  // The window is full: a fifth plan is refused locally, with the coordinator's code.
+  absl::Status full = w0->ReportPlan(PlanOf(0, 4, 1));
+  EXPECT_EQ(full.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(full.message(), HasSubstr("lookahead window"));
+  // Wait for the last one; the earlier ones are then already local: zero timeout works.
+  ASSERT_TRUE(w0->GetDecision({0, 3}, kDecisionTimeout).ok());
+  EXPECT_EQ(w0->UndecidedPlans(), 0);
+  ASSERT_TRUE(w1->GetDecision({0, 3}, kDecisionTimeout).ok());
+  auto d = w1->GetDecision({0, 3}, absl::ZeroDuration());
+  EXPECT_EQ(d.status().code(), absl::StatusCode::kFailedPrecondition) << "already taken";
+  // Taking (0,3) dropped the older ones: asking for them is an error, not a hang.
+  EXPECT_EQ(w1->GetDecision({0, 0}, absl::ZeroDuration()).status().code(), absl::StatusCode::kFailedPrecondition);
+  // A fresh pair, without waiting: decisions 0..3 are pops from the local queue.
+  for (int mb = 4; mb < 8; ++mb) {
+    ASSERT_TRUE(w0->ReportPlan(PlanOf(0, mb, 1)).ok());
+    ASSERT_TRUE(w1->ReportPlan(PlanOf(0, mb, 1)).ok());
+  }
+  ASSERT_TRUE(w0->GetDecision({0, 7}, kDecisionTimeout).ok());
+  ASSERT_TRUE(w1->GetDecision({0, 7}, kDecisionTimeout).ok());
+}
+
+TEST_F(InProcessTest, StaticPoliciesNeverWaitForTheGroup) {
+  for (Policy policy : {Policy::kRoot, Policy::kReplicate}) {
+    const std::string job = std::string("static-") + PolicyName(policy);
+    auto w = Connect(Options(0, 4, 4, policy, job));  // Ranks 1-3 never come.
+    ASSERT_TRUE(w);
+    for (int mb = 0; mb < 3; ++mb) ASSERT_TRUE(w->ReportPlan(PlanOf(0, mb, mb % 2)).ok());
+    for (int mb = 0; mb < 3; ++mb) {
+      auto d = w->GetDecision({0, mb}, kDecisionTimeout);
+      ASSERT_TRUE(d.ok()) << d.status();
+      EXPECT_EQ(d->Find("vision_tower")->decision,
+                policy == Policy::kRoot ? Decision::kRoot : Decision::kReplicate);
+      EXPECT_EQ(d->seq, static_cast<uint64_t>(mb));
+    }
+  }
+}
+
+TEST_F(InProcessTest, OneSlowGroupDoesNotDelayAnother) {
+  auto a0 = Connect(Options(0, 4, 2));
+  auto a1 = Connect(Options(1, 4, 2));  // Group 0's rank 1 never plans.
+  auto b0 = Connect(Options(2, 4, 2));
+  auto b1 = Connect(Options(3, 4, 2));
+  ASSERT_TRUE(a0 && a1 && b0 && b1);
+  ASSERT_TRUE(a0->ReportPlan(PlanOf(0, 0, 1)).ok());
+  for (int mb = 0; mb < 20; ++mb) {
+    ASSERT_TRUE(b0->ReportPlan(PlanOf(0, mb, 1)).ok());
+    ASSERT_TRUE(b1->ReportPlan(PlanOf(0, mb, 1)).ok());
+    ASSERT_TRUE(b0->GetDecision({0, mb}, kDecisionTimeout).ok());
+    ASSERT_TRUE(b1->GetDecision({0, mb}, kDecisionTimeout).ok());
+  }
+  // Group 0 is still waiting for rank 1, and says so when the deadline passes.
+  auto d = a0->GetDecision({0, 0}, absl::Milliseconds(50));
+  EXPECT_EQ(d.status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_THAT(d.status().message(), HasSubstr("has not reported its plan yet"));
+}
+
+TEST_F(InProcessTest, RegistrationErrorsReachTheWorkerWithTheCoordinatorsCode) {
+  auto w0 = Connect(Options(0, 4, 2));
+  ASSERT_TRUE(w0);
+  auto mismatch = Worker::Connect(Options(1, 8, 2));
+  ASSERT_FALSE(mismatch.ok());
+  EXPECT_EQ(mismatch.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(mismatch.status().message(), HasSubstr("world size mismatch"));
+  auto dup = Worker::Connect(Options(0, 4, 2));
+  ASSERT_FALSE(dup.ok());
+  EXPECT_EQ(dup.status().code(), absl::StatusCode::kAlreadyExists);
+  auto unknown = Worker::Connect(Options(7, 4, 2));
+  ASSERT_FALSE(unknown.ok());
+  EXPECT_EQ(unknown.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(unknown.status().message(), HasSubstr("unknown rank 7"));
+  WorkerOptions bad_manifest = Options(1, 4, 2);
+  bad_manifest.modules.pop_back();
+  auto manifest = Worker::Connect(bad_manifest);
+  ASSERT_FALSE(manifest.ok());
+  EXPECT_EQ(manifest.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(manifest.status().message(), HasSubstr("module manifest mismatch"));
+  // The first rank was not disturbed.
+  EXPECT_TRUE(w0->Health().ok());
+}
+
+TEST_F(InProcessTest, BadPlansOverTheWireGetPreciseCodesAndOthersAreStillServed) {
+  auto w0 = Connect(Options(0, 2, 2));
+  ASSERT_TRUE(w0);
+  RawSession raw(server_->address());
+  ASSERT_TRUE(raw.Register(RawRequest(1, 2, 2)).ok());
+
+  // A good microbatch first: decided for both.
+  ASSERT_TRUE(w0->ReportPlan(PlanOf(0, 0, 1)).ok());
+  raw.SendPlan(RawPlan(0, 0, "vision_tower", 1));
+  auto first = raw.Next(v1::CoordinatorMessage::kDecisions);
+  ASSERT_TRUE(first.has_value());
+  auto d0 = w0->GetDecision({0, 0}, kDecisionTimeout);
+  ASSERT_TRUE(d0.ok());
+  EXPECT_EQ(d0->digest, first->decisions().decisions(0).digest());
+
+  struct Case {
+    v1::MicrobatchPlan plan;
+    absl::StatusCode code;
+    std::string text;
+  };
+  std::vector<Case> cases = {
+      {RawPlan(-1, 0, "vision_tower", 1), absl::StatusCode::kInvalidArgument, "must be >= 0"},
+      {RawPlan(0, 1, "vison_tower", 1), absl::StatusCode::kInvalidArgument, "unknown module 'vison_tower'"},
+      {RawPlan(0, 1, "vision_tower", -3), absl::StatusCode::kInvalidArgument, "calls must be >= 0"},
+      {RawPlan(0, 0, "vision_tower", 1), absl::StatusCode::kFailedPrecondition, "out-of-order plan (0,0)"},
+  };
+  for (const auto& c : cases) {
+    raw.SendPlan(c.plan);
+    auto rej = raw.Next(v1::CoordinatorMessage::kPlanRejected);
+    ASSERT_TRUE(rej.has_value());
+    EXPECT_EQ(rej->plan_rejected().code(), static_cast<int>(c.code)) << rej->plan_rejected().message();
+    EXPECT_THAT(rej->plan_rejected().message(), HasSubstr(c.text));
+    EXPECT_THAT(rej->plan_rejected().message(), HasSubstr("rank 1"));
+  }
+  // Beyond the window: four plans (0,1..4) are fine, the fifth is not (w0 is silent).
+  for (int mb = 1; mb <= 4; ++mb) raw.SendPlan(RawPlan(0, mb, "vision_tower", 0));
+  raw.SendPlan(RawPlan(0, 5, "vision_tower", 0));
+  auto rej = raw.Next(v1::CoordinatorMessage::kPlanRejected);
+  ASSERT_TRUE(rej.has_value());
+  EXPECT_EQ(rej->plan_rejected().code(), static_cast<int>(absl::StatusCode::kResourceExhausted));
+
+  // The worker rank is still served, and the decisions match.
+  for (int mb = 1; mb <= 4; ++mb) ASSERT_TRUE(w0->ReportPlan(PlanOf(0, mb, 0)).ok());
+  auto d4 = w0->GetDecision({0, 4}, kDecisionTimeout);
+  ASSERT_TRUE(d4.ok()) << d4.status();
+  EXPECT_EQ(d4->Find("vision_tower")->decision, Decision::kSkip);
+  EXPECT_EQ(d4->seq, 4u);
+}
+
+TEST_F(InProcessTest, SessionMustStartWithRegister) {
+  RawSession raw(server_->address());
+  raw.SendPlan(RawPlan(0, 0, "vision_tower", 1));
+  raw.stream->WritesDone();
+  v1::CoordinatorMessage in;
+  EXPECT_FALSE(raw.stream->Read(&in));
+  grpc::Status st = raw.stream->Finish();
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(st.error_message(), HasSubstr("first message"));
+}
+
+TEST_F(InProcessTest, DeadPeerFailsTheGroupInsteadOfHanging) {
+  auto w0 = Connect(Options(0, 2, 2));
+  ASSERT_TRUE(w0);
+  auto raw = std::make_unique<RawSession>(server_->address());
+  ASSERT_TRUE(raw->Register(RawRequest(1, 2, 2)).ok());
+  ASSERT_TRUE(w0->ReportPlan(PlanOf(0, 0, 1)).ok());
+  raw->ctx.TryCancel();  // The peer's connection dies mid-run.
+  const absl::Time start = absl::Now();
+  auto d = w0->GetDecision({0, 0}, kDecisionTimeout);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5)) << "must fail fast, not wait for the deadline";
+  ASSERT_FALSE(d.ok());
+  EXPECT_EQ(d.status().code(), absl::StatusCode::kAborted);
+  EXPECT_THAT(d.status().message(), HasSubstr("rank 1 declared dead"));
+  EXPECT_EQ(w0->ReportPlan(PlanOf(0, 1, 1)).code(), absl::StatusCode::kAborted);
+
+  // The rank comes back: the group re-forms under a new epoch and decides again.
+  raw = std::make_unique<RawSession>(server_->address());
+  auto resp = raw->Register(RawRequest(1, 2, 2));
+  ASSERT_TRUE(resp.ok()) << resp.status();
+  EXPECT_EQ(resp->epoch(), 1);
+  ASSERT_TRUE(w0->AwaitGroupReady(kDecisionTimeout).ok());
+  EXPECT_EQ(w0->group().epoch, 1);
+  ASSERT_TRUE(w0->ReportPlan(PlanOf(0, 2, 1)).ok());
+  raw->SendPlan(RawPlan(0, 2, "vision_tower", 1));
+  auto d2 = w0->GetDecision({0, 2}, kDecisionTimeout);
+  ASSERT_TRUE(d2.ok()) << d2.status();
+  EXPECT_EQ(d2->epoch, 1);
+  EXPECT_EQ(d2->Find("vision_tower")->decision, Decision::kPerLayer);
+}
+
+TEST_F(InProcessTest, CoordinatorLossFailsPendingCallsQuickly) {
+  auto w0 = Connect(Options(0, 2, 2));
+  ASSERT_TRUE(w0);
+  ASSERT_TRUE(w0->ReportPlan(PlanOf(0, 0, 1)).ok());
+  std::thread stopper([&] { server_->Shutdown(absl::Milliseconds(100)); });
+  const absl::Time start = absl::Now();
+  auto d = w0->GetDecision({0, 0}, kDecisionTimeout);
+  stopper.join();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  ASSERT_FALSE(d.ok());
+  EXPECT_EQ(d.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(d.status().message(), HasSubstr(server_->address()));
+  EXPECT_EQ(w0->ReportPlan(PlanOf(0, 1, 1)).code(), absl::StatusCode::kUnavailable);
+}
+
+TEST_F(InProcessTest, UnreachableCoordinatorFailsConnectWithinItsTimeout) {
+  WorkerOptions o = Options(0, 2, 2);
+  const std::string address = server_->address();
+  server_->Shutdown(absl::Milliseconds(10));
+  o.coordinator_address = address;
+  o.connect_timeout = absl::Milliseconds(500);
+  const absl::Time start = absl::Now();
+  auto w = Worker::Connect(o);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  ASSERT_FALSE(w.ok());
+  EXPECT_EQ(w.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(w.status().message(), HasSubstr("cannot reach coordinator at " + address));
+}
+
+}  // namespace
+}  // namespace shardcoord

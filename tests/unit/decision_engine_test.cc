@@ -1,1 +1,382 @@
+// Unit tests of the coordinator's DecisionEngine: sequence numbers and digests, the pure
+// rule per module, sticky replication after a divergence with fallback replicate, and
+// `auto` promotion / demotion (coordinator/options.h PromotionOptions).
+#include "decision_engine.h"
+
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "shardcoord/decide.h"
+#include "shardcoord/types.h"
+
+namespace {
+
+using namespace shardcoord;
+using shardcoord::coordinator::DecisionEngine;
+using shardcoord::coordinator::EngineConfig;
+using shardcoord::coordinator::EngineTransition;
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using ::testing::IsEmpty;
+
+using Calls = std::vector<std::vector<int32_t>>;  // [module][member]
+
+constexpr int64_t kTowerBytes = 1000;
+
+// Manifest: vision_tower (1000 bytes), audio_tower (500 bytes), in this order.
+EngineConfig MakeConfig(Policy policy, Fallback fallback) {
+  EngineConfig c;
+  c.group = 2;
+  c.policy = policy;
+  c.fallback = fallback;
+  c.modules = {ModuleSpec{"vision_tower", kTowerBytes, {{"layers.0", 500}, {"layers.1", 500}}},
+               ModuleSpec{"audio_tower", 500, {}}};
+  return c;
+}
+
+// One module, with the promotion settings of the brief: window 4, promote at 2 divergent,
+// demote at 0, and a budget that the module fits.
+EngineConfig PromotionConfig(Policy policy = Policy::kAuto, Fallback fallback = Fallback::kRoot) {
+  EngineConfig c;
+  c.group = 0;
+  c.policy = policy;
+  c.fallback = fallback;
+  c.modules = {ModuleSpec{"vision_tower", kTowerBytes, {}}};
+  c.promotion.window = 4;
+  c.promotion.promote_threshold = 2;
+  c.promotion.demote_threshold = 0;
+  c.min_memory_budget_bytes = kTowerBytes;  // Exactly fits: promotion allowed.
+  return c;
+}
+
+const Calls kDivergent1 = {{1, 0}};
+const Calls kUniform1 = {{1, 1}};
+const Calls kSkip1 = {{0, 0}};
+
+void ExpectModule(const MicrobatchDecision& d, size_t index, const std::string& name,
+                  Decision decision, DecisionReason reason) {
+  ASSERT_LT(index, d.modules.size());
+  EXPECT_EQ(d.modules[index].module, name);
+  EXPECT_EQ(d.modules[index].decision, decision)
+      << "seq " << d.seq << ": got " << DecisionName(d.modules[index].decision) << ", want "
+      << DecisionName(decision);
+  EXPECT_EQ(d.modules[index].reason, reason)
+      << "seq " << d.seq << ": got " << DecisionReasonName(d.modules[index].reason) << ", want "
+      << DecisionReasonName(reason);
+}
+
+std::vector<std::string> Whats(const std::vector<EngineTransition>& t) {
+  std::vector<std::string> out;
+  for (const auto& x : t) out.push_back(x.what);
+  return out;
+}
+
+TEST(DecisionEngineTest, AssignsSeqInOrderAndDigestMatches) {
+  DecisionEngine engine(MakeConfig(Policy::kAuto, Fallback::kRoot));
+  EXPECT_EQ(engine.next_seq(), 0u);
+  for (uint64_t i = 0; i < 3; ++i) {
+    const MicrobatchKey key{static_cast<int64_t>(i / 2), static_cast<int32_t>(i % 2)};
+    MicrobatchDecision d = engine.Decide(key, /*epoch=*/7, {{1, 1}, {0, 0}});
+    EXPECT_EQ(d.seq, i);
+    EXPECT_EQ(d.key, key);
+    EXPECT_EQ(d.group, 2);
+    EXPECT_EQ(d.epoch, 7);
+    EXPECT_EQ(d.digest, DecisionDigest(d));
+    EXPECT_EQ(engine.next_seq(), i + 1);
+  }
+}
+
+TEST(DecisionEngineTest, DecisionsAreInManifestOrder) {
+  EngineConfig c = MakeConfig(Policy::kAuto, Fallback::kRoot);
+  // Deliberately not alphabetical.
+  c.modules = {ModuleSpec{"z_visual", 10, {}}, ModuleSpec{"a_audio_tower", 10, {}},
+               ModuleSpec{"m_mm_projector", 10, {}}};
+  DecisionEngine engine(c);
+  MicrobatchDecision d = engine.Decide({0, 0}, 0, {{1, 1}, {0, 0}, {1, 0}});
+  ASSERT_EQ(d.modules.size(), 3u);
+  ExpectModule(d, 0, "z_visual", Decision::kPerLayer, DecisionReason::kUniform);
+  ExpectModule(d, 1, "a_audio_tower", Decision::kSkip, DecisionReason::kAllSkip);
+  ExpectModule(d, 2, "m_mm_projector", Decision::kRoot, DecisionReason::kDivergent);
+}
+
+TEST(DecisionEngineTest, PerLayerSkipAndFallbackRootPerModule) {
+  DecisionEngine engine(MakeConfig(Policy::kPerLayer, Fallback::kRoot));
+  std::vector<EngineTransition> transitions;
+  MicrobatchDecision d0 = engine.Decide({0, 0}, 0, {{2, 2}, {0, 0}}, &transitions);
+  ExpectModule(d0, 0, "vision_tower", Decision::kPerLayer, DecisionReason::kUniform);
+  ExpectModule(d0, 1, "audio_tower", Decision::kSkip, DecisionReason::kAllSkip);
+
+  MicrobatchDecision d1 = engine.Decide({0, 1}, 0, {{1, 0}, {1, 2}}, &transitions);
+  ExpectModule(d1, 0, "vision_tower", Decision::kRoot, DecisionReason::kDivergent);
+  ExpectModule(d1, 1, "audio_tower", Decision::kRoot, DecisionReason::kDivergent);
+
+  // Fallback root holds no state: the next uniform microbatch is per_layer again.
+  MicrobatchDecision d2 = engine.Decide({1, 0}, 0, {{1, 1}, {3, 3}}, &transitions);
+  ExpectModule(d2, 0, "vision_tower", Decision::kPerLayer, DecisionReason::kUniform);
+  ExpectModule(d2, 1, "audio_tower", Decision::kPerLayer, DecisionReason::kUniform);
+
+  EXPECT_THAT(transitions, IsEmpty());
+  EXPECT_THAT(engine.ReplicatedModules(), IsEmpty());
+}
+
+TEST(DecisionEngineTest, FallbackReplicateIsSticky) {
+  DecisionEngine engine(MakeConfig(Policy::kPerLayer, Fallback::kReplicate));
+  std::vector<EngineTransition> transitions;
+
+  MicrobatchDecision d0 = engine.Decide({0, 0}, 0, {{1, 1}, {0, 0}}, &transitions);
+  ExpectModule(d0, 0, "vision_tower", Decision::kPerLayer, DecisionReason::kUniform);
+  EXPECT_THAT(transitions, IsEmpty());
+
+  // The divergent microbatch itself: replicate, reason divergent.
+  MicrobatchDecision d1 = engine.Decide({0, 1}, 0, {{1, 0}, {0, 0}}, &transitions);
+  ExpectModule(d1, 0, "vision_tower", Decision::kReplicate, DecisionReason::kDivergent);
+  ExpectModule(d1, 1, "audio_tower", Decision::kSkip, DecisionReason::kAllSkip);
+  ASSERT_EQ(transitions.size(), 1u);
+  EXPECT_EQ(transitions[0].module, "vision_tower");
+  EXPECT_EQ(transitions[0].what, "sticky_replicate");
+  EXPECT_THAT(transitions[0].detail, HasSubstr("(0,1)"));
+
+  // Later microbatches, uniform, skipped or divergent: replicate, reason sticky_replicate.
+  MicrobatchDecision d2 = engine.Decide({1, 0}, 0, {{1, 1}, {0, 0}}, &transitions);
+  ExpectModule(d2, 0, "vision_tower", Decision::kReplicate, DecisionReason::kStickyReplicate);
+  ExpectModule(d2, 1, "audio_tower", Decision::kSkip, DecisionReason::kAllSkip);
+  MicrobatchDecision d3 = engine.Decide({1, 1}, 0, {{0, 0}, {1, 1}}, &transitions);
+  ExpectModule(d3, 0, "vision_tower", Decision::kReplicate, DecisionReason::kStickyReplicate);
+  ExpectModule(d3, 1, "audio_tower", Decision::kPerLayer, DecisionReason::kUniform);
+  MicrobatchDecision d4 = engine.Decide({2, 0}, 0, {{0, 3}, {0, 0}}, &transitions);
+  ExpectModule(d4, 0, "vision_tower", Decision::kReplicate, DecisionReason::kStickyReplicate);
+
+  // Reported once only.
+  EXPECT_THAT(Whats(transitions), ElementsAre("sticky_replicate"));
+  EXPECT_THAT(engine.ReplicatedModules(), ElementsAre("vision_tower"));
+}
+
+TEST(DecisionEngineTest, AutoWithFallbackReplicateIsStickyAndNeverPromoted) {
+  EngineConfig c = PromotionConfig(Policy::kAuto, Fallback::kReplicate);
+  DecisionEngine engine(c);
+  std::vector<EngineTransition> transitions;
+  MicrobatchDecision d0 = engine.Decide({0, 0}, 0, kDivergent1, &transitions);
+  ExpectModule(d0, 0, "vision_tower", Decision::kReplicate, DecisionReason::kDivergent);
+  for (int i = 1; i < 6; ++i) {
+    MicrobatchDecision d = engine.Decide({i, 0}, 0, kDivergent1, &transitions);
+    ExpectModule(d, 0, "vision_tower", Decision::kReplicate, DecisionReason::kStickyReplicate);
+  }
+  EXPECT_THAT(Whats(transitions), ElementsAre("sticky_replicate"));
+}
+
+TEST(DecisionEngineTest, AutoPromotesAfterThresholdAndDemotesAfterQuietWindow) {
+  DecisionEngine engine(PromotionConfig());
+  std::vector<EngineTransition> t;
+
+  // seq 0: first divergence, fallback root, no transition.
+  MicrobatchDecision d0 = engine.Decide({0, 0}, 0, kDivergent1, &t);
+  ExpectModule(d0, 0, "vision_tower", Decision::kRoot, DecisionReason::kDivergent);
+  EXPECT_THAT(t, IsEmpty());
+  EXPECT_THAT(engine.ReplicatedModules(), IsEmpty());
+
+  // seq 1: second divergence reaches the threshold. This microbatch is still fallback
+  // root; "promoted" takes effect from the next one.
+  MicrobatchDecision d1 = engine.Decide({0, 1}, 0, kDivergent1, &t);
+  ExpectModule(d1, 0, "vision_tower", Decision::kRoot, DecisionReason::kDivergent);
+  ASSERT_EQ(t.size(), 1u);
+  EXPECT_EQ(t[0].module, "vision_tower");
+  EXPECT_EQ(t[0].what, "promoted");
+  EXPECT_THAT(t[0].detail, HasSubstr("(0,1)"));
+  EXPECT_THAT(engine.ReplicatedModules(), ElementsAre("vision_tower"));
+
+  // seq 2..5: four non-divergent microbatches, all replicated by promotion. The window
+  // [T,T,F,F] still holds 2 divergent at seq 3, 1 at seq 4, and 0 at seq 5: demote.
+  MicrobatchDecision d2 = engine.Decide({1, 0}, 0, kUniform1, &t);
+  ExpectModule(d2, 0, "vision_tower", Decision::kReplicate, DecisionReason::kPromoted);
+  MicrobatchDecision d3 = engine.Decide({1, 1}, 0, kSkip1, &t);
+  ExpectModule(d3, 0, "vision_tower", Decision::kReplicate, DecisionReason::kPromoted);
+  MicrobatchDecision d4 = engine.Decide({2, 0}, 0, kUniform1, &t);
+  ExpectModule(d4, 0, "vision_tower", Decision::kReplicate, DecisionReason::kPromoted);
+  EXPECT_THAT(Whats(t), ElementsAre("promoted"));  // Not demoted before the window is quiet.
+
+  MicrobatchDecision d5 = engine.Decide({2, 1}, 0, kUniform1, &t);
+  ExpectModule(d5, 0, "vision_tower", Decision::kReplicate, DecisionReason::kPromoted);
+  EXPECT_THAT(Whats(t), ElementsAre("promoted", "demoted"));
+  EXPECT_EQ(t[1].module, "vision_tower");
+  EXPECT_THAT(t[1].detail, HasSubstr("(2,1)"));
+  EXPECT_THAT(engine.ReplicatedModules(), IsEmpty());
+
+  // Back to the per-microbatch rule.
+  MicrobatchDecision d6 = engine.Decide({3, 0}, 0, kUniform1, &t);
+  ExpectModule(d6, 0, "vision_tower", Decision::kPerLayer, DecisionReason::kUniform);
+  MicrobatchDecision d7 = engine.Decide({3, 1}, 0, kSkip1, &t);
+  ExpectModule(d7, 0, "vision_tower", Decision::kSkip, DecisionReason::kAllSkip);
+  MicrobatchDecision d8 = engine.Decide({4, 0}, 0, kDivergent1, &t);
+  ExpectModule(d8, 0, "vision_tower", Decision::kRoot, DecisionReason::kDivergent);
+  EXPECT_THAT(Whats(t), ElementsAre("promoted", "demoted"));
+}
+
+TEST(DecisionEngineTest, PromotedModuleStaysReplicatedWhileDivergenceContinues) {
+  DecisionEngine engine(PromotionConfig());
+  std::vector<EngineTransition> t;
+  engine.Decide({0, 0}, 0, kDivergent1, &t);
+  engine.Decide({0, 1}, 0, kDivergent1, &t);
+  for (int i = 1; i <= 8; ++i) {
+    MicrobatchDecision d = engine.Decide({i, 0}, 0, kDivergent1, &t);
+    ExpectModule(d, 0, "vision_tower", Decision::kReplicate, DecisionReason::kPromoted);
+  }
+  EXPECT_THAT(Whats(t), ElementsAre("promoted"));
+}
+
+TEST(DecisionEngineTest, DivergencesOutsideTheWindowDoNotPromote) {
+  // Window 4, threshold 2: divergences 4 microbatches apart never share a window.
+  DecisionEngine engine(PromotionConfig());
+  std::vector<EngineTransition> t;
+  for (int i = 0; i < 12; ++i) {
+    const bool div = i % 4 == 0;
+    MicrobatchDecision d = engine.Decide({i, 0}, 0, div ? kDivergent1 : kUniform1, &t);
+    if (div) {
+      ExpectModule(d, 0, "vision_tower", Decision::kRoot, DecisionReason::kDivergent);
+    } else {
+      ExpectModule(d, 0, "vision_tower", Decision::kPerLayer, DecisionReason::kUniform);
+    }
+  }
+  EXPECT_THAT(t, IsEmpty());
+}
+
+TEST(DecisionEngineTest, NoPromotionWhenMemoryBudgetIsZero) {
+  EngineConfig c = PromotionConfig();
+  c.min_memory_budget_bytes = 0;
+  DecisionEngine engine(c);
+  std::vector<EngineTransition> t;
+  for (int i = 0; i < 6; ++i) {
+    MicrobatchDecision d = engine.Decide({i, 0}, 0, kDivergent1, &t);
+    ExpectModule(d, 0, "vision_tower", Decision::kRoot, DecisionReason::kDivergent);
+  }
+  EXPECT_THAT(t, IsEmpty());
+  EXPECT_THAT(engine.ReplicatedModules(), IsEmpty());
+}
+
+TEST(DecisionEngineTest, NoPromotionWhenModuleExceedsBudget) {
+  EngineConfig c = PromotionConfig();
+  c.min_memory_budget_bytes = kTowerBytes - 1;
+  DecisionEngine engine(c);
+  std::vector<EngineTransition> t;
+  for (int i = 0; i < 6; ++i) {
+    MicrobatchDecision d = engine.Decide({i, 0}, 0, kDivergent1, &t);
+    ExpectModule(d, 0, "vision_tower", Decision::kRoot, DecisionReason::kDivergent);
+  }
+  EXPECT_THAT(t, IsEmpty());
+  EXPECT_THAT(engine.ReplicatedModules(), IsEmpty());
+}
+
+TEST(DecisionEngineTest, OnlyTheModuleThatFitsIsPromoted) {
+  EngineConfig c = MakeConfig(Policy::kAuto, Fallback::kRoot);  // 1000 and 500 bytes.
+  c.promotion.window = 4;
+  c.promotion.promote_threshold = 2;
+  c.promotion.demote_threshold = 0;
+  c.min_memory_budget_bytes = 600;
+  DecisionEngine engine(c);
+  std::vector<EngineTransition> t;
+  engine.Decide({0, 0}, 0, {{1, 0}, {1, 0}}, &t);
+  engine.Decide({0, 1}, 0, {{1, 0}, {1, 0}}, &t);
+  ASSERT_EQ(t.size(), 1u);
+  EXPECT_EQ(t[0].module, "audio_tower");
+  EXPECT_EQ(t[0].what, "promoted");
+  MicrobatchDecision d = engine.Decide({1, 0}, 0, {{1, 1}, {1, 1}}, &t);
+  ExpectModule(d, 0, "vision_tower", Decision::kPerLayer, DecisionReason::kUniform);
+  ExpectModule(d, 1, "audio_tower", Decision::kReplicate, DecisionReason::kPromoted);
+  EXPECT_THAT(engine.ReplicatedModules(), ElementsAre("audio_tower"));
+}
+
+TEST(DecisionEngineTest, NoPromotionUnderExplicitPerLayer) {
+  DecisionEngine engine(PromotionConfig(Policy::kPerLayer, Fallback::kRoot));
+  std::vector<EngineTransition> t;
+  for (int i = 0; i < 6; ++i) {
+    MicrobatchDecision d = engine.Decide({i, 0}, 0, kDivergent1, &t);
+    ExpectModule(d, 0, "vision_tower", Decision::kRoot, DecisionReason::kDivergent);
+  }
+  EXPECT_THAT(t, IsEmpty());
+  EXPECT_THAT(engine.ReplicatedModules(), IsEmpty());
+}
+
+TEST(DecisionEngineTest, TransitionsPointerMayBeNull) {
+  DecisionEngine engine(PromotionConfig());
+  engine.Decide({0, 0}, 0, kDivergent1);
+  engine.Decide({0, 1}, 0, kDivergent1);
+  // State still changes without a transitions sink.
+  MicrobatchDecision d = engine.Decide({1, 0}, 0, kUniform1);
+  ExpectModule(d, 0, "vision_tower", Decision::kReplicate, DecisionReason::kPromoted);
+}
+
+TEST(DecisionEngineTest, DecideStaticRootForEveryModuleWithGivenSeq) {
+  DecisionEngine engine(MakeConfig(Policy::kRoot, Fallback::kReplicate));
+  EXPECT_TRUE(engine.is_static());
+  MicrobatchDecision d = engine.DecideStatic({5, 3}, /*epoch=*/2, /*seq=*/77);
+  EXPECT_EQ(d.group, 2);
+  EXPECT_EQ(d.key, (MicrobatchKey{5, 3}));
+  EXPECT_EQ(d.seq, 77u);
+  EXPECT_EQ(d.epoch, 2);
+  ASSERT_EQ(d.modules.size(), 2u);
+  ExpectModule(d, 0, "vision_tower", Decision::kRoot, DecisionReason::kStaticPolicy);
+  ExpectModule(d, 1, "audio_tower", Decision::kRoot, DecisionReason::kStaticPolicy);
+  EXPECT_EQ(d.digest, DecisionDigest(d));
+  // DecideStatic does not consume the engine's own sequence.
+  EXPECT_EQ(engine.next_seq(), 0u);
+}
+
+TEST(DecisionEngineTest, DecideStaticReplicatePolicy) {
+  DecisionEngine engine(MakeConfig(Policy::kReplicate, Fallback::kRoot));
+  EXPECT_TRUE(engine.is_static());
+  MicrobatchDecision d = engine.DecideStatic({0, 0}, 0, 4);
+  EXPECT_EQ(d.seq, 4u);
+  ExpectModule(d, 0, "vision_tower", Decision::kReplicate, DecisionReason::kStaticPolicy);
+  ExpectModule(d, 1, "audio_tower", Decision::kReplicate, DecisionReason::kStaticPolicy);
+}
+
+TEST(DecisionEngineTest, StaticPolicyDecideIgnoresCalls) {
+  DecisionEngine engine(MakeConfig(Policy::kRoot, Fallback::kRoot));
+  MicrobatchDecision d = engine.Decide({0, 0}, 0, {{1, 0}, {0, 0}});
+  ExpectModule(d, 0, "vision_tower", Decision::kRoot, DecisionReason::kStaticPolicy);
+  ExpectModule(d, 1, "audio_tower", Decision::kRoot, DecisionReason::kStaticPolicy);
+  EXPECT_FALSE(DecisionEngine(MakeConfig(Policy::kAuto, Fallback::kRoot)).is_static());
+  EXPECT_FALSE(DecisionEngine(MakeConfig(Policy::kPerLayer, Fallback::kRoot)).is_static());
+}
+
+TEST(DecisionEngineTest, TwoEnginesFedTheSameSequenceDecideIdentically) {
+  // A pseudo-random but fixed sequence of calls for two modules and three members,
+  // exercising promotion and demotion on the way.
+  EngineConfig c = MakeConfig(Policy::kAuto, Fallback::kRoot);
+  c.promotion.window = 4;
+  c.promotion.promote_threshold = 2;
+  c.promotion.demote_threshold = 0;
+  c.min_memory_budget_bytes = 2000;
+  DecisionEngine a(c), b(c);
+  std::vector<EngineTransition> ta, tb;
+  uint32_t x = 12345;
+  auto next = [&x] {
+    x = x * 1103515245u + 12345u;
+    return static_cast<int32_t>((x >> 16) % 3);
+  };
+  int promoted_seen = 0;
+  for (int i = 0; i < 200; ++i) {
+    Calls calls = {{next(), next(), next()}, {next(), next(), next()}};
+    const MicrobatchKey key{i / 4, i % 4};
+    MicrobatchDecision da = a.Decide(key, 0, calls, &ta);
+    MicrobatchDecision db = b.Decide(key, 0, calls, &tb);
+    ASSERT_EQ(da.digest, db.digest) << "at " << key;
+    ASSERT_EQ(da.modules.size(), db.modules.size());
+    for (size_t m = 0; m < da.modules.size(); ++m) {
+      EXPECT_EQ(da.modules[m].decision, db.modules[m].decision);
+      EXPECT_EQ(da.modules[m].reason, db.modules[m].reason);
+      if (da.modules[m].reason == DecisionReason::kPromoted) ++promoted_seen;
+    }
+  }
+  ASSERT_EQ(ta.size(), tb.size());
+  for (size_t i = 0; i < ta.size(); ++i) {
+    EXPECT_EQ(ta[i].module, tb[i].module);
+    EXPECT_EQ(ta[i].what, tb[i].what);
+    EXPECT_EQ(ta[i].detail, tb[i].detail);
+  }
+  EXPECT_GT(promoted_seen, 0) << "the sequence should exercise promotion";
+}
+
+}  // namespace

@@ -1,1 +1,284 @@
+// Unit tests of coordinator options: the YAML config file (LoadConfigFile) and the range
+// and relation checks (ValidateOptions).
+#include "options.h"
+
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
+
+#include <fstream>
+#include <string>
+
+#include "support/test_env.h"
+
+namespace {
+
+using namespace shardcoord;
+using shardcoord::coordinator::CoordinatorOptions;
+using shardcoord::coordinator::LoadConfigFile;
+using shardcoord::coordinator::ValidateOptions;
+using ::testing::HasSubstr;
+
+std::string WriteConfig(const shardcoord::testing::TempDir& dir, const std::string& text,
+                        const std::string& name = "shardcoordd.yaml") {
+  const std::string path = dir.File(name);
+  std::ofstream out(path);
+  out << text;
+  out.close();
+  EXPECT_TRUE(out.good()) << "cannot write " << path;
+  return path;
+}
+
+// ---------------------------------------------------------------------------------------
+// LoadConfigFile
+
+TEST(LoadConfigFileTest, SetsEveryKey) {
+  shardcoord::testing::TempDir dir;
+  const std::string path = WriteConfig(dir, R"(
+listen: "0.0.0.0:9000"
+default_policy: per_layer
+default_fallback: replicate
+heartbeat_interval_ms: 250
+heartbeat_timeout_ms: 3000
+plan_timeout_ms: 45000
+max_lookahead: 16
+promote_window: 20
+promote_threshold: 5
+demote_threshold: 1
+event_capacity: 500
+decision_history: 64
+log_level: debug
+address_file: /tmp/shardcoordd.addr
+)");
+  absl::StatusOr<CoordinatorOptions> o = LoadConfigFile(path);
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->listen_address, "0.0.0.0:9000");
+  EXPECT_EQ(o->default_policy, Policy::kPerLayer);
+  EXPECT_EQ(o->default_fallback, Fallback::kReplicate);
+  EXPECT_EQ(o->heartbeat_interval, absl::Milliseconds(250));
+  EXPECT_EQ(o->heartbeat_timeout, absl::Milliseconds(3000));
+  EXPECT_EQ(o->plan_timeout, absl::Milliseconds(45000));
+  EXPECT_EQ(o->max_lookahead, 16);
+  EXPECT_EQ(o->promotion.window, 20);
+  EXPECT_EQ(o->promotion.promote_threshold, 5);
+  EXPECT_EQ(o->promotion.demote_threshold, 1);
+  EXPECT_EQ(o->event_capacity, 500);
+  EXPECT_EQ(o->decision_history, 64);
+  EXPECT_EQ(o->log_level, "debug");
+  EXPECT_EQ(o->address_file, "/tmp/shardcoordd.addr");
+  EXPECT_TRUE(ValidateOptions(*o).ok()) << ValidateOptions(*o);
+}
+
+TEST(LoadConfigFileTest, KeysNotInFileKeepTheBaseValues) {
+  shardcoord::testing::TempDir dir;
+  const std::string path = WriteConfig(dir, "max_lookahead: 8\n");
+  CoordinatorOptions base;
+  base.listen_address = "127.0.0.1:0";
+  base.default_policy = Policy::kRoot;
+  absl::StatusOr<CoordinatorOptions> o = LoadConfigFile(path, base);
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->max_lookahead, 8);
+  EXPECT_EQ(o->listen_address, "127.0.0.1:0");
+  EXPECT_EQ(o->default_policy, Policy::kRoot);
+  EXPECT_EQ(o->heartbeat_interval, coordinator::kDefaultHeartbeatInterval);
+}
+
+TEST(LoadConfigFileTest, UnknownKeyIsInvalidArgumentNamingTheKey) {
+  shardcoord::testing::TempDir dir;
+  const std::string path = WriteConfig(dir, "listen: 127.0.0.1:1\nheartbeat_intervl_ms: 100\n");
+  absl::StatusOr<CoordinatorOptions> o = LoadConfigFile(path);
+  ASSERT_FALSE(o.ok());
+  EXPECT_EQ(o.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(o.status().message(), HasSubstr("heartbeat_intervl_ms"));
+  EXPECT_THAT(o.status().message(), HasSubstr(path));
+  // The accepted keys are listed so the typo can be fixed.
+  EXPECT_THAT(o.status().message(), HasSubstr("heartbeat_interval_ms"));
+}
+
+TEST(LoadConfigFileTest, BadPolicyValueNamesTheValue) {
+  shardcoord::testing::TempDir dir;
+  const std::string path = WriteConfig(dir, "default_policy: sometimes\n");
+  absl::StatusOr<CoordinatorOptions> o = LoadConfigFile(path);
+  ASSERT_FALSE(o.ok());
+  EXPECT_EQ(o.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(o.status().message(), HasSubstr("default_policy"));
+  EXPECT_THAT(o.status().message(), HasSubstr("sometimes"));
+}
+
+TEST(LoadConfigFileTest, BadFallbackValueNamesTheValue) {
+  shardcoord::testing::TempDir dir;
+  // "auto" is a policy, not a fallback.
+  const std::string path = WriteConfig(dir, "default_fallback: auto\n");
+  absl::StatusOr<CoordinatorOptions> o = LoadConfigFile(path);
+  ASSERT_FALSE(o.ok());
+  EXPECT_EQ(o.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(o.status().message(), HasSubstr("default_fallback"));
+  EXPECT_THAT(o.status().message(), HasSubstr("'auto'"));
+}
+
+TEST(LoadConfigFileTest, WrongTypeNamesTheKey) {
+  shardcoord::testing::TempDir dir;
+  const std::string path = WriteConfig(dir, "heartbeat_interval_ms: \"abc\"\n");
+  absl::StatusOr<CoordinatorOptions> o = LoadConfigFile(path);
+  ASSERT_FALSE(o.ok());
+  EXPECT_EQ(o.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(o.status().message(), HasSubstr("heartbeat_interval_ms"));
+  EXPECT_THAT(o.status().message(), HasSubstr("wrong type"));
+}
+
+TEST(LoadConfigFileTest, ListValueForIntegerKeyIsWrongType) {
+  shardcoord::testing::TempDir dir;
+  const std::string path = WriteConfig(dir, "max_lookahead: [1, 2]\n");
+  absl::StatusOr<CoordinatorOptions> o = LoadConfigFile(path);
+  ASSERT_FALSE(o.ok());
+  EXPECT_EQ(o.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(o.status().message(), HasSubstr("max_lookahead"));
+}
+
+TEST(LoadConfigFileTest, MissingFileIsNotFound) {
+  shardcoord::testing::TempDir dir;
+  const std::string path = dir.File("does_not_exist.yaml");
+  absl::StatusOr<CoordinatorOptions> o = LoadConfigFile(path);
+  ASSERT_FALSE(o.ok());
+  EXPECT_EQ(o.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(o.status().message(), HasSubstr(path));
+}
+
+TEST(LoadConfigFileTest, EmptyFileGivesDefaults) {
+  shardcoord::testing::TempDir dir;
+  const std::string path = WriteConfig(dir, "");
+  absl::StatusOr<CoordinatorOptions> o = LoadConfigFile(path);
+  ASSERT_TRUE(o.ok()) << o.status();
+  const CoordinatorOptions d;
+  EXPECT_EQ(o->listen_address, coordinator::kDefaultListenAddress);
+  EXPECT_EQ(o->default_policy, Policy::kAuto);
+  EXPECT_EQ(o->default_fallback, Fallback::kRoot);
+  EXPECT_EQ(o->heartbeat_interval, coordinator::kDefaultHeartbeatInterval);
+  EXPECT_EQ(o->heartbeat_timeout, coordinator::kDefaultHeartbeatTimeout);
+  EXPECT_EQ(o->plan_timeout, coordinator::kDefaultPlanTimeout);
+  EXPECT_EQ(o->max_lookahead, coordinator::kDefaultMaxLookahead);
+  EXPECT_EQ(o->promotion.window, coordinator::kDefaultPromoteWindow);
+  EXPECT_EQ(o->promotion.promote_threshold, coordinator::kDefaultPromoteThreshold);
+  EXPECT_EQ(o->promotion.demote_threshold, coordinator::kDefaultDemoteThreshold);
+  EXPECT_EQ(o->event_capacity, coordinator::kDefaultEventCapacity);
+  EXPECT_EQ(o->decision_history, coordinator::kDefaultDecisionHistory);
+  EXPECT_EQ(o->log_level, d.log_level);
+  EXPECT_EQ(o->address_file, "");
+}
+
+TEST(LoadConfigFileTest, CommentOnlyFileGivesDefaults) {
+  shardcoord::testing::TempDir dir;
+  const std::string path = WriteConfig(dir, "# nothing configured yet\n");
+  absl::StatusOr<CoordinatorOptions> o = LoadConfigFile(path);
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->max_lookahead, coordinator::kDefaultMaxLookahead);
+}
+
+TEST(LoadConfigFileTest, NonMappingIsInvalidArgument) {
+  shardcoord::testing::TempDir dir;
+  const std::string path = WriteConfig(dir, "- listen\n- default_policy\n");
+  absl::StatusOr<CoordinatorOptions> o = LoadConfigFile(path);
+  ASSERT_FALSE(o.ok());
+  EXPECT_EQ(o.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(o.status().message(), HasSubstr("mapping"));
+}
+
+TEST(LoadConfigFileTest, MalformedYamlIsInvalidArgument) {
+  shardcoord::testing::TempDir dir;
+  const std::string path = WriteConfig(dir, "listen: [unclosed\n");
+  absl::StatusOr<CoordinatorOptions> o = LoadConfigFile(path);
+  ASSERT_FALSE(o.ok());
+  EXPECT_EQ(o.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(o.status().message(), HasSubstr("not valid YAML"));
+}
+
+// ---------------------------------------------------------------------------------------
+// ValidateOptions
+
+TEST(ValidateOptionsTest, AcceptsDefaults) {
+  absl::Status s = ValidateOptions(CoordinatorOptions{});
+  EXPECT_TRUE(s.ok()) << s;
+}
+
+TEST(ValidateOptionsTest, RejectsTimeoutBelowTwiceIntervalNamingBothNumbers) {
+  CoordinatorOptions o;
+  o.heartbeat_interval = absl::Milliseconds(700);
+  o.heartbeat_timeout = absl::Milliseconds(1399);
+  absl::Status s = ValidateOptions(o);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("1399"));
+  EXPECT_THAT(s.message(), HasSubstr("700"));
+  EXPECT_THAT(s.message(), HasSubstr("heartbeat timeout"));
+
+  o.heartbeat_timeout = absl::Milliseconds(1400);  // Exactly twice: accepted.
+  EXPECT_TRUE(ValidateOptions(o).ok()) << ValidateOptions(o);
+}
+
+TEST(ValidateOptionsTest, RejectsZeroMaxLookahead) {
+  CoordinatorOptions o;
+  o.max_lookahead = 0;
+  absl::Status s = ValidateOptions(o);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("lookahead"));
+  o.max_lookahead = 1;
+  EXPECT_TRUE(ValidateOptions(o).ok());
+}
+
+TEST(ValidateOptionsTest, RejectsPromoteThresholdAboveWindow) {
+  CoordinatorOptions o;
+  o.promotion.window = 4;
+  o.promotion.promote_threshold = 5;
+  o.promotion.demote_threshold = 0;
+  absl::Status s = ValidateOptions(o);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("promote_threshold"));
+  EXPECT_THAT(s.message(), HasSubstr("promote_window"));
+  o.promotion.promote_threshold = 4;  // Equal to the window: accepted.
+  EXPECT_TRUE(ValidateOptions(o).ok()) << ValidateOptions(o);
+}
+
+TEST(ValidateOptionsTest, RejectsDemoteThresholdNotBelowPromote) {
+  CoordinatorOptions o;
+  o.promotion.window = 8;
+  o.promotion.promote_threshold = 3;
+  o.promotion.demote_threshold = 3;
+  absl::Status s = ValidateOptions(o);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("demote_threshold"));
+  o.promotion.demote_threshold = 2;
+  EXPECT_TRUE(ValidateOptions(o).ok()) << ValidateOptions(o);
+}
+
+TEST(ValidateOptionsTest, RejectsOtherOutOfRangeFields) {
+  {
+    CoordinatorOptions o;
+    o.listen_address = "";
+    EXPECT_EQ(ValidateOptions(o).code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(ValidateOptions(o).message(), HasSubstr("listen"));
+  }
+  {
+    CoordinatorOptions o;
+    o.heartbeat_interval = absl::ZeroDuration();
+    EXPECT_EQ(ValidateOptions(o).code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(ValidateOptions(o).message(), HasSubstr("heartbeat interval"));
+  }
+  {
+    CoordinatorOptions o;
+    o.plan_timeout = absl::ZeroDuration();
+    EXPECT_EQ(ValidateOptions(o).code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(ValidateOptions(o).message(), HasSubstr("plan timeout"));
+  }
+  {
+    CoordinatorOptions o;
+    o.event_capacity = 0;
+    EXPECT_EQ(ValidateOptions(o).code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(ValidateOptions(o).message(), HasSubstr("event_capacity"));
+  }
+  {
+    CoordinatorOptions o;
+    o.default_policy = Policy::kUnspecified;
+    EXPECT_EQ(ValidateOptions(o).code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(ValidateOptions(o).message(), HasSubstr("policy"));
+  }
+}
+
+}  // namespace

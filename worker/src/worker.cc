@@ -58,6 +58,20 @@ class Worker::Impl {
     absl::MutexLock lock(&mu_);
     return group_;
   }
+  absl::Status AwaitGroupReady(absl::Duration timeout) {
+    absl::MutexLock lock(&mu_);
+    auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return group_failure_.empty() || !session_status_.ok();
+    };
+    mu_.AwaitWithTimeout(absl::Condition(&ready), timeout);
+    if (!session_status_.ok()) return session_status_;
+    if (!group_failure_.empty()) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "group ", group_.group, " did not re-form within ", absl::ToInt64Milliseconds(timeout),
+          " ms: ", group_failure_));
+    }
+    return absl::OkStatus();
+  }
   void Close(absl::Duration timeout);
 
  private:
@@ -429,6 +443,14 @@ void Worker::Impl::Close(absl::Duration timeout) {
   {
     absl::MutexLock lock(&mu_);
     closing_ = true;
+    if (!writer_started_) {
+      // Never registered: there is no session to leave.
+      mu_.Unlock();
+      ctx_.TryCancel();
+      if (reader_.joinable()) reader_.join();
+      mu_.Lock();
+      return;
+    }
     auto done = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return writer_done_; };
     mu_.AwaitWithDeadline(absl::Condition(&done), deadline);
     auto reader_done = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return reader_done_; };
@@ -458,6 +480,9 @@ absl::Status Worker::ReportPlan(const MicrobatchPlan& plan) { return impl_->Repo
 absl::StatusOr<MicrobatchDecision> Worker::GetDecision(const MicrobatchKey& key,
                                                        absl::Duration timeout) {
   return impl_->GetDecision(key, timeout);
+}
+absl::Status Worker::AwaitGroupReady(absl::Duration timeout) {
+  return impl_->AwaitGroupReady(timeout);
 }
 int Worker::UndecidedPlans() const { return impl_->UndecidedPlans(); }
 absl::Status Worker::Health() const { return impl_->Health(); }

@@ -115,6 +115,11 @@ class SHARDCOORD_EXPORT Worker {
   // OK while the session is usable; otherwise why it is not.
   absl::Status Health() const;
 
+  // Waits until the group is usable again after a failure (it re-formed under a new
+  // epoch), at most `timeout`. OK at once when the group has not failed. Errors:
+  // DEADLINE_EXCEEDED (still failed: the message says why), UNAVAILABLE (session lost).
+  absl::Status AwaitGroupReady(absl::Duration timeout);
+
   // Says goodbye (a clean leave: the rank becomes LEFT, not dead) and stops the
   // background threads, within `timeout`. Idempotent.
   void Close(absl::Duration timeout = kDefaultCloseTimeout);
