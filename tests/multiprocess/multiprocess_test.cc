@@ -1,1 +1,268 @@
+// Multi-process tests: a real shardcoordd and real rank processes (`shardctl replay
+// --ranks R`, each linking the worker library), killed and frozen with real signals.
+#include <arpa/inet.h>
+#include <gmock/gmock.h>
+#include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <memory>
+
+#include <google/protobuf/util/json_util.h>
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "shardcoord/v1/coordinator.grpc.pb.h"
+#include "support/subprocess.h"
+#include "support/test_env.h"
+
+namespace shardcoord {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::ReadFile;
+using testing::RunCommand;
+using testing::Subprocess;
+using testing::TempDir;
+using testing::WaitUntil;
+
+constexpr int kHeartbeatTimeoutMs = 1500;
+constexpr absl::Duration kStartTimeout = absl::Seconds(20);
+
+// A port nothing listens on: bound once by us, then released.
+int ClosedPort() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  socklen_t len = sizeof(addr);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+// A trace of `microbatches` per rank; group members disagree now and then.
+void WriteTrace(const std::string& path, int world, int microbatches) {
+  std::ofstream out(path);
+  for (int i = 0; i < microbatches; ++i) {
+    for (int r = 0; r < world; ++r) {
+      int vision = (i % 3 == 0) ? 1 : (i % 3 == 1) ? 0 : (r % 2);
+      out << "{\"rank\":" << r << ",\"step\":" << i / 4 << ",\"microbatch\":" << i % 4
+          << ",\"calls\":{\"vision_tower\":" << vision << ",\"audio_tower\":0}}\n";
+    }
+  }
+}
+
+class MultiProcessTest : public ::testing::Test {
+ protected:
+  void StartDaemon(std::vector<std::string> extra = {}) {
+    std::vector<std::string> argv = {SHARDCOORDD_PATH, "--listen", "127.0.0.1:0", "--address-file",
+                                     dir_.File("addr"), "--heartbeat-interval-ms", "100",
+                                     "--heartbeat-timeout-ms", std::to_string(kHeartbeatTimeoutMs)};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    daemon_ = std::make_unique<Subprocess>(argv, dir_.File("daemon.out"), dir_.File("daemon.err"));
+    ASSERT_TRUE(WaitUntil([&] { return ReadFile(dir_.File("addr")).find(':') != std::string::npos; },
+                          kStartTimeout))
+        << ReadFile(dir_.File("daemon.err"));
+    address_ = ReadFile(dir_.File("addr"));
+    address_.erase(address_.find_last_not_of("\n") + 1);
+    stub_ = v1::Coordinator::NewStub(grpc::CreateChannel(address_, grpc::InsecureChannelCredentials()));
+  }
+
+  std::unique_ptr<Subprocess> StartRank(int rank, const std::string& trace, int interval_ms) {
+    return std::make_unique<Subprocess>(
+        std::vector<std::string>{SHARDCTL_PATH, "replay", trace, "--coordinator", address_, "--job-id", "mp",
+                                 "--world-size", "8", "--group-size", "4", "--ranks", std::to_string(rank),
+                                 "--interval-ms", std::to_string(interval_ms), "--per-rank", "--output",
+                                 dir_.File(absl::StrCat("rank", rank, ".jsonl")), "--decision-timeout-ms",
+                                 "30000"},
+        dir_.File(absl::StrCat("rank", rank, ".out")), dir_.File(absl::StrCat("rank", rank, ".err")));
+  }
+
+  v1::ListRanksResponse Ranks() {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    v1::ListRanksRequest req;
+    v1::ListRanksResponse resp;
+    stub_->ListRanks(&ctx, req, &resp);
+    return resp;
+  }
+
+  int CountInState(v1::RankState state) {
+    int n = 0;
+    const v1::ListRanksResponse all = Ranks();
+    for (const auto& r : all.ranks()) n += r.state() == state;
+    return n;
+  }
+
+  // Starts 8 rank processes and waits until all are live and each group has decided.
+  void StartJob(const std::string& trace, int interval_ms) {
+    for (int r = 0; r < 8; ++r) ranks_.push_back(StartRank(r, trace, interval_ms));
+    ASSERT_TRUE(WaitUntil([&] { return CountInState(v1::RANK_STATE_LIVE) == 8; }, kStartTimeout));
+    ASSERT_TRUE(WaitUntil(
+        [&] {
+          const v1::ListRanksResponse all = Ranks();
+          for (const auto& r : all.ranks()) {
+            if (r.plans_received() < 3) return false;
+          }
+          return all.ranks_size() == 8;
+        },
+        kStartTimeout));
+  }
+
+  TempDir dir_;
+  std::unique_ptr<Subprocess> daemon_;
+  std::string address_;
+  std::unique_ptr<v1::Coordinator::Stub> stub_;
+  std::vector<std::unique_ptr<Subprocess>> ranks_;
+};
+
+TEST_F(MultiProcessTest, KillNineOneRankFailsItsGroupOnlyAndShowsItDead) {
+  StartDaemon();
+  const std::string trace = dir_.File("trace.jsonl");
+  WriteTrace(trace, 8, 120);  // 120 microbatches x 25 ms: ~3 s per rank
+  StartJob(trace, 25);
+
+  ranks_[5]->Signal(SIGKILL);
+  const absl::Time killed = absl::Now();
+  for (int r : {4, 6, 7}) {
+    auto code = ranks_[r]->Wait(absl::Milliseconds(kHeartbeatTimeoutMs) + absl::Seconds(3));
+    ASSERT_TRUE(code.has_value()) << "rank " << r << " still waiting after rank 5 died";
+    EXPECT_EQ(*code, 1) << ReadFile(ranks_[r]->stderr_path());
+    EXPECT_THAT(ReadFile(ranks_[r]->stderr_path()), HasSubstr("rank 5 declared dead"));
+  }
+  EXPECT_LT(absl::Now() - killed, absl::Milliseconds(kHeartbeatTimeoutMs) + absl::Seconds(3));
+  // The other group goes on to the end.
+  for (int r : {0, 1, 2, 3}) {
+    auto code = ranks_[r]->Wait(absl::Seconds(60));
+    ASSERT_TRUE(code.has_value());
+    EXPECT_EQ(*code, 0) << ReadFile(ranks_[r]->stderr_path());
+  }
+  auto verify = RunCommand({SHARDCTL_PATH, "verify", dir_.File("rank0.jsonl"), dir_.File("rank1.jsonl"),
+                     dir_.File("rank2.jsonl"), dir_.File("rank3.jsonl")},
+                    absl::Seconds(30));
+  EXPECT_EQ(verify.exit_code, 0) << verify.err;
+  EXPECT_THAT(verify.out, HasSubstr("verified 240 group decisions"));
+
+  // The operator sees it: `shardctl ranks --json` names rank 5 dead and why.
+  auto ranks = RunCommand({SHARDCTL_PATH, "ranks", "--json", "--coordinator", address_}, absl::Seconds(30));
+  ASSERT_EQ(ranks.exit_code, 0) << ranks.err;
+  v1::ListRanksResponse parsed;
+  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(ranks.out, &parsed).ok()) << ranks.out;
+  ASSERT_EQ(parsed.ranks_size(), 8);
+  EXPECT_EQ(parsed.ranks(5).state(), v1::RANK_STATE_DEAD);
+  EXPECT_THAT(parsed.ranks(5).dead_reason(), HasSubstr("session stream lost"));
+  for (int r : {0, 1, 2, 3}) EXPECT_EQ(parsed.ranks(r).state(), v1::RANK_STATE_LEFT);
+  auto groups = RunCommand({SHARDCTL_PATH, "groups", "--json", "--coordinator", address_}, absl::Seconds(30));
+  EXPECT_THAT(groups.out, HasSubstr("GROUP_STATE_FAILED"));
+  EXPECT_THAT(groups.out, HasSubstr("rank 5 declared dead"));
+}
+
+TEST_F(MultiProcessTest, FrozenRankIsDeclaredDeadByHeartbeatTimeout) {
+  StartDaemon();
+  const std::string trace = dir_.File("trace.jsonl");
+  WriteTrace(trace, 8, 400);
+  StartJob(trace, 25);
+
+  ranks_[2]->Signal(SIGSTOP);  // Alive, connection open, but silent.
+  const absl::Time frozen = absl::Now();
+  for (int r : {0, 1, 3}) {
+    auto code = ranks_[r]->Wait(absl::Milliseconds(kHeartbeatTimeoutMs) + absl::Seconds(5));
+    ASSERT_TRUE(code.has_value()) << "rank " << r << " still waiting for the frozen rank";
+    EXPECT_EQ(*code, 1);
+    EXPECT_THAT(ReadFile(ranks_[r]->stderr_path()), HasSubstr("rank 2 declared dead: no heartbeat"));
+  }
+  const absl::Duration took = absl::Now() - frozen;
+  EXPECT_GE(took, absl::Milliseconds(kHeartbeatTimeoutMs) - absl::Milliseconds(300))
+      << "declared dead before the timeout";
+  EXPECT_LT(took, absl::Milliseconds(kHeartbeatTimeoutMs) + absl::Seconds(5));
+  // Group 1 is not affected.
+  for (int r : {4, 5, 6, 7}) EXPECT_TRUE(ranks_[r]->Running()) << "rank " << r;
+  ranks_[2]->Signal(SIGKILL);
+}
+
+TEST_F(MultiProcessTest, ProcessesAgreeWithTheEmbeddedReplay) {
+  StartDaemon();
+  const std::string trace = std::string(SHARDCOORD_SOURCE_DIR) + "/examples/traces/mixed_8ranks.jsonl";
+  for (int r = 0; r < 8; ++r) ranks_.push_back(StartRank(r, trace, 0));
+  std::vector<std::string> outputs = {SHARDCTL_PATH, "verify"};
+  for (int r = 0; r < 8; ++r) {
+    auto code = ranks_[r]->Wait(absl::Seconds(60));
+    ASSERT_TRUE(code.has_value());
+    ASSERT_EQ(*code, 0) << ReadFile(ranks_[r]->stderr_path());
+    outputs.push_back(dir_.File(absl::StrCat("rank", r, ".jsonl")));
+  }
+  auto verify = RunCommand(outputs, absl::Seconds(30));
+  EXPECT_EQ(verify.exit_code, 0) << verify.err;
+  EXPECT_THAT(verify.out, HasSubstr("all ranks of each group agree"));
+
+  // The same trace replayed in one process, embedded coordinator: the same decisions.
+  auto embedded = RunCommand({SHARDCTL_PATH, "replay", trace, "--group-size", "4", "--per-rank"}, absl::Seconds(60));
+  ASSERT_EQ(embedded.exit_code, 0) << embedded.err;
+  std::string multi;
+  for (int r = 0; r < 8; ++r) multi += ReadFile(dir_.File(absl::StrCat("rank", r, ".jsonl")));
+  std::vector<std::string> a = absl::StrSplit(embedded.out, '\n', absl::SkipEmpty());
+  std::vector<std::string> b = absl::StrSplit(multi, '\n', absl::SkipEmpty());
+  std::sort(a.begin(), a.end());
+  std::sort(b.begin(), b.end());
+  EXPECT_EQ(a.size(), 8u * 40 * 3);
+  EXPECT_EQ(a, b);
+}
+
+TEST_F(MultiProcessTest, ShardctlFailsFastOnAnUnreachableCoordinator) {
+  const std::string addr = absl::StrCat("127.0.0.1:", ClosedPort());
+  for (const char* cmd : {"status", "ranks", "groups", "decisions", "events"}) {
+    const absl::Time start = absl::Now();
+    auto r = RunCommand({SHARDCTL_PATH, cmd, "--coordinator", addr, "--timeout-ms", "2000"}, absl::Seconds(30));
+    EXPECT_LT(absl::Now() - start, absl::Seconds(10)) << cmd;
+    EXPECT_EQ(r.exit_code, 2) << cmd;
+    EXPECT_THAT(r.err, HasSubstr("cannot reach coordinator at " + addr)) << cmd;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << "one line: " << r.err;
+  }
+  // SHARDCOORD_ADDR is honoured the same way.
+  auto r = RunCommand({SHARDCTL_PATH, "status", "--timeout-ms", "2000"}, absl::Seconds(30), {"SHARDCOORD_ADDR=" + addr});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, HasSubstr(addr));
+}
+
+TEST_F(MultiProcessTest, DaemonStopsCleanlyOnSigtermAndSigint) {
+  for (int sig : {SIGTERM, SIGINT}) {
+    StartDaemon();
+    ranks_.push_back(StartRank(0, std::string(SHARDCOORD_SOURCE_DIR) + "/examples/traces/mixed_8ranks.jsonl", 0));
+    ASSERT_TRUE(WaitUntil([&] { return CountInState(v1::RANK_STATE_LIVE) == 1; }, kStartTimeout));
+    daemon_->Signal(sig);
+    auto code = daemon_->Wait(absl::Seconds(10));
+    ASSERT_TRUE(code.has_value());
+    EXPECT_EQ(*code, 0) << ReadFile(dir_.File("daemon.err"));
+    EXPECT_THAT(ReadFile(dir_.File("daemon.err")), HasSubstr("shutting down"));
+    // The waiting rank learns that the coordinator went away, instead of hanging.
+    auto rank_code = ranks_.back()->Wait(absl::Seconds(10));
+    ASSERT_TRUE(rank_code.has_value());
+    EXPECT_EQ(*rank_code, 1);
+    EXPECT_THAT(ReadFile(ranks_.back()->stderr_path()), HasSubstr("shutting down"));
+    std::remove(dir_.File("addr").c_str());
+  }
+}
+
+TEST_F(MultiProcessTest, DaemonRejectsABadConfigWithAClearMessage) {
+  const std::string cfg = dir_.File("bad.yaml");
+  std::ofstream(cfg) << "listen: 127.0.0.1:0\nheartbeat_timout_ms: 100\n";
+  auto r = RunCommand({SHARDCOORDD_PATH, "--config", cfg}, absl::Seconds(10));
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, HasSubstr("unknown key 'heartbeat_timout_ms'"));
+  std::ofstream(cfg) << "heartbeat_interval_ms: 1000\nheartbeat_timeout_ms: 1500\n";
+  r = RunCommand({SHARDCOORDD_PATH, "--config", cfg, "--listen", "127.0.0.1:0"}, absl::Seconds(10));
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, HasSubstr("at least twice the heartbeat interval"));
+}
+
+}  // namespace
+}  // namespace shardcoord

@@ -72,7 +72,7 @@ void Subprocess::Signal(int sig) {
   if (!exit_code_ && pid_ > 0) kill(pid_, sig);
 }
 
-RunResult Run(std::vector<std::string> argv, absl::Duration timeout, std::vector<std::string> env) {
+RunResult RunCommand(std::vector<std::string> argv, absl::Duration timeout, std::vector<std::string> env) {
   TempDir dir;
   RunResult result;
   {

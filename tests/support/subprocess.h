@@ -44,7 +44,7 @@ struct RunResult {
   std::string out;
   std::string err;
 };
-RunResult Run(std::vector<std::string> argv, absl::Duration timeout,
+RunResult RunCommand(std::vector<std::string> argv, absl::Duration timeout,
               std::vector<std::string> env = {});
 
 }  // namespace shardcoord::testing
