@@ -2,6 +2,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include <cstdint>
+
 #include "absl/strings/str_cat.h"
 
 namespace shardcoord::client {
@@ -24,9 +26,13 @@ absl::StatusOr<Trace> ParseTrace(std::istream& in, const std::string& source) {
     }
     if (!j.is_object()) return absl::InvalidArgumentError(where + "each line must be a JSON object");
     for (const char* field : {"rank", "step", "microbatch"}) {
-      if (!j.contains(field) || !j[field].is_number_integer() || j[field].get<int64_t>() < 0) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(where, "'", field, "' must be a non-negative integer"));
+      // step is 64-bit; rank and microbatch are 32-bit on the wire.
+      const int64_t max = std::string(field) == "step" ? INT64_MAX : INT32_MAX;
+      if (!j.contains(field) || !j[field].is_number_integer() || j[field].get<int64_t>() < 0 ||
+          (j[field].is_number_unsigned() && j[field].get<uint64_t>() > static_cast<uint64_t>(max)) ||
+          j[field].get<int64_t>() > max) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            where, "'", field, "' must be a non-negative integer (at most ", max, ")"));
       }
     }
     for (auto it = j.begin(); it != j.end(); ++it) {
@@ -43,9 +49,10 @@ absl::StatusOr<Trace> ParseTrace(std::istream& in, const std::string& source) {
         return absl::InvalidArgumentError(where + "'calls' must be an object of module -> count");
       }
       for (auto it = j["calls"].begin(); it != j["calls"].end(); ++it) {
-        if (!it.value().is_number_integer() || it.value().get<int64_t>() < 0) {
+        if (!it.value().is_number_integer() || it.value().get<int64_t>() < 0 ||
+            it.value().get<int64_t>() > INT32_MAX) {
           return absl::InvalidArgumentError(absl::StrCat(
-              where, "calls of module '", it.key(), "' must be a non-negative integer"));
+              where, "calls of module '", it.key(), "' must be a non-negative integer (at most ", INT32_MAX, ")"));
         }
         calls[it.key()] = it.value().get<int32_t>();
         trace.module_names.insert(it.key());

@@ -68,7 +68,12 @@ absl::StatusOr<CoordinatorOptions> LoadConfigFile(const std::string& path,
       "promote_threshold", "demote_threshold", "event_capacity",    "decision_history",
       "log_level",        "address_file"};
   for (const auto& kv : root) {
-    std::string key = kv.first.as<std::string>();
+    if (!kv.first.IsScalar()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("config file ", path, ": every key must be a plain name; accepted keys: ",
+                       absl::StrJoin(kKeys, ", ")));
+    }
+    std::string key = kv.first.Scalar();
     if (!kKeys.count(key)) {
       return absl::InvalidArgumentError(absl::StrCat("config file ", path, ": unknown key '", key,
                                                      "'; accepted keys: ",

@@ -5,6 +5,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <fstream>
 #include <string>
 
@@ -180,6 +181,20 @@ TEST(LoadConfigFileTest, NonMappingIsInvalidArgument) {
   ASSERT_FALSE(o.ok());
   EXPECT_EQ(o.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(o.status().message(), HasSubstr("mapping"));
+}
+
+// A valid YAML file whose key is not a scalar must be an error, not an abort; the child
+// process keeps an abort from taking the whole suite down.
+TEST(LoadConfigFileDeathTest, NonScalarKeyIsInvalidArgumentNotACrash) {
+  shardcoord::testing::TempDir dir;
+  const std::string path = WriteConfig(dir, "[a, b]: 1\n");
+  EXPECT_EXIT(
+      {
+        absl::StatusOr<CoordinatorOptions> o = LoadConfigFile(path);
+        const bool good = !o.ok() && o.status().code() == absl::StatusCode::kInvalidArgument;
+        std::exit(good ? 0 : 1);
+      },
+      ::testing::ExitedWithCode(0), "");
 }
 
 TEST(LoadConfigFileTest, MalformedYamlIsInvalidArgument) {

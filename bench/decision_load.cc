@@ -1,0 +1,310 @@
+// decision_load: load generator for the coordinator (a benchmark, not a test).
+//
+// Simulates N ranks in shard groups of G, each with its own Session stream (gRPC callback
+// client reactors spread over a few channels), against an in-process coordinator on
+// loopback or a running shardcoordd (--coordinator). Every rank keeps `lookahead` plans in
+// flight: each decision it receives releases its next plan, like a trainer's data loader.
+//
+// Reports, per rank count:
+// - throughput: plans accepted and decided per second, after every rank has registered;
+// - decision latency per (group, microbatch): from the moment the group's LAST plan for
+//   it was handed to gRPC to the moment the LAST member received the decision; p50/p99.
+//
+//   decision_load --ranks 8,64,512,4096 --group-size 8 --microbatches 200
+#include <grpcpp/grpcpp.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "coordinator_server.h"
+#include "shardcoord/internal/logging.h"
+#include "shardcoord/v1/coordinator.grpc.pb.h"
+
+namespace {
+
+namespace v1 = shardcoord::v1;
+
+int64_t NowNs() { return absl::GetCurrentTimeNanos(); }
+
+struct Shared {
+  int world = 0;
+  int group_size = 0;
+  int microbatches = 0;
+  int lookahead = 4;
+  std::string job;
+  // [group * microbatches + mb]: latest plan send time and latest decision receive time.
+  std::unique_ptr<std::atomic<int64_t>[]> last_send;
+  std::unique_ptr<std::atomic<int64_t>[]> last_recv;
+  std::atomic<int> registered{0};
+  std::atomic<int> finished{0};
+  std::atomic<int> failed{0};
+  std::atomic<int64_t> plans_sent{0};
+  absl::Notification go;
+
+  void AtomicMax(std::atomic<int64_t>& a, int64_t v) {
+    int64_t cur = a.load(std::memory_order_relaxed);
+    while (cur < v && !a.compare_exchange_weak(cur, v, std::memory_order_relaxed)) {
+    }
+  }
+};
+
+// One simulated rank: a Session stream driven by callbacks, never blocking.
+class SimRank final : public grpc::ClientBidiReactor<v1::WorkerMessage, v1::CoordinatorMessage> {
+ public:
+  SimRank(v1::Coordinator::Stub* stub, Shared* shared, int rank) : shared_(shared), rank_(rank) {
+    group_ = rank / shared->group_size;
+    stub->async()->Session(&ctx_, this);
+    v1::WorkerMessage reg;
+    auto* r = reg.mutable_register_();
+    r->set_job_id(shared->job);
+    r->set_rank(rank);
+    r->set_world_size(shared->world);
+    r->set_group_size(shared->group_size);
+    r->set_policy(v1::POLICY_AUTO);
+    r->set_fallback(v1::FALLBACK_ROOT);
+    r->set_wrap_outer_model(true);
+    r->set_lookahead(shared->lookahead);
+    for (const char* name : {"vision_tower", "audio_tower"}) {
+      auto* m = r->add_modules();
+      m->set_name(name);
+      m->set_param_bytes(1 << 20);
+    }
+    Enqueue(std::move(reg));
+    StartRead(&in_);
+    StartCall();
+  }
+
+  // Called once every rank has registered: the first `lookahead` plans.
+  void Go() {
+    for (int i = 0; i < shared_->lookahead && next_plan_ < shared_->microbatches; ++i) SendPlan();
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) return;
+    if (in_.has_registered()) {
+      shared_->registered.fetch_add(1);
+    } else if (in_.has_decisions()) {
+      const int64_t now = NowNs();
+      for (const auto& d : in_.decisions().decisions()) {
+        const int mb = static_cast<int>(d.step()) * 4 + d.microbatch();
+        shared_->AtomicMax(shared_->last_recv[group_ * shared_->microbatches + mb], now);
+        ++received_;
+        if (next_plan_ < shared_->microbatches) SendPlan();
+      }
+      if (received_ == shared_->microbatches) {
+        v1::WorkerMessage bye;
+        bye.mutable_goodbye()->set_reason("benchmark done");
+        Enqueue(std::move(bye));
+      }
+    } else if (in_.has_plan_rejected() || in_.has_group_failure() || in_.has_microbatch_failed()) {
+      if (shared_->failed.fetch_add(1) == 0) {
+        std::fprintf(stderr, "rank %d: %s\n", rank_, in_.ShortDebugString().c_str());
+      }
+    }
+    StartRead(&in_);
+  }
+
+  void OnWriteDone(bool ok) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    writing_ = false;
+    if (!ok) return;
+    StartNextWriteLocked();
+  }
+
+  void OnDone(const grpc::Status& s) override {
+    if (received_ != shared_->microbatches) shared_->failed.fetch_add(1);
+    shared_->finished.fetch_add(1);
+  }
+
+ private:
+  void SendPlan() {
+    const int mb = next_plan_++;
+    v1::WorkerMessage m;
+    auto* p = m.mutable_plans()->add_plans();
+    p->set_step(mb / 4);
+    p->set_microbatch(mb % 4);
+    // Divergent now and then, so every decision path is exercised.
+    const int vision = (mb % 5 == 0) ? (rank_ % 2) : (mb % 2);
+    (*p->mutable_calls())["vision_tower"] = vision;
+    (*p->mutable_calls())["audio_tower"] = 0;
+    shared_->plans_sent.fetch_add(1, std::memory_order_relaxed);
+    Enqueue(std::move(m), group_ * shared_->microbatches + mb);
+  }
+
+  // `slot` >= 0: record the send time of that (group, microbatch) when the write starts.
+  void Enqueue(v1::WorkerMessage m, int slot = -1) {
+    std::lock_guard<std::mutex> lock(mu_);
+    const bool goodbye = m.has_goodbye();
+    queue_.push_back({std::move(m), slot, goodbye});
+    StartNextWriteLocked();
+  }
+
+  void StartNextWriteLocked() {
+    if (writing_ || queue_.empty()) return;
+    Pending p = std::move(queue_.front());
+    queue_.pop_front();
+    // Coalesce queued plans into one message, as the worker library does.
+    while (p.msg.has_plans() && !queue_.empty() && queue_.front().msg.has_plans()) {
+      *p.msg.mutable_plans()->add_plans() = queue_.front().msg.plans().plans(0);
+      if (queue_.front().slot >= 0) shared_->AtomicMax(shared_->last_send[queue_.front().slot], NowNs());
+      queue_.pop_front();
+    }
+    if (p.slot >= 0) shared_->AtomicMax(shared_->last_send[p.slot], NowNs());
+    current_ = std::move(p.msg);
+    writing_ = true;
+    if (p.last) {
+      StartWriteLast(&current_, grpc::WriteOptions());
+    } else {
+      StartWrite(&current_);
+    }
+  }
+
+  struct Pending {
+    v1::WorkerMessage msg;
+    int slot;
+    bool last;
+  };
+
+  Shared* const shared_;
+  const int rank_;
+  int group_ = 0;
+  grpc::ClientContext ctx_;
+  v1::CoordinatorMessage in_;
+  std::mutex mu_;
+  std::deque<Pending> queue_;
+  bool writing_ = false;
+  v1::WorkerMessage current_;
+  int next_plan_ = 0;  // Touched only from read callbacks, which gRPC serializes.
+  int received_ = 0;
+};
+
+struct Result {
+  int ranks;
+  int64_t plans;
+  double seconds;
+  double plans_per_s;
+  double p50_us, p99_us, max_us;
+  int failed;
+};
+
+Result RunOnce(const std::string& address, int world, int group_size, int microbatches, int lookahead,
+               int channels, absl::Duration deadline) {
+  Shared shared;
+  shared.world = world;
+  shared.group_size = group_size;
+  shared.microbatches = microbatches;
+  shared.lookahead = lookahead;
+  shared.job = absl::StrCat("load-", world, "-", NowNs());
+  const int groups = world / group_size;
+  shared.last_send.reset(new std::atomic<int64_t>[groups * microbatches]);
+  shared.last_recv.reset(new std::atomic<int64_t>[groups * microbatches]);
+  for (int i = 0; i < groups * microbatches; ++i) {
+    shared.last_send[i] = 0;
+    shared.last_recv[i] = 0;
+  }
+  std::vector<std::unique_ptr<v1::Coordinator::Stub>> stubs;
+  for (int c = 0; c < channels; ++c) {
+    grpc::ChannelArguments args;
+    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);  // A separate connection per channel.
+    args.SetInt("shardcoord.bench.channel", c);
+    stubs.push_back(v1::Coordinator::NewStub(
+        grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args)));
+  }
+  std::vector<std::unique_ptr<SimRank>> ranks;
+  for (int r = 0; r < world; ++r) {
+    ranks.push_back(std::make_unique<SimRank>(stubs[r % channels].get(), &shared, r));
+  }
+  const absl::Time reg_deadline = absl::Now() + deadline;
+  while (shared.registered.load() < world && absl::Now() < reg_deadline) absl::SleepFor(absl::Milliseconds(5));
+  if (shared.registered.load() < world) {
+    std::fprintf(stderr, "only %d of %d ranks registered in time\n", shared.registered.load(), world);
+  }
+  const absl::Time start = absl::Now();
+  for (auto& r : ranks) r->Go();
+  const absl::Time run_deadline = start + deadline;
+  while (shared.finished.load() < world && absl::Now() < run_deadline) absl::SleepFor(absl::Milliseconds(2));
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  if (shared.finished.load() < world) {
+    std::fprintf(stderr, "deadline: %d of %d ranks finished; cancelling\n", shared.finished.load(), world);
+    // Reactors are owned here: leak them rather than destroy them under live callbacks.
+    for (auto& r : ranks) r.release();
+  }
+
+  std::vector<double> lat;
+  lat.reserve(groups * microbatches);
+  for (int i = 0; i < groups * microbatches; ++i) {
+    if (shared.last_recv[i] > 0 && shared.last_send[i] > 0) {
+      lat.push_back((shared.last_recv[i] - shared.last_send[i]) / 1000.0);
+    }
+  }
+  std::sort(lat.begin(), lat.end());
+  auto pct = [&](double p) { return lat.empty() ? 0.0 : lat[std::min(lat.size() - 1, static_cast<size_t>(p * lat.size()))]; };
+  const int64_t plans = shared.plans_sent.load();
+  return {world, plans, seconds, plans / seconds, pct(0.50), pct(0.99), lat.empty() ? 0 : lat.back(),
+          shared.failed.load()};
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"decision_load: coordinator throughput and decision latency under simulated ranks"};
+  std::string ranks_arg = "8,64,512,4096";
+  std::string coordinator;
+  int group_size = 8, microbatches = 200, lookahead = 4, channels = 8, deadline_s = 300;
+  app.add_option("--ranks", ranks_arg, "comma-separated rank counts");
+  app.add_option("--group-size", group_size, "shard group size");
+  app.add_option("--microbatches", microbatches, "microbatches each rank plans");
+  app.add_option("--lookahead", lookahead, "plans in flight per rank");
+  app.add_option("--channels", channels, "client connections the ranks share");
+  app.add_option("--coordinator", coordinator, "use a running shardcoordd at HOST:PORT (default: in-process)");
+  app.add_option("--deadline-s", deadline_s, "give up on a run after this long");
+  CLI11_PARSE(app, argc, argv);
+  shardcoord::logging::SetLevel("warn");
+
+  std::unique_ptr<shardcoord::coordinator::CoordinatorServer> server;
+  std::string address = coordinator;
+  if (address.empty()) {
+    shardcoord::coordinator::CoordinatorOptions o;
+    o.listen_address = "127.0.0.1:0";
+    o.heartbeat_timeout = absl::Seconds(120);  // Simulated ranks plan constantly; no heartbeats.
+    o.decision_history = 16;
+    auto s = shardcoord::coordinator::CoordinatorServer::Start(o);
+    if (!s.ok()) {
+      std::fprintf(stderr, "%s\n", std::string(s.status().message()).c_str());
+      return 1;
+    }
+    server = std::move(*s);
+    address = server->address();
+  }
+  std::printf("| ranks | groups | plans | seconds | plans/s | p50 latency (us) | p99 latency (us) | max (us) | failures |\n");
+  std::printf("|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+  int rc = 0;
+  for (absl::string_view part : absl::StrSplit(ranks_arg, ',')) {
+    int world = 0;
+    if (!absl::SimpleAtoi(part, &world) || world <= 0 || world % group_size != 0) {
+      std::fprintf(stderr, "--ranks entry '%s' must be a positive multiple of the group size\n",
+                   std::string(part).c_str());
+      return 2;
+    }
+    Result r = RunOnce(address, world, group_size, microbatches, lookahead, std::min(channels, world),
+                       absl::Seconds(deadline_s));
+    std::printf("| %d | %d | %lld | %.2f | %.0f | %.0f | %.0f | %.0f | %d |\n", r.ranks, r.ranks / group_size,
+                static_cast<long long>(r.plans), r.seconds, r.plans_per_s, r.p50_us, r.p99_us, r.max_us,
+                r.failed);
+    std::fflush(stdout);
+    if (r.failed) rc = 1;
+  }
+  return rc;
+}
