@@ -43,6 +43,8 @@ struct Shared {
   int group_size = 0;
   int microbatches = 0;
   int lookahead = 4;
+  int batch = 1;        // Plans per message.
+  bool paced = false;   // Plans released by the pacing thread, not by decisions.
   std::string job;
   // [group * microbatches + mb]: latest plan send time and latest decision receive time.
   std::unique_ptr<std::atomic<int64_t>[]> last_send;
@@ -86,9 +88,18 @@ class SimRank final : public grpc::ClientBidiReactor<v1::WorkerMessage, v1::Coor
     StartCall();
   }
 
-  // Called once every rank has registered: the first `lookahead` plans.
+  // Called once every rank has registered: the first `lookahead` plans, `batch` per message.
   void Go() {
-    for (int i = 0; i < shared_->lookahead && next_plan_ < shared_->microbatches; ++i) SendPlan();
+    if (shared_->paced) return;
+    std::lock_guard<std::mutex> lock(plan_mu_);
+    while (next_plan_ < shared_->lookahead && next_plan_ < shared_->microbatches) SendPlansLocked();
+  }
+
+  // Paced mode: microbatch `mb` is due now; plan it as soon as the window allows.
+  void Release(int mb) {
+    std::lock_guard<std::mutex> lock(plan_mu_);
+    released_ = mb + 1;
+    while (next_plan_ < released_ && next_plan_ - received_ < shared_->lookahead) SendPlansLocked();
   }
 
   void OnReadDone(bool ok) override {
@@ -97,11 +108,17 @@ class SimRank final : public grpc::ClientBidiReactor<v1::WorkerMessage, v1::Coor
       shared_->registered.fetch_add(1);
     } else if (in_.has_decisions()) {
       const int64_t now = NowNs();
+      std::lock_guard<std::mutex> lock(plan_mu_);
       for (const auto& d : in_.decisions().decisions()) {
         const int mb = static_cast<int>(d.step()) * 4 + d.microbatch();
         shared_->AtomicMax(shared_->last_recv[group_ * shared_->microbatches + mb], now);
         ++received_;
-        if (next_plan_ < shared_->microbatches) SendPlan();
+      }
+      // Refill the window, `batch` plans per message (paced: only what is due).
+      const int limit = shared_->paced ? released_ : shared_->microbatches;
+      while (next_plan_ < limit && shared_->lookahead - (next_plan_ - received_) >=
+                                       (shared_->paced ? 1 : shared_->batch)) {
+        SendPlansLocked();
       }
       if (received_ == shared_->microbatches) {
         v1::WorkerMessage bye;
@@ -129,25 +146,33 @@ class SimRank final : public grpc::ClientBidiReactor<v1::WorkerMessage, v1::Coor
   }
 
  private:
-  void SendPlan() {
-    const int mb = next_plan_++;
+  // Sends up to `batch` plans (paced: only released ones) in one message.
+  void SendPlansLocked() {
     v1::WorkerMessage m;
-    auto* p = m.mutable_plans()->add_plans();
-    p->set_step(mb / 4);
-    p->set_microbatch(mb % 4);
-    // Divergent now and then, so every decision path is exercised.
-    const int vision = (mb % 5 == 0) ? (rank_ % 2) : (mb % 2);
-    (*p->mutable_calls())["vision_tower"] = vision;
-    (*p->mutable_calls())["audio_tower"] = 0;
-    shared_->plans_sent.fetch_add(1, std::memory_order_relaxed);
-    Enqueue(std::move(m), group_ * shared_->microbatches + mb);
+    const int first = next_plan_;
+    const int limit = shared_->paced ? released_ : shared_->microbatches;
+    while (next_plan_ < limit && next_plan_ - first < shared_->batch &&
+           next_plan_ - received_ < shared_->lookahead) {
+      const int mb = next_plan_++;
+      auto* p = m.mutable_plans()->add_plans();
+      p->set_step(mb / 4);
+      p->set_microbatch(mb % 4);
+      // Divergent now and then, so every decision path is exercised.
+      const int vision = (mb % 5 == 0) ? (rank_ % 2) : (mb % 2);
+      (*p->mutable_calls())["vision_tower"] = vision;
+      (*p->mutable_calls())["audio_tower"] = 0;
+    }
+    const int n = next_plan_ - first;
+    if (n == 0) return;
+    shared_->plans_sent.fetch_add(n, std::memory_order_relaxed);
+    Enqueue(std::move(m), group_ * shared_->microbatches + first, n);
   }
 
-  // `slot` >= 0: record the send time of that (group, microbatch) when the write starts.
-  void Enqueue(v1::WorkerMessage m, int slot = -1) {
+  // `slot` >= 0: record the send time of slots [slot, slot + n) when the write starts.
+  void Enqueue(v1::WorkerMessage m, int slot = -1, int n = 0) {
     std::lock_guard<std::mutex> lock(mu_);
     const bool goodbye = m.has_goodbye();
-    queue_.push_back({std::move(m), slot, goodbye});
+    queue_.push_back({std::move(m), slot, n, goodbye});
     StartNextWriteLocked();
   }
 
@@ -156,12 +181,13 @@ class SimRank final : public grpc::ClientBidiReactor<v1::WorkerMessage, v1::Coor
     Pending p = std::move(queue_.front());
     queue_.pop_front();
     // Coalesce queued plans into one message, as the worker library does.
+    const int64_t now = NowNs();
     while (p.msg.has_plans() && !queue_.empty() && queue_.front().msg.has_plans()) {
-      *p.msg.mutable_plans()->add_plans() = queue_.front().msg.plans().plans(0);
-      if (queue_.front().slot >= 0) shared_->AtomicMax(shared_->last_send[queue_.front().slot], NowNs());
+      for (const auto& plan : queue_.front().msg.plans().plans()) *p.msg.mutable_plans()->add_plans() = plan;
+      for (int i = 0; i < queue_.front().n; ++i) shared_->AtomicMax(shared_->last_send[queue_.front().slot + i], now);
       queue_.pop_front();
     }
-    if (p.slot >= 0) shared_->AtomicMax(shared_->last_send[p.slot], NowNs());
+    for (int i = 0; i < p.n; ++i) shared_->AtomicMax(shared_->last_send[p.slot + i], now);
     current_ = std::move(p.msg);
     writing_ = true;
     if (p.last) {
@@ -174,6 +200,7 @@ class SimRank final : public grpc::ClientBidiReactor<v1::WorkerMessage, v1::Coor
   struct Pending {
     v1::WorkerMessage msg;
     int slot;
+    int n;
     bool last;
   };
 
@@ -186,8 +213,10 @@ class SimRank final : public grpc::ClientBidiReactor<v1::WorkerMessage, v1::Coor
   std::deque<Pending> queue_;
   bool writing_ = false;
   v1::WorkerMessage current_;
-  int next_plan_ = 0;  // Touched only from read callbacks, which gRPC serializes.
+  std::mutex plan_mu_;  // Guards the plan window below (read callbacks and the pacer).
+  int next_plan_ = 0;
   int received_ = 0;
+  int released_ = 0;
 };
 
 struct Result {
@@ -197,15 +226,22 @@ struct Result {
   double plans_per_s;
   double p50_us, p99_us, max_us;
   int failed;
+  // Paced mode: a trainer that plans `lookahead` microbatches ahead runs microbatch t at
+  // start + (t + lookahead) / rate. A (group, microbatch) whose decision reached its last
+  // member after that moment stalled the critical path.
+  int64_t stalled = -1;
+  double stall_p99_us = 0;
 };
 
 Result RunOnce(const std::string& address, int world, int group_size, int microbatches, int lookahead,
-               int channels, absl::Duration deadline) {
+               int batch, double rate, int channels, absl::Duration deadline) {
   Shared shared;
   shared.world = world;
   shared.group_size = group_size;
   shared.microbatches = microbatches;
   shared.lookahead = lookahead;
+  shared.batch = batch;
+  shared.paced = rate > 0;
   shared.job = absl::StrCat("load-", world, "-", NowNs());
   const int groups = world / group_size;
   shared.last_send.reset(new std::atomic<int64_t>[groups * microbatches]);
@@ -234,6 +270,13 @@ Result RunOnce(const std::string& address, int world, int group_size, int microb
   const absl::Time start = absl::Now();
   for (auto& r : ranks) r->Go();
   const absl::Time run_deadline = start + deadline;
+  if (shared.paced) {
+    // Microbatch t of every rank becomes due at start + t / rate.
+    for (int t = 0; t < microbatches && absl::Now() < run_deadline; ++t) {
+      absl::SleepFor(start + absl::Seconds(t / rate) - absl::Now());
+      for (auto& r : ranks) r->Release(t);
+    }
+  }
   while (shared.finished.load() < world && absl::Now() < run_deadline) absl::SleepFor(absl::Milliseconds(2));
   const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
   if (shared.finished.load() < world) {
@@ -250,10 +293,27 @@ Result RunOnce(const std::string& address, int world, int group_size, int microb
     }
   }
   std::sort(lat.begin(), lat.end());
-  auto pct = [&](double p) { return lat.empty() ? 0.0 : lat[std::min(lat.size() - 1, static_cast<size_t>(p * lat.size()))]; };
+  auto pct = [](const std::vector<double>& v, double p) {
+    return v.empty() ? 0.0 : v[std::min(v.size() - 1, static_cast<size_t>(p * v.size()))];
+  };
   const int64_t plans = shared.plans_sent.load();
-  return {world, plans, seconds, plans / seconds, pct(0.50), pct(0.99), lat.empty() ? 0 : lat.back(),
-          shared.failed.load()};
+  Result result{world, plans, seconds, plans / seconds, pct(lat, 0.50), pct(lat, 0.99),
+                lat.empty() ? 0 : lat.back(), shared.failed.load()};
+  if (shared.paced) {
+    const int64_t start_ns = absl::ToUnixNanos(start);
+    std::vector<double> stalls;
+    for (int g = 0; g < groups; ++g) {
+      for (int mb = 0; mb < microbatches; ++mb) {
+        const int64_t due = start_ns + static_cast<int64_t>((mb + lookahead) / rate * 1e9);
+        const int64_t recv = shared.last_recv[g * microbatches + mb];
+        stalls.push_back(recv > due ? (recv - due) / 1000.0 : 0.0);
+      }
+    }
+    std::sort(stalls.begin(), stalls.end());
+    result.stalled = std::count_if(stalls.begin(), stalls.end(), [](double v) { return v > 0; });
+    result.stall_p99_us = pct(stalls, 0.99);
+  }
+  return result;
 }
 
 }  // namespace
@@ -262,16 +322,25 @@ int main(int argc, char** argv) {
   CLI::App app{"decision_load: coordinator throughput and decision latency under simulated ranks"};
   std::string ranks_arg = "8,64,512,4096";
   std::string coordinator;
-  int group_size = 8, microbatches = 200, lookahead = 4, channels = 8, deadline_s = 300;
+  int group_size = 8, microbatches = 200, lookahead = 4, batch = 1, channels = 8, deadline_s = 300;
+  double rate = 0;
   app.add_option("--ranks", ranks_arg, "comma-separated rank counts");
   app.add_option("--group-size", group_size, "shard group size");
   app.add_option("--microbatches", microbatches, "microbatches each rank plans");
   app.add_option("--lookahead", lookahead, "plans in flight per rank");
+  app.add_option("--batch", batch, "plans per message (a data loader that prefetches several)");
+  app.add_option("--rate", rate, "microbatches per second per rank (0: as fast as decisions allow)");
   app.add_option("--channels", channels, "client connections the ranks share");
   app.add_option("--coordinator", coordinator, "use a running shardcoordd at HOST:PORT (default: in-process)");
   app.add_option("--deadline-s", deadline_s, "give up on a run after this long");
   CLI11_PARSE(app, argc, argv);
   shardcoord::logging::SetLevel("warn");
+  // Abseil's debug deadlock detector costs a graph update per lock; the daemon turns it off too.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+  if (batch < 1 || batch > lookahead) {
+    std::fprintf(stderr, "--batch must be in 1..--lookahead\n");
+    return 2;
+  }
 
   std::unique_ptr<shardcoord::coordinator::CoordinatorServer> server;
   std::string address = coordinator;
@@ -288,8 +357,13 @@ int main(int argc, char** argv) {
     server = std::move(*s);
     address = server->address();
   }
-  std::printf("| ranks | groups | plans | seconds | plans/s | p50 latency (us) | p99 latency (us) | max (us) | failures |\n");
-  std::printf("|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+  if (rate > 0) {
+    std::printf("| ranks | groups | plans | seconds | plans/s | p50 latency (us) | p99 latency (us) | max (us) | failures | stalled decisions | p99 stall (us) |\n");
+    std::printf("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+  } else {
+    std::printf("| ranks | groups | plans | seconds | plans/s | p50 latency (us) | p99 latency (us) | max (us) | failures |\n");
+    std::printf("|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+  }
   int rc = 0;
   for (absl::string_view part : absl::StrSplit(ranks_arg, ',')) {
     int world = 0;
@@ -298,11 +372,16 @@ int main(int argc, char** argv) {
                    std::string(part).c_str());
       return 2;
     }
-    Result r = RunOnce(address, world, group_size, microbatches, lookahead, std::min(channels, world),
+    Result r = RunOnce(address, world, group_size, microbatches, lookahead, batch, rate, std::min(channels, world),
                        absl::Seconds(deadline_s));
-    std::printf("| %d | %d | %lld | %.2f | %.0f | %.0f | %.0f | %.0f | %d |\n", r.ranks, r.ranks / group_size,
+    std::printf("| %d | %d | %lld | %.2f | %.0f | %.0f | %.0f | %.0f | %d |", r.ranks, r.ranks / group_size,
                 static_cast<long long>(r.plans), r.seconds, r.plans_per_s, r.p50_us, r.p99_us, r.max_us,
                 r.failed);
+    if (r.stalled >= 0) {
+      std::printf(" %lld of %lld | %.0f |", static_cast<long long>(r.stalled),
+                  static_cast<long long>(r.ranks / group_size) * microbatches, r.stall_p99_us);
+    }
+    std::printf("\n");
     std::fflush(stdout);
     if (r.failed) rc = 1;
   }

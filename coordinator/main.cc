@@ -11,6 +11,7 @@
 #include <fstream>
 #include <iostream>
 
+#include "absl/synchronization/mutex.h"
 #include "coordinator_server.h"
 #include "options.h"
 #include "shardcoord/internal/logging.h"
@@ -93,6 +94,9 @@ int main(int argc, char** argv) {
     std::cerr << "shardcoordd: " << s.message() << "\n";
     return 2;
   }
+
+  // Abseil's deadlock detector (on in Debian's build) costs a graph update per lock.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
 
   // Block the stop signals in every thread; the main thread waits for them below.
   sigset_t stop_signals;
