@@ -305,6 +305,7 @@ absl::Status CoordinatorCore::Register(uint64_t session_id, const v1::RegisterRe
 
   const int64_t epoch_before = group.epoch;
   UpdateGroupState(*job, group);
+  OnMemberBack(*job, req.rank());
   resp->set_epoch(group.epoch);
   SendTo(m, msg);
   if (group.epoch != epoch_before) {
@@ -660,6 +661,7 @@ void CoordinatorCore::RemoveMember(Job& job, Member& m, bool clean, const std::s
   m.state = clean ? v1::RANK_STATE_LEFT : v1::RANK_STATE_DEAD;
   m.dead_reason = reason;
   Event(clean ? "info" : "error", clean ? "rank_left" : "rank_dead", job.id, m.rank, group.index, full);
+  OnMemberLost(job, m.rank, full);
 
   if (clean) {
     // Pending microbatches it never reported can never be decided.
@@ -734,12 +736,14 @@ void CoordinatorCore::Tick() {
       for (auto& [k, s] : expired) FailMicrobatch(*job, group, k, s);
       if (!expired.empty()) Flush(*job, group);
     }
+    ExpireCommWaiters(*job, now);
   }
 }
 
 void CoordinatorCore::Shutdown() {
   absl::MutexLock lock(&mu_);
   shut_down_ = true;
+  FailAllCommWaiters(absl::UnavailableError("coordinator is shutting down"));
   v1::CoordinatorMessage notice;
   notice.mutable_notice()->set_kind(v1::Notice::KIND_SHUTDOWN);
   notice.mutable_notice()->set_message("coordinator is shutting down");

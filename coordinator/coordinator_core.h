@@ -15,6 +15,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -80,6 +81,24 @@ class CoordinatorCore {
   // Sends a shutdown notice to every live session and closes it with UNAVAILABLE.
   void Shutdown();
 
+  // --- Communicators (DESIGN 4). Callers must be live ranks of the job and members of
+  // the communicator. Waiting calls complete through `done` exactly once, possibly later
+  // and from another thread, with the core's mutex held (so `done` must only hand the
+  // result to gRPC). Errors: NOT_FOUND (no such job), FAILED_PRECONDITION (rank not live,
+  // not a member, wrong epoch, ranks differ from the communicator's), ALREADY_EXISTS (a key
+  // published twice), ABORTED (the epoch was aborted: the message says why),
+  // DEADLINE_EXCEEDED (members or keys still missing at the deadline, named).
+  using JoinDone = std::function<void(absl::StatusOr<v1::CommJoinResponse>)>;
+  using GetDone = std::function<void(absl::StatusOr<v1::StoreGetResponse>)>;
+  // Joins the communicator's current epoch; starts a new epoch when the last one was
+  // aborted (or none exists) once every member is live, waiting up to the timeout.
+  void CommJoin(const v1::CommJoinRequest& req, JoinDone done);
+  absl::Status StoreSet(const v1::StoreSetRequest& req);
+  // Answers once every key is set in the epoch's store.
+  void StoreGet(const v1::StoreGetRequest& req, GetDone done);
+  absl::Status CommReport(const v1::CommReportRequest& req);
+  v1::ListCommsResponse Comms(const std::string& job_id) const;
+
   // Queries for operators. job_id "" means every job.
   v1::StatusResponse Status(const std::string& job_id) const;
   v1::ListRanksResponse Ranks(const std::string& job_id) const;
@@ -137,7 +156,33 @@ class CoordinatorCore {
     std::string failure_reason;
   };
 
+  struct Comm {
+    std::string name;
+    std::vector<int> ranks;  // Ascending.
+    int64_t epoch = 0;       // 0: no epoch yet; the first is 1.
+    v1::CommState state = v1::COMM_STATE_UNSPECIFIED;
+    std::map<int, std::string> member_state;  // "absent", "joined", "ready", "aborted", "dead"
+    std::map<std::string, std::string> store;  // The current epoch's keys.
+    std::string abort_reason;
+    std::vector<int> lost_ranks;
+    int64_t epochs_aborted = 0;
+    struct JoinWaiter {
+      int rank;
+      absl::Time deadline;
+      JoinDone done;
+    };
+    struct GetWaiter {
+      int64_t epoch;
+      std::vector<std::string> keys;
+      absl::Time deadline;
+      GetDone done;
+    };
+    std::vector<JoinWaiter> join_waiters;
+    std::vector<GetWaiter> get_waiters;
+  };
+
   struct Job {
+    std::map<std::string, Comm> comms;
     std::string id;
     int world_size = 0;
     int group_size = 0;
@@ -181,6 +226,25 @@ class CoordinatorCore {
   void FillGroupStatus(const Job& job, const Group& group, v1::GroupStatus* out) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void UpdateGroupState(Job& job, Group& group) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Communicator helpers (coordinator_core_comms.cc).
+  // Finds the job, checks `rank` is live, and resolves the communicator (creating it on
+  // first use). `ranks` is the caller's list for custom names (may be empty for built-in).
+  absl::StatusOr<Comm*> ResolveComm(const std::string& job_id, int rank, const std::string& name,
+                                    const std::vector<int>& ranks, Job** job)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status CheckEpoch(const Comm& comm, int64_t epoch) const;
+  // Starts a new epoch if the last one was aborted (or none exists) and every member is
+  // live; then completes the join waiters.
+  void MaybeStartEpoch(Job& job, Comm& comm) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void AbortComm(Job& job, Comm& comm, const std::string& reason, const std::vector<int>& lost)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A member died or left: abort every live epoch it belongs to.
+  void OnMemberLost(Job& job, int rank, const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A rank became live again: communicators waiting for it may start their next epoch.
+  void OnMemberBack(Job& job, int rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ExpireCommWaiters(Job& job, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FailAllCommWaiters(const absl::Status& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   void Event(const std::string& severity, const std::string& kind, const std::string& job,
              int rank, int group, const std::string& message);
 

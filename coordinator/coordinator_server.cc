@@ -235,6 +235,42 @@ class CoordinatorService final : public v1::Coordinator::CallbackService {
     return Done(ctx);
   }
 
+  grpc::ServerUnaryReactor* CommJoin(grpc::CallbackServerContext* ctx, const v1::CommJoinRequest* req,
+                                     v1::CommJoinResponse* resp) override {
+    auto* r = ctx->DefaultReactor();
+    core_->CommJoin(*req, [r, resp](absl::StatusOr<v1::CommJoinResponse> result) {
+      if (result.ok()) *resp = std::move(*result);
+      r->Finish(ToGrpcStatus(result.status()));
+    });
+    return r;
+  }
+  grpc::ServerUnaryReactor* StoreSet(grpc::CallbackServerContext* ctx, const v1::StoreSetRequest* req,
+                                     v1::StoreSetResponse* resp) override {
+    auto* r = ctx->DefaultReactor();
+    r->Finish(ToGrpcStatus(core_->StoreSet(*req)));
+    return r;
+  }
+  grpc::ServerUnaryReactor* StoreGet(grpc::CallbackServerContext* ctx, const v1::StoreGetRequest* req,
+                                     v1::StoreGetResponse* resp) override {
+    auto* r = ctx->DefaultReactor();
+    core_->StoreGet(*req, [r, resp](absl::StatusOr<v1::StoreGetResponse> result) {
+      if (result.ok()) *resp = std::move(*result);
+      r->Finish(ToGrpcStatus(result.status()));
+    });
+    return r;
+  }
+  grpc::ServerUnaryReactor* CommReport(grpc::CallbackServerContext* ctx, const v1::CommReportRequest* req,
+                                       v1::CommReportResponse* resp) override {
+    auto* r = ctx->DefaultReactor();
+    r->Finish(ToGrpcStatus(core_->CommReport(*req)));
+    return r;
+  }
+  grpc::ServerUnaryReactor* ListComms(grpc::CallbackServerContext* ctx, const v1::ListCommsRequest* req,
+                                      v1::ListCommsResponse* resp) override {
+    *resp = core_->Comms(req->job_id());
+    return Done(ctx);
+  }
+
  private:
   static grpc::ServerUnaryReactor* Done(grpc::CallbackServerContext* ctx) {
     auto* r = ctx->DefaultReactor();

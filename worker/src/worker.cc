@@ -1,5 +1,7 @@
 #include "shardcoord/worker.h"
 
+#include "communicator_internal.h"
+
 #include <grpcpp/grpcpp.h>
 #include <unistd.h>
 
@@ -73,6 +75,7 @@ class Worker::Impl {
     return absl::OkStatus();
   }
   void Close(absl::Duration timeout);
+  absl::StatusOr<std::shared_ptr<Communicator>> OpenCommunicator(const CommunicatorOptions& options);
 
  private:
   enum class EntryState { kPending, kDecided, kFailed };
@@ -84,7 +87,9 @@ class Worker::Impl {
 
   void ReaderLoop();
   void WriterLoop();
-  void Handle(const v1::CoordinatorMessage& msg) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Aborts to carry out once mu_ is released: (communicator, reason).
+  using PendingAborts = std::vector<std::pair<std::shared_ptr<internal::AbortableCommunicator>, std::string>>;
+  void Handle(const v1::CoordinatorMessage& msg, PendingAborts* aborts) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Resolve(Entry& e, EntryState state) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (e.state == EntryState::kPending) undecided_--;
     e.state = state;
@@ -114,6 +119,8 @@ class Worker::Impl {
   bool writer_started_ ABSL_GUARDED_BY(mu_) = false;
   std::string group_failure_ ABSL_GUARDED_BY(mu_);     // Non-empty while the group is failed.
   std::map<MicrobatchKey, Entry> entries_ ABSL_GUARDED_BY(mu_);
+  // Open communicators by name (the latest epoch of each), for CommAbort.
+  std::map<std::string, std::weak_ptr<internal::AbortableCommunicator>> comms_ ABSL_GUARDED_BY(mu_);
   int undecided_ ABSL_GUARDED_BY(mu_) = 0;
   std::optional<MicrobatchKey> last_reported_ ABSL_GUARDED_BY(mu_);
   std::deque<v1::MicrobatchPlan> outbox_ ABSL_GUARDED_BY(mu_);
@@ -207,8 +214,12 @@ absl::Status Worker::Impl::Start() {
 void Worker::Impl::ReaderLoop() {
   v1::CoordinatorMessage msg;
   while (stream_->Read(&msg)) {
-    absl::MutexLock lock(&mu_);
-    Handle(msg);
+    PendingAborts aborts;
+    {
+      absl::MutexLock lock(&mu_);
+      Handle(msg, &aborts);
+    }
+    for (auto& [comm, reason] : aborts) comm->Abort(reason);
   }
   {
     // Finish may only run once the writer no longer writes: stop it first. Its Write
@@ -247,7 +258,7 @@ void Worker::Impl::ReaderLoop() {
   if (!closing_) log_->error("{} {}", Prefix(), std::string(session_status_.message()));
 }
 
-void Worker::Impl::Handle(const v1::CoordinatorMessage& msg) {
+void Worker::Impl::Handle(const v1::CoordinatorMessage& msg, PendingAborts* aborts) {
   switch (msg.kind_case()) {
     case v1::CoordinatorMessage::kRegistered: {
       const auto& r = msg.registered();
@@ -302,6 +313,13 @@ void Worker::Impl::Handle(const v1::CoordinatorMessage& msg) {
         cancelled++;
       }
       log_->error("{} {} (cancelled {} pending decisions here)", Prefix(), g.reason(), cancelled);
+      break;
+    }
+    case v1::CoordinatorMessage::kCommAbort: {
+      const auto& a = msg.comm_abort();
+      auto it = comms_.find(a.name());
+      auto comm = it == comms_.end() ? nullptr : it->second.lock();
+      if (comm && comm->epoch() == a.epoch()) aborts->emplace_back(comm, a.reason());
       break;
     }
     case v1::CoordinatorMessage::kNotice: {
@@ -463,6 +481,41 @@ void Worker::Impl::Close(absl::Duration timeout) {
   ctx_.TryCancel();
   if (writer_.joinable()) writer_.join();
   if (reader_.joinable()) reader_.join();
+}
+
+absl::StatusOr<std::shared_ptr<Communicator>> Worker::Impl::OpenCommunicator(const CommunicatorOptions& options) {
+  std::string name = options.name;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!session_status_.ok()) return session_status_;
+    if (name == "group") name = absl::StrCat("group/", group_.group);
+  }
+  v1::CommJoinRequest req;
+  req.set_job_id(options_.job_id);
+  req.set_rank(options_.rank);
+  req.set_name(name);
+  for (int r : options.ranks) req.add_ranks(r);
+  req.set_timeout_ms(static_cast<int32_t>(absl::ToInt64Milliseconds(options.join_timeout)));
+  v1::CommJoinResponse resp;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + options.join_timeout + absl::Seconds(5)));
+  grpc::Status st = stub_->CommJoin(&ctx, req, &resp);
+  if (!st.ok()) return FromGrpcStatus(st);
+  internal::CommEndpoint ep{stub_.get(), address_, options_.job_id, options_.rank};
+  auto comm = internal::MakeGlooCommunicator(ep, name, resp.epoch(),
+                                             std::vector<int>(resp.ranks().begin(), resp.ranks().end()), options);
+  {
+    absl::MutexLock lock(&mu_);
+    comms_[name] = comm;  // Before connecting: an abort during the rendezvous must reach it.
+  }
+  log_->info("{} comm={} epoch={} joining ranks={}{}", Prefix(), name, resp.epoch(), absl::StrJoin(resp.ranks(), ","),
+             resp.previous_abort_reason().empty() ? "" : " (previous epoch aborted: " + resp.previous_abort_reason() + ")");
+  if (absl::Status s = comm->Connect(); !s.ok()) return s;
+  return std::shared_ptr<Communicator>(comm);
+}
+
+absl::StatusOr<std::shared_ptr<Communicator>> Worker::OpenCommunicator(const CommunicatorOptions& options) {
+  return impl_->OpenCommunicator(options);
 }
 
 Worker::Worker(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}

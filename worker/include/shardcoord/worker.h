@@ -43,6 +43,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "shardcoord/communicator.h"
 #include "shardcoord/export.h"
 #include "shardcoord/types.h"
 
@@ -119,6 +120,14 @@ class SHARDCOORD_EXPORT Worker {
   // epoch), at most `timeout`. OK at once when the group has not failed. Errors:
   // DEADLINE_EXCEEDED (still failed: the message says why), UNAVAILABLE (session lost).
   absl::Status AwaitGroupReady(absl::Duration timeout);
+
+  // Joins a communicator (DESIGN 4) and connects its members (Gloo over TCP on CPU):
+  // the coordinator is the rendezvous for (job, name, epoch). Joins the current epoch, or
+  // the next one after an abort, waiting up to options.join_timeout for every member to
+  // be live. Every member must call it. Errors: FAILED_PRECONDITION (not a member; ranks
+  // differ from the communicator's), ABORTED (the epoch was aborted while connecting),
+  // DEADLINE_EXCEEDED (members still missing, named), UNAVAILABLE (session lost).
+  absl::StatusOr<std::shared_ptr<Communicator>> OpenCommunicator(const CommunicatorOptions& options);
 
   // Says goodbye (a clean leave: the rank becomes LEFT, not dead) and stops the
   // background threads, within `timeout`. Idempotent.

@@ -1,0 +1,335 @@
+// CoordinatorCore, part 2: communicators (DESIGN 4). The coordinator is the rendezvous of
+// every (job, communicator, epoch) and the authority on its health: it aborts an epoch
+// for every member when one member is lost, and starts the next epoch once every member
+// is live again.
+#include <algorithm>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "coordinator_core.h"
+
+namespace shardcoord::coordinator {
+namespace {
+
+constexpr absl::Duration kDefaultCommWait = absl::Seconds(60);
+constexpr absl::Duration kMaxCommWait = absl::Minutes(30);
+
+absl::Duration WaitFor(int32_t timeout_ms) {
+  if (timeout_ms <= 0) return kDefaultCommWait;
+  return std::min(absl::Milliseconds(timeout_ms), kMaxCommWait);
+}
+
+std::string RankText(const std::vector<int>& r) { return absl::StrJoin(r, ","); }
+
+}  // namespace
+
+absl::StatusOr<CoordinatorCore::Comm*> CoordinatorCore::ResolveComm(const std::string& job_id, int rank,
+                                                                    const std::string& name,
+                                                                    const std::vector<int>& ranks,
+                                                                    Job** job_out) {
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) {
+    return absl::NotFoundError(absl::StrCat("no job '", job_id, "': register the rank first"));
+  }
+  Job& job = *it->second;
+  if (rank < 0 || rank >= job.world_size || job.members[rank].state != v1::RANK_STATE_LIVE) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "rank ", rank, " of job '", job_id, "' is not a live registered rank; register it before "
+        "using communicators"));
+  }
+  if (name.empty()) return absl::InvalidArgumentError("communicator name is empty");
+  std::vector<int> members;
+  if (name == "world") {
+    for (int r = 0; r < job.world_size; ++r) members.push_back(r);
+  } else if (name.rfind("group/", 0) == 0) {
+    int g = -1;
+    if (!absl::SimpleAtoi(name.substr(6), &g) || g < 0 || g >= static_cast<int>(job.groups.size())) {
+      return absl::InvalidArgumentError(absl::StrCat("communicator '", name, "': job '", job_id, "' has groups 0..",
+                                                     job.groups.size() - 1));
+    }
+    members = job.groups[g].ranks;
+  } else {
+    members = ranks;
+    if (members.empty()) {
+      auto existing = job.comms.find(name);
+      if (existing == job.comms.end()) {
+        return absl::InvalidArgumentError(absl::StrCat("communicator '", name,
+                                                       "' is not built in (world, group/<g>): give its ranks"));
+      }
+      members = existing->second.ranks;
+    }
+    if (!std::is_sorted(members.begin(), members.end()) ||
+        std::adjacent_find(members.begin(), members.end()) != members.end() || members.front() < 0 ||
+        members.back() >= job.world_size) {
+      return absl::InvalidArgumentError(absl::StrCat("communicator '", name, "': ranks [", RankText(members),
+                                                     "] must be ascending, distinct and in 0..",
+                                                     job.world_size - 1));
+    }
+  }
+  if (!ranks.empty() && ranks != members) {
+    return absl::FailedPreconditionError(absl::StrCat("communicator '", name, "' has ranks [", RankText(members),
+                                                      "] but rank ", rank, " asked for [", RankText(ranks), "]"));
+  }
+  if (!std::binary_search(members.begin(), members.end(), rank)) {
+    return absl::FailedPreconditionError(absl::StrCat("rank ", rank, " is not a member of communicator '", name,
+                                                      "' (ranks ", RankText(members), ")"));
+  }
+  Comm& comm = job.comms[name];
+  if (comm.name.empty()) {
+    comm.name = name;
+    comm.ranks = members;
+    for (int r : members) comm.member_state[r] = "absent";
+  } else if (comm.ranks != members) {
+    return absl::FailedPreconditionError(absl::StrCat("communicator '", name, "' has ranks [", RankText(comm.ranks),
+                                                      "] but rank ", rank, " asked for [", RankText(members), "]"));
+  }
+  *job_out = &job;
+  return &comm;
+}
+
+absl::Status CoordinatorCore::CheckEpoch(const Comm& comm, int64_t epoch) const {
+  if (epoch != comm.epoch) {
+    return absl::FailedPreconditionError(absl::StrCat("wrong epoch ", epoch, " for communicator '", comm.name,
+                                                      "': the current epoch is ", comm.epoch,
+                                                      "; join again (CommJoin) to get it"));
+  }
+  if (comm.state == v1::COMM_STATE_ABORTED) {
+    return absl::AbortedError(absl::StrCat("communicator '", comm.name, "' epoch ", comm.epoch,
+                                           " was aborted: ", comm.abort_reason));
+  }
+  return absl::OkStatus();
+}
+
+void CoordinatorCore::MaybeStartEpoch(Job& job, Comm& comm) {
+  const bool needs_epoch = comm.epoch == 0 || comm.state == v1::COMM_STATE_ABORTED;
+  if (needs_epoch) {
+    for (int r : comm.ranks) {
+      if (job.members[r].state != v1::RANK_STATE_LIVE) return;
+    }
+    comm.epoch++;
+    comm.state = v1::COMM_STATE_FORMING;
+    comm.store.clear();
+    comm.lost_ranks.clear();
+    for (int r : comm.ranks) comm.member_state[r] = "absent";
+    Event("info", "comm_forming", job.id, -1, -1,
+          absl::StrCat("communicator '", comm.name, "' epoch ", comm.epoch, " ranks ", RankText(comm.ranks)));
+  }
+  auto waiters = std::move(comm.join_waiters);
+  comm.join_waiters.clear();
+  for (auto& w : waiters) {
+    v1::CommJoinResponse resp;
+    resp.set_epoch(comm.epoch);
+    for (int r : comm.ranks) resp.add_ranks(r);
+    resp.set_previous_abort_reason(comm.abort_reason);
+    comm.member_state[w.rank] = "joined";
+    w.done(resp);
+  }
+}
+
+void CoordinatorCore::CommJoin(const v1::CommJoinRequest& req, JoinDone done) {
+  absl::MutexLock lock(&mu_);
+  if (shut_down_) {
+    done(absl::UnavailableError("coordinator is shutting down"));
+    return;
+  }
+  Job* job = nullptr;
+  auto comm = ResolveComm(req.job_id(), req.rank(), req.name(),
+                          std::vector<int>(req.ranks().begin(), req.ranks().end()), &job);
+  if (!comm.ok()) {
+    done(comm.status());
+    return;
+  }
+  (*comm)->join_waiters.push_back({req.rank(), clock_->Now() + WaitFor(req.timeout_ms()), std::move(done)});
+  MaybeStartEpoch(*job, **comm);
+}
+
+absl::Status CoordinatorCore::StoreSet(const v1::StoreSetRequest& req) {
+  absl::MutexLock lock(&mu_);
+  Job* job = nullptr;
+  auto comm = ResolveComm(req.job_id(), req.rank(), req.name(), {}, &job);
+  if (!comm.ok()) return comm.status();
+  Comm& c = **comm;
+  if (absl::Status s = CheckEpoch(c, req.epoch()); !s.ok()) return s;
+  if (req.key().empty()) return absl::InvalidArgumentError("store key is empty");
+  auto [it, inserted] = c.store.try_emplace(req.key(), req.value());
+  if (!inserted) {
+    return absl::AlreadyExistsError(absl::StrCat("key '", req.key(), "' of communicator '", c.name, "' epoch ",
+                                                 c.epoch, " was already published; each key is set once per epoch"));
+  }
+  auto waiters = std::move(c.get_waiters);
+  c.get_waiters.clear();
+  for (auto& w : waiters) {
+    bool all = std::all_of(w.keys.begin(), w.keys.end(), [&](const std::string& k) { return c.store.count(k); });
+    if (!all) {
+      c.get_waiters.push_back(std::move(w));
+      continue;
+    }
+    v1::StoreGetResponse resp;
+    for (const auto& k : w.keys) resp.add_values(c.store[k]);
+    w.done(resp);
+  }
+  return absl::OkStatus();
+}
+
+void CoordinatorCore::StoreGet(const v1::StoreGetRequest& req, GetDone done) {
+  absl::MutexLock lock(&mu_);
+  Job* job = nullptr;
+  auto comm = ResolveComm(req.job_id(), req.rank(), req.name(), {}, &job);
+  if (!comm.ok()) {
+    done(comm.status());
+    return;
+  }
+  Comm& c = **comm;
+  if (absl::Status s = CheckEpoch(c, req.epoch()); !s.ok()) {
+    done(s);
+    return;
+  }
+  std::vector<std::string> keys(req.keys().begin(), req.keys().end());
+  if (std::all_of(keys.begin(), keys.end(), [&](const std::string& k) { return c.store.count(k); })) {
+    v1::StoreGetResponse resp;
+    for (const auto& k : keys) resp.add_values(c.store[k]);
+    done(resp);
+    return;
+  }
+  c.get_waiters.push_back({c.epoch, std::move(keys), clock_->Now() + WaitFor(req.timeout_ms()), std::move(done)});
+}
+
+absl::Status CoordinatorCore::CommReport(const v1::CommReportRequest& req) {
+  absl::MutexLock lock(&mu_);
+  Job* job = nullptr;
+  auto comm = ResolveComm(req.job_id(), req.rank(), req.name(), {}, &job);
+  if (!comm.ok()) return comm.status();
+  Comm& c = **comm;
+  if (req.kind() == v1::CommReportRequest::KIND_ABORTED) {
+    if (req.epoch() == c.epoch) c.member_state[req.rank()] = "aborted";
+    return absl::OkStatus();
+  }
+  if (absl::Status s = CheckEpoch(c, req.epoch()); !s.ok()) return s;
+  if (req.kind() == v1::CommReportRequest::KIND_READY) {
+    c.member_state[req.rank()] = "ready";
+    const bool all = std::all_of(c.ranks.begin(), c.ranks.end(), [&](int r) { return c.member_state[r] == "ready"; });
+    if (all && c.state == v1::COMM_STATE_FORMING) {
+      c.state = v1::COMM_STATE_READY;
+      Event("info", "comm_ready", job->id, -1, -1,
+            absl::StrCat("communicator '", c.name, "' epoch ", c.epoch, " ready on ranks ", RankText(c.ranks)));
+    }
+    return absl::OkStatus();
+  }
+  if (req.kind() == v1::CommReportRequest::KIND_ERROR) {
+    AbortComm(*job, c, absl::StrCat("rank ", req.rank(), " reported a communicator error: ", req.error()), {});
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError("CommReport: kind must be READY, ERROR or ABORTED");
+}
+
+void CoordinatorCore::AbortComm(Job& job, Comm& comm, const std::string& reason, const std::vector<int>& lost) {
+  if (comm.epoch == 0 || comm.state == v1::COMM_STATE_ABORTED) return;
+  comm.state = v1::COMM_STATE_ABORTED;
+  comm.abort_reason = reason;
+  comm.lost_ranks = lost;
+  comm.epochs_aborted++;
+  const absl::Status why = absl::AbortedError(
+      absl::StrCat("communicator '", comm.name, "' epoch ", comm.epoch, " was aborted: ", reason));
+  auto waiters = std::move(comm.get_waiters);
+  comm.get_waiters.clear();
+  for (auto& w : waiters) w.done(why);
+  v1::CoordinatorMessage msg;
+  auto* a = msg.mutable_comm_abort();
+  a->set_name(comm.name);
+  a->set_epoch(comm.epoch);
+  a->set_reason(reason);
+  for (int r : lost) a->add_lost_ranks(r);
+  for (int r : comm.ranks) {
+    if (std::find(lost.begin(), lost.end(), r) == lost.end()) SendTo(job.members[r], msg);
+  }
+  Event("error", "comm_aborted", job.id, lost.empty() ? -1 : lost.front(), -1,
+        absl::StrCat("communicator '", comm.name, "' epoch ", comm.epoch, " aborted: ", reason));
+}
+
+void CoordinatorCore::OnMemberLost(Job& job, int rank, const std::string& reason) {
+  for (auto& [name, comm] : job.comms) {
+    if (!std::binary_search(comm.ranks.begin(), comm.ranks.end(), rank)) continue;
+    comm.member_state[rank] = "dead";
+    AbortComm(job, comm, reason, {rank});
+  }
+}
+
+void CoordinatorCore::OnMemberBack(Job& job, int rank) {
+  for (auto& [name, comm] : job.comms) {
+    if (!comm.join_waiters.empty()) MaybeStartEpoch(job, comm);
+  }
+}
+
+void CoordinatorCore::ExpireCommWaiters(Job& job, absl::Time now) {
+  for (auto& [name, comm] : job.comms) {
+    std::vector<Comm::JoinWaiter> keep_join;
+    for (auto& w : comm.join_waiters) {
+      if (w.deadline > now) {
+        keep_join.push_back(std::move(w));
+        continue;
+      }
+      std::vector<int> missing;
+      for (int r : comm.ranks) {
+        if (job.members[r].state != v1::RANK_STATE_LIVE) missing.push_back(r);
+      }
+      w.done(absl::DeadlineExceededError(absl::StrCat(
+          "communicator '", comm.name, "' cannot start epoch ", comm.epoch + 1, ": ranks ", RankText(missing),
+          " are not live", comm.abort_reason.empty() ? "" : absl::StrCat(" (last epoch aborted: ", comm.abort_reason, ")"))));
+    }
+    comm.join_waiters = std::move(keep_join);
+    std::vector<Comm::GetWaiter> keep_get;
+    for (auto& w : comm.get_waiters) {
+      if (w.deadline > now) {
+        keep_get.push_back(std::move(w));
+        continue;
+      }
+      std::vector<std::string> missing;
+      for (const auto& k : w.keys) {
+        if (!comm.store.count(k)) missing.push_back(k);
+      }
+      w.done(absl::DeadlineExceededError(absl::StrCat("communicator '", comm.name, "' epoch ", w.epoch,
+                                                      ": keys [", absl::StrJoin(missing, ", "),
+                                                      "] were not published in time")));
+    }
+    comm.get_waiters = std::move(keep_get);
+  }
+}
+
+void CoordinatorCore::FailAllCommWaiters(const absl::Status& why) {
+  for (auto& [id, job] : jobs_) {
+    for (auto& [name, comm] : job->comms) {
+      for (auto& w : comm.join_waiters) w.done(why);
+      for (auto& w : comm.get_waiters) w.done(why);
+      comm.join_waiters.clear();
+      comm.get_waiters.clear();
+    }
+  }
+}
+
+v1::ListCommsResponse CoordinatorCore::Comms(const std::string& job_id) const {
+  absl::MutexLock lock(&mu_);
+  v1::ListCommsResponse out;
+  for (const auto& [id, job] : jobs_) {
+    if (!job_id.empty() && id != job_id) continue;
+    for (const auto& [name, comm] : job->comms) {
+      auto* c = out.add_comms();
+      c->set_job_id(id);
+      c->set_name(name);
+      c->set_epoch(comm.epoch);
+      for (int r : comm.ranks) c->add_ranks(r);
+      c->set_state(comm.state);
+      for (const auto& [r, st] : comm.member_state) {
+        auto* m = c->add_members();
+        m->set_rank(r);
+        m->set_state(st);
+      }
+      c->set_abort_reason(comm.abort_reason);
+      for (int r : comm.lost_ranks) c->add_lost_ranks(r);
+      c->set_epochs_aborted(comm.epochs_aborted);
+    }
+  }
+  return out;
+}
+
+}  // namespace shardcoord::coordinator
