@@ -204,6 +204,29 @@ int CmdEvents(Client& c, const std::string& job, uint64_t after, int limit, bool
   return 0;
 }
 
+int CmdComms(Client& c, const std::string& job, bool json) {
+  v1::ListCommsRequest req;
+  req.set_job_id(job);
+  v1::ListCommsResponse resp;
+  if (!c.Call("ListComms", &v1::Coordinator::Stub::ListComms, req, &resp)) return kExitUnreachable;
+  if (json) {
+    std::cout << ToJson(resp) << "\n";
+    return 0;
+  }
+  std::cout << absl::StrFormat("%-10s %-12s %5s %-8s %-16s %7s  %s\n", "JOB", "COMM", "EPOCH", "STATE", "RANKS",
+                               "ABORTED", "MEMBERS / ABORT REASON");
+  for (const auto& cm : resp.comms()) {
+    std::vector<std::string> members;
+    for (const auto& m : cm.members()) members.push_back(absl::StrCat(m.rank(), ":", m.state()));
+    std::string note = absl::StrJoin(members, " ");
+    if (!cm.abort_reason().empty()) note += "  / " + cm.abort_reason();
+    std::cout << absl::StrFormat("%-10s %-12s %5d %-8s %-16s %7d  %s\n", cm.job_id(), cm.name(), cm.epoch(),
+                                 Lower(v1::CommState_Name(cm.state()), "COMM_STATE_"), absl::StrJoin(cm.ranks(), ","),
+                                 cm.epochs_aborted(), note);
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -234,6 +257,8 @@ int main(int argc, char** argv) {
   int group = -1, limit = 20;
   decisions->add_option("--group", group, "only this group (default: all)");
   decisions->add_option("--limit", limit, "most recent decisions per group")->check(CLI::PositiveNumber);
+  auto* comms = app.add_subcommand("comms", "every communicator: epoch, state, members, why aborted");
+  add_common(comms);
   auto* events = app.add_subcommand("events", "the event journal (registrations, deaths, failures)");
   add_common(events);
   uint64_t after = 0;
@@ -344,6 +369,7 @@ int main(int argc, char** argv) {
   if (ranks->parsed()) return CmdRanks(client, job, json);
   if (groups->parsed()) return CmdGroups(client, job, json);
   if (decisions->parsed()) return CmdDecisions(client, job, group, limit, json);
+  if (comms->parsed()) return CmdComms(client, job, json);
   if (events->parsed()) return CmdEvents(client, job, after, event_limit, json);
   return 0;
 }

@@ -661,7 +661,7 @@ void CoordinatorCore::RemoveMember(Job& job, Member& m, bool clean, const std::s
   m.state = clean ? v1::RANK_STATE_LEFT : v1::RANK_STATE_DEAD;
   m.dead_reason = reason;
   Event(clean ? "info" : "error", clean ? "rank_left" : "rank_dead", job.id, m.rank, group.index, full);
-  OnMemberLost(job, m.rank, full);
+  OnMemberLost(job, m.rank, clean, full);
 
   if (clean) {
     // Pending microbatches it never reported can never be decided.

@@ -236,10 +236,12 @@ class CoordinatorCore {
   // Starts a new epoch if the last one was aborted (or none exists) and every member is
   // live; then completes the join waiters.
   void MaybeStartEpoch(Job& job, Comm& comm) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void AbortComm(Job& job, Comm& comm, const std::string& reason, const std::vector<int>& lost)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // A member died or left: abort every live epoch it belongs to.
-  void OnMemberLost(Job& job, int rank, const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Ends the current epoch for every member. `failure` false is a clean end (a member
+  // left): same effect, but not counted as an abort and logged as info.
+  void AbortComm(Job& job, Comm& comm, const std::string& reason, const std::vector<int>& lost,
+                 bool failure = true) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A member died or left: end every live epoch it belongs to.
+  void OnMemberLost(Job& job, int rank, bool clean, const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A rank became live again: communicators waiting for it may start their next epoch.
   void OnMemberBack(Job& job, int rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ExpireCommWaiters(Job& job, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -223,12 +223,13 @@ absl::Status CoordinatorCore::CommReport(const v1::CommReportRequest& req) {
   return absl::InvalidArgumentError("CommReport: kind must be READY, ERROR or ABORTED");
 }
 
-void CoordinatorCore::AbortComm(Job& job, Comm& comm, const std::string& reason, const std::vector<int>& lost) {
+void CoordinatorCore::AbortComm(Job& job, Comm& comm, const std::string& reason, const std::vector<int>& lost,
+                                bool failure) {
   if (comm.epoch == 0 || comm.state == v1::COMM_STATE_ABORTED) return;
   comm.state = v1::COMM_STATE_ABORTED;
   comm.abort_reason = reason;
   comm.lost_ranks = lost;
-  comm.epochs_aborted++;
+  if (failure) comm.epochs_aborted++;
   const absl::Status why = absl::AbortedError(
       absl::StrCat("communicator '", comm.name, "' epoch ", comm.epoch, " was aborted: ", reason));
   auto waiters = std::move(comm.get_waiters);
@@ -243,15 +244,16 @@ void CoordinatorCore::AbortComm(Job& job, Comm& comm, const std::string& reason,
   for (int r : comm.ranks) {
     if (std::find(lost.begin(), lost.end(), r) == lost.end()) SendTo(job.members[r], msg);
   }
-  Event("error", "comm_aborted", job.id, lost.empty() ? -1 : lost.front(), -1,
-        absl::StrCat("communicator '", comm.name, "' epoch ", comm.epoch, " aborted: ", reason));
+  Event(failure ? "error" : "info", failure ? "comm_aborted" : "comm_closed", job.id,
+        lost.empty() ? -1 : lost.front(), -1,
+        absl::StrCat("communicator '", comm.name, "' epoch ", comm.epoch, failure ? " aborted: " : " closed: ", reason));
 }
 
-void CoordinatorCore::OnMemberLost(Job& job, int rank, const std::string& reason) {
+void CoordinatorCore::OnMemberLost(Job& job, int rank, bool clean, const std::string& reason) {
   for (auto& [name, comm] : job.comms) {
     if (!std::binary_search(comm.ranks.begin(), comm.ranks.end(), rank)) continue;
-    comm.member_state[rank] = "dead";
-    AbortComm(job, comm, reason, {rank});
+    comm.member_state[rank] = clean ? "left" : "dead";
+    AbortComm(job, comm, reason, {rank}, /*failure=*/!clean);
   }
 }
 

@@ -413,5 +413,93 @@ TEST_F(InProcessTest, UnreachableCoordinatorFailsConnectWithinItsTimeout) {
   EXPECT_THAT(w.status().message(), HasSubstr("cannot reach coordinator at " + address));
 }
 
+TEST_F(InProcessTest, CommunicatorRendezvousRejectsBadInputAndKeepsWorking) {
+  auto w0 = Connect(Options(0, 4, 2));
+  auto w1 = Connect(Options(1, 4, 2));
+  ASSERT_TRUE(w0 && w1);
+  auto stub = v1::Coordinator::NewStub(grpc::CreateChannel(server_->address(), grpc::InsecureChannelCredentials()));
+  auto call = [&](auto method, const auto& req, auto* resp) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    return FromGrpcStatus(((*stub).*method)(&ctx, req, resp));
+  };
+  v1::CommJoinRequest join;
+  join.set_job_id("job");
+  join.set_rank(0);
+  join.set_name("group/1");
+  join.set_timeout_ms(100);
+  v1::CommJoinResponse jresp;
+  absl::Status s = call(&v1::Coordinator::Stub::CommJoin, join, &jresp);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(s.message(), HasSubstr("rank 0 is not a member of communicator 'group/1' (ranks 2,3)"));
+  join.set_name("custom");
+  join.add_ranks(0);
+  join.add_ranks(9);
+  s = call(&v1::Coordinator::Stub::CommJoin, join, &jresp);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("in 0..3"));
+  join.set_rank(3);  // Registered? No: rank 3 never connected.
+  join.set_name("world");
+  join.clear_ranks();
+  s = call(&v1::Coordinator::Stub::CommJoin, join, &jresp);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(s.message(), HasSubstr("rank 3 of job 'job' is not a live registered rank"));
+  // group/0's first epoch needs ranks 0 and 1: both live, so a join answers at once.
+  join.set_rank(0);
+  join.set_name("group/0");
+  ASSERT_TRUE(call(&v1::Coordinator::Stub::CommJoin, join, &jresp).ok());
+  EXPECT_EQ(jresp.epoch(), 1);
+  v1::StoreSetRequest set;
+  set.set_job_id("job");
+  set.set_rank(0);
+  set.set_name("group/0");
+  set.set_epoch(7);
+  set.set_key("k");
+  set.set_value("v");
+  v1::StoreSetResponse sresp;
+  s = call(&v1::Coordinator::Stub::StoreSet, set, &sresp);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(s.message(), HasSubstr("wrong epoch 7"));
+  set.set_epoch(1);
+  ASSERT_TRUE(call(&v1::Coordinator::Stub::StoreSet, set, &sresp).ok());
+  s = call(&v1::Coordinator::Stub::StoreSet, set, &sresp);
+  EXPECT_EQ(s.code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_THAT(s.message(), HasSubstr("already published"));
+  v1::StoreGetRequest get;
+  get.set_job_id("job");
+  get.set_rank(0);
+  get.set_name("group/0");
+  get.set_epoch(1);
+  get.add_keys("k");
+  get.add_keys("never");
+  get.set_timeout_ms(100);
+  v1::StoreGetResponse gresp;
+  s = call(&v1::Coordinator::Stub::StoreGet, get, &gresp);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_THAT(s.message(), HasSubstr("[never]"));
+
+  // The bad calls disturbed nothing: world works for the two live ranks of a 2-rank job.
+  auto a = Connect(Options(0, 2, 2, Policy::kAuto, "comm-ok"));
+  auto b = Connect(Options(1, 2, 2, Policy::kAuto, "comm-ok"));
+  ASSERT_TRUE(a && b);
+  int64_t va = 5, vb = 7;
+  absl::Status sa, sb;
+  std::thread ta([&] {
+    CommunicatorOptions co;
+    co.name = "world";
+    auto c = a->OpenCommunicator(co);
+    sa = c.ok() ? (*c)->AllReduce(&va, 1, ReduceOp::kMax) : c.status();
+  });
+  CommunicatorOptions co;
+  co.name = "world";
+  auto c = b->OpenCommunicator(co);
+  sb = c.ok() ? (*c)->AllReduce(&vb, 1, ReduceOp::kMax) : c.status();
+  ta.join();
+  ASSERT_TRUE(sa.ok()) << sa;
+  ASSERT_TRUE(sb.ok()) << sb;
+  EXPECT_EQ(va, 7);
+  EXPECT_EQ(vb, 7);
+}
+
 }  // namespace
 }  // namespace shardcoord

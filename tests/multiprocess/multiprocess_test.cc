@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "shardcoord/v1/coordinator.grpc.pb.h"
+#include "support/daemon.h"
 #include "support/subprocess.h"
 #include "support/test_env.h"
 
@@ -63,17 +64,12 @@ void WriteTrace(const std::string& path, int world, int microbatches) {
 
 class MultiProcessTest : public ::testing::Test {
  protected:
-  void StartDaemon(std::vector<std::string> extra = {}) {
-    std::vector<std::string> argv = {SHARDCOORDD_PATH, "--listen", "127.0.0.1:0", "--address-file",
-                                     dir_.File("addr"), "--heartbeat-interval-ms", "100",
-                                     "--heartbeat-timeout-ms", std::to_string(kHeartbeatTimeoutMs)};
-    argv.insert(argv.end(), extra.begin(), extra.end());
-    daemon_ = std::make_unique<Subprocess>(argv, dir_.File("daemon.out"), dir_.File("daemon.err"));
-    ASSERT_TRUE(WaitUntil([&] { return ReadFile(dir_.File("addr")).find(':') != std::string::npos; },
-                          kStartTimeout))
-        << ReadFile(dir_.File("daemon.err"));
-    address_ = ReadFile(dir_.File("addr"));
-    address_.erase(address_.find_last_not_of("\n") + 1);
+  void StartDaemon() {
+    auto d = testing::Daemon::Start(dir_.path(), {"--heartbeat-interval-ms", "100", "--heartbeat-timeout-ms",
+                                                  std::to_string(kHeartbeatTimeoutMs)});
+    ASSERT_TRUE(d.ok()) << d.status();
+    daemon_ = std::move(*d);
+    address_ = daemon_->address();
     stub_ = v1::Coordinator::NewStub(grpc::CreateChannel(address_, grpc::InsecureChannelCredentials()));
   }
 
@@ -119,7 +115,7 @@ class MultiProcessTest : public ::testing::Test {
   }
 
   TempDir dir_;
-  std::unique_ptr<Subprocess> daemon_;
+  std::unique_ptr<testing::Daemon> daemon_;
   std::string address_;
   std::unique_ptr<v1::Coordinator::Stub> stub_;
   std::vector<std::unique_ptr<Subprocess>> ranks_;
@@ -238,17 +234,16 @@ TEST_F(MultiProcessTest, DaemonStopsCleanlyOnSigtermAndSigint) {
     StartDaemon();
     ranks_.push_back(StartRank(0, std::string(SHARDCOORD_SOURCE_DIR) + "/examples/traces/mixed_8ranks.jsonl", 0));
     ASSERT_TRUE(WaitUntil([&] { return CountInState(v1::RANK_STATE_LIVE) == 1; }, kStartTimeout));
-    daemon_->Signal(sig);
-    auto code = daemon_->Wait(absl::Seconds(10));
+    daemon_->process().Signal(sig);
+    auto code = daemon_->process().Wait(absl::Seconds(10));
     ASSERT_TRUE(code.has_value());
-    EXPECT_EQ(*code, 0) << ReadFile(dir_.File("daemon.err"));
-    EXPECT_THAT(ReadFile(dir_.File("daemon.err")), HasSubstr("shutting down"));
+    EXPECT_EQ(*code, 0) << daemon_->Stderr();
+    EXPECT_THAT(daemon_->Stderr(), HasSubstr("shutting down"));
     // The waiting rank learns that the coordinator went away, instead of hanging.
     auto rank_code = ranks_.back()->Wait(absl::Seconds(10));
     ASSERT_TRUE(rank_code.has_value());
     EXPECT_EQ(*rank_code, 1);
     EXPECT_THAT(ReadFile(ranks_.back()->stderr_path()), HasSubstr("shutting down"));
-    std::remove(dir_.File("addr").c_str());
   }
 }
 

@@ -171,11 +171,14 @@ class GlooCommunicator final : public AbortableCommunicator {
       absl::MutexLock lock(&mu_);
       if (!abort_reason_.empty()) return;
       abort_reason_ = reason;
-      ctx = ctx_;
+      if (!in_flight_) ctx = ctx_;
     }
     logging::Get("worker")->warn("job={} rank={} comm={} epoch={} aborting: {}", ep_.job_id, ep_.job_rank, name(),
                                  epoch(), reason);
-    // Wakes up collectives blocked on peers: they fail instead of waiting for the timeout.
+    // Closing our connections makes peers blocked on us fail at once (they see EOF). Gloo
+    // does not wake an operation of our own that is in flight when we close under it, so
+    // then the operation's end closes them (see Run); it fails through the peers' EOF, or
+    // at the op timeout at the latest.
     if (ctx) ctx->closeConnections();
   }
 
@@ -259,14 +262,27 @@ class GlooCommunicator final : public AbortableCommunicator {
       }
       if (!ctx_) return absl::FailedPreconditionError("communicator is not connected");
       ctx = ctx_;
+      in_flight_ = true;
     }
-    try {
-      f(ctx);
-      return absl::OkStatus();
-    } catch (const std::exception& e) {
+    // Ends the operation; closes the connections if an abort arrived meanwhile.
+    auto finish = [&]() -> bool {
+      bool aborted;
       {
         absl::MutexLock lock(&mu_);
-        if (!abort_reason_.empty()) return AbortedStatusLocked();
+        in_flight_ = false;
+        aborted = !abort_reason_.empty();
+      }
+      if (aborted) ctx->closeConnections();
+      return aborted;
+    };
+    try {
+      f(ctx);
+      finish();  // Completed: its result is valid even if an abort arrived meanwhile.
+      return absl::OkStatus();
+    } catch (const std::exception& e) {
+      if (finish()) {
+        absl::MutexLock lock(&mu_);
+        return AbortedStatusLocked();
       }
       // Our own failure (a peer vanished, a timeout): the coordinator aborts the epoch for
       // everyone. If it already did (it saw the peer die), its answer names the cause.
@@ -285,6 +301,7 @@ class GlooCommunicator final : public AbortableCommunicator {
   std::shared_ptr<gloo::rendezvous::Context> ctx_ ABSL_GUARDED_BY(mu_);
   std::string abort_reason_ ABSL_GUARDED_BY(mu_);
   bool acked_ ABSL_GUARDED_BY(mu_) = false;
+  bool in_flight_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 }  // namespace
