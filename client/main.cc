@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <set>
 #include <sstream>
 
 #include "absl/strings/str_format.h"
@@ -273,8 +274,13 @@ int main(int argc, char** argv) {
   bool no_outer = false;
   replay->add_option("trace", trace_path, "trace file, JSON lines ('-' for stdin)")->required();
   replay->add_option("--job-id", ro.job_id, "job id to register (default 'replay')");
-  replay->add_option("--world-size", ro.world_size, "ranks in the job (default: highest rank in the trace + 1)");
-  replay->add_option("--group-size", ro.group_size, "shard group size (default: world size)");
+  replay->add_option("--world-size", ro.world_size, "ranks in the job (default: highest rank in the trace + 1)")
+      ->check(CLI::Range(1, 1 << 20));
+  replay->add_option("--group-size", ro.group_size, "shard group size (default: world size)")
+      ->check(CLI::Range(1, 1 << 20));
+  int connect_timeout_ms = 10000;
+  replay->add_option("--connect-timeout-ms", connect_timeout_ms, "deadline to reach the coordinator and register")
+      ->check(CLI::PositiveNumber);
   replay->add_option("--policy", policy, "auto, per_layer, root or replicate (default: the coordinator's)")
       ->check(CLI::IsMember({"auto", "per_layer", "root", "replicate"}));
   replay->add_option("--fallback", fallback, "root or replicate (default: the coordinator's)")
@@ -295,7 +301,11 @@ int main(int argc, char** argv) {
   std::vector<std::string> verify_files;
   verify->add_option("files", verify_files, "outputs of `shardctl replay --per-rank`")->required()->check(CLI::ExistingFile);
 
-  CLI11_PARSE(app, argc, argv);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? 0 : shardcoord::client::kReplayBadInput;  // Usage errors exit 2.
+  }
   if (verify->parsed()) return shardcoord::client::VerifyPerRankOutputs(verify_files, std::cout, std::cerr);
   if (replay->parsed() && std::getenv(shardcoord::logging::kLevelEnv) == nullptr) {
     // The embedded coordinator and the simulated workers log only problems by default.
@@ -310,6 +320,7 @@ int main(int argc, char** argv) {
     ro.wrap_outer_model = !no_outer;
     ro.interval = absl::Milliseconds(interval_ms);
     ro.decision_timeout = absl::Milliseconds(decision_timeout_ms);
+    ro.connect_timeout = absl::Milliseconds(connect_timeout_ms);
     if (!ranks_arg.empty()) {
       for (absl::string_view part : absl::StrSplit(ranks_arg, ',', absl::SkipEmpty())) {
         int r;
@@ -337,6 +348,15 @@ int main(int argc, char** argv) {
     }
     for (absl::string_view name : absl::StrSplit(modules_arg, ',', absl::SkipEmpty())) {
       ro.modules.push_back({std::string(name), 0, {}, false});
+    }
+    {
+      std::set<std::string> seen;
+      for (const auto& m : ro.modules) {
+        if (m.name.empty() || !seen.insert(m.name).second) {
+          std::cerr << "shardctl replay: module '" << m.name << "' is empty or given twice\n";
+          return shardcoord::client::kReplayBadInput;
+        }
+      }
     }
     absl::StatusOr<shardcoord::client::Trace> trace;
     if (trace_path == "-") {

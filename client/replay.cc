@@ -21,6 +21,7 @@ struct RankRun {
   int group = 0;
   std::vector<MicrobatchDecision> decisions;
   bool failed = false;
+  bool bad_input = false;  // The coordinator refused the registration as invalid.
   std::string failure;
 };
 
@@ -58,6 +59,9 @@ void PlayRank(const Trace& trace, const ReplayOptions& o, const std::string& add
   auto worker = Worker::Connect(wo);
   if (!worker.ok()) {
     run->failed = true;
+    const absl::StatusCode code = worker.status().code();
+    run->bad_input = code == absl::StatusCode::kInvalidArgument || code == absl::StatusCode::kFailedPrecondition ||
+                     code == absl::StatusCode::kAlreadyExists;
     run->failure = absl::StrCat("registration failed: ", worker.status().ToString());
     return;
   }
@@ -161,11 +165,13 @@ int RunReplay(const Trace& trace, ReplayOptions o, std::ostream& out, std::ostre
   if (embedded) embedded->Shutdown();
 
   int rc = kReplayOk;
+  int failed_ranks = 0;
   for (const auto& run : runs) {
     if (run.failed) {
       err << "shardctl replay: rank " << run.rank << " (group " << run.group
           << ") failed after " << run.decisions.size() << " microbatches: " << run.failure << "\n";
-      rc = kReplayRankFailed;
+      ++failed_ranks;
+      if (rc != kReplayRankFailed) rc = run.bad_input ? kReplayBadInput : kReplayRankFailed;
     }
   }
 
@@ -240,7 +246,10 @@ int RunReplay(const Trace& trace, ReplayOptions o, std::ostream& out, std::ostre
       << " microbatches, " << o.modules.size() << " modules; group decisions: per_layer="
       << counts["per_layer"] << " skip=" << counts["skip"] << " root=" << counts["root"]
       << " replicate=" << counts["replicate"] << " (divergent=" << counts["divergent"] << "); "
-      << (diverged ? "RANKS DISAGREE" : "every rank of each group received identical decisions")
+      << (diverged           ? "RANKS DISAGREE"
+          : failed_ranks > 0 ? absl::StrCat(failed_ranks, " of ", runs.size(),
+                                            " ranks FAILED; the decisions the others received agree")
+                             : std::string("every rank of each group received identical decisions"))
       << "\n";
   if (diverged) return kReplayDiverged;
   return rc;
@@ -259,6 +268,11 @@ int VerifyPerRankOutputs(const std::vector<std::string>& files, std::ostream& ou
   int mismatches = 0;
   for (const auto& path : files) {
     std::ifstream in(path);
+    if (in.peek() == std::ifstream::traits_type::eof()) {
+      err << "shardctl verify: " << path
+          << " holds no decisions (did that rank fail? see its stderr)\n";
+      return kReplayBadInput;
+    }
     std::string line;
     int lineno = 0;
     while (std::getline(in, line)) {

@@ -99,7 +99,11 @@ absl::StatusOr<std::vector<ModuleSpec>> ParseManifest(const std::string& text,
       spec.outside_inner_root = m.value("outside_inner_root", false);
       if (m.contains("units")) {
         for (const json& u : m["units"]) {
-          spec.units.push_back({u.at("name").get<std::string>(), u.value("param_bytes", int64_t{0})});
+          if (!u.is_object() || !u.contains("name") || !u["name"].is_string()) {
+            return absl::InvalidArgumentError(absl::StrCat(
+                where, " ('", spec.name, "'): each unit must be {\"name\": \"layers.0\", \"param_bytes\": N}"));
+          }
+          spec.units.push_back({u["name"].get<std::string>(), u.value("param_bytes", int64_t{0})});
         }
       }
     } catch (const json::exception& e) {

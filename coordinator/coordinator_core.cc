@@ -335,14 +335,20 @@ void CoordinatorCore::UpdateGroupState(Job& job, Group& group) {
   }
   const int size = static_cast<int>(group.ranks.size());
   const v1::GroupState before = group.state;
+  const bool reforming = before == v1::GROUP_STATE_FAILED || before == v1::GROUP_STATE_FINISHED;
   if (dead > 0) {
     group.state = v1::GROUP_STATE_FAILED;
   } else if (left == size) {
     group.state = v1::GROUP_STATE_FINISHED;
+  } else if (reforming && live < size) {
+    // After a failure (or after everyone left) the group re-forms only once every member
+    // is live again: members that merely left would make it decide for ranks not there.
+    group.state = v1::GROUP_STATE_FORMING;
+    group.failure_reason.clear();
   } else if (live + left < size) {
     // Some member never registered (it may have died before it did).
     group.state = v1::GROUP_STATE_FORMING;
-  } else if (before == v1::GROUP_STATE_FORMING && group.engine->next_seq() == 0) {
+  } else if (before == v1::GROUP_STATE_FORMING && group.engine->next_seq() == 0 && group.epoch == 0) {
     // Formed for the first time: the promotion budget is known now.
     group.state = v1::GROUP_STATE_HEALTHY;
     int64_t min_budget = INT64_MAX;
@@ -355,16 +361,20 @@ void CoordinatorCore::UpdateGroupState(Job& job, Group& group) {
                        PolicyName(group.engine->config().policy),
                        " fallback=", FallbackName(group.engine->config().fallback),
                        " min_memory_budget_bytes=", min_budget));
-  } else {
-    if (before == v1::GROUP_STATE_FAILED || before == v1::GROUP_STATE_FINISHED ||
-        before == v1::GROUP_STATE_FORMING) {
-      // Whole again after a failure: a new epoch.
-      group.epoch++;
-      group.failure_reason.clear();
-      Event("info", "group_reformed", job.id, -1, group.index,
-            absl::StrCat("epoch ", group.epoch, " ranks ", RankList(group.ranks)));
+  } else if (before != v1::GROUP_STATE_HEALTHY) {
+    // Whole again after a failure: a new epoch. Microbatch keys start afresh (a job
+    // resumed from a checkpoint plans earlier steps again); seq numbers go on.
+    group.epoch++;
+    group.failure_reason.clear();
+    group.pending.clear();
+    group.last_resolved.reset();
+    for (int r : group.ranks) {
+      job.members[r].pending = 0;
+      job.members[r].last_planned.reset();
     }
     group.state = v1::GROUP_STATE_HEALTHY;
+    Event("info", "group_reformed", job.id, -1, group.index,
+          absl::StrCat("epoch ", group.epoch, " ranks ", RankList(group.ranks)));
   }
 }
 
@@ -636,6 +646,7 @@ void CoordinatorCore::OnGoodbye(uint64_t session_id, const std::string& reason) 
 
 void CoordinatorCore::OnSessionClosed(uint64_t session_id, const std::string& why) {
   absl::MutexLock lock(&mu_);
+  if (shut_down_) return;  // Our own shutdown closed it: no rank died.
   Job* job = nullptr;
   Member* m = LiveMember(session_id, &job);
   if (m == nullptr) {
@@ -765,7 +776,7 @@ v1::StatusResponse CoordinatorCore::Status(const std::string& job_id) const {
   v1::StatusResponse out;
   const absl::Time now = clock_->Now();
   out.set_version(kVersion);
-  out.set_listen_address(options_.listen_address);
+  out.set_listen_address(bound_address_.empty() ? options_.listen_address : bound_address_);
   out.set_started_unix_ms(absl::ToUnixMillis(started_));
   out.set_uptime_ms(absl::ToInt64Milliseconds(now - started_));
   for (const auto& [id, job] : jobs_) {

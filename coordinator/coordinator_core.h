@@ -54,6 +54,11 @@ class CoordinatorCore {
   CoordinatorCore& operator=(const CoordinatorCore&) = delete;
 
   const CoordinatorOptions& options() const { return options_; }
+  // The address actually bound (port 0 resolved), for status.
+  void SetBoundAddress(const std::string& address) {
+    absl::MutexLock lock(&mu_);
+    bound_address_ = address;
+  }
 
   // Registers the rank behind `session_id`. On success the RegisterResponse has already
   // been sent through `sink` (so it precedes any decision). On failure nothing changed and
@@ -259,6 +264,7 @@ class CoordinatorCore {
   std::map<std::string, std::unique_ptr<Job>> jobs_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uint64_t, SessionRef> sessions_ ABSL_GUARDED_BY(mu_);
   bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
+  std::string bound_address_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace shardcoord::coordinator

@@ -296,6 +296,8 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   builder.RegisterService(server->service_.get());
   // Workers send keepalive pings to notice a lost coordinator; let them.
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  // A second daemon on the same port must fail, not share the port and split the job.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 1000);
   server->server_ = builder.BuildAndStart();
   if (!server->server_ || server->port_ == 0) {
@@ -305,6 +307,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   }
   size_t colon = listen.rfind(':');
   server->address_ = absl::StrCat(listen.substr(0, colon), ":", server->port_);
+  server->core_->SetBoundAddress(server->address_);
   server->ticker_ = std::thread([s = server.get()] { s->TickLoop(); });
   logging::Get("coordinator")->info("serving address={}", server->address_);
   return server;
@@ -334,6 +337,7 @@ void CoordinatorServer::Shutdown(absl::Duration grace) {
     stopping_ = true;
   }
   if (ticker_.joinable()) ticker_.join();
+  if (!server_) return;  // Never started serving.
   core_->Shutdown();
   server_->Shutdown(absl::ToChronoTime(absl::Now() + grace));
   server_->Wait();

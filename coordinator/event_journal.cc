@@ -1,5 +1,7 @@
 #include "event_journal.h"
 
+#include <algorithm>
+
 #include "shardcoord/internal/logging.h"
 
 namespace shardcoord::coordinator {
@@ -31,6 +33,14 @@ std::vector<v1::Event> EventJournal::List(const std::string& job_id, uint64_t af
                                           int limit) const {
   absl::MutexLock lock(&mu_);
   std::vector<v1::Event> out;
+  if (after_id == 0) {
+    // No cursor: the most recent `limit` events, oldest first.
+    for (auto it = events_.rbegin(); it != events_.rend() && static_cast<int>(out.size()) < limit; ++it) {
+      if (job_id.empty() || it->job_id() == job_id) out.push_back(*it);
+    }
+    std::reverse(out.begin(), out.end());
+    return out;
+  }
   for (const auto& e : events_) {
     if (e.id() <= after_id) continue;
     if (!job_id.empty() && e.job_id() != job_id) continue;

@@ -24,7 +24,8 @@ class EventJournal {
   void Add(absl::Time when, const std::string& severity, const std::string& kind,
            const std::string& job_id, int rank, int group, const std::string& message);
 
-  // Events of `job_id` (empty: all) with id > after_id, oldest first, at most `limit`.
+  // Events of `job_id` (empty: all) with id > after_id, oldest first, at most `limit`;
+  // with after_id 0, the most recent `limit` events.
   std::vector<v1::Event> List(const std::string& job_id, uint64_t after_id, int limit) const;
 
  private:

@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <optional>
 
 #include "absl/synchronization/mutex.h"
 #include "coordinator_server.h"
@@ -38,9 +39,12 @@ int main(int argc, char** argv) {
   CLI::App app{"shardcoordd: coordinator for frozen multimodal FSDP sharding decisions"};
   std::string config_file;
   std::string listen, policy, fallback, log_level, address_file;
-  int64_t hb_interval_ms = -1, hb_timeout_ms = -1, plan_timeout_ms = -1;
-  int max_lookahead = -1, promote_window = -1, promote_threshold = -1, demote_threshold = -1;
-  app.add_option("--config", config_file, "YAML config file (keys as in README 'Config')")
+  // Unset flags keep the config file's (or the built-in) value.
+  std::optional<int64_t> hb_interval_ms, hb_timeout_ms, plan_timeout_ms;
+  std::optional<int> max_lookahead, promote_window, promote_threshold, demote_threshold, event_capacity,
+      decision_history;
+  app.add_option("--config", config_file,
+                 "YAML config file (keys as in README 'shardcoordd configuration' and deploy/config)")
       ->check(CLI::ExistingFile);
   app.add_option("--listen", listen, "address to serve on, HOST:PORT (port 0 picks a free port)")
       ->envname("SHARDCOORD_LISTEN");
@@ -58,11 +62,18 @@ int main(int argc, char** argv) {
                  "auto promotion: divergent microbatches in the window that promote");
   app.add_option("--demote-threshold", demote_threshold,
                  "auto promotion: at most this many divergent in a full window demotes");
+  app.add_option("--event-capacity", event_capacity, "events kept for shardctl events");
+  app.add_option("--decision-history", decision_history, "decisions kept per group for shardctl decisions");
   app.add_option("--log-level", log_level, "trace, debug, info, warn, error")
       ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "off"}));
   app.add_option("--address-file", address_file,
                  "write the bound HOST:PORT here once serving (for --listen ...:0)");
-  CLI11_PARSE(app, argc, argv);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    // --help and --version exit 0; every usage error exits 2, as documented.
+    return app.exit(e) == 0 ? 0 : 2;
+  }
 
   CoordinatorOptions options;
   if (!config_file.empty()) {
@@ -76,13 +87,15 @@ int main(int argc, char** argv) {
   if (!listen.empty()) options.listen_address = listen;
   if (!policy.empty()) options.default_policy = *shardcoord::ParsePolicy(policy);
   if (!fallback.empty()) options.default_fallback = *shardcoord::ParseFallback(fallback);
-  if (hb_interval_ms >= 0) options.heartbeat_interval = absl::Milliseconds(hb_interval_ms);
-  if (hb_timeout_ms >= 0) options.heartbeat_timeout = absl::Milliseconds(hb_timeout_ms);
-  if (plan_timeout_ms >= 0) options.plan_timeout = absl::Milliseconds(plan_timeout_ms);
-  if (max_lookahead >= 0) options.max_lookahead = max_lookahead;
-  if (promote_window >= 0) options.promotion.window = promote_window;
-  if (promote_threshold >= 0) options.promotion.promote_threshold = promote_threshold;
-  if (demote_threshold >= 0) options.promotion.demote_threshold = demote_threshold;
+  if (hb_interval_ms) options.heartbeat_interval = absl::Milliseconds(*hb_interval_ms);
+  if (hb_timeout_ms) options.heartbeat_timeout = absl::Milliseconds(*hb_timeout_ms);
+  if (plan_timeout_ms) options.plan_timeout = absl::Milliseconds(*plan_timeout_ms);
+  if (max_lookahead) options.max_lookahead = *max_lookahead;
+  if (promote_window) options.promotion.window = *promote_window;
+  if (promote_threshold) options.promotion.promote_threshold = *promote_threshold;
+  if (demote_threshold) options.promotion.demote_threshold = *demote_threshold;
+  if (event_capacity) options.event_capacity = *event_capacity;
+  if (decision_history) options.decision_history = *decision_history;
   if (!log_level.empty()) options.log_level = log_level;
   if (!address_file.empty()) options.address_file = address_file;
   if (!shardcoord::logging::SetLevel(options.log_level)) {
@@ -108,7 +121,7 @@ int main(int argc, char** argv) {
   auto server = shardcoord::coordinator::CoordinatorServer::Start(options);
   if (!server.ok()) {
     std::cerr << "shardcoordd: " << server.status().message() << "\n";
-    return 1;
+    return 2;
   }
   auto log = shardcoord::logging::Get("coordinator");
   if (!options.address_file.empty() &&

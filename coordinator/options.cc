@@ -4,14 +4,25 @@
 
 #include <set>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 
 namespace shardcoord::coordinator {
 
 absl::Status ValidateOptions(const CoordinatorOptions& o) {
-  if (o.listen_address.empty()) {
-    return absl::InvalidArgumentError("listen address is empty; pass --listen HOST:PORT");
+  {
+    const std::string& a = o.listen_address;
+    const size_t colon = a.rfind(':');
+    int port = -1;
+    const bool ok = colon != std::string::npos && colon > 0 &&
+                    absl::SimpleAtoi(a.substr(colon + 1), &port) && port >= 0 && port <= 65535 &&
+                    a.substr(colon + 1).find_first_not_of("0123456789") == std::string::npos;
+    if (!ok) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "listen address '", a, "' is not HOST:PORT with a port in 0..65535 (e.g. 127.0.0.1:7871, "
+          "0.0.0.0:7871, [::]:7871; port 0 picks a free one)"));
+    }
   }
   if (o.default_policy == Policy::kUnspecified) {
     return absl::InvalidArgumentError("default policy must be auto, per_layer, root or replicate");

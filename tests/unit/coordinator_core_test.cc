@@ -449,6 +449,48 @@ TEST_F(CoreTest, DeadRankRegisteringAgainReformsTheGroupUnderANewEpoch) {
   EXPECT_EQ(RankStatusOf(1).registrations(), 2);
 }
 
+TEST_F(CoreTest, FailedGroupReformsOnlyWhenEveryMemberIsLiveAndKeysStartAfresh) {
+  RegisterAll();
+  for (int mb = 0; mb < 3; ++mb) {
+    Plan(0, 0, mb, 1);
+    Plan(1, 0, mb, 1);
+  }
+  core_->OnSessionClosed(sessions_[1], "killed");
+  core_->OnGoodbye(sessions_[0], "trainer exits after the failure");
+  ASSERT_TRUE(Register(Request(1)).ok());  // The restarted rank 1 comes back first...
+  EXPECT_EQ(core_->Groups("job").groups(0).state(), v1::GROUP_STATE_FORMING)
+      << "rank 0 only left: the group must not decide without it";
+  ASSERT_TRUE(Register(Request(0)).ok());  // ... then rank 0.
+  auto g = core_->Groups("job").groups(0);
+  EXPECT_EQ(g.state(), v1::GROUP_STATE_HEALTHY);
+  EXPECT_EQ(g.epoch(), 1);
+  // Resumed from a checkpoint: earlier keys are planned again and decided in the new epoch.
+  Plan(0, 0, 1, 0);
+  Plan(1, 0, 1, 0);
+  EXPECT_TRUE(sinks_[0]->Rejections().empty()) << sinks_[0]->Rejections()[0].message();
+  auto d = sinks_[1]->Decisions();
+  ASSERT_EQ(d.size(), 1u);
+  EXPECT_EQ(d[0].epoch(), 1);
+  EXPECT_EQ(d[0].seq(), 3u) << "seq goes on across epochs";
+  EXPECT_EQ(d[0].modules(0).decision(), v1::DECISION_SKIP);
+}
+
+TEST_F(CoreTest, AFinishedJobCanRunAgainUnderTheSameId) {
+  RegisterAll();
+  Plan(0, 0, 0, 1);
+  Plan(1, 0, 0, 1);
+  core_->OnGoodbye(sessions_[0], "done");
+  core_->OnGoodbye(sessions_[1], "done");
+  EXPECT_EQ(core_->Groups("job").groups(0).state(), v1::GROUP_STATE_FINISHED);
+  ASSERT_TRUE(Register(Request(0)).ok());
+  ASSERT_TRUE(Register(Request(1)).ok());
+  Plan(0, 0, 0, 1);
+  Plan(1, 0, 0, 1);
+  EXPECT_TRUE(sinks_[0]->Rejections().empty());
+  ASSERT_EQ(sinks_[0]->Decisions().size(), 1u);
+  EXPECT_EQ(sinks_[0]->Decisions()[0].epoch(), 1);
+}
+
 TEST_F(CoreTest, PlanTimeoutFailsTheMicrobatchNamingMissingRanks) {
   RegisterAll();
   Plan(0, 0, 0, 1);
