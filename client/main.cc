@@ -215,12 +215,15 @@ int CmdComms(Client& c, const std::string& job, bool json) {
     return 0;
   }
   std::cout << absl::StrFormat("%-10s %-12s %5s %-8s %-16s %7s  %s\n", "JOB", "COMM", "EPOCH", "STATE", "RANKS",
-                               "ABORTED", "MEMBERS / ABORT REASON");
+                               "ABORTED", "MEMBERS (rank:state@completed/issued) / WHY");
   for (const auto& cm : resp.comms()) {
     std::vector<std::string> members;
-    for (const auto& m : cm.members()) members.push_back(absl::StrCat(m.rank(), ":", m.state()));
+    for (const auto& m : cm.members()) {
+      members.push_back(absl::StrCat(m.rank(), ":", m.state(), "@", m.completed(), "/", m.issued()));
+    }
     std::string note = absl::StrJoin(members, " ");
     if (!cm.abort_reason().empty()) note += "  / " + cm.abort_reason();
+    if (!cm.behind().empty()) note += "  / BEHIND: " + cm.behind();
     std::cout << absl::StrFormat("%-10s %-12s %5d %-8s %-16s %7d  %s\n", cm.job_id(), cm.name(), cm.epoch(),
                                  Lower(v1::CommState_Name(cm.state()), "COMM_STATE_"), absl::StrJoin(cm.ranks(), ","),
                                  cm.epochs_aborted(), note);

@@ -629,10 +629,13 @@ void CoordinatorCore::FailMicrobatch(Job& job, Group& group, const MicrobatchKey
 // ----------------------------------------------------------------------------------------
 // Liveness
 
-void CoordinatorCore::OnHeartbeat(uint64_t session_id) {
+void CoordinatorCore::OnHeartbeat(uint64_t session_id, const v1::Heartbeat& heartbeat) {
   absl::MutexLock lock(&mu_);
   Job* job = nullptr;
-  if (Member* m = LiveMember(session_id, &job)) m->last_seen = clock_->Now();
+  Member* m = LiveMember(session_id, &job);
+  if (m == nullptr) return;
+  m->last_seen = clock_->Now();
+  if (heartbeat.comms_size() > 0) RecordProgress(*job, m->rank, heartbeat, m->last_seen);
 }
 
 void CoordinatorCore::OnGoodbye(uint64_t session_id, const std::string& reason) {
@@ -748,6 +751,7 @@ void CoordinatorCore::Tick() {
       if (!expired.empty()) Flush(*job, group);
     }
     ExpireCommWaiters(*job, now);
+    DetectBehind(*job, now);
   }
 }
 

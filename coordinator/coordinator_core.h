@@ -72,7 +72,8 @@ class CoordinatorCore {
   // Plans from a registered session. Bad plans are answered with PlanRejected on the
   // session; decisions that became ready are sent to every member of the group.
   void OnPlans(uint64_t session_id, const v1::PlanBatch& batch);
-  void OnHeartbeat(uint64_t session_id);
+  // Liveness, plus the collective progress of the rank's open communicators.
+  void OnHeartbeat(uint64_t session_id, const v1::Heartbeat& heartbeat = {});
   // A clean leave: the rank becomes LEFT.
   void OnGoodbye(uint64_t session_id, const std::string& reason);
   // The session's stream ended without a goodbye: a registered rank is declared dead.
@@ -166,7 +167,14 @@ class CoordinatorCore {
     std::vector<int> ranks;  // Ascending.
     int64_t epoch = 0;       // 0: no epoch yet; the first is 1.
     v1::CommState state = v1::COMM_STATE_UNSPECIFIED;
-    std::map<int, std::string> member_state;  // "absent", "joined", "ready", "aborted", "dead"
+    std::map<int, std::string> member_state;  // "absent", "joined", "ready", "aborted", "dead", "left"
+    struct Progress {
+      int64_t issued = 0;
+      int64_t completed = 0;
+      absl::Time waiting_since = absl::InfinitePast();  // Since when blocked in `completed + 1`.
+    };
+    std::map<int, Progress> progress;  // This epoch, from heartbeats.
+    std::string behind;                // See CommStatus.behind.
     std::map<std::string, std::string> store;  // The current epoch's keys.
     std::string abort_reason;
     std::vector<int> lost_ranks;
@@ -250,6 +258,9 @@ class CoordinatorCore {
   // A rank became live again: communicators waiting for it may start their next epoch.
   void OnMemberBack(Job& job, int rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ExpireCommWaiters(Job& job, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RecordProgress(Job& job, int rank, const v1::Heartbeat& hb, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Names the member that keeps others waiting in a collective (CommStatus.behind).
+  void DetectBehind(Job& job, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FailAllCommWaiters(const absl::Status& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   void Event(const std::string& severity, const std::string& kind, const std::string& job,

@@ -111,6 +111,8 @@ void CoordinatorCore::MaybeStartEpoch(Job& job, Comm& comm) {
     comm.state = v1::COMM_STATE_FORMING;
     comm.store.clear();
     comm.lost_ranks.clear();
+    comm.progress.clear();
+    comm.behind.clear();
     for (int r : comm.ranks) comm.member_state[r] = "absent";
     Event("info", "comm_forming", job.id, -1, -1,
           absl::StrCat("communicator '", comm.name, "' epoch ", comm.epoch, " ranks ", RankText(comm.ranks)));
@@ -309,6 +311,57 @@ void CoordinatorCore::FailAllCommWaiters(const absl::Status& why) {
   }
 }
 
+void CoordinatorCore::RecordProgress(Job& job, int rank, const v1::Heartbeat& hb, absl::Time now) {
+  for (const auto& p : hb.comms()) {
+    auto it = job.comms.find(p.name());
+    if (it == job.comms.end() || it->second.epoch != p.epoch()) continue;
+    Comm::Progress& pr = it->second.progress[rank];
+    const bool moved = pr.issued != p.issued() || pr.completed != p.completed();
+    pr.issued = p.issued();
+    pr.completed = p.completed();
+    if (pr.completed >= pr.issued) {
+      pr.waiting_since = absl::InfinitePast();
+    } else if (moved || pr.waiting_since == absl::InfinitePast()) {
+      pr.waiting_since = now;
+    }
+  }
+}
+
+void CoordinatorCore::DetectBehind(Job& job, absl::Time now) {
+  for (auto& [name, comm] : job.comms) {
+    std::string behind;
+    if (comm.state == v1::COMM_STATE_READY || comm.state == v1::COMM_STATE_FORMING) {
+      // Members blocked in a collective for longer than the threshold, by collective.
+      std::map<int64_t, std::vector<int>> waiting;  // collective number -> ranks
+      absl::Duration longest;
+      for (const auto& [r, pr] : comm.progress) {
+        if (pr.completed < pr.issued && now - pr.waiting_since > options_.behind_threshold) {
+          waiting[pr.issued].push_back(r);
+          longest = std::max(longest, now - pr.waiting_since);
+        }
+      }
+      if (!waiting.empty()) {
+        const int64_t at = waiting.rbegin()->first;
+        std::vector<std::string> laggards;
+        for (int r : comm.ranks) {
+          auto it = comm.progress.find(r);
+          const int64_t issued = it == comm.progress.end() ? 0 : it->second.issued;
+          if (issued < at) laggards.push_back(absl::StrCat("rank ", r, " at collective ", issued));
+        }
+        if (!laggards.empty()) {
+          behind = absl::StrCat(comm.name, " epoch ", comm.epoch, ": ", absl::StrJoin(laggards, ", "), ", ranks ",
+                                RankText(waiting.rbegin()->second), " waiting at ", at, " for ",
+                                absl::ToInt64Seconds(longest), " s");
+        }
+      }
+    }
+    if (behind != comm.behind) {
+      if (!behind.empty()) Event("warning", "comm_rank_behind", job.id, -1, -1, behind);
+      comm.behind = behind;
+    }
+  }
+}
+
 v1::ListCommsResponse CoordinatorCore::Comms(const std::string& job_id) const {
   absl::MutexLock lock(&mu_);
   v1::ListCommsResponse out;
@@ -325,7 +378,13 @@ v1::ListCommsResponse CoordinatorCore::Comms(const std::string& job_id) const {
         auto* m = c->add_members();
         m->set_rank(r);
         m->set_state(st);
+        auto p = comm.progress.find(r);
+        if (p != comm.progress.end()) {
+          m->set_issued(p->second.issued);
+          m->set_completed(p->second.completed);
+        }
       }
+      c->set_behind(comm.behind);
       c->set_abort_reason(comm.abort_reason);
       for (int r : comm.lost_ranks) c->add_lost_ranks(r);
       c->set_epochs_aborted(comm.epochs_aborted);

@@ -81,7 +81,7 @@ class SessionReactor final
         core_->OnPlans(id_, in_.plans());
         break;
       case v1::WorkerMessage::kHeartbeat:
-        core_->OnHeartbeat(id_);
+        core_->OnHeartbeat(id_, in_.heartbeat());
         break;
       case v1::WorkerMessage::kGoodbye:
         core_->OnGoodbye(id_, in_.goodbye().reason());

@@ -40,7 +40,7 @@ int main(int argc, char** argv) {
   std::string config_file;
   std::string listen, policy, fallback, log_level, address_file;
   // Unset flags keep the config file's (or the built-in) value.
-  std::optional<int64_t> hb_interval_ms, hb_timeout_ms, plan_timeout_ms;
+  std::optional<int64_t> hb_interval_ms, hb_timeout_ms, plan_timeout_ms, behind_threshold_ms;
   std::optional<int> max_lookahead, promote_window, promote_threshold, demote_threshold, event_capacity,
       decision_history;
   app.add_option("--config", config_file,
@@ -57,6 +57,8 @@ int main(int argc, char** argv) {
   app.add_option("--plan-timeout-ms", plan_timeout_ms,
                  "how long a microbatch may wait for the plans of missing ranks");
   app.add_option("--max-lookahead", max_lookahead, "largest lookahead a rank may register");
+  app.add_option("--behind-threshold-ms", behind_threshold_ms,
+                 "name a rank as behind once others waited this long in a collective it has not issued");
   app.add_option("--promote-window", promote_window, "auto promotion: microbatches considered");
   app.add_option("--promote-threshold", promote_threshold,
                  "auto promotion: divergent microbatches in the window that promote");
@@ -91,6 +93,7 @@ int main(int argc, char** argv) {
   if (hb_timeout_ms) options.heartbeat_timeout = absl::Milliseconds(*hb_timeout_ms);
   if (plan_timeout_ms) options.plan_timeout = absl::Milliseconds(*plan_timeout_ms);
   if (max_lookahead) options.max_lookahead = *max_lookahead;
+  if (behind_threshold_ms) options.behind_threshold = absl::Milliseconds(*behind_threshold_ms);
   if (promote_window) options.promotion.window = *promote_window;
   if (promote_threshold) options.promotion.promote_threshold = *promote_threshold;
   if (demote_threshold) options.promotion.demote_threshold = *demote_threshold;

@@ -43,6 +43,9 @@ absl::Status ValidateOptions(const CoordinatorOptions& o) {
     return absl::InvalidArgumentError("plan timeout must be > 0 ms");
   }
   if (o.max_lookahead < 1) return absl::InvalidArgumentError("max lookahead must be >= 1");
+  if (o.behind_threshold <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("behind threshold must be > 0 ms");
+  }
   if (o.promotion.window < 1 || o.promotion.promote_threshold < 1 ||
       o.promotion.promote_threshold > o.promotion.window ||
       o.promotion.demote_threshold < 0 ||
@@ -77,7 +80,7 @@ absl::StatusOr<CoordinatorOptions> LoadConfigFile(const std::string& path,
       "listen",           "default_policy",    "default_fallback",  "heartbeat_interval_ms",
       "heartbeat_timeout_ms", "plan_timeout_ms", "max_lookahead",   "promote_window",
       "promote_threshold", "demote_threshold", "event_capacity",    "decision_history",
-      "log_level",        "address_file"};
+      "log_level",        "address_file",      "behind_threshold_ms"};
   for (const auto& kv : root) {
     if (!kv.first.IsScalar()) {
       return absl::InvalidArgumentError(
@@ -116,6 +119,7 @@ absl::StatusOr<CoordinatorOptions> LoadConfigFile(const std::string& path,
       if (key == "heartbeat_timeout_ms") o.heartbeat_timeout = absl::Milliseconds(v.as<int64_t>());
       if (key == "plan_timeout_ms") o.plan_timeout = absl::Milliseconds(v.as<int64_t>());
       if (key == "max_lookahead") o.max_lookahead = v.as<int>();
+      if (key == "behind_threshold_ms") o.behind_threshold = absl::Milliseconds(v.as<int64_t>());
       if (key == "promote_window") o.promotion.window = v.as<int>();
       if (key == "promote_threshold") o.promotion.promote_threshold = v.as<int>();
       if (key == "demote_threshold") o.promotion.demote_threshold = v.as<int>();

@@ -23,6 +23,7 @@ inline constexpr int kDefaultPromoteThreshold = 8;
 inline constexpr int kDefaultDemoteThreshold = 0;
 inline constexpr int kDefaultEventCapacity = 10000;
 inline constexpr int kDefaultDecisionHistory = 256;
+inline constexpr absl::Duration kDefaultBehindThreshold = absl::Seconds(10);
 
 // `auto` promotion (DESIGN 3). Over the last `window` decided microbatches of a group,
 // a module whose ranks diverged in at least `promote_threshold` of them is replicated
@@ -48,6 +49,9 @@ struct CoordinatorOptions {
   absl::Duration plan_timeout = kDefaultPlanTimeout;
   // Largest lookahead a rank may register; 0 in a registration means kDefaultLookahead.
   int max_lookahead = kDefaultMaxLookahead;
+  // Members of a communicator blocked in a collective this long, while another member has
+  // not issued it, make the coordinator name that member as behind.
+  absl::Duration behind_threshold = kDefaultBehindThreshold;
   PromotionOptions promotion;
   int event_capacity = kDefaultEventCapacity;      // Events kept for `shardctl events`.
   int decision_history = kDefaultDecisionHistory;  // Decisions kept per group.

@@ -3,6 +3,7 @@
 //
 //   comm_rank --coordinator ADDR --job J --rank R --world-size W --group-size G
 //             --comm world|group --iterations N [--interval-ms M] [--rejoin]
+//             [--stall-at I --stall-ms MS] [--op-timeout-ms MS]
 //
 // Each iteration: all-gather of (job rank * 1000 + iteration), all-reduce(SUM) of
 // (job rank + 1), broadcast from member 0; every result is checked. With --rejoin, an
@@ -22,6 +23,7 @@ int main(int argc, char** argv) {
   std::string address, job, comm_name = "world";
   int rank = 0, world = 0, group_size = 0, iterations = 10, interval_ms = 0;
   bool rejoin = false;
+  int stall_at = -1, stall_ms = 0, op_timeout_ms = 10000;
   app.add_option("--coordinator", address)->required();
   app.add_option("--job", job)->required();
   app.add_option("--rank", rank)->required();
@@ -31,6 +33,9 @@ int main(int argc, char** argv) {
   app.add_option("--iterations", iterations);
   app.add_option("--interval-ms", interval_ms);
   app.add_flag("--rejoin", rejoin);
+  app.add_option("--stall-at", stall_at, "before this iteration, stop issuing collectives for --stall-ms");
+  app.add_option("--stall-ms", stall_ms);
+  app.add_option("--op-timeout-ms", op_timeout_ms);
   CLI11_PARSE(app, argc, argv);
 
   shardcoord::WorkerOptions o;
@@ -49,7 +54,7 @@ int main(int argc, char** argv) {
   shardcoord::CommunicatorOptions co;
   co.name = comm_name;
   co.join_timeout = absl::Seconds(30);
-  co.op_timeout = absl::Seconds(10);
+  co.op_timeout = absl::Milliseconds(op_timeout_ms);
 
   auto open = [&]() -> std::shared_ptr<shardcoord::Communicator> {
     auto c = (*worker)->OpenCommunicator(co);
@@ -73,6 +78,11 @@ int main(int argc, char** argv) {
         it = next;
         agree = false;
       }
+    }
+    if (s.ok() && it == stall_at && stall_ms > 0) {
+      stall_at = -1;  // Alive and heartbeating, but not issuing collectives.
+      std::cerr << "stalling before iteration " << it << " for " << stall_ms << " ms" << std::endl;
+      std::this_thread::sleep_for(std::chrono::milliseconds(stall_ms));
     }
     if (s.ok()) {
       const int n = comm->size();

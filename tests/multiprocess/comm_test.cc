@@ -134,5 +134,47 @@ TEST_F(CommTest, KillNineAbortsTheEpochAndAReplacementFormsTheNext) {
   EXPECT_EQ(world->epochs_aborted(), 1);
 }
 
+TEST_F(CommTest, ARankThatStopsIssuingCollectivesIsNamedAsBehind) {
+  // A separate daemon with a short behind threshold.
+  TempDir dir;
+  auto d = testing::Daemon::Start(dir.path(), {"--heartbeat-interval-ms", "100", "--behind-threshold-ms", "1000"});
+  ASSERT_TRUE(d.ok()) << d.status();
+  std::vector<std::unique_ptr<Subprocess>> ranks;
+  for (int r = 0; r < 4; ++r) {
+    std::vector<std::string> argv = {COMM_RANK_PATH, "--coordinator", (*d)->address(), "--job", "lag", "--rank",
+                                     std::to_string(r), "--world-size", "4", "--group-size", "4", "--comm", "world",
+                                     "--iterations", "20", "--op-timeout-ms", "20000"};
+    if (r == 2) {
+      for (const char* a : {"--stall-at", "5", "--stall-ms", "4000"}) argv.push_back(a);
+    }
+    ranks.push_back(std::make_unique<Subprocess>(argv, dir.File(absl::StrCat("r", r, ".out")),
+                                                 dir.File(absl::StrCat("r", r, ".err"))));
+  }
+  std::string behind;
+  ASSERT_TRUE(WaitUntil(
+      [&] {
+        auto r = RunCommand({SHARDCTL_PATH, "comms", "--json", "--coordinator", (*d)->address()}, absl::Seconds(10));
+        v1::ListCommsResponse all;
+        if (!google::protobuf::util::JsonStringToMessage(r.out, &all).ok()) return false;
+        const v1::CommStatus* world = Find(all, "world");
+        if (world == nullptr || world->behind().empty()) return false;
+        behind = world->behind();
+        return true;
+      },
+      absl::Seconds(4), absl::Milliseconds(200)))
+      << "nobody was named behind";
+  // Rank 2 stalled before iteration 5's collectives: 1 agreement + 3 per iteration.
+  EXPECT_THAT(behind, HasSubstr("rank 2 at collective 16"));
+  EXPECT_THAT(behind, HasSubstr("ranks 0,1,3 waiting at 17"));
+  // The stall ends, everyone finishes: being behind is not a failure.
+  for (int r = 0; r < 4; ++r) {
+    auto code = ranks[r]->Wait(absl::Seconds(60));
+    ASSERT_TRUE(code.has_value());
+    EXPECT_EQ(*code, 0) << ReadFile(dir.File(absl::StrCat("r", r, ".err")));
+  }
+  auto events = RunCommand({SHARDCTL_PATH, "events", "--coordinator", (*d)->address()}, absl::Seconds(10));
+  EXPECT_THAT(events.out, HasSubstr("comm_rank_behind"));
+}
+
 }  // namespace
 }  // namespace shardcoord

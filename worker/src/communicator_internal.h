@@ -29,6 +29,9 @@ class AbortableCommunicator : public Communicator {
   virtual void Abort(const std::string& reason) = 0;
   // Joins the rendezvous and connects to every member, within the join timeout.
   virtual absl::Status Connect() = 0;
+  // Collectives started and finished in this epoch; sent with heartbeats so the
+  // coordinator can name a member that keeps the others waiting. Thread-safe.
+  virtual void Progress(int64_t* issued, int64_t* completed) const = 0;
 };
 
 // Gloo over TCP. The device binds to $SHARDCOORD_GLOO_HOST, else this host's name.

@@ -10,6 +10,7 @@
 #include <grpcpp/grpcpp.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdlib>
 
 #include "absl/base/thread_annotations.h"
@@ -182,6 +183,11 @@ class GlooCommunicator final : public AbortableCommunicator {
     if (ctx) ctx->closeConnections();
   }
 
+  void Progress(int64_t* issued, int64_t* completed) const override {
+    *issued = issued_.load(std::memory_order_relaxed);
+    *completed = completed_.load(std::memory_order_relaxed);
+  }
+
   absl::Status Health() const override {
     absl::MutexLock lock(&mu_);
     if (!abort_reason_.empty()) return AbortedStatusLocked();
@@ -264,8 +270,10 @@ class GlooCommunicator final : public AbortableCommunicator {
       ctx = ctx_;
       in_flight_ = true;
     }
+    issued_.fetch_add(1, std::memory_order_relaxed);
     // Ends the operation; closes the connections if an abort arrived meanwhile.
     auto finish = [&]() -> bool {
+      completed_.fetch_add(1, std::memory_order_relaxed);
       bool aborted;
       {
         absl::MutexLock lock(&mu_);
@@ -302,6 +310,8 @@ class GlooCommunicator final : public AbortableCommunicator {
   std::string abort_reason_ ABSL_GUARDED_BY(mu_);
   bool acked_ ABSL_GUARDED_BY(mu_) = false;
   bool in_flight_ ABSL_GUARDED_BY(mu_) = false;
+  std::atomic<int64_t> issued_{0};
+  std::atomic<int64_t> completed_{0};
 };
 
 }  // namespace

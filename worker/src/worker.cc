@@ -347,7 +347,7 @@ void Worker::Impl::WriterLoop() {
     interval = group_.heartbeat_interval > absl::ZeroDuration() ? group_.heartbeat_interval
                                                                 : absl::Milliseconds(500);
   }
-  absl::Time last_sent = absl::Now();
+  absl::Time last_heartbeat = absl::Now();
   while (true) {
     v1::WorkerMessage msg;
     bool goodbye = false;
@@ -356,9 +356,25 @@ void Worker::Impl::WriterLoop() {
       auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
         return !outbox_.empty() || closing_ || read_ended_;
       };
-      mu_.AwaitWithDeadline(absl::Condition(&ready), last_sent + interval);
+      mu_.AwaitWithDeadline(absl::Condition(&ready), last_heartbeat + interval);
       if (read_ended_) break;
-      if (!outbox_.empty()) {
+      if (absl::Now() >= last_heartbeat + interval) {
+        // Heartbeats go out on time even while plans flow: they carry collective progress.
+        auto* hb = msg.mutable_heartbeat();
+        hb->set_sent_unix_ms(absl::ToUnixMillis(absl::Now()));
+        for (const auto& [name, weak] : comms_) {
+          auto comm = weak.lock();
+          if (!comm) continue;
+          auto* p = hb->add_comms();
+          p->set_name(name);
+          p->set_epoch(comm->epoch());
+          int64_t issued = 0, completed = 0;
+          comm->Progress(&issued, &completed);
+          p->set_issued(issued);
+          p->set_completed(completed);
+        }
+        last_heartbeat = absl::Now();
+      } else if (!outbox_.empty()) {
         auto* batch = msg.mutable_plans();
         while (!outbox_.empty()) {
           *batch->add_plans() = std::move(outbox_.front());
@@ -368,11 +384,10 @@ void Worker::Impl::WriterLoop() {
         msg.mutable_goodbye()->set_reason("worker closed");
         goodbye = true;
       } else {
-        msg.mutable_heartbeat()->set_sent_unix_ms(absl::ToUnixMillis(absl::Now()));
+        continue;  // Woken early with nothing to send.
       }
     }
     if (!stream_->Write(msg)) break;  // The reader sees the end and records why.
-    last_sent = absl::Now();
     if (goodbye) {
       stream_->WritesDone();
       absl::MutexLock lock(&mu_);
