@@ -210,14 +210,13 @@ TEST_F(InProcessTest, WithLookaheadTheDecisionIsAlreadyLocal) {
   auto w0 = Connect(Options(0, 2, 2));
   auto w1 = Connect(Options(1, 2, 2));
   ASSERT_TRUE(w0 && w1);
-  for (int mb = 0; mb < 4; ++mb) {
-    ASSERT_TRUE(w0->ReportPlan(PlanOf(0, mb, 1)).ok());
-    ASSERT_TRUE(w1->ReportPlan(PlanOf(0, mb, mb % 2)).ok());
-  }
-  // The window is full: a fifth plan is refused locally, with the coordinator's code.
+  for (int mb = 0; mb < 4; ++mb) ASSERT_TRUE(w0->ReportPlan(PlanOf(0, mb, 1)).ok());
+  // Rank 1 has not planned, so nothing can be decided: w0's window is full, and a fifth
+  // plan is refused locally, with the coordinator's code.
   absl::Status full = w0->ReportPlan(PlanOf(0, 4, 1));
   EXPECT_EQ(full.code(), absl::StatusCode::kResourceExhausted);
   EXPECT_THAT(full.message(), HasSubstr("lookahead window"));
+  for (int mb = 0; mb < 4; ++mb) ASSERT_TRUE(w1->ReportPlan(PlanOf(0, mb, mb % 2)).ok());
   // Wait for the last one; the earlier ones are then already local: zero timeout works.
   ASSERT_TRUE(w0->GetDecision({0, 3}, kDecisionTimeout).ok());
   EXPECT_EQ(w0->UndecidedPlans(), 0);

@@ -40,6 +40,12 @@ std::shared_ptr<AbortableCommunicator> MakeGlooCommunicator(const CommEndpoint& 
                                                             std::vector<int> ranks,
                                                             const CommunicatorOptions& options);
 
+// NCCL, when built with SHARDCOORD_WITH_NCCL (nccl_communicator.cc).
+std::shared_ptr<AbortableCommunicator> MakeNcclCommunicator(const CommEndpoint& endpoint,
+                                                            const std::string& name, int64_t epoch,
+                                                            std::vector<int> ranks,
+                                                            const CommunicatorOptions& options);
+
 // Reports to the coordinator with a deadline; returns the RPC's status.
 absl::Status ReportComm(const CommEndpoint& endpoint, const std::string& name, int64_t epoch,
                         v1::CommReportRequest::Kind kind, const std::string& error);

@@ -498,7 +498,19 @@ void Worker::Impl::Close(absl::Duration timeout) {
   if (reader_.joinable()) reader_.join();
 }
 
+bool HasNcclBackend() {
+#ifdef SHARDCOORD_HAVE_NCCL
+  return true;
+#else
+  return false;
+#endif
+}
+
 absl::StatusOr<std::shared_ptr<Communicator>> Worker::Impl::OpenCommunicator(const CommunicatorOptions& options) {
+  if (options.backend == Backend::kNccl && !HasNcclBackend()) {
+    return absl::UnimplementedError(
+        "this build of the shardcoord worker has no NCCL backend: rebuild with -DSHARDCOORD_WITH_NCCL=ON");
+  }
   std::string name = options.name;
   {
     absl::MutexLock lock(&mu_);
@@ -517,8 +529,15 @@ absl::StatusOr<std::shared_ptr<Communicator>> Worker::Impl::OpenCommunicator(con
   grpc::Status st = stub_->CommJoin(&ctx, req, &resp);
   if (!st.ok()) return FromGrpcStatus(st);
   internal::CommEndpoint ep{stub_.get(), address_, options_.job_id, options_.rank};
-  auto comm = internal::MakeGlooCommunicator(ep, name, resp.epoch(),
-                                             std::vector<int>(resp.ranks().begin(), resp.ranks().end()), options);
+  std::vector<int> ranks(resp.ranks().begin(), resp.ranks().end());
+  std::shared_ptr<internal::AbortableCommunicator> comm;
+  if (options.backend == Backend::kNccl) {
+#ifdef SHARDCOORD_HAVE_NCCL
+    comm = internal::MakeNcclCommunicator(ep, name, resp.epoch(), std::move(ranks), options);
+#endif
+  } else {
+    comm = internal::MakeGlooCommunicator(ep, name, resp.epoch(), std::move(ranks), options);
+  }
   {
     absl::MutexLock lock(&mu_);
     comms_[name] = comm;  // Before connecting: an abort during the rendezvous must reach it.

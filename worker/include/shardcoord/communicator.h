@@ -35,12 +35,22 @@ SHARDCOORD_EXPORT size_t DataTypeSize(DataType t);
 inline constexpr absl::Duration kDefaultJoinTimeout = absl::Seconds(60);
 inline constexpr absl::Duration kDefaultOpTimeout = absl::Seconds(30);
 
+enum class Backend {
+  kGloo,  // CPU tensors, TCP. Always built.
+  kNccl,  // GPU tensors (device pointers). Built with the CMake option SHARDCOORD_WITH_NCCL.
+};
+
+// True when this build of the worker library has the NCCL backend.
+SHARDCOORD_EXPORT bool HasNcclBackend();
+
 struct CommunicatorOptions {
   // "world", "group" (this rank's shard group), "group/<g>", or a custom name with `ranks`.
   std::string name = "group";
   std::vector<int> ranks;  // Custom communicators only: ascending, including this rank.
   absl::Duration join_timeout = kDefaultJoinTimeout;  // Waiting for members and rendezvous.
   absl::Duration op_timeout = kDefaultOpTimeout;      // Each collective.
+  Backend backend = Backend::kGloo;
+  int cuda_device = 0;  // NCCL: the device this rank uses; buffers must live there.
 };
 
 class SHARDCOORD_EXPORT Communicator {

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Builds the daemon, the CLI and the NCCL-enabled rank program here (Debian 12, CUDA 13
+# and NCCL from /usr/local/cuda) and bundles them with the shared libraries the GPU
+# machine lacks (gRPC, protobuf, Abseil, spdlog, Gloo, ...) into .gpu/ at the repository
+# root. The GPU machine's own CUDA runtime and NCCL are used there (see ../shared/GPU.md).
+#
+#   scripts/gpu/bundle.sh        then, on the GPU machine: scripts/gpu/run_nccl_test.sh
+set -euo pipefail
+root=$(cd "$(dirname "$0")/../.." && pwd)
+build=${BUILD_DIR:-$root/build-nccl}
+"$root/scripts/install-deps.sh"
+[[ -f "$build/build.ninja" ]] || cmake -S "$root" -B "$build" -G Ninja -DSHARDCOORD_WITH_NCCL=ON \
+  -DSHARDCOORD_BUILD_BENCHMARKS=OFF >/dev/null
+cmake --build "$build" -- shardcoordd shardctl comm_rank
+out=$root/.gpu
+rm -rf "$out"
+mkdir -p "$out/bin" "$out/lib"
+cp "$build/coordinator/shardcoordd" "$build/client/shardctl" "$build/tests/comm_rank" "$out/bin/"
+cp -P "$build"/worker/libshardcoord_worker.so* "$out/lib/"
+# Everything ldd lists except the C/C++ runtime, the loader and the GPU stack.
+skip='^(libc|libm|libstdc\+\+|libgcc_s|libpthread|libdl|librt|ld-linux-x86-64|linux-vdso|libcuda|libcudart|libnccl)\.'
+for bin in "$out"/bin/* "$out"/lib/libshardcoord_worker.so; do
+  ldd "$bin" | awk '/=> \// {print $1, $3}' | while read -r name path; do
+    [[ "$name" =~ $skip ]] && continue
+    [[ "$path" == "$out"/* ]] && continue
+    cp -nL "$path" "$out/lib/$name"
+  done
+done
+strip --strip-unneeded "$out"/bin/* "$out"/lib/*.so* 2>/dev/null || true
+du -sh "$out"

@@ -1,0 +1,296 @@
+// The NCCL backend (built with SHARDCOORD_WITH_NCCL): GPU collectives whose unique id goes
+// through the coordinator's per-(communicator, epoch) store.
+//
+// Communicators are created nonblocking (config.blocking = 0) with a deadline on init, so
+// that every wait can be abandoned: init, each collective and the stream are polled, never
+// waited on. On an abort (the coordinator's, or our own failure) the communicator is
+// aborted with ncclCommAbort, never destroyed while failed; the next epoch is a new one.
+#include <cuda_runtime.h>
+#include <grpcpp/grpcpp.h>
+#include <nccl.h>
+
+#include <atomic>
+#include <cstring>
+#include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "communicator_internal.h"
+#include "shardcoord/internal/logging.h"
+#include "shardcoord/proto/convert.h"
+
+// Every NCCL / CUDA call is checked; the status names the call, the file and the line.
+#define SHARDCOORD_NCCL_CHECK(call)                                                                  \
+  do {                                                                                               \
+    ncclResult_t _r = (call);                                                                        \
+    if (_r != ncclSuccess && _r != ncclInProgress) {                                                 \
+      return absl::InternalError(absl::StrCat(#call, " failed at ", __FILE__, ":", __LINE__, ": ",  \
+                                              ncclGetErrorString(_r)));                              \
+    }                                                                                                \
+  } while (0)
+#define SHARDCOORD_CUDA_CHECK(call)                                                                  \
+  do {                                                                                               \
+    cudaError_t _e = (call);                                                                         \
+    if (_e != cudaSuccess) {                                                                         \
+      return absl::InternalError(absl::StrCat(#call, " failed at ", __FILE__, ":", __LINE__, ": ",  \
+                                              cudaGetErrorString(_e)));                              \
+    }                                                                                                \
+  } while (0)
+
+namespace shardcoord::internal {
+namespace {
+
+constexpr absl::Duration kPoll = absl::Microseconds(50);
+constexpr absl::Duration kRpcSlack = absl::Seconds(5);
+constexpr char kUniqueIdKey[] = "nccl_unique_id";
+
+ncclDataType_t ToNccl(DataType t) {
+  switch (t) {
+    case DataType::kFloat32: return ncclFloat32;
+    case DataType::kFloat64: return ncclFloat64;
+    case DataType::kInt32: return ncclInt32;
+    case DataType::kInt64: return ncclInt64;
+    case DataType::kUint8: return ncclUint8;
+  }
+  return ncclUint8;
+}
+
+ncclRedOp_t ToNccl(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum: return ncclSum;
+    case ReduceOp::kMax: return ncclMax;
+    case ReduceOp::kMin: return ncclMin;
+  }
+  return ncclSum;
+}
+
+class NcclCommunicator final : public AbortableCommunicator {
+ public:
+  NcclCommunicator(const CommEndpoint& ep, const std::string& name, int64_t epoch, std::vector<int> ranks, int index,
+                   const CommunicatorOptions& options)
+      : AbortableCommunicator(name, epoch, index, std::move(ranks)), ep_(ep), options_(options) {}
+
+  ~NcclCommunicator() override {
+    absl::MutexLock lock(&mu_);
+    if (comm_ == nullptr) return;
+    // A failed or aborted communicator is aborted, never destroyed (NCCL's rule).
+    if (!abort_reason_.empty() || failed_) {
+      if (!aborted_) ncclCommAbort(comm_);
+    } else {
+      ncclCommDestroy(comm_);
+    }
+    if (scratch_ != nullptr) cudaFree(scratch_);
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+  }
+
+  absl::Status Connect() override {
+    SHARDCOORD_CUDA_CHECK(cudaSetDevice(options_.cuda_device));
+    SHARDCOORD_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    SHARDCOORD_CUDA_CHECK(cudaMalloc(&scratch_, sizeof(int32_t)));
+    ncclUniqueId id;
+    if (rank() == 0) {
+      // The group's lowest rank creates the id and publishes it through the coordinator.
+      SHARDCOORD_NCCL_CHECK(ncclGetUniqueId(&id));
+      v1::StoreSetRequest req;
+      req.set_job_id(ep_.job_id);
+      req.set_rank(ep_.job_rank);
+      req.set_name(name());
+      req.set_epoch(epoch());
+      req.set_key(kUniqueIdKey);
+      req.set_value(std::string(reinterpret_cast<const char*>(&id), sizeof(id)));
+      v1::StoreSetResponse resp;
+      grpc::ClientContext ctx;
+      ctx.set_deadline(absl::ToChronoTime(absl::Now() + kRpcSlack));
+      grpc::Status s = ep_.stub->StoreSet(&ctx, req, &resp);
+      if (!s.ok()) return FromGrpcStatus(s);
+    } else {
+      v1::StoreGetRequest req;
+      req.set_job_id(ep_.job_id);
+      req.set_rank(ep_.job_rank);
+      req.set_name(name());
+      req.set_epoch(epoch());
+      req.add_keys(kUniqueIdKey);
+      req.set_timeout_ms(static_cast<int32_t>(absl::ToInt64Milliseconds(options_.join_timeout)));
+      v1::StoreGetResponse resp;
+      grpc::ClientContext ctx;
+      ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.join_timeout + kRpcSlack));
+      grpc::Status s = ep_.stub->StoreGet(&ctx, req, &resp);
+      if (!s.ok()) return FromGrpcStatus(s);
+      if (resp.values(0).size() != sizeof(id)) {
+        return absl::DataLossError(absl::StrCat("communicator '", name(), "': the published NCCL unique id has ",
+                                                resp.values(0).size(), " bytes, expected ", sizeof(id)));
+      }
+      std::memcpy(&id, resp.values(0).data(), sizeof(id));
+    }
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;  // Nonblocking, so init and every collective can be abandoned.
+    ncclComm_t comm = nullptr;
+    SHARDCOORD_NCCL_CHECK(ncclCommInitRankConfig(&comm, size(), id, rank(), &config));
+    {
+      absl::MutexLock lock(&mu_);
+      comm_ = comm;
+    }
+    absl::Status s = WaitComm(absl::Now() + options_.join_timeout, "ncclCommInitRankConfig");
+    if (!s.ok()) return s;
+    return ReportComm(ep_, name(), epoch(), v1::CommReportRequest::KIND_READY, "");
+  }
+
+  void Abort(const std::string& reason) override {
+    absl::MutexLock lock(&mu_);
+    if (!abort_reason_.empty()) return;
+    abort_reason_ = reason;
+    logging::Get("worker")->warn("job={} rank={} comm={} epoch={} aborting NCCL communicator: {}", ep_.job_id,
+                                 ep_.job_rank, name(), epoch(), reason);
+    // With an operation in flight, its polling loop aborts (it owns the communicator then).
+    if (!in_flight_ && comm_ != nullptr && !aborted_) {
+      ncclCommAbort(comm_);
+      aborted_ = true;
+    }
+  }
+
+  void Progress(int64_t* issued, int64_t* completed) const override {
+    *issued = issued_.load(std::memory_order_relaxed);
+    *completed = completed_.load(std::memory_order_relaxed);
+  }
+
+  absl::Status Health() const override {
+    absl::MutexLock lock(&mu_);
+    if (!abort_reason_.empty()) return AbortedLocked();
+    if (comm_ == nullptr) return absl::FailedPreconditionError("communicator is not connected");
+    return absl::OkStatus();
+  }
+
+  absl::Status AllGather(const void* in, void* out, size_t count, DataType type) override {
+    return Run("ncclAllGather", [&] { return ncclAllGather(in, out, count, ToNccl(type), comm_, stream_); });
+  }
+  absl::Status AllReduce(void* data, size_t count, DataType type, ReduceOp op) override {
+    return Run("ncclAllReduce",
+               [&] { return ncclAllReduce(data, data, count, ToNccl(type), ToNccl(op), comm_, stream_); });
+  }
+  absl::Status Broadcast(void* data, size_t count, DataType type, int root) override {
+    if (root < 0 || root >= size()) {
+      return absl::InvalidArgumentError(absl::StrCat("broadcast root ", root, " outside 0..", size() - 1));
+    }
+    return Run("ncclBroadcast",
+               [&] { return ncclBroadcast(data, data, count, ToNccl(type), root, comm_, stream_); });
+  }
+  absl::Status Barrier() override {
+    return Run("barrier", [&] { return ncclAllReduce(scratch_, scratch_, 1, ncclInt32, ncclSum, comm_, stream_); });
+  }
+
+ private:
+  absl::Status AbortedLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return absl::AbortedError(absl::StrCat("communicator '", name(), "' epoch ", epoch(), " was aborted: ",
+                                           abort_reason_, "; open it again to join the next epoch"));
+  }
+
+  // Polls the communicator's async state until it leaves ncclInProgress, the deadline
+  // passes or an abort arrives; aborts the communicator in the last two cases.
+  absl::Status WaitComm(absl::Time deadline, const char* what) {
+    while (true) {
+      ncclResult_t state = ncclSuccess;
+      ncclCommGetAsyncError(comm_, &state);
+      if (state == ncclSuccess) return absl::OkStatus();
+      if (state != ncclInProgress) return Fail(absl::StrCat(what, ": ", ncclGetErrorString(state)));
+      if (absl::Status s = CheckAbortOrDeadline(deadline, what); !s.ok()) return s;
+      absl::SleepFor(kPoll);
+    }
+  }
+
+  absl::Status CheckAbortOrDeadline(absl::Time deadline, const char* what) {
+    absl::MutexLock lock(&mu_);
+    if (!abort_reason_.empty()) {
+      if (!aborted_) {
+        ncclCommAbort(comm_);
+        aborted_ = true;
+      }
+      return AbortedLocked();
+    }
+    if (absl::Now() > deadline) {
+      failed_ = true;
+      return absl::DeadlineExceededError(absl::StrCat(what, " on communicator '", name(), "' did not finish within ",
+                                                      absl::ToInt64Milliseconds(options_.op_timeout), " ms"));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Fail(const std::string& error) {
+    absl::Status report = ReportComm(ep_, name(), epoch(), v1::CommReportRequest::KIND_ERROR, error);
+    Abort(report.code() == absl::StatusCode::kAborted ? std::string(report.message()) : error);
+    absl::MutexLock lock(&mu_);
+    if (!aborted_ && comm_ != nullptr) {
+      ncclCommAbort(comm_);
+      aborted_ = true;
+    }
+    return AbortedLocked();
+  }
+
+  template <typename F>
+  absl::Status Run(const char* what, F&& launch) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (!abort_reason_.empty()) return AbortedLocked();
+      if (comm_ == nullptr) return absl::FailedPreconditionError("communicator is not connected");
+      in_flight_ = true;
+    }
+    issued_.fetch_add(1, std::memory_order_relaxed);
+    absl::Status s = RunLocked(what, launch);
+    completed_.fetch_add(1, std::memory_order_relaxed);
+    absl::MutexLock lock(&mu_);
+    in_flight_ = false;
+    if (!abort_reason_.empty() && !aborted_ && comm_ != nullptr) {
+      ncclCommAbort(comm_);
+      aborted_ = true;
+    }
+    return s;
+  }
+
+  template <typename F>
+  absl::Status RunLocked(const char* what, F&& launch) {
+    const absl::Time deadline = absl::Now() + options_.op_timeout;
+    ncclResult_t r = launch();
+    if (r != ncclSuccess && r != ncclInProgress) return Fail(absl::StrCat(what, ": ", ncclGetErrorString(r)));
+    if (absl::Status s = WaitComm(deadline, what); !s.ok()) return s;
+    // The kernel is queued: poll the stream, so a hung peer cannot block us past the deadline.
+    while (true) {
+      cudaError_t e = cudaStreamQuery(stream_);
+      if (e == cudaSuccess) return absl::OkStatus();
+      if (e != cudaErrorNotReady) return Fail(absl::StrCat(what, ": ", cudaGetErrorString(e)));
+      ncclResult_t state = ncclSuccess;
+      ncclCommGetAsyncError(comm_, &state);
+      if (state != ncclSuccess && state != ncclInProgress) {
+        return Fail(absl::StrCat(what, ": ", ncclGetErrorString(state)));
+      }
+      if (absl::Status s = CheckAbortOrDeadline(deadline, what); !s.ok()) {
+        if (s.code() == absl::StatusCode::kDeadlineExceeded) return Fail(std::string(s.message()));
+        return s;
+      }
+      absl::SleepFor(kPoll);
+    }
+  }
+
+  const CommEndpoint ep_;
+  const CommunicatorOptions options_;
+  cudaStream_t stream_ = nullptr;
+  int32_t* scratch_ = nullptr;
+  mutable absl::Mutex mu_;
+  ncclComm_t comm_ ABSL_GUARDED_BY(mu_) = nullptr;
+  std::string abort_reason_ ABSL_GUARDED_BY(mu_);
+  bool in_flight_ ABSL_GUARDED_BY(mu_) = false;
+  bool aborted_ ABSL_GUARDED_BY(mu_) = false;  // ncclCommAbort was called.
+  bool failed_ ABSL_GUARDED_BY(mu_) = false;
+  std::atomic<int64_t> issued_{0};
+  std::atomic<int64_t> completed_{0};
+};
+
+}  // namespace
+
+std::shared_ptr<AbortableCommunicator> MakeNcclCommunicator(const CommEndpoint& endpoint, const std::string& name,
+                                                            int64_t epoch, std::vector<int> ranks,
+                                                            const CommunicatorOptions& options) {
+  const int index = static_cast<int>(std::lower_bound(ranks.begin(), ranks.end(), endpoint.job_rank) - ranks.begin());
+  return std::make_shared<NcclCommunicator>(endpoint, name, epoch, std::move(ranks), index, options);
+}
+
+}  // namespace shardcoord::internal
