@@ -110,6 +110,7 @@ int CmdStatus(Client& c, const std::string& job, bool json) {
     std::cout << absl::StrFormat("  plans received %d, microbatches decided %d\n", j.plans_received(),
                                  j.microbatches_decided());
     PrintCounts(j.counts());
+    for (const auto& alert : j.comm_alerts()) std::cout << "  comm: " << alert << "\n";
   }
   return 0;
 }

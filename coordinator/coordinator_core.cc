@@ -813,6 +813,16 @@ v1::StatusResponse CoordinatorCore::Status(const std::string& job_id) const {
       c->set_replicate(c->replicate() + g.counts.replicate());
       c->set_divergent(c->divergent() + g.counts.divergent());
     }
+    for (const auto& [name, comm] : job->comms) {
+      if (!comm.behind.empty()) js->add_comm_alerts(absl::StrCat("behind: ", comm.behind));
+      if ((comm.state == v1::COMM_STATE_ABORTING || comm.state == v1::COMM_STATE_ABORTED) &&
+          comm.epochs_aborted > 0 && !comm.lost_ranks.empty() &&
+          job->members[comm.lost_ranks.front()].state != v1::RANK_STATE_LEFT) {
+        js->add_comm_alerts(absl::StrCat(name, " epoch ", comm.epoch, " ",
+                                         comm.state == v1::COMM_STATE_ABORTING ? "aborting" : "aborted", ": ",
+                                         comm.abort_reason));
+      }
+    }
     for (const Group& g : job->groups) {
       if (g.has_reference) {
         for (const auto& spec : g.modules) js->add_modules(spec.name);

@@ -74,6 +74,8 @@ class CoordinatorCore {
   void OnPlans(uint64_t session_id, const v1::PlanBatch& batch);
   // Liveness, plus the collective progress of the rank's open communicators.
   void OnHeartbeat(uint64_t session_id, const v1::Heartbeat& heartbeat = {});
+  // The rank acknowledged a CommAbort (it aborted its communicator for that epoch).
+  void OnCommAborted(uint64_t session_id, const v1::CommAborted& ack);
   // A clean leave: the rank becomes LEFT.
   void OnGoodbye(uint64_t session_id, const std::string& reason);
   // The session's stream ended without a goodbye: a registered rank is declared dead.
@@ -253,6 +255,10 @@ class CoordinatorCore {
   // left): same effect, but not counted as an abort and logged as info.
   void AbortComm(Job& job, Comm& comm, const std::string& reason, const std::vector<int>& lost,
                  bool failure = true) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A member acknowledged the abort of `epoch`.
+  void AckAbort(Job& job, Comm& comm, int rank, int64_t epoch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // ABORTING -> ABORTED once every live member acknowledged; then a new epoch may start.
+  void MaybeFinishAbort(Job& job, Comm& comm) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A member died or left: end every live epoch it belongs to.
   void OnMemberLost(Job& job, int rank, bool clean, const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A rank became live again: communicators waiting for it may start their next epoch.

@@ -94,7 +94,7 @@ absl::Status CoordinatorCore::CheckEpoch(const Comm& comm, int64_t epoch) const 
                                                       "': the current epoch is ", comm.epoch,
                                                       "; join again (CommJoin) to get it"));
   }
-  if (comm.state == v1::COMM_STATE_ABORTED) {
+  if (comm.state == v1::COMM_STATE_ABORTED || comm.state == v1::COMM_STATE_ABORTING) {
     return absl::AbortedError(absl::StrCat("communicator '", comm.name, "' epoch ", comm.epoch,
                                            " was aborted: ", comm.abort_reason));
   }
@@ -102,6 +102,8 @@ absl::Status CoordinatorCore::CheckEpoch(const Comm& comm, int64_t epoch) const 
 }
 
 void CoordinatorCore::MaybeStartEpoch(Job& job, Comm& comm) {
+  // Joiners wait while live members still hold the aborted epoch's communicator.
+  if (comm.state == v1::COMM_STATE_ABORTING) return;
   const bool needs_epoch = comm.epoch == 0 || comm.state == v1::COMM_STATE_ABORTED;
   if (needs_epoch) {
     for (int r : comm.ranks) {
@@ -204,7 +206,7 @@ absl::Status CoordinatorCore::CommReport(const v1::CommReportRequest& req) {
   if (!comm.ok()) return comm.status();
   Comm& c = **comm;
   if (req.kind() == v1::CommReportRequest::KIND_ABORTED) {
-    if (req.epoch() == c.epoch) c.member_state[req.rank()] = "aborted";
+    AckAbort(*job, c, req.rank(), req.epoch());
     return absl::OkStatus();
   }
   if (absl::Status s = CheckEpoch(c, req.epoch()); !s.ok()) return s;
@@ -227,8 +229,8 @@ absl::Status CoordinatorCore::CommReport(const v1::CommReportRequest& req) {
 
 void CoordinatorCore::AbortComm(Job& job, Comm& comm, const std::string& reason, const std::vector<int>& lost,
                                 bool failure) {
-  if (comm.epoch == 0 || comm.state == v1::COMM_STATE_ABORTED) return;
-  comm.state = v1::COMM_STATE_ABORTED;
+  if (comm.epoch == 0 || comm.state == v1::COMM_STATE_ABORTED || comm.state == v1::COMM_STATE_ABORTING) return;
+  comm.state = v1::COMM_STATE_ABORTING;
   comm.abort_reason = reason;
   comm.lost_ranks = lost;
   if (failure) comm.epochs_aborted++;
@@ -249,6 +251,25 @@ void CoordinatorCore::AbortComm(Job& job, Comm& comm, const std::string& reason,
   Event(failure ? "error" : "info", failure ? "comm_aborted" : "comm_closed", job.id,
         lost.empty() ? -1 : lost.front(), -1,
         absl::StrCat("communicator '", comm.name, "' epoch ", comm.epoch, failure ? " aborted: " : " closed: ", reason));
+  MaybeFinishAbort(job, comm);
+}
+
+void CoordinatorCore::AckAbort(Job& job, Comm& comm, int rank, int64_t epoch) {
+  if (epoch != comm.epoch || comm.state != v1::COMM_STATE_ABORTING) return;
+  comm.member_state[rank] = "aborted";
+  MaybeFinishAbort(job, comm);
+}
+
+void CoordinatorCore::MaybeFinishAbort(Job& job, Comm& comm) {
+  if (comm.state != v1::COMM_STATE_ABORTING) return;
+  for (int r : comm.ranks) {
+    const std::string& st = comm.member_state[r];
+    // Members that are gone need not acknowledge; a replacement has no old communicator.
+    const bool gone = job.members[r].state != v1::RANK_STATE_LIVE || st == "dead" || st == "left";
+    if (!gone && st != "aborted" && st != "absent") return;
+  }
+  comm.state = v1::COMM_STATE_ABORTED;
+  MaybeStartEpoch(job, comm);
 }
 
 void CoordinatorCore::OnMemberLost(Job& job, int rank, bool clean, const std::string& reason) {
@@ -256,7 +277,17 @@ void CoordinatorCore::OnMemberLost(Job& job, int rank, bool clean, const std::st
     if (!std::binary_search(comm.ranks.begin(), comm.ranks.end(), rank)) continue;
     comm.member_state[rank] = clean ? "left" : "dead";
     AbortComm(job, comm, reason, {rank}, /*failure=*/!clean);
+    MaybeFinishAbort(job, comm);  // Already aborting: this member no longer owes an ack.
   }
+}
+
+void CoordinatorCore::OnCommAborted(uint64_t session_id, const v1::CommAborted& ack) {
+  absl::MutexLock lock(&mu_);
+  Job* job = nullptr;
+  Member* m = LiveMember(session_id, &job);
+  if (m == nullptr) return;
+  auto it = job->comms.find(ack.name());
+  if (it != job->comms.end()) AckAbort(*job, it->second, m->rank, ack.epoch());
 }
 
 void CoordinatorCore::OnMemberBack(Job& job, int rank) {
@@ -273,13 +304,20 @@ void CoordinatorCore::ExpireCommWaiters(Job& job, absl::Time now) {
         keep_join.push_back(std::move(w));
         continue;
       }
-      std::vector<int> missing;
+      std::vector<int> missing, unacked;
       for (int r : comm.ranks) {
-        if (job.members[r].state != v1::RANK_STATE_LIVE) missing.push_back(r);
+        if (job.members[r].state != v1::RANK_STATE_LIVE) {
+          missing.push_back(r);
+        } else if (comm.state == v1::COMM_STATE_ABORTING && comm.member_state[r] != "aborted") {
+          unacked.push_back(r);
+        }
       }
+      std::string why = !missing.empty()
+                            ? absl::StrCat("ranks ", RankText(missing), " are not live")
+                            : absl::StrCat("ranks ", RankText(unacked), " have not aborted epoch ", comm.epoch, " yet");
       w.done(absl::DeadlineExceededError(absl::StrCat(
-          "communicator '", comm.name, "' cannot start epoch ", comm.epoch + 1, ": ranks ", RankText(missing),
-          " are not live", comm.abort_reason.empty() ? "" : absl::StrCat(" (last epoch aborted: ", comm.abort_reason, ")"))));
+          "communicator '", comm.name, "' cannot start epoch ", comm.epoch + 1, ": ", why,
+          comm.abort_reason.empty() ? "" : absl::StrCat(" (last epoch aborted: ", comm.abort_reason, ")"))));
     }
     comm.join_waiters = std::move(keep_join);
     std::vector<Comm::GetWaiter> keep_get;

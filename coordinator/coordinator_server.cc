@@ -83,6 +83,9 @@ class SessionReactor final
       case v1::WorkerMessage::kHeartbeat:
         core_->OnHeartbeat(id_, in_.heartbeat());
         break;
+      case v1::WorkerMessage::kCommAborted:
+        core_->OnCommAborted(id_, in_.comm_aborted());
+        break;
       case v1::WorkerMessage::kGoodbye:
         core_->OnGoodbye(id_, in_.goodbye().reason());
         sink_->Close(absl::OkStatus());

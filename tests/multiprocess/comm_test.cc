@@ -112,11 +112,22 @@ TEST_F(CommTest, KillNineAbortsTheEpochAndAReplacementFormsTheNext) {
   }
   EXPECT_LT(absl::Now() - killed, absl::Milliseconds(kHeartbeatTimeoutMs) + absl::Seconds(5));
 
-  auto comms = Comms();
+  // Every survivor acknowledges the abort; then the epoch is ABORTED (not just ABORTING).
+  v1::ListCommsResponse comms;
+  ASSERT_TRUE(WaitUntil(
+      [&] {
+        comms = Comms();
+        const v1::CommStatus* w = Find(comms, "world");
+        return w != nullptr && w->state() == v1::COMM_STATE_ABORTED;
+      },
+      absl::Seconds(10)));
   const v1::CommStatus* world = Find(comms, "world");
-  ASSERT_NE(world, nullptr);
   EXPECT_EQ(world->epoch(), 1);
-  EXPECT_EQ(world->state(), v1::COMM_STATE_ABORTED);
+  for (const auto& m : world->members()) {
+    EXPECT_EQ(m.state(), m.rank() == 3 ? "dead" : "aborted") << "rank " << m.rank();
+  }
+  auto status = RunCommand({SHARDCTL_PATH, "status", "--coordinator", daemon_->address()}, absl::Seconds(10));
+  EXPECT_THAT(status.out, HasSubstr("comm: world epoch 1 aborted: rank 3 declared dead"));
   EXPECT_THAT(world->lost_ranks(), ::testing::ElementsAre(3));
   EXPECT_THAT(world->abort_reason(), HasSubstr("rank 3 declared dead"));
 

@@ -257,15 +257,7 @@ class GlooCommunicator final : public AbortableCommunicator {
     std::shared_ptr<gloo::rendezvous::Context> ctx;
     {
       absl::MutexLock lock(&mu_);
-      if (!abort_reason_.empty()) {
-        if (!acked_) {
-          acked_ = true;
-          mu_.Unlock();
-          ReportComm(ep_, name(), epoch(), v1::CommReportRequest::KIND_ABORTED, "").IgnoreError();
-          mu_.Lock();
-        }
-        return AbortedStatusLocked();
-      }
+      if (!abort_reason_.empty()) return AbortedStatusLocked();
       if (!ctx_) return absl::FailedPreconditionError("communicator is not connected");
       ctx = ctx_;
       in_flight_ = true;
@@ -308,7 +300,6 @@ class GlooCommunicator final : public AbortableCommunicator {
   mutable absl::Mutex mu_;
   std::shared_ptr<gloo::rendezvous::Context> ctx_ ABSL_GUARDED_BY(mu_);
   std::string abort_reason_ ABSL_GUARDED_BY(mu_);
-  bool acked_ ABSL_GUARDED_BY(mu_) = false;
   bool in_flight_ ABSL_GUARDED_BY(mu_) = false;
   std::atomic<int64_t> issued_{0};
   std::atomic<int64_t> completed_{0};

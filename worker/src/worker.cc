@@ -124,6 +124,14 @@ class Worker::Impl {
   int undecided_ ABSL_GUARDED_BY(mu_) = 0;
   std::optional<MicrobatchKey> last_reported_ ABSL_GUARDED_BY(mu_);
   std::deque<v1::MicrobatchPlan> outbox_ ABSL_GUARDED_BY(mu_);
+  // CommAbort acknowledgements: noted by Handle, released once the aborts ran, sent by
+  // the writer.
+  std::vector<std::pair<std::string, int64_t>> acks_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::pair<std::string, int64_t>> ready_acks_ ABSL_GUARDED_BY(mu_);
+  bool HasAcks() {
+    absl::MutexLock lock(&mu_);
+    return !acks_.empty();
+  }
   bool closing_ ABSL_GUARDED_BY(mu_) = false;
   bool goodbye_sent_ ABSL_GUARDED_BY(mu_) = false;
   bool writer_done_ ABSL_GUARDED_BY(mu_) = false;
@@ -220,6 +228,11 @@ void Worker::Impl::ReaderLoop() {
       Handle(msg, &aborts);
     }
     for (auto& [comm, reason] : aborts) comm->Abort(reason);
+    if (!aborts.empty() || HasAcks()) {
+      absl::MutexLock lock(&mu_);
+      ready_acks_.insert(ready_acks_.end(), acks_.begin(), acks_.end());
+      acks_.clear();
+    }
   }
   {
     // Finish may only run once the writer no longer writes: stop it first. Its Write
@@ -320,6 +333,9 @@ void Worker::Impl::Handle(const v1::CoordinatorMessage& msg, PendingAborts* abor
       auto it = comms_.find(a.name());
       auto comm = it == comms_.end() ? nullptr : it->second.lock();
       if (comm && comm->epoch() == a.epoch()) aborts->emplace_back(comm, a.reason());
+      // Acknowledged once aborted (the reader does it right after, see ReaderLoop): the
+      // coordinator starts the next epoch only when every live member has.
+      acks_.push_back({a.name(), a.epoch()});
       break;
     }
     case v1::CoordinatorMessage::kNotice: {
@@ -354,7 +370,7 @@ void Worker::Impl::WriterLoop() {
     {
       absl::MutexLock lock(&mu_);
       auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return !outbox_.empty() || closing_ || read_ended_;
+        return !outbox_.empty() || !ready_acks_.empty() || closing_ || read_ended_;
       };
       mu_.AwaitWithDeadline(absl::Condition(&ready), last_heartbeat + interval);
       if (read_ended_) break;
@@ -374,6 +390,11 @@ void Worker::Impl::WriterLoop() {
           p->set_completed(completed);
         }
         last_heartbeat = absl::Now();
+      } else if (!ready_acks_.empty()) {
+        auto* ack = msg.mutable_comm_aborted();
+        ack->set_name(ready_acks_.front().first);
+        ack->set_epoch(ready_acks_.front().second);
+        ready_acks_.erase(ready_acks_.begin());
       } else if (!outbox_.empty()) {
         auto* batch = msg.mutable_plans();
         while (!outbox_.empty()) {
