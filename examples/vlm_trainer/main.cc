@@ -1,0 +1,268 @@
+// vlm_trainer: a small vision-language model trained data-parallel on CPU (Gloo), whose
+// frozen vision tower and projector are sharded by shardcoord's executor and placed, per
+// microbatch, by the coordinator's decisions.
+//
+//   vlm_trainer --coordinator ADDR --job J --rank R --world-size W --group-size G
+//               [--policy auto|per_layer|root|replicate] [--fallback root|replicate]
+//               [--media mixed|all|none|rank0] [--image-fraction F] [--skew S]
+//               [--steps N] [--accum K] [--no-shard]
+//
+// Model: vision_tower (frozen; a layer list of Linear+GELU), multi_modal_projector (frozen),
+// text_embed, text_layers and head (trainable). Every rank starts from the same weights
+// (same seed). Each step runs K accumulated microbatches; the data loader knows which carry
+// images and reports plans `--lookahead` microbatches ahead; gradients of the trainable part
+// are averaged over the world with an all-reduce; plain SGD.
+//
+// Prints one line per step with the loss in hex float (bitwise comparable), then the hash of
+// the trainable parameters and a summary. --no-shard runs the same training without the
+// executor (frozen parameters whole on every rank): the reference for bitwise equality.
+#include <torch/torch.h>
+
+#include <CLI/CLI.hpp>
+#include <cinttypes>
+#include <cstdio>
+#include <iostream>
+#include <map>
+
+#include "shardcoord/torch/executor.h"
+#include "shardcoord/worker.h"
+
+namespace {
+
+constexpr int kImageIn = 16, kPatches = 4, kVisionDim = 32, kVisionLayers = 3;
+constexpr int kTextIn = 12, kHidden = 24, kClasses = 5, kBatch = 4;
+
+struct VisionTowerImpl : torch::nn::Module {
+  torch::nn::ModuleList layers;
+  VisionTowerImpl() {
+    layers = register_module("layers", torch::nn::ModuleList());
+    layers->push_back(torch::nn::Linear(kImageIn, kVisionDim));
+    for (int i = 1; i < kVisionLayers; ++i) layers->push_back(torch::nn::Linear(kVisionDim, kVisionDim));
+  }
+};
+TORCH_MODULE(VisionTower);
+
+struct VlmImpl : torch::nn::Module {
+  VisionTower vision_tower;
+  torch::nn::Linear multi_modal_projector{nullptr}, text_embed{nullptr}, head{nullptr};
+  torch::nn::ModuleList text_layers;
+  VlmImpl() {
+    vision_tower = register_module("vision_tower", VisionTower());
+    multi_modal_projector = register_module("multi_modal_projector", torch::nn::Linear(kVisionDim, kHidden));
+    text_embed = register_module("text_embed", torch::nn::Linear(kTextIn, kHidden));
+    text_layers = register_module("text_layers", torch::nn::ModuleList());
+    for (int i = 0; i < 2; ++i) text_layers->push_back(torch::nn::Linear(kHidden, kHidden));
+    head = register_module("head", torch::nn::Linear(kHidden, kClasses));
+    for (auto& p : vision_tower->parameters()) p.set_requires_grad(false);
+    for (auto& p : multi_modal_projector->parameters()) p.set_requires_grad(false);
+  }
+};
+TORCH_MODULE(Vlm);
+
+struct Microbatch {
+  bool images = false;
+  torch::Tensor image, text, target;
+};
+
+// Deterministic data: which ranks have images, and the tensors, from (seed, rank, step, mb).
+bool HasImages(const std::string& media, double fraction, double skew, int seed, int rank, int step, int mb) {
+  if (media == "all") return true;
+  if (media == "none") return false;
+  if (media == "rank0") return rank == 0;
+  uint64_t h = 1469598103934665603ULL;
+  for (int64_t v : {int64_t{seed}, int64_t{rank}, int64_t{step}, int64_t{mb}}) {
+    h ^= static_cast<uint64_t>(v) + 0x9e3779b97f4a7c15ULL;
+    h *= 1099511628211ULL;
+  }
+  const double p = std::clamp(fraction + (rank % 2 == 0 ? skew : -skew), 0.0, 1.0);
+  return static_cast<double>(h % 10000) / 10000.0 < p;
+}
+
+Microbatch MakeMicrobatch(bool images, int seed, int rank, int step, int mb) {
+  torch::manual_seed(seed * 1000003 + rank * 10007 + step * 101 + mb);
+  Microbatch m;
+  m.images = images;
+  m.text = torch::randn({kBatch, kTextIn});
+  m.image = torch::randn({kBatch, kPatches, kImageIn});
+  m.target = torch::randint(0, kClasses, {kBatch}, torch::kLong);
+  return m;
+}
+
+uint64_t HashParams(Vlm& model) {
+  uint64_t h = 1469598103934665603ULL;
+  for (const auto& p : model->parameters()) {
+    if (!p.requires_grad()) continue;
+    torch::Tensor c = p.detach().contiguous();
+    const auto* bytes = static_cast<const unsigned char*>(c.data_ptr());
+    for (int64_t i = 0; i < c.numel() * static_cast<int64_t>(c.element_size()); ++i) {
+      h ^= bytes[i];
+      h *= 1099511628211ULL;
+    }
+  }
+  return h;
+}
+
+void Fail(const std::string& what, const absl::Status& s) {
+  std::cerr << "vlm_trainer: " << what << ": " << s << "\n";
+  std::exit(3);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"vlm_trainer: frozen-tower VLM trained under shardcoord"};
+  std::string address, job = "vlm", policy = "auto", fallback = "root", media = "mixed";
+  int rank = 0, world = 2, group_size = 2, steps = 5, accum = 2, lookahead = 4, seed = 7;
+  double image_fraction = 0.5, skew = 0.0, lr = 0.05;
+  bool no_shard = false;
+  app.add_option("--coordinator", address, "shardcoordd HOST:PORT (default $SHARDCOORD_ADDR)")->envname("SHARDCOORD_ADDR");
+  app.add_option("--job", job);
+  app.add_option("--rank", rank)->required();
+  app.add_option("--world-size", world);
+  app.add_option("--group-size", group_size);
+  app.add_option("--policy", policy)->check(CLI::IsMember({"auto", "per_layer", "root", "replicate"}));
+  app.add_option("--fallback", fallback)->check(CLI::IsMember({"root", "replicate"}));
+  app.add_option("--media", media)->check(CLI::IsMember({"mixed", "all", "none", "rank0"}));
+  app.add_option("--image-fraction", image_fraction);
+  app.add_option("--skew", skew, "even ranks get fraction + skew, odd ranks fraction - skew");
+  app.add_option("--steps", steps);
+  app.add_option("--accum", accum, "microbatches accumulated per optimizer step");
+  app.add_option("--lookahead", lookahead);
+  app.add_option("--seed", seed);
+  app.add_option("--lr", lr);
+  app.add_flag("--no-shard", no_shard, "reference run: frozen parameters whole on every rank");
+  CLI11_PARSE(app, argc, argv);
+  torch::set_num_threads(1);  // Deterministic, and 2 cores are shared by all ranks.
+
+  torch::manual_seed(1234);  // Identical initial weights on every rank.
+  Vlm model;
+  const auto manifest = shardcoord::torchx::BuildManifest(*model);
+
+  shardcoord::WorkerOptions wo;
+  wo.coordinator_address = address;
+  wo.job_id = job;
+  wo.rank = rank;
+  wo.world_size = world;
+  wo.group_size = group_size;
+  wo.modules = manifest;
+  wo.policy = *shardcoord::ParsePolicy(policy);
+  wo.fallback = *shardcoord::ParseFallback(fallback);
+  wo.lookahead = lookahead;
+  wo.connect_timeout = absl::Seconds(30);
+  auto worker = shardcoord::Worker::Connect(wo);
+  if (!worker.ok()) Fail("connect", worker.status());
+  shardcoord::CommunicatorOptions world_opts;
+  world_opts.name = "world";
+  auto world_comm = (*worker)->OpenCommunicator(world_opts);
+  if (!world_comm.ok()) Fail("world communicator", world_comm.status());
+  std::unique_ptr<shardcoord::torchx::FrozenShardExecutor> exec;
+  if (!no_shard) {
+    shardcoord::CommunicatorOptions group_opts;
+    group_opts.name = "group";
+    auto group_comm = (*worker)->OpenCommunicator(group_opts);
+    if (!group_comm.ok()) Fail("group communicator", group_comm.status());
+    auto e = shardcoord::torchx::FrozenShardExecutor::Create(*model, manifest, *group_comm);
+    if (!e.ok()) Fail("executor", e.status());
+    exec = std::move(*e);
+  }
+
+  std::vector<torch::Tensor> trainable;
+  for (auto& p : model->parameters()) {
+    if (p.requires_grad()) trainable.push_back(p);
+  }
+  std::map<std::string, int64_t> decided;
+  int64_t fallbacks = 0;
+  const int total = steps * accum;
+  auto key_of = [&](int i) { return shardcoord::MicrobatchKey{i / accum, i % accum}; };
+  auto has_images = [&](int i) { return HasImages(media, image_fraction, skew, seed, rank, i / accum, i % accum); };
+  int reported = 0;
+  auto report_ahead = [&](int i) {
+    while (reported < total && reported < i + lookahead) {
+      const int calls = has_images(reported) ? 1 : 0;
+      absl::Status s = (*worker)->ReportPlan(
+          {key_of(reported), {{"vision_tower", calls}, {"multi_modal_projector", calls}}});
+      if (!s.ok()) Fail("plan", s);
+      ++reported;
+    }
+  };
+
+  for (int step = 0; step < steps; ++step) {
+    for (auto& p : trainable) {
+      if (p.grad().defined()) p.mutable_grad().zero_();
+    }
+    double step_loss = 0;
+    for (int mb = 0; mb < accum; ++mb) {
+      const int i = step * accum + mb;
+      report_ahead(i);
+      auto d = (*worker)->GetDecision(key_of(i), absl::Seconds(60));
+      if (!d.ok()) Fail("decision", d.status());
+      for (const auto& m : d->modules) {
+        decided[shardcoord::DecisionName(m.decision)]++;
+        if (m.reason == shardcoord::DecisionReason::kDivergent) fallbacks++;
+      }
+      Microbatch batch = MakeMicrobatch(has_images(i), seed, rank, step, mb);
+      if (exec) {
+        if (absl::Status s = exec->BeginMicrobatch(*d); !s.ok()) Fail("begin microbatch", s);
+      }
+      torch::Tensor x = torch::relu(model->text_embed(batch.text));
+      if (batch.images) {
+        torch::NoGradGuard frozen;  // Frozen modules need no backward collectives.
+        torch::Tensor v = batch.image;
+        for (int u = 0; u < kVisionLayers; ++u) {
+          if (exec) {
+            if (absl::Status s = exec->BeforeUnit("vision_tower", u); !s.ok()) Fail("gather", s);
+          }
+          v = torch::gelu(model->vision_tower->layers[u]->as<torch::nn::Linear>()->forward(v));
+          if (exec) {
+            if (absl::Status s = exec->AfterUnit("vision_tower", u); !s.ok()) Fail("release", s);
+          }
+        }
+        if (exec) {
+          if (absl::Status s = exec->BeforeUnit("multi_modal_projector", 0); !s.ok()) Fail("gather", s);
+        }
+        torch::Tensor p = model->multi_modal_projector(v.mean(1));
+        if (exec) {
+          if (absl::Status s = exec->AfterUnit("multi_modal_projector", 0); !s.ok()) Fail("release", s);
+        }
+        x = x + p;
+      }
+      for (const auto& layer : *model->text_layers) x = torch::relu(layer->as<torch::nn::Linear>()->forward(x));
+      torch::Tensor loss = torch::nn::functional::cross_entropy(model->head(x), batch.target) / accum;
+      if (exec) {
+        if (absl::Status s = exec->EndForward(); !s.ok()) Fail("end forward", s);
+      }
+      loss.backward();
+      step_loss += loss.item<double>();
+    }
+    // Data parallel: average the trainable gradients over the world.
+    {
+      torch::NoGradGuard no_grad;
+      std::vector<torch::Tensor> grads;
+      for (auto& p : trainable) {
+        grads.push_back(p.grad().defined() ? p.grad().reshape({-1}) : torch::zeros({p.numel()}));
+      }
+      torch::Tensor flat = torch::cat(grads).contiguous();
+      if (absl::Status s = (*world_comm)->AllReduce(flat.data_ptr<float>(), flat.numel()); !s.ok()) Fail("all-reduce", s);
+      flat.div_(world);
+      int64_t off = 0;
+      for (auto& p : trainable) {
+        p.sub_(flat.narrow(0, off, p.numel()).view(p.sizes()) * lr);
+        off += p.numel();
+      }
+    }
+    std::printf("step %d loss %a (%.6f)\n", step, step_loss, step_loss);
+    std::fflush(stdout);
+  }
+  std::printf("final params hash %016" PRIx64 "\n", HashParams(model));
+  std::printf("summary rank %d: decisions per_layer=%" PRId64 " skip=%" PRId64 " root=%" PRId64 " replicate=%" PRId64
+              " fallbacks=%" PRId64,
+              rank, decided["per_layer"], decided["skip"], decided["root"], decided["replicate"], fallbacks);
+  if (exec) {
+    int64_t gathered = 0;
+    for (const auto& [name, b] : exec->bytes()) gathered += b.gathered;
+    std::printf(" gathered_bytes=%" PRId64 " peak_frozen_bytes=%" PRId64, gathered, exec->peak_total_bytes());
+  }
+  std::printf("\n");
+  (*worker)->Close();
+  return 0;
+}

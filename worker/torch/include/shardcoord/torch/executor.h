@@ -1,0 +1,113 @@
+// The LibTorch executor (DESIGN 5): carries coordinator decisions out on the real frozen
+// parameters of a torch::nn::Module. Built with SHARDCOORD_WITH_TORCH; builds against
+// LibTorch 1.13 and 2.x.
+//
+// Frozen parameters of each unit (an entry of a controlled module's layer list, or the
+// whole module) are flattened into one buffer, padded to a multiple of the group size and
+// sharded across the shard group: each rank keeps 1/G. Materialize = all-gather into a full
+// buffer and point the parameters at views of it; release = drop the full buffer.
+//
+// Collective rule: every rank of the group calls the hooks below for the same microbatches
+// in the same order, with the group's identical decision. That is what the coordinator
+// guarantees: `per_layer` only when every rank calls the module the same number of times.
+//
+// Thread-safety: one trainer thread. Not copyable.
+#ifndef SHARDCOORD_TORCH_EXECUTOR_H_
+#define SHARDCOORD_TORCH_EXECUTOR_H_
+
+#include <torch/torch.h>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "shardcoord/classify.h"
+#include "shardcoord/communicator.h"
+#include "shardcoord/types.h"
+
+namespace shardcoord::torchx {
+
+struct ManifestOptions {
+  ClassifyOptions classify;
+  // The child that holds a module's layer units; a module without it is one unit.
+  std::string layer_list = "layers";
+};
+
+// Walks the model and returns the controlled (fully frozen multimodal) modules by the
+// classification rules of DESIGN 3, with parameter bytes and layer units, in path order.
+std::vector<ModuleSpec> BuildManifest(torch::nn::Module& model, const ManifestOptions& options = {});
+
+// Bytes counted per rank for one controlled module.
+struct ModuleBytes {
+  int64_t shard = 0;       // Always resident: this rank's shards.
+  int64_t resident = 0;    // Shards plus currently materialized full buffers.
+  int64_t peak = 0;        // Highest `resident` so far.
+  int64_t gathered = 0;    // Total bytes received by all-gathers.
+};
+
+class FrozenShardExecutor {
+ public:
+  // Shards the parameters of every unit of `manifest` in `model` over `group` (the
+  // shard group's communicator; Gloo with CPU tensors, NCCL with CUDA tensors). All ranks
+  // of the group must call it with the same model structure and manifest. Parameters are
+  // empty until materialized. Errors: INVALID_ARGUMENT (a module not in the model, mixed
+  // dtypes in a unit, a trainable parameter).
+  static absl::StatusOr<std::unique_ptr<FrozenShardExecutor>> Create(torch::nn::Module& model,
+                                                                      std::vector<ModuleSpec> manifest,
+                                                                      std::shared_ptr<Communicator> group);
+
+  // At the always-run start of a microbatch, with the group's decision: `root` modules
+  // are gathered whole now; `replicate` modules become resident (gathered once); `skip` and
+  // `per_layer` do nothing yet.
+  absl::Status BeginMicrobatch(const MicrobatchDecision& decision);
+  // Around each unit of a module the rank runs: `per_layer` gathers it before and releases
+  // it after; other decisions need nothing. Unit index in the module's unit list.
+  absl::Status BeforeUnit(const std::string& module, int unit);
+  absl::Status AfterUnit(const std::string& module, int unit);
+  // After the forward of the microbatch: `root` modules are released.
+  absl::Status EndForward();
+
+  // Whether `module` may run now (all its units materialized or per_layer hooks in use).
+  Decision current(const std::string& module) const;
+  const std::map<std::string, ModuleBytes>& bytes() const { return bytes_; }
+  int64_t peak_total_bytes() const { return peak_total_; }
+  int unit_count(const std::string& module) const;
+
+ private:
+  struct Param {
+    torch::Tensor param;  // The module's parameter (its data is swapped).
+    std::vector<int64_t> shape;
+    int64_t offset = 0;   // In the unit's flat buffer.
+    int64_t numel = 0;
+  };
+  struct Unit {
+    std::vector<Param> params;
+    torch::Tensor shard;   // This rank's slice of the padded flat buffer.
+    torch::Tensor full;    // Materialized flat buffer, or undefined.
+    int64_t padded = 0;    // Elements in the full buffer.
+  };
+  struct Module {
+    ModuleSpec spec;
+    std::vector<Unit> units;
+    Decision decision = Decision::kSkip;
+    bool replicated = false;
+  };
+
+  FrozenShardExecutor(std::shared_ptr<Communicator> group) : group_(std::move(group)) {}
+  absl::Status Materialize(Module& m, Unit& u);
+  void Release(Module& m, Unit& u);
+  void Account(Module& m, int64_t delta_bytes);
+  Module* Find(const std::string& module);
+
+  std::shared_ptr<Communicator> group_;
+  std::vector<Module> modules_;
+  std::map<std::string, ModuleBytes> bytes_;
+  int64_t resident_total_ = 0;
+  int64_t peak_total_ = 0;
+};
+
+}  // namespace shardcoord::torchx
+
+#endif  // SHARDCOORD_TORCH_EXECUTOR_H_
