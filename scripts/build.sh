@@ -11,6 +11,6 @@ nccl=OFF
 if [[ -f /usr/local/cuda/include/nccl.h && -f /usr/local/cuda/include/cuda_runtime.h ]]; then nccl=ON; fi
 if [[ ! -f "$build/build.ninja" ]]; then
   cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSHARDCOORD_WITH_NCCL=$nccl \
-    ${CMAKE_ARGS:-} >/dev/null
+    -DSHARDCOORD_WITH_TORCH=ON ${CMAKE_ARGS:-} >/dev/null
 fi
 cmake --build "$build" -- "$@"

@@ -1,19 +1,20 @@
 #!/usr/bin/env bash
-# The main job, on CPU: shardcoordd plus an 8-rank job in 2 shard groups, each rank its
-# own process playing its part of a mixed-modality trace through the worker library.
-# Shows live status while it runs, then the groups, recent decisions and a summary, and
-# checks that every rank of each group received identical decisions.
+# The main job, on CPU: shardcoordd plus the example VLM trainer as 4 rank processes in 2
+# shard groups, with skewed mixed media (even ranks see more images than odd ones). The
+# frozen vision tower and projector are sharded across each group and placed, per
+# microbatch, by the coordinator. Shows live status while it trains, then the groups and a
+# summary per rank: decisions by kind, fallbacks, bytes gathered, peak frozen memory.
 #
-#   scripts/demo.sh [TRACE.jsonl]        (default: examples/traces/mixed_8ranks.jsonl)
-# Environment: DEMO_INTERVAL_MS (pace per microbatch, default 150), DEMO_POLICY (auto).
+#   scripts/demo.sh                 (DEMO_POLICY=auto|per_layer|root|replicate, DEMO_STEPS=40)
+#   scripts/demo.sh --replay        the trace replay instead: 8 simulated ranks, 2 groups
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${BUILD_DIR:-$root/build}
-trace=${1:-$root/examples/traces/mixed_8ranks.jsonl}
-interval=${DEMO_INTERVAL_MS:-150}
 policy=${DEMO_POLICY:-auto}
+steps=${DEMO_STEPS:-40}
+mode=${1:-train}
 
-"$root/scripts/build.sh" shardcoordd shardctl >/dev/null
+"$root/scripts/build.sh" shardcoordd shardctl vlm_trainer >/dev/null
 shardcoordd=$build/coordinator/shardcoordd
 shardctl=$build/client/shardctl
 
@@ -35,16 +36,26 @@ for _ in $(seq 1 100); do [[ -s "$work/addr" ]] && break; sleep 0.1; done
 export SHARDCOORD_ADDR=$(cat "$work/addr")
 echo "   listening on $SHARDCOORD_ADDR"
 
-echo "== 8 rank processes (2 shard groups of 4), policy $policy, one microbatch every ${interval} ms"
-for r in 0 1 2 3 4 5 6 7; do
-  "$shardctl" replay "$trace" --job-id demo --world-size 8 --group-size 4 --ranks "$r" \
-    --policy "$policy" --interval-ms "$interval" --per-rank --output "$work/rank$r.jsonl" \
-    2>"$work/rank$r.log" &
-  pids+=($!)
-done
+if [[ "$mode" == "--replay" ]]; then
+  echo "== 8 simulated rank processes (2 groups of 4) replaying examples/traces/mixed_8ranks.jsonl"
+  for r in 0 1 2 3 4 5 6 7; do
+    "$shardctl" replay "$root/examples/traces/mixed_8ranks.jsonl" --job-id demo --world-size 8 --group-size 4 \
+      --ranks "$r" --policy "$policy" --interval-ms 150 --per-rank --output "$work/rank$r.jsonl" \
+      2>"$work/rank$r.log" &
+    pids+=($!)
+  done
+else
+  echo "== vlm_trainer: 4 CPU ranks in 2 shard groups, policy $policy, $steps steps x 2 microbatches, skewed media"
+  for r in 0 1 2 3; do
+    SHARDCOORD_LOG_LEVEL=warn "$build/examples/vlm_trainer/vlm_trainer" --job demo --rank "$r" --world-size 4 \
+      --group-size 2 --policy "$policy" --media mixed --image-fraction 0.5 --skew 0.3 --steps "$steps" \
+      --accum 2 --memory-budget-bytes 1048576 --interval-ms 100 >"$work/rank$r.out" 2>"$work/rank$r.log" &
+    pids+=($!)
+  done
+fi
 
 running() { for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && return 0; done; return 1; }
-deadline=$((SECONDS + 120))
+deadline=$((SECONDS + 300))
 while running && (( SECONDS < deadline )); do
   echo "-- live status ($(date +%T))"
   "$shardctl" status --job demo || true
@@ -54,7 +65,7 @@ done
 failed=0
 for i in "${!pids[@]}"; do
   if ! wait "${pids[$i]}"; then
-    echo "rank $i failed:" >&2; tail -3 "$work/rank$i.log" >&2; failed=1
+    echo "rank $i failed:" >&2; tail -n 3 "$work/rank$i.log" >&2; failed=1
   fi
 done
 pids=()
@@ -63,8 +74,15 @@ echo "== final status"
 "$shardctl" status --job demo
 echo "== groups"
 "$shardctl" groups --job demo
-echo "== last 2 decisions of group 1"
-"$shardctl" decisions --job demo --group 1 --limit 2
-echo "== summary (from what each rank process received)"
-"$shardctl" verify "$work"/rank*.jsonl
+echo "== communicators"
+"$shardctl" comms --job demo
+if [[ "$mode" == "--replay" ]]; then
+  echo "== summary (from what each rank process received)"
+  "$shardctl" verify "$work"/rank*.jsonl
+else
+  echo "== summary per rank (decisions by kind, fallbacks to root, bytes gathered, peak frozen memory)"
+  for r in 0 1 2 3; do grep summary "$work/rank$r.out" || true; done
+  echo "== final loss and trained-parameter hash per rank (identical hash: the ranks agree)"
+  for r in 0 1 2 3; do echo "rank $r: $(grep '^step' "$work/rank$r.out" | tail -n 1) $(grep final "$work/rank$r.out")"; done
+fi
 exit $failed

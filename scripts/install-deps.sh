@@ -7,7 +7,7 @@ packages=(
   cmake ninja-build g++ pkg-config ccache
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libspdlog-dev libcli11-dev nlohmann-json3-dev libyaml-cpp-dev
-  libgtest-dev libgmock-dev libbenchmark-dev libgloo-dev
+  libgtest-dev libgmock-dev libbenchmark-dev libgloo-dev libtorch-dev
 )
 if [[ "${SHARDCOORD_WITH_TORCH:-0}" == 1 ]]; then packages+=(libtorch-dev); fi
 

@@ -23,6 +23,7 @@
 #include <cstdio>
 #include <iostream>
 #include <map>
+#include <thread>
 
 #include "shardcoord/torch/executor.h"
 #include "shardcoord/worker.h"
@@ -115,6 +116,8 @@ int main(int argc, char** argv) {
   int rank = 0, world = 2, group_size = 2, steps = 5, accum = 2, lookahead = 4, seed = 7;
   double image_fraction = 0.5, skew = 0.0, lr = 0.05;
   bool no_shard = false;
+  int interval_ms = 0;
+  int64_t memory_budget = 0;
   app.add_option("--coordinator", address, "shardcoordd HOST:PORT (default $SHARDCOORD_ADDR)")->envname("SHARDCOORD_ADDR");
   app.add_option("--job", job);
   app.add_option("--rank", rank)->required();
@@ -130,6 +133,9 @@ int main(int argc, char** argv) {
   app.add_option("--lookahead", lookahead);
   app.add_option("--seed", seed);
   app.add_option("--lr", lr);
+  app.add_option("--memory-budget-bytes", memory_budget,
+                 "memory this rank can spare for replicating frozen modules (enables `auto` promotion)");
+  app.add_option("--interval-ms", interval_ms, "pause after each step (demos: to watch live status)");
   app.add_flag("--no-shard", no_shard, "reference run: frozen parameters whole on every rank");
   CLI11_PARSE(app, argc, argv);
   torch::set_num_threads(1);  // Deterministic, and 2 cores are shared by all ranks.
@@ -148,6 +154,7 @@ int main(int argc, char** argv) {
   wo.policy = *shardcoord::ParsePolicy(policy);
   wo.fallback = *shardcoord::ParseFallback(fallback);
   wo.lookahead = lookahead;
+  wo.memory_budget_bytes = memory_budget;
   wo.connect_timeout = absl::Seconds(30);
   auto worker = shardcoord::Worker::Connect(wo);
   if (!worker.ok()) Fail("connect", worker.status());
@@ -252,6 +259,7 @@ int main(int argc, char** argv) {
     }
     std::printf("step %d loss %a (%.6f)\n", step, step_loss, step_loss);
     std::fflush(stdout);
+    if (interval_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(interval_ms));
   }
   std::printf("final params hash %016" PRIx64 "\n", HashParams(model));
   std::printf("summary rank %d: decisions per_layer=%" PRId64 " skip=%" PRId64 " root=%" PRId64 " replicate=%" PRId64

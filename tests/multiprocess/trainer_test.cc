@@ -1,0 +1,142 @@
+// The seed's two-rank regression, ported, plus the case it could not support: real
+// vlm_trainer processes (LibTorch, Gloo) under a real shardcoordd, every policy.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "support/daemon.h"
+#include "support/subprocess.h"
+#include "support/test_env.h"
+
+namespace shardcoord {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::ReadFile;
+using testing::Subprocess;
+using testing::TempDir;
+
+struct RankResult {
+  int exit_code = -1;
+  std::vector<std::string> losses;  // Hex floats, bitwise comparable.
+  std::string params_hash;
+  std::string summary;
+  std::string err;
+};
+
+class TrainerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto d = testing::Daemon::Start(dir_.path(), {"--heartbeat-interval-ms", "200", "--heartbeat-timeout-ms", "5000"});
+    ASSERT_TRUE(d.ok()) << d.status();
+    daemon_ = std::move(*d);
+  }
+
+  // Runs a 2-rank, 1-group job and returns what each rank printed.
+  std::vector<RankResult> Train(const std::string& policy, const std::string& media, std::vector<std::string> extra = {},
+                                int world = 2, int group = 2) {
+    const std::string job = absl::StrCat("job", next_job_++);
+    std::vector<std::unique_ptr<Subprocess>> procs;
+    for (int r = 0; r < world; ++r) {
+      std::vector<std::string> argv = {VLM_TRAINER_PATH, "--coordinator", daemon_->address(), "--job", job,
+                                       "--rank", std::to_string(r), "--world-size", std::to_string(world),
+                                       "--group-size", std::to_string(group), "--policy", policy, "--media", media,
+                                       "--steps", "3", "--accum", "2"};
+      argv.insert(argv.end(), extra.begin(), extra.end());
+      procs.push_back(std::make_unique<Subprocess>(argv, dir_.File(job + "-" + std::to_string(r) + ".out"),
+                                                   dir_.File(job + "-" + std::to_string(r) + ".err"),
+                                                   std::vector<std::string>{"SHARDCOORD_LOG_LEVEL=warn"}));
+    }
+    std::vector<RankResult> out(world);
+    for (int r = 0; r < world; ++r) {
+      auto code = procs[r]->Wait(absl::Seconds(120));
+      out[r].exit_code = code ? *code : -1;  // -1: it hung.
+      out[r].err = ReadFile(procs[r]->stderr_path());
+      for (absl::string_view line : absl::StrSplit(ReadFile(procs[r]->stdout_path()), '\n')) {
+        std::vector<std::string> f = absl::StrSplit(line, ' ');
+        if (f.size() >= 4 && f[0] == "step" && f[2] == "loss") out[r].losses.push_back(f[3]);
+        if (f.size() == 4 && f[0] == "final") out[r].params_hash = f[3];
+        if (absl::StartsWith(line, "summary")) out[r].summary = std::string(line);
+      }
+    }
+    return out;
+  }
+
+  static void ExpectHealthy(const std::vector<RankResult>& run) {
+    for (size_t r = 0; r < run.size(); ++r) {
+      ASSERT_EQ(run[r].exit_code, 0) << "rank " << r << ": " << run[r].err;
+      ASSERT_EQ(run[r].losses.size(), 3u);
+      for (const auto& l : run[r].losses) EXPECT_TRUE(std::isfinite(std::strtod(l.c_str(), nullptr))) << l;
+      EXPECT_EQ(run[r].params_hash, run[0].params_hash) << "ranks disagree on the trained parameters";
+    }
+  }
+
+  TempDir dir_;
+  std::unique_ptr<testing::Daemon> daemon_;
+  int next_job_ = 0;
+};
+
+TEST_F(TrainerTest, RootWithMediaOnRankZeroOnlyDoesNotHang) {
+  auto run = Train("root", "rank0");
+  ExpectHealthy(run);
+  EXPECT_THAT(run[0].summary, HasSubstr("root=12"));
+}
+
+TEST_F(TrainerTest, PerLayerWithEveryRankSkippingUnderAccumulation) {
+  auto run = Train("per_layer", "none");
+  ExpectHealthy(run);
+  EXPECT_THAT(run[0].summary, HasSubstr("skip=12"));
+  EXPECT_THAT(run[0].summary, HasSubstr("gathered_bytes=0"));
+}
+
+TEST_F(TrainerTest, ReplicateWithAsymmetricMedia) {
+  auto run = Train("replicate", "rank0");
+  ExpectHealthy(run);
+  EXPECT_THAT(run[0].summary, HasSubstr("replicate=12"));
+}
+
+TEST_F(TrainerTest, RootAndPerLayerGiveIdenticalParametersWithUniformMedia) {
+  auto root = Train("root", "all");
+  auto per_layer = Train("per_layer", "all");
+  ExpectHealthy(root);
+  ExpectHealthy(per_layer);
+  EXPECT_THAT(per_layer[0].summary, HasSubstr("per_layer=12"));
+  EXPECT_EQ(root[0].params_hash, per_layer[0].params_hash) << "bitwise after the optimizer steps";
+  EXPECT_EQ(root[0].losses, per_layer[0].losses);
+}
+
+TEST_F(TrainerTest, PerLayerRequestedWithAsymmetricMediaFallsBackAndMatchesRoot) {
+  auto per_layer = Train("per_layer", "rank0");
+  auto root = Train("root", "rank0");
+  ExpectHealthy(per_layer);
+  ExpectHealthy(root);
+  EXPECT_THAT(per_layer[0].summary, HasSubstr("fallbacks=12"));
+  for (int r = 0; r < 2; ++r) EXPECT_EQ(per_layer[r].losses, root[r].losses) << "rank " << r;
+  EXPECT_EQ(per_layer[0].params_hash, root[0].params_hash);
+}
+
+TEST_F(TrainerTest, EveryPolicyComputesExactlyWhatTheUnshardedModelDoes) {
+  auto reference = Train("auto", "mixed", {"--no-shard", "--image-fraction", "0.6"});
+  ExpectHealthy(reference);
+  for (const char* policy : {"auto", "per_layer", "root", "replicate"}) {
+    SCOPED_TRACE(policy);
+    auto run = Train(policy, "mixed", {"--image-fraction", "0.6"});
+    ExpectHealthy(run);
+    for (int r = 0; r < 2; ++r) EXPECT_EQ(run[r].losses, reference[r].losses) << "rank " << r;
+    EXPECT_EQ(run[0].params_hash, reference[0].params_hash);
+  }
+}
+
+TEST_F(TrainerTest, FourRanksInTwoGroupsWithSkewedMedia) {
+  auto run = Train("auto", "mixed", {"--skew", "0.3"}, /*world=*/4, /*group=*/2);
+  ExpectHealthy(run);
+  auto reference = Train("auto", "mixed", {"--skew", "0.3", "--no-shard"}, 4, 2);
+  for (int r = 0; r < 4; ++r) EXPECT_EQ(run[r].losses, reference[r].losses) << "rank " << r;
+}
+
+}  // namespace
+}  // namespace shardcoord
