@@ -93,7 +93,7 @@ uint64_t HashParams(Vlm& model) {
   uint64_t h = 1469598103934665603ULL;
   for (const auto& p : model->parameters()) {
     if (!p.requires_grad()) continue;
-    torch::Tensor c = p.detach().contiguous();
+    torch::Tensor c = p.detach().to(torch::kCPU).contiguous();
     const auto* bytes = static_cast<const unsigned char*>(c.data_ptr());
     for (int64_t i = 0; i < c.numel() * static_cast<int64_t>(c.element_size()); ++i) {
       h ^= bytes[i];
@@ -117,6 +117,7 @@ int main(int argc, char** argv) {
   double image_fraction = 0.5, skew = 0.0, lr = 0.05;
   bool no_shard = false;
   int interval_ms = 0;
+  std::string device_name = "cpu";
   int64_t memory_budget = 0;
   app.add_option("--coordinator", address, "shardcoordd HOST:PORT (default $SHARDCOORD_ADDR)")->envname("SHARDCOORD_ADDR");
   app.add_option("--job", job);
@@ -135,13 +136,23 @@ int main(int argc, char** argv) {
   app.add_option("--lr", lr);
   app.add_option("--memory-budget-bytes", memory_budget,
                  "memory this rank can spare for replicating frozen modules (enables `auto` promotion)");
+  app.add_option("--device", device_name, "cpu (Gloo) or cuda (NCCL; GPU rank % device count)")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--interval-ms", interval_ms, "pause after each step (demos: to watch live status)");
   app.add_flag("--no-shard", no_shard, "reference run: frozen parameters whole on every rank");
   CLI11_PARSE(app, argc, argv);
   torch::set_num_threads(1);  // Deterministic, and 2 cores are shared by all ranks.
 
+  const bool cuda = device_name == "cuda";
+  if (cuda && !torch::cuda::is_available()) {
+    std::cerr << "vlm_trainer: --device cuda but no CUDA device is visible\n";
+    return 3;
+  }
+  const int gpu = cuda ? rank % static_cast<int>(torch::cuda::device_count()) : 0;
+  const torch::Device device = cuda ? torch::Device(torch::kCUDA, gpu) : torch::Device(torch::kCPU);
   torch::manual_seed(1234);  // Identical initial weights on every rank.
   Vlm model;
+  model->to(device);
   const auto manifest = shardcoord::torchx::BuildManifest(*model);
 
   shardcoord::WorkerOptions wo;
@@ -160,12 +171,18 @@ int main(int argc, char** argv) {
   if (!worker.ok()) Fail("connect", worker.status());
   shardcoord::CommunicatorOptions world_opts;
   world_opts.name = "world";
+  if (cuda) {
+    world_opts.backend = shardcoord::Backend::kNccl;
+    world_opts.cuda_device = gpu;
+  }
   auto world_comm = (*worker)->OpenCommunicator(world_opts);
   if (!world_comm.ok()) Fail("world communicator", world_comm.status());
   std::unique_ptr<shardcoord::torchx::FrozenShardExecutor> exec;
   if (!no_shard) {
     shardcoord::CommunicatorOptions group_opts;
     group_opts.name = "group";
+    group_opts.backend = world_opts.backend;
+    group_opts.cuda_device = gpu;
     auto group_comm = (*worker)->OpenCommunicator(group_opts);
     if (!group_comm.ok()) Fail("group communicator", group_comm.status());
     auto e = shardcoord::torchx::FrozenShardExecutor::Create(*model, manifest, *group_comm);
@@ -208,6 +225,9 @@ int main(int argc, char** argv) {
         if (m.reason == shardcoord::DecisionReason::kDivergent) fallbacks++;
       }
       Microbatch batch = MakeMicrobatch(has_images(i), seed, rank, step, mb);
+      batch.text = batch.text.to(device);
+      batch.image = batch.image.to(device);
+      batch.target = batch.target.to(device);
       if (exec) {
         if (absl::Status s = exec->BeginMicrobatch(*d); !s.ok()) Fail("begin microbatch", s);
       }
@@ -246,7 +266,7 @@ int main(int argc, char** argv) {
       torch::NoGradGuard no_grad;
       std::vector<torch::Tensor> grads;
       for (auto& p : trainable) {
-        grads.push_back(p.grad().defined() ? p.grad().reshape({-1}) : torch::zeros({p.numel()}));
+        grads.push_back(p.grad().defined() ? p.grad().reshape({-1}) : torch::zeros({p.numel()}, p.options()));
       }
       torch::Tensor flat = torch::cat(grads).contiguous();
       if (absl::Status s = (*world_comm)->AllReduce(flat.data_ptr<float>(), flat.numel()); !s.ok()) Fail("all-reduce", s);

@@ -26,5 +26,9 @@ for bin in "$out"/bin/* "$out"/lib/libshardcoord_worker.so; do
     cp -nL "$path" "$out/lib/$name"
   done
 done
+# Headers the trainer is compiled against there (it is built on that machine, against its
+# LibTorch): Abseil (Debian's inline namespace must match the bundled libraries) and CLI11.
+mkdir -p "$out/include"
+cp -r /usr/include/absl /usr/include/CLI "$out/include/"
 strip --strip-unneeded "$out"/bin/* "$out"/lib/*.so* 2>/dev/null || true
 du -sh "$out"

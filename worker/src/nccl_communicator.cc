@@ -81,6 +81,7 @@ class NcclCommunicator final : public AbortableCommunicator {
       ncclCommDestroy(comm_);
     }
     if (scratch_ != nullptr) cudaFree(scratch_);
+    if (ready_ != nullptr) cudaEventDestroy(ready_);
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
   }
 
@@ -88,6 +89,7 @@ class NcclCommunicator final : public AbortableCommunicator {
     SHARDCOORD_CUDA_CHECK(cudaSetDevice(options_.cuda_device));
     SHARDCOORD_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     SHARDCOORD_CUDA_CHECK(cudaMalloc(&scratch_, sizeof(int32_t)));
+    SHARDCOORD_CUDA_CHECK(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming));
     ncclUniqueId id;
     if (rank() == 0) {
       // The group's lowest rank creates the id and publishes it through the coordinator.
@@ -249,6 +251,12 @@ class NcclCommunicator final : public AbortableCommunicator {
   template <typename F>
   absl::Status RunLocked(const char* what, F&& launch) {
     const absl::Time deadline = absl::Now() + options_.op_timeout;
+    // Order after the work the caller queued on the default stream (e.g. LibTorch filling
+    // the input), without blocking the host.
+    if (cudaEventRecord(ready_, cudaStreamLegacy) != cudaSuccess ||
+        cudaStreamWaitEvent(stream_, ready_, 0) != cudaSuccess) {
+      return Fail("cannot order the collective after the default stream");
+    }
     ncclResult_t r = launch();
     if (r != ncclSuccess && r != ncclInProgress) return Fail(absl::StrCat(what, ": ", ncclGetErrorString(r)));
     if (absl::Status s = WaitComm(deadline, what); !s.ok()) return s;
@@ -274,6 +282,7 @@ class NcclCommunicator final : public AbortableCommunicator {
   const CommunicatorOptions options_;
   cudaStream_t stream_ = nullptr;
   int32_t* scratch_ = nullptr;
+  cudaEvent_t ready_ = nullptr;
   mutable absl::Mutex mu_;
   ncclComm_t comm_ ABSL_GUARDED_BY(mu_) = nullptr;
   std::string abort_reason_ ABSL_GUARDED_BY(mu_);
