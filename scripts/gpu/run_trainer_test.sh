@@ -37,7 +37,7 @@ train() {  # train POLICY MEDIA [extra]: 2 ranks on 2 GPUs; sets $job; returns n
   local pids=()
   for r in 0 1; do
     timeout 300 "$trainer" --coordinator "$addr" --job "$job" --rank $r --world-size 2 --group-size 2 --device cuda \
-      --policy "$1" --media "$2" --steps 3 --accum 2 "${@:3}" >"$work/$job-$r.out" 2>"$work/$job-$r.err" &
+      --policy "$1" --media "$2" --steps "${STEPS:-3}" --accum 2 "${@:3}" >"$work/$job-$r.out" 2>"$work/$job-$r.err" &
     pids+=($!)
   done
   local rc=0
@@ -69,7 +69,7 @@ for policy in auto per_layer root replicate; do
   check "$policy: outputs equal the unsharded model's, bitwise" '[[ "$(losses $job 0)" == "$(losses $ref 0)" && "$(losses $job 1)" == "$(losses $ref 1)" ]]'
 done
 echo "== short training run: auto, skewed mixed media, 50 steps"
-train auto mixed --skew 0.3 --steps 50 --memory-budget-bytes 1048576; rc=$?
+STEPS=50 train auto mixed --skew 0.3 --memory-budget-bytes 1048576; rc=$?
 check "training run finished on both GPUs with identical parameters" \
   '[[ $rc == 0 && "$(grep final $work/$job-0.out)" == "$(grep final $work/$job-1.out)" ]]'
 grep -h -E '^step (0|49) |^final|^summary' "$work/$job"-*.out
