@@ -124,15 +124,18 @@ int CmdRanks(Client& c, const std::string& job, bool json) {
     std::cout << ToJson(resp) << "\n";
     return 0;
   }
-  std::cout << absl::StrFormat("%-10s %5s %5s %-12s %-16s %8s %10s %12s %7s %8s %8s  %s\n", "JOB", "RANK",
+  std::cout << absl::StrFormat("%-10s %5s %5s %-12s %-16s %8s %10s %12s %7s %8s %8s %12s  %s\n", "JOB", "RANK",
                                "GROUP", "STATE", "HOST", "PID", "HB_AGE_MS", "LAST_PLANNED",
-                               "PENDING", "PLANS", "REJECTED", "REASON");
+                               "PENDING", "PLANS", "REJECTED", "PEAK_FROZEN", "REASON");
   for (const auto& r : resp.ranks()) {
+    int64_t peak = 0;
+    for (const auto& m : r.memory()) peak += m.peak_bytes();
     std::cout << absl::StrFormat(
-        "%-10s %5d %5d %-12s %-16s %8d %10d %12s %7d %8d %8d  %s\n", r.job_id(), r.rank(), r.group(),
+        "%-10s %5d %5d %-12s %-16s %8d %10d %12s %7d %8d %8d %12s  %s\n", r.job_id(), r.rank(), r.group(),
         Lower(v1::RankState_Name(r.state()), "RANK_STATE_"), r.host(), r.pid(),
         r.last_heartbeat_age_ms(), r.has_last_planned() ? KeyText(r.last_planned()) : "-",
-        r.pending_plans(), r.plans_received(), r.plans_rejected(), r.dead_reason());
+        r.pending_plans(), r.plans_received(), r.plans_rejected(),
+        r.memory().empty() ? std::string("-") : absl::StrCat(peak), r.dead_reason());
   }
   return 0;
 }

@@ -636,6 +636,7 @@ void CoordinatorCore::OnHeartbeat(uint64_t session_id, const v1::Heartbeat& hear
   if (m == nullptr) return;
   m->last_seen = clock_->Now();
   if (heartbeat.comms_size() > 0) RecordProgress(*job, m->rank, heartbeat, m->last_seen);
+  if (heartbeat.memory_size() > 0) m->memory.assign(heartbeat.memory().begin(), heartbeat.memory().end());
 }
 
 void CoordinatorCore::OnGoodbye(uint64_t session_id, const std::string& reason) {
@@ -858,6 +859,7 @@ v1::ListRanksResponse CoordinatorCore::Ranks(const std::string& job_id) const {
       rs->set_plans_rejected(m.plans_rejected);
       rs->set_dead_reason(m.dead_reason);
       rs->set_registrations(m.registrations);
+      for (const auto& mem : m.memory) *rs->add_memory() = mem;
     }
   }
   return out;

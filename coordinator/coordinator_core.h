@@ -135,6 +135,7 @@ class CoordinatorCore {
     int lookahead = kDefaultLookahead;
     int64_t memory_budget = 0;
     uint64_t static_seq = 0;  // Next seq for static policies (the rank's own ordinal).
+    std::vector<v1::ModuleMemory> memory;  // As last reported.
     v1::CoordinatorMessage outgoing;  // Decisions batched during one call; see Flush.
   };
 

@@ -277,6 +277,7 @@ int main(int argc, char** argv) {
         off += p.numel();
       }
     }
+    if (exec) (*worker)->ReportMemory(exec->MemoryUsage());  // Shown by `shardctl ranks`.
     std::printf("step %d loss %a (%.6f)\n", step, step_loss, step_loss);
     std::fflush(stdout);
     if (interval_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(interval_ms));

@@ -84,6 +84,15 @@ TEST_F(TrainerTest, RootWithMediaOnRankZeroOnlyDoesNotHang) {
   auto run = Train("root", "rank0");
   ExpectHealthy(run);
   EXPECT_THAT(run[0].summary, HasSubstr("root=12"));
+  // The executor's memory counts reached the coordinator: `shardctl ranks` shows them.
+  auto ranks = testing::RunCommand({SHARDCTL_PATH, "ranks", "--json", "--coordinator", daemon_->address()},
+                                   absl::Seconds(10));
+  ASSERT_EQ(ranks.exit_code, 0) << ranks.err;
+  EXPECT_THAT(ranks.out, HasSubstr("\"module\":\"vision_tower\""));
+  // vision_tower: 3 layers, 2656 floats (10624 bytes) gathered whole once per microbatch
+  // under root, 6 microbatches; peak = the 5312-byte shard plus one full buffer.
+  EXPECT_THAT(ranks.out, HasSubstr("\"module\":\"vision_tower\",\"resident_bytes\":\"5312\","
+                                   "\"peak_bytes\":\"15936\",\"gathered_bytes\":\"63744\"")) << ranks.out;
 }
 
 TEST_F(TrainerTest, PerLayerWithEveryRankSkippingUnderAccumulation) {

@@ -50,6 +50,11 @@ class Worker::Impl {
     absl::MutexLock lock(&mu_);
     return undecided_;
   }
+  void ReportMemory(const std::vector<ModuleMemoryUsage>& usage) {
+    absl::MutexLock lock(&mu_);
+    memory_ = usage;
+    memory_dirty_ = true;
+  }
   absl::Status Health() const {
     absl::MutexLock lock(&mu_);
     if (!session_status_.ok()) return session_status_;
@@ -124,6 +129,8 @@ class Worker::Impl {
   int undecided_ ABSL_GUARDED_BY(mu_) = 0;
   std::optional<MicrobatchKey> last_reported_ ABSL_GUARDED_BY(mu_);
   std::deque<v1::MicrobatchPlan> outbox_ ABSL_GUARDED_BY(mu_);
+  std::vector<ModuleMemoryUsage> memory_ ABSL_GUARDED_BY(mu_);
+  bool memory_dirty_ ABSL_GUARDED_BY(mu_) = false;  // Not sent yet: send without waiting.
   // CommAbort acknowledgements: noted by Handle, released once the aborts ran, sent by
   // the writer.
   std::vector<std::pair<std::string, int64_t>> acks_ ABSL_GUARDED_BY(mu_);
@@ -370,11 +377,11 @@ void Worker::Impl::WriterLoop() {
     {
       absl::MutexLock lock(&mu_);
       auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return !outbox_.empty() || !ready_acks_.empty() || closing_ || read_ended_;
+        return !outbox_.empty() || !ready_acks_.empty() || memory_dirty_ || closing_ || read_ended_;
       };
       mu_.AwaitWithDeadline(absl::Condition(&ready), last_heartbeat + interval);
       if (read_ended_) break;
-      if (absl::Now() >= last_heartbeat + interval) {
+      if (absl::Now() >= last_heartbeat + interval || (memory_dirty_ && outbox_.empty())) {
         // Heartbeats go out on time even while plans flow: they carry collective progress.
         auto* hb = msg.mutable_heartbeat();
         hb->set_sent_unix_ms(absl::ToUnixMillis(absl::Now()));
@@ -389,6 +396,14 @@ void Worker::Impl::WriterLoop() {
           p->set_issued(issued);
           p->set_completed(completed);
         }
+        for (const auto& m : memory_) {
+          auto* pm = hb->add_memory();
+          pm->set_module(m.module);
+          pm->set_resident_bytes(m.resident_bytes);
+          pm->set_peak_bytes(m.peak_bytes);
+          pm->set_gathered_bytes(m.gathered_bytes);
+        }
+        memory_dirty_ = false;
         last_heartbeat = absl::Now();
       } else if (!ready_acks_.empty()) {
         auto* ack = msg.mutable_comm_aborted();
@@ -592,6 +607,7 @@ absl::StatusOr<MicrobatchDecision> Worker::GetDecision(const MicrobatchKey& key,
 absl::Status Worker::AwaitGroupReady(absl::Duration timeout) {
   return impl_->AwaitGroupReady(timeout);
 }
+void Worker::ReportMemory(const std::vector<ModuleMemoryUsage>& usage) { impl_->ReportMemory(usage); }
 int Worker::UndecidedPlans() const { return impl_->UndecidedPlans(); }
 absl::Status Worker::Health() const { return impl_->Health(); }
 void Worker::Close(absl::Duration timeout) { impl_->Close(timeout); }

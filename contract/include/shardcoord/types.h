@@ -90,6 +90,14 @@ struct ModuleDecision {
   DecisionReason reason = DecisionReason::kUnspecified;
 };
 
+// Frozen-parameter memory of one controlled module on this rank, for the coordinator.
+struct ModuleMemoryUsage {
+  std::string module;
+  int64_t resident_bytes = 0;
+  int64_t peak_bytes = 0;
+  int64_t gathered_bytes = 0;
+};
+
 // The decision for one (group, microbatch); identical on every rank of the group.
 struct MicrobatchDecision {
   int32_t group = 0;

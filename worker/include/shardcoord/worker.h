@@ -110,6 +110,11 @@ class SHARDCOORD_EXPORT Worker {
   absl::StatusOr<MicrobatchDecision> GetDecision(const MicrobatchKey& key,
                                                  absl::Duration timeout);
 
+  // Reports this rank's frozen-parameter memory per controlled module (e.g. the LibTorch
+  // executor's MemoryUsage()); sent with the next heartbeat, shown by `shardctl ranks`.
+  // Never blocks.
+  void ReportMemory(const std::vector<ModuleMemoryUsage>& usage);
+
   // Plans reported whose decision has not arrived yet.
   int UndecidedPlans() const;
 

@@ -73,6 +73,12 @@ class FrozenShardExecutor {
   Decision current(const std::string& module) const;
   const std::map<std::string, ModuleBytes>& bytes() const { return bytes_; }
   int64_t peak_total_bytes() const { return peak_total_; }
+  // The counts above in the form Worker::ReportMemory takes.
+  std::vector<ModuleMemoryUsage> MemoryUsage() const {
+    std::vector<ModuleMemoryUsage> out;
+    for (const auto& [name, b] : bytes_) out.push_back({name, b.resident, b.peak, b.gathered});
+    return out;
+  }
   int unit_count(const std::string& module) const;
 
  private:
