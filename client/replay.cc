@@ -31,6 +31,21 @@ std::string DescribeModules(const MicrobatchDecision& d) {
   return absl::StrCat("seq ", d.seq, " [", absl::StrJoin(parts, " "), "]");
 }
 
+// One output line: {"rank":R (with --per-rank),"group":..,"step":..,"microbatch":..,
+// "module":..,"decision":..,"seq":..,"reason":..}.
+std::string DecisionLine(int rank, const MicrobatchDecision& d, const ModuleDecision& m) {
+  nlohmann::ordered_json j;
+  if (rank >= 0) j["rank"] = rank;
+  j["group"] = d.group;
+  j["step"] = d.key.step;
+  j["microbatch"] = d.key.microbatch;
+  j["module"] = m.module;
+  j["decision"] = DecisionName(m.decision);
+  j["seq"] = d.seq;
+  j["reason"] = DecisionReasonName(m.reason);
+  return j.dump();
+}
+
 bool SameDecision(const MicrobatchDecision& a, const MicrobatchDecision& b) {
   if (a.seq != b.seq || a.digest != b.digest || a.modules.size() != b.modules.size()) return false;
   for (size_t i = 0; i < a.modules.size(); ++i) {
@@ -191,7 +206,6 @@ int RunReplay(const Trace& trace, ReplayOptions o, std::ostream& out, std::ostre
     }
   }
 
-  using ojson = nlohmann::ordered_json;
   std::map<std::string, int64_t> counts;
   if (o.per_rank) {
     std::vector<std::tuple<MicrobatchKey, int, const MicrobatchDecision*>> rows;
@@ -202,18 +216,7 @@ int RunReplay(const Trace& trace, ReplayOptions o, std::ostream& out, std::ostre
       return std::tie(std::get<0>(a), std::get<1>(a)) < std::tie(std::get<0>(b), std::get<1>(b));
     });
     for (const auto& [key, rank, d] : rows) {
-      for (const auto& m : d->modules) {
-        ojson j;
-        j["rank"] = rank;
-        j["group"] = d->group;
-        j["step"] = key.step;
-        j["microbatch"] = key.microbatch;
-        j["module"] = m.module;
-        j["decision"] = DecisionName(m.decision);
-        j["seq"] = d->seq;
-        j["reason"] = DecisionReasonName(m.reason);
-        out << j.dump() << "\n";
-      }
+      for (const auto& m : d->modules) out << DecisionLine(rank, *d, m) << "\n";
     }
   }
   std::vector<std::tuple<MicrobatchKey, int, const MicrobatchDecision*>> rows;
@@ -225,16 +228,7 @@ int RunReplay(const Trace& trace, ReplayOptions o, std::ostream& out, std::ostre
     for (const auto& m : d->modules) {
       counts[DecisionName(m.decision)]++;
       if (m.reason == DecisionReason::kDivergent) counts["divergent"]++;
-      if (o.per_rank) continue;
-      ojson j;
-      j["group"] = group;
-      j["step"] = key.step;
-      j["microbatch"] = key.microbatch;
-      j["module"] = m.module;
-      j["decision"] = DecisionName(m.decision);
-      j["seq"] = d->seq;
-      j["reason"] = DecisionReasonName(m.reason);
-      out << j.dump() << "\n";
+      if (!o.per_rank) out << DecisionLine(/*rank=*/-1, *d, m) << "\n";
     }
   }
   out.flush();

@@ -46,6 +46,14 @@ std::shared_ptr<AbortableCommunicator> MakeNcclCommunicator(const CommEndpoint& 
                                                             std::vector<int> ranks,
                                                             const CommunicatorOptions& options);
 
+// The epoch's key-value store at the coordinator (comm_rendezvous.cc). Publishing a key
+// twice is ALREADY_EXISTS; fetching waits up to `timeout` for every key.
+absl::Status StorePublish(const CommEndpoint& endpoint, const std::string& name, int64_t epoch,
+                          const std::string& key, const std::string& value);
+absl::StatusOr<std::vector<std::string>> StoreFetch(const CommEndpoint& endpoint, const std::string& name,
+                                                    int64_t epoch, const std::vector<std::string>& keys,
+                                                    absl::Duration timeout);
+
 // Reports to the coordinator with a deadline; returns the RPC's status.
 absl::Status ReportComm(const CommEndpoint& endpoint, const std::string& name, int64_t epoch,
                         v1::CommReportRequest::Kind kind, const std::string& error);

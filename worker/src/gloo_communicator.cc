@@ -22,27 +22,11 @@
 
 namespace shardcoord {
 
-size_t DataTypeSize(DataType t) {
-  switch (t) {
-    case DataType::kFloat32: return 4;
-    case DataType::kFloat64: return 8;
-    case DataType::kInt32: return 4;
-    case DataType::kInt64: return 8;
-    case DataType::kUint8: return 1;
-  }
-  return 1;
-}
-
 namespace internal {
 namespace {
 
 // Extra time a unary RPC gets beyond the wait it asks the coordinator for.
-constexpr absl::Duration kRpcSlack = absl::Seconds(5);
 constexpr char kGlooHostEnv[] = "SHARDCOORD_GLOO_HOST";
-
-void SetDeadline(grpc::ClientContext* ctx, absl::Duration d) {
-  ctx->set_deadline(absl::ToChronoTime(absl::Now() + d));
-}
 
 // Gloo's rendezvous store, backed by the coordinator's per-(communicator, epoch) store.
 // Gloo expects exceptions; the last failure is kept as a status for the caller.
@@ -52,17 +36,7 @@ class CoordinatorStore final : public gloo::rendezvous::Store {
       : ep_(ep), name_(std::move(name)), epoch_(epoch), timeout_(timeout) {}
 
   void set(const std::string& key, const std::vector<char>& data) override {
-    v1::StoreSetRequest req;
-    req.set_job_id(ep_.job_id);
-    req.set_rank(ep_.job_rank);
-    req.set_name(name_);
-    req.set_epoch(epoch_);
-    req.set_key(key);
-    req.set_value(std::string(data.begin(), data.end()));
-    v1::StoreSetResponse resp;
-    grpc::ClientContext ctx;
-    SetDeadline(&ctx, kRpcSlack);
-    Check(ep_.stub->StoreSet(&ctx, req, &resp));
+    Check(StorePublish(ep_, name_, epoch_, key, std::string(data.begin(), data.end())));
   }
 
   std::vector<char> get(const std::string& key) override {
@@ -79,24 +53,15 @@ class CoordinatorStore final : public gloo::rendezvous::Store {
 
  private:
   std::vector<std::string> Get(const std::vector<std::string>& keys, absl::Duration timeout) {
-    v1::StoreGetRequest req;
-    req.set_job_id(ep_.job_id);
-    req.set_rank(ep_.job_rank);
-    req.set_name(name_);
-    req.set_epoch(epoch_);
-    for (const auto& k : keys) req.add_keys(k);
-    req.set_timeout_ms(static_cast<int32_t>(absl::ToInt64Milliseconds(timeout)));
-    v1::StoreGetResponse resp;
-    grpc::ClientContext ctx;
-    SetDeadline(&ctx, timeout + kRpcSlack);
-    Check(ep_.stub->StoreGet(&ctx, req, &resp));
-    return {resp.values().begin(), resp.values().end()};
+    auto values = StoreFetch(ep_, name_, epoch_, keys, timeout);
+    Check(values.status());
+    return *std::move(values);
   }
 
-  void Check(const grpc::Status& s) {
+  void Check(const absl::Status& s) {
     if (s.ok()) return;
-    last_status_ = FromGrpcStatus(s);
-    throw gloo::IoException(s.error_message());
+    last_status_ = s;
+    throw gloo::IoException(std::string(s.message()));
   }
 
   const CommEndpoint ep_;
@@ -312,21 +277,6 @@ std::shared_ptr<AbortableCommunicator> MakeGlooCommunicator(const CommEndpoint& 
                                                             const CommunicatorOptions& options) {
   const int index = static_cast<int>(std::lower_bound(ranks.begin(), ranks.end(), endpoint.job_rank) - ranks.begin());
   return std::make_shared<GlooCommunicator>(endpoint, name, epoch, std::move(ranks), index, options);
-}
-
-absl::Status ReportComm(const CommEndpoint& ep, const std::string& name, int64_t epoch,
-                        v1::CommReportRequest::Kind kind, const std::string& error) {
-  v1::CommReportRequest req;
-  req.set_job_id(ep.job_id);
-  req.set_rank(ep.job_rank);
-  req.set_name(name);
-  req.set_epoch(epoch);
-  req.set_kind(kind);
-  req.set_error(error);
-  v1::CommReportResponse resp;
-  grpc::ClientContext ctx;
-  SetDeadline(&ctx, kRpcSlack);
-  return FromGrpcStatus(ep.stub->CommReport(&ctx, req, &resp));
 }
 
 }  // namespace internal

@@ -42,7 +42,6 @@ namespace shardcoord::internal {
 namespace {
 
 constexpr absl::Duration kPoll = absl::Microseconds(50);
-constexpr absl::Duration kRpcSlack = absl::Seconds(5);
 constexpr char kUniqueIdKey[] = "nccl_unique_id";
 
 ncclDataType_t ToNccl(DataType t) {
@@ -94,36 +93,17 @@ class NcclCommunicator final : public AbortableCommunicator {
     if (rank() == 0) {
       // The group's lowest rank creates the id and publishes it through the coordinator.
       SHARDCOORD_NCCL_CHECK(ncclGetUniqueId(&id));
-      v1::StoreSetRequest req;
-      req.set_job_id(ep_.job_id);
-      req.set_rank(ep_.job_rank);
-      req.set_name(name());
-      req.set_epoch(epoch());
-      req.set_key(kUniqueIdKey);
-      req.set_value(std::string(reinterpret_cast<const char*>(&id), sizeof(id)));
-      v1::StoreSetResponse resp;
-      grpc::ClientContext ctx;
-      ctx.set_deadline(absl::ToChronoTime(absl::Now() + kRpcSlack));
-      grpc::Status s = ep_.stub->StoreSet(&ctx, req, &resp);
-      if (!s.ok()) return FromGrpcStatus(s);
+      absl::Status s = StorePublish(ep_, name(), epoch(), kUniqueIdKey,
+                                    std::string(reinterpret_cast<const char*>(&id), sizeof(id)));
+      if (!s.ok()) return s;
     } else {
-      v1::StoreGetRequest req;
-      req.set_job_id(ep_.job_id);
-      req.set_rank(ep_.job_rank);
-      req.set_name(name());
-      req.set_epoch(epoch());
-      req.add_keys(kUniqueIdKey);
-      req.set_timeout_ms(static_cast<int32_t>(absl::ToInt64Milliseconds(options_.join_timeout)));
-      v1::StoreGetResponse resp;
-      grpc::ClientContext ctx;
-      ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.join_timeout + kRpcSlack));
-      grpc::Status s = ep_.stub->StoreGet(&ctx, req, &resp);
-      if (!s.ok()) return FromGrpcStatus(s);
-      if (resp.values(0).size() != sizeof(id)) {
+      auto values = StoreFetch(ep_, name(), epoch(), {kUniqueIdKey}, options_.join_timeout);
+      if (!values.ok()) return values.status();
+      if ((*values)[0].size() != sizeof(id)) {
         return absl::DataLossError(absl::StrCat("communicator '", name(), "': the published NCCL unique id has ",
-                                                resp.values(0).size(), " bytes, expected ", sizeof(id)));
+                                                (*values)[0].size(), " bytes, expected ", sizeof(id)));
       }
-      std::memcpy(&id, resp.values(0).data(), sizeof(id));
+      std::memcpy(&id, (*values)[0].data(), sizeof(id));
     }
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;  // Nonblocking, so init and every collective can be abandoned.
