@@ -83,6 +83,14 @@ struct Client {
   }
 };
 
+// A --job that names no job is a typo more often than not: say so, exit 1.
+bool NoSuchJob(const Client& c, const std::string& job, bool empty) {
+  if (job.empty() || !empty) return false;
+  std::cerr << "shardctl: coordinator at " << c.address << " has no job '" << job
+            << "'; `shardctl status` lists the jobs\n";
+  return true;
+}
+
 void PrintCounts(const v1::DecisionCounts& c) {
   std::cout << absl::StrFormat("  decisions: per_layer %d  skip %d  root %d  replicate %d  (divergent %d)\n",
                                c.per_layer(), c.skip(), c.root(), c.replicate(), c.divergent());
@@ -93,6 +101,7 @@ int CmdStatus(Client& c, const std::string& job, bool json) {
   req.set_job_id(job);
   v1::StatusResponse resp;
   if (!c.Call("GetStatus", &v1::Coordinator::Stub::GetStatus, req, &resp)) return kExitUnreachable;
+  if (NoSuchJob(c, job, resp.jobs().empty())) return 1;
   if (json) {
     std::cout << ToJson(resp) << "\n";
     return 0;
@@ -120,6 +129,7 @@ int CmdRanks(Client& c, const std::string& job, bool json) {
   req.set_job_id(job);
   v1::ListRanksResponse resp;
   if (!c.Call("ListRanks", &v1::Coordinator::Stub::ListRanks, req, &resp)) return kExitUnreachable;
+  if (NoSuchJob(c, job, resp.ranks().empty())) return 1;
   if (json) {
     std::cout << ToJson(resp) << "\n";
     return 0;
@@ -145,6 +155,7 @@ int CmdGroups(Client& c, const std::string& job, bool json) {
   req.set_job_id(job);
   v1::ListGroupsResponse resp;
   if (!c.Call("ListGroups", &v1::Coordinator::Stub::ListGroups, req, &resp)) return kExitUnreachable;
+  if (NoSuchJob(c, job, resp.groups().empty())) return 1;
   if (json) {
     std::cout << ToJson(resp) << "\n";
     return 0;

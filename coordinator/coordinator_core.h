@@ -180,6 +180,7 @@ class CoordinatorCore {
     std::string behind;                // See CommStatus.behind.
     std::map<std::string, std::string> store;  // The current epoch's keys.
     std::string abort_reason;
+    bool ended_cleanly = false;  // The current epoch ends (or ended) by a clean leave.
     std::vector<int> lost_ranks;
     int64_t epochs_aborted = 0;
     struct JoinWaiter {

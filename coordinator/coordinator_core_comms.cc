@@ -94,7 +94,8 @@ absl::Status CoordinatorCore::CheckEpoch(const Comm& comm, int64_t epoch) const 
                                                       "': the current epoch is ", comm.epoch,
                                                       "; join again (CommJoin) to get it"));
   }
-  if (comm.state == v1::COMM_STATE_ABORTED || comm.state == v1::COMM_STATE_ABORTING) {
+  if (comm.state == v1::COMM_STATE_ABORTED || comm.state == v1::COMM_STATE_ABORTING ||
+      comm.state == v1::COMM_STATE_CLOSED) {
     return absl::AbortedError(absl::StrCat("communicator '", comm.name, "' epoch ", comm.epoch,
                                            " was aborted: ", comm.abort_reason));
   }
@@ -104,7 +105,8 @@ absl::Status CoordinatorCore::CheckEpoch(const Comm& comm, int64_t epoch) const 
 void CoordinatorCore::MaybeStartEpoch(Job& job, Comm& comm) {
   // Joiners wait while live members still hold the aborted epoch's communicator.
   if (comm.state == v1::COMM_STATE_ABORTING) return;
-  const bool needs_epoch = comm.epoch == 0 || comm.state == v1::COMM_STATE_ABORTED;
+  const bool needs_epoch =
+      comm.epoch == 0 || comm.state == v1::COMM_STATE_ABORTED || comm.state == v1::COMM_STATE_CLOSED;
   if (needs_epoch) {
     for (int r : comm.ranks) {
       if (job.members[r].state != v1::RANK_STATE_LIVE) return;
@@ -229,8 +231,12 @@ absl::Status CoordinatorCore::CommReport(const v1::CommReportRequest& req) {
 
 void CoordinatorCore::AbortComm(Job& job, Comm& comm, const std::string& reason, const std::vector<int>& lost,
                                 bool failure) {
-  if (comm.epoch == 0 || comm.state == v1::COMM_STATE_ABORTED || comm.state == v1::COMM_STATE_ABORTING) return;
+  if (comm.epoch == 0 || comm.state == v1::COMM_STATE_ABORTED || comm.state == v1::COMM_STATE_ABORTING ||
+      comm.state == v1::COMM_STATE_CLOSED) {
+    return;
+  }
   comm.state = v1::COMM_STATE_ABORTING;
+  comm.ended_cleanly = !failure;
   comm.abort_reason = reason;
   comm.lost_ranks = lost;
   if (failure) comm.epochs_aborted++;
@@ -268,7 +274,7 @@ void CoordinatorCore::MaybeFinishAbort(Job& job, Comm& comm) {
     const bool gone = job.members[r].state != v1::RANK_STATE_LIVE || st == "dead" || st == "left";
     if (!gone && st != "aborted" && st != "absent") return;
   }
-  comm.state = v1::COMM_STATE_ABORTED;
+  comm.state = comm.ended_cleanly ? v1::COMM_STATE_CLOSED : v1::COMM_STATE_ABORTED;
   MaybeStartEpoch(job, comm);
 }
 
@@ -276,7 +282,21 @@ void CoordinatorCore::OnMemberLost(Job& job, int rank, bool clean, const std::st
   for (auto& [name, comm] : job.comms) {
     if (!std::binary_search(comm.ranks.begin(), comm.ranks.end(), rank)) continue;
     comm.member_state[rank] = clean ? "left" : "dead";
-    AbortComm(job, comm, reason, {rank}, /*failure=*/!clean);
+    if (!clean) {
+      AbortComm(job, comm, reason, {rank});
+    } else if (comm.epoch > 0 && (comm.state == v1::COMM_STATE_FORMING || comm.state == v1::COMM_STATE_READY)) {
+      // A clean leave aborts nobody: the others may still be finishing the last collective
+      // with it. Once every member is gone the epoch is closed.
+      const bool all_gone = std::all_of(comm.ranks.begin(), comm.ranks.end(), [&](int r) {
+        return job.members[r].state != v1::RANK_STATE_LIVE;
+      });
+      if (all_gone) {
+        comm.state = v1::COMM_STATE_CLOSED;
+        comm.abort_reason = absl::StrCat("every member left (last: rank ", rank, ")");
+        Event("info", "comm_closed", job.id, rank, -1,
+              absl::StrCat("communicator '", comm.name, "' epoch ", comm.epoch, " closed: ", comm.abort_reason));
+      }
+    }
     MaybeFinishAbort(job, comm);  // Already aborting: this member no longer owes an ack.
   }
 }
@@ -292,6 +312,13 @@ void CoordinatorCore::OnCommAborted(uint64_t session_id, const v1::CommAborted& 
 
 void CoordinatorCore::OnMemberBack(Job& job, int rank) {
   for (auto& [name, comm] : job.comms) {
+    const bool member = std::binary_search(comm.ranks.begin(), comm.ranks.end(), rank);
+    if (member && comm.member_state[rank] == "left" &&
+        (comm.state == v1::COMM_STATE_FORMING || comm.state == v1::COMM_STATE_READY)) {
+      // A member that left comes back: the others' epoch cannot take it in; end it cleanly
+      // so that everyone joins the next one.
+      AbortComm(job, comm, absl::StrCat("rank ", rank, " left and registered again"), {}, /*failure=*/false);
+    }
     if (!comm.join_waiters.empty()) MaybeStartEpoch(job, comm);
   }
 }

@@ -9,7 +9,9 @@ build=${BUILD_DIR:-$root/build}
 # and NCCL are installed in /usr/local/cuda, as on the development machines and CI.
 nccl=OFF
 if [[ -f /usr/local/cuda/include/nccl.h && -f /usr/local/cuda/include/cuda_runtime.h ]]; then nccl=ON; fi
-if [[ ! -f "$build/build.ninja" ]]; then
+# (Re)configure when there is no build yet, or when an older one lacks the parts above.
+if [[ ! -f "$build/build.ninja" ]] || ! grep -q "SHARDCOORD_WITH_TORCH:BOOL=ON" "$build/CMakeCache.txt" ||
+   ! grep -q "SHARDCOORD_WITH_NCCL:BOOL=$nccl" "$build/CMakeCache.txt"; then
   cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSHARDCOORD_WITH_NCCL=$nccl \
     -DSHARDCOORD_WITH_TORCH=ON ${CMAKE_ARGS:-} >/dev/null
 fi

@@ -58,7 +58,7 @@ running() { for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && return 0; done
 deadline=$((SECONDS + 300))
 while running && (( SECONDS < deadline )); do
   echo "-- live status ($(date +%T))"
-  "$shardctl" status --job demo || true
+  "$shardctl" status --job demo 2>/dev/null || echo "   (waiting for the ranks to register)"
   sleep 1
 done
 
