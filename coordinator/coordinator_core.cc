@@ -305,9 +305,9 @@ absl::Status CoordinatorCore::Register(uint64_t session_id, const v1::RegisterRe
 
   const int64_t epoch_before = group.epoch;
   UpdateGroupState(*job, group);
-  OnMemberBack(*job, req.rank());
   resp->set_epoch(group.epoch);
-  SendTo(m, msg);
+  SendTo(m, msg);  // The RegisterResponse precedes anything else this rank is sent.
+  OnMemberBack(*job, req.rank());
   if (group.epoch != epoch_before) {
     v1::CoordinatorMessage notice;
     notice.mutable_notice()->set_kind(v1::Notice::KIND_GROUP_REFORMED);
@@ -371,6 +371,15 @@ void CoordinatorCore::UpdateGroupState(Job& job, Group& group) {
     for (int r : group.ranks) {
       job.members[r].pending = 0;
       job.members[r].last_planned.reset();
+      job.members[r].static_seq = 0;  // Static seqs restart with the keys, on every member.
+    }
+    if (group.engine->config().min_memory_budget_bytes == 0 && group.engine->next_seq() == 0) {
+      // Whole for the first time through a failure: the promotion budget is known now.
+      int64_t min_budget = INT64_MAX;
+      for (int r : group.ranks) min_budget = std::min(min_budget, job.members[r].memory_budget);
+      EngineConfig cfg = group.engine->config();
+      cfg.min_memory_budget_bytes = min_budget;
+      group.engine = std::make_unique<DecisionEngine>(std::move(cfg));
     }
     group.state = v1::GROUP_STATE_HEALTHY;
     Event("info", "group_reformed", job.id, -1, group.index,
@@ -403,7 +412,12 @@ void CoordinatorCore::OnPlans(uint64_t session_id, const v1::PlanBatch& batch) {
   m->last_seen = clock_->Now();
   Group& group = job->groups[m->group];
   for (const auto& plan : batch.plans()) {
-    absl::Status s = AcceptPlan(*job, *m, plan);
+    absl::Status s = batch.epoch() == group.epoch
+                         ? AcceptPlan(*job, *m, plan)
+                         : absl::AbortedError(absl::StrCat(
+                               "plan ", MicrobatchKey{plan.step(), plan.microbatch()}.ToString(), " from rank ", m->rank,
+                               " was made in epoch ", batch.epoch(), " but group ", group.index, " is at epoch ",
+                               group.epoch, ": it was queued before the group failed; plan again"));
     if (!s.ok()) {
       m->plans_rejected++;
       v1::CoordinatorMessage msg;
@@ -501,9 +515,11 @@ absl::Status CoordinatorCore::AcceptPlan(Job& job, Member& m, const v1::Microbat
     p.first_report = clock_->Now();
   }
   for (const auto& [mi, count] : calls) p.calls[mi][idx] = count;
-  p.reported[idx] = true;
-  p.num_reported++;
-  m.pending++;
+  if (!p.reported[idx]) {  // A rank that left and came back may report a pending key again.
+    p.reported[idx] = true;
+    p.num_reported++;
+    m.pending++;
+  }
 
   // Microbatches this rank skipped: earlier pending ones it never reported.
   std::vector<MicrobatchKey> skipped;

@@ -180,6 +180,10 @@ absl::Status CoordinatorCore::StoreSet(const v1::StoreSetRequest& req) {
 
 void CoordinatorCore::StoreGet(const v1::StoreGetRequest& req, GetDone done) {
   absl::MutexLock lock(&mu_);
+  if (shut_down_) {  // No ticker will expire a waiter any more.
+    done(absl::UnavailableError("coordinator is shutting down"));
+    return;
+  }
   Job* job = nullptr;
   auto comm = ResolveComm(req.job_id(), req.rank(), req.name(), {}, &job);
   if (!comm.ok()) {

@@ -83,8 +83,9 @@ struct RawSession {
     stream->WritesDone();
     return FromGrpcStatus(stream->Finish());
   }
-  void SendPlan(const v1::MicrobatchPlan& p) {
+  void SendPlan(const v1::MicrobatchPlan& p, int64_t epoch = 0) {
     v1::WorkerMessage m;
+    m.mutable_plans()->set_epoch(epoch);
     *m.mutable_plans()->add_plans() = p;
     stream->Write(m);
   }
@@ -375,9 +376,10 @@ TEST_F(InProcessTest, DeadPeerFailsTheGroupInsteadOfHanging) {
   EXPECT_EQ(resp->epoch(), 1);
   ASSERT_TRUE(w0->AwaitGroupReady(kDecisionTimeout).ok());
   EXPECT_EQ(w0->group().epoch, 1);
-  ASSERT_TRUE(w0->ReportPlan(PlanOf(0, 2, 1)).ok());
-  raw->SendPlan(RawPlan(0, 2, "vision_tower", 1));
-  auto d2 = w0->GetDecision({0, 2}, kDecisionTimeout);
+  // Keys start afresh in the new epoch: the survivor re-plans (0,0), as after a restore.
+  ASSERT_TRUE(w0->ReportPlan(PlanOf(0, 0, 1)).ok());
+  raw->SendPlan(RawPlan(0, 0, "vision_tower", 1), /*epoch=*/1);
+  auto d2 = w0->GetDecision({0, 0}, kDecisionTimeout);
   ASSERT_TRUE(d2.ok()) << d2.status();
   EXPECT_EQ(d2->epoch, 1);
   EXPECT_EQ(d2->Find("vision_tower")->decision, Decision::kPerLayer);

@@ -3,6 +3,7 @@
 #include "coordinator_core.h"
 
 #include <gmock/gmock.h>
+#include <algorithm>
 #include <gtest/gtest.h>
 
 #include "absl/synchronization/mutex.h"
@@ -113,6 +114,10 @@ class CoreTest : public ::testing::Test {
 
   void Plan(int rank, int64_t step, int mb, int vision, int audio = 0) {
     v1::PlanBatch batch;
+    const v1::ListGroupsResponse groups = core_->Groups("job");
+    for (const auto& g : groups.groups()) {
+      if (std::find(g.ranks().begin(), g.ranks().end(), rank) != g.ranks().end()) batch.set_epoch(g.epoch());
+    }
     auto* p = batch.add_plans();
     p->set_step(step);
     p->set_microbatch(mb);
@@ -518,6 +523,24 @@ TEST_F(CoreTest, CleanLeaveFailsOnlyWhatTheLeaverNeverPlanned) {
   EXPECT_TRUE(sinks_[0]->Where([](const auto& m) { return m.has_group_failure(); }).empty());
   core_->OnGoodbye(sessions_[0], "done");
   EXPECT_EQ(core_->Groups("job").groups(0).state(), v1::GROUP_STATE_FINISHED);
+}
+
+TEST_F(CoreTest, PlansFromBeforeAFailureAreRejectedInTheNextEpoch) {
+  RegisterAll();
+  core_->OnSessionClosed(sessions_[1], "killed");
+  ASSERT_TRUE(Register(Request(1)).ok());
+  ASSERT_EQ(core_->Groups("job").groups(0).epoch(), 1);
+  v1::PlanBatch stale;
+  stale.set_epoch(0);
+  auto* p = stale.add_plans();
+  p->set_step(5);
+  p->set_microbatch(0);
+  core_->OnPlans(sessions_[0], stale);
+  auto rej = sinks_[0]->Rejections();
+  ASSERT_EQ(rej.size(), 1u);
+  EXPECT_EQ(rej[0].code(), static_cast<int>(absl::StatusCode::kAborted));
+  EXPECT_THAT(rej[0].message(), HasSubstr("made in epoch 0 but group 0 is at epoch 1"));
+  EXPECT_EQ(core_->Groups("job").groups(0).pending_microbatches(), 0);
 }
 
 TEST_F(CoreTest, StatusCountsDecisionsByKind) {

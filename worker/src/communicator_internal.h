@@ -14,7 +14,7 @@ namespace shardcoord::internal {
 
 // Where a communicator's rendezvous and reports go.
 struct CommEndpoint {
-  v1::Coordinator::Stub* stub = nullptr;  // Outlives every communicator (owned by Worker).
+  std::shared_ptr<v1::Coordinator::Stub> stub;  // Shared: a communicator may outlive its Worker.
   std::string coordinator;                // For messages.
   std::string job_id;
   int job_rank = 0;

@@ -109,7 +109,7 @@ class Worker::Impl {
   std::string address_;
 
   std::shared_ptr<grpc::Channel> channel_;
-  std::unique_ptr<v1::Coordinator::Stub> stub_;
+  std::shared_ptr<v1::Coordinator::Stub> stub_;  // Shared with communicators, which may outlive us.
   grpc::ClientContext ctx_;
   std::unique_ptr<grpc::ClientReaderWriter<v1::WorkerMessage, v1::CoordinatorMessage>> stream_;
   std::thread reader_;
@@ -177,7 +177,7 @@ absl::Status Worker::Impl::Start() {
         absl::ToInt64Milliseconds(options_.connect_timeout),
         " ms; is shardcoordd running there? (", Prefix(), ")"));
   }
-  stub_ = v1::Coordinator::NewStub(channel_);
+  stub_ = std::shared_ptr<v1::Coordinator::Stub>(v1::Coordinator::NewStub(channel_));
   stream_ = stub_->Session(&ctx_);
 
   v1::WorkerMessage reg_msg;
@@ -276,6 +276,16 @@ void Worker::Impl::ReaderLoop() {
     }
   }
   if (!closing_) log_->error("{} {}", Prefix(), std::string(session_status_.message()));
+  // Without a session this rank is out of the job: the coordinator already told the others
+  // to abort, so our communicators must not go on waiting for them.
+  std::vector<std::shared_ptr<internal::AbortableCommunicator>> open;
+  for (auto& [name, weak] : comms_) {
+    if (auto c = weak.lock()) open.push_back(std::move(c));
+  }
+  const std::string why(session_status_.message());
+  mu_.Unlock();
+  for (auto& c : open) c->Abort(why);
+  mu_.Lock();
 }
 
 void Worker::Impl::Handle(const v1::CoordinatorMessage& msg, PendingAborts* aborts) {
@@ -325,6 +335,7 @@ void Worker::Impl::Handle(const v1::CoordinatorMessage& msg, PendingAborts* abor
     case v1::CoordinatorMessage::kGroupFailure: {
       const auto& g = msg.group_failure();
       group_failure_ = g.reason();
+      outbox_.clear();  // Plans for the failed epoch must not reach the next one.
       int cancelled = 0;
       for (auto& [key, e] : entries_) {
         if (e.state != EntryState::kPending) continue;
@@ -350,6 +361,7 @@ void Worker::Impl::Handle(const v1::CoordinatorMessage& msg, PendingAborts* abor
       if (n.kind() == v1::Notice::KIND_GROUP_REFORMED) {
         group_failure_.clear();
         group_.epoch = n.epoch();
+        last_reported_.reset();  // Keys start afresh in the new epoch (the coordinator's rule).
         log_->info("{} {}", Prefix(), n.message());
       } else if (n.kind() == v1::Notice::KIND_SHUTDOWN) {
         session_status_ = absl::UnavailableError(absl::StrCat(
@@ -412,6 +424,7 @@ void Worker::Impl::WriterLoop() {
         ready_acks_.erase(ready_acks_.begin());
       } else if (!outbox_.empty()) {
         auto* batch = msg.mutable_plans();
+        batch->set_epoch(group_.epoch);
         while (!outbox_.empty()) {
           *batch->add_plans() = std::move(outbox_.front());
           outbox_.pop_front();
@@ -485,11 +498,19 @@ absl::StatusOr<MicrobatchDecision> Worker::Impl::GetDecision(const MicrobatchKey
         "no plan was reported for ", key.ToString(), " (", Prefix(),
         "), or its decision was already taken; call ReportPlan before GetDecision"));
   }
-  Entry& e = it->second;
-  auto resolved = [&e]() { return e.state != EntryState::kPending; };
-  if (!resolved()) {
-    mu_.AwaitWithTimeout(absl::Condition(&resolved), timeout);
+  // Another thread's GetDecision may erase this entry while we wait: look it up each time.
+  auto resolved = [this, &key]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto f = entries_.find(key);
+    return f == entries_.end() || f->second.state != EntryState::kPending;
+  };
+  mu_.AwaitWithTimeout(absl::Condition(&resolved), timeout);
+  it = entries_.find(key);
+  if (it == entries_.end()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the decision for ", key.ToString(), " (", Prefix(),
+        ") was dropped while waiting: another thread took a later microbatch's decision"));
   }
+  Entry& e = it->second;
   if (e.state == EntryState::kPending) {
     return absl::DeadlineExceededError(absl::StrCat(
         "no decision for ", key.ToString(), " within ", absl::ToInt64Milliseconds(timeout),
@@ -500,6 +521,9 @@ absl::StatusOr<MicrobatchDecision> Worker::Impl::GetDecision(const MicrobatchKey
       e.state == EntryState::kDecided ? absl::StatusOr<MicrobatchDecision>(e.decision)
                                       : absl::StatusOr<MicrobatchDecision>(e.status);
   // Entries up to this key are done with: the trainer moves forward.
+  for (auto e_it = entries_.begin(); e_it != std::next(it); ++e_it) {
+    if (e_it->second.state == EntryState::kPending) Resolve(e_it->second, EntryState::kFailed);
+  }
   entries_.erase(entries_.begin(), std::next(it));
   return out;
 }
@@ -564,7 +588,7 @@ absl::StatusOr<std::shared_ptr<Communicator>> Worker::Impl::OpenCommunicator(con
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + options.join_timeout + absl::Seconds(5)));
   grpc::Status st = stub_->CommJoin(&ctx, req, &resp);
   if (!st.ok()) return FromGrpcStatus(st);
-  internal::CommEndpoint ep{stub_.get(), address_, options_.job_id, options_.rank};
+  internal::CommEndpoint ep{stub_, address_, options_.job_id, options_.rank};
   std::vector<int> ranks(resp.ranks().begin(), resp.ranks().end());
   std::shared_ptr<internal::AbortableCommunicator> comm;
   if (options.backend == Backend::kNccl) {
