@@ -3,6 +3,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <signal.h>
+
 #include <cmath>
 
 #include "absl/strings/numbers.h"
@@ -145,6 +147,29 @@ TEST_F(TrainerTest, FourRanksInTwoGroupsWithSkewedMedia) {
   ExpectHealthy(run);
   auto reference = Train("auto", "mixed", {"--skew", "0.3", "--no-shard"}, 4, 2);
   for (int r = 0; r < 4; ++r) EXPECT_EQ(run[r].losses, reference[r].losses) << "rank " << r;
+}
+
+TEST_F(TrainerTest, KillNineOneTrainerAndEveryOtherRankStopsWithItsName) {
+  std::vector<std::unique_ptr<Subprocess>> procs;
+  for (int r = 0; r < 4; ++r) {
+    procs.push_back(std::make_unique<Subprocess>(
+        std::vector<std::string>{VLM_TRAINER_PATH, "--coordinator", daemon_->address(), "--job", "killed", "--rank",
+                                 std::to_string(r), "--world-size", "4", "--group-size", "2", "--media", "mixed",
+                                 "--steps", "2000", "--interval-ms", "10"},
+        dir_.File(absl::StrCat("killed-", r, ".out")), dir_.File(absl::StrCat("killed-", r, ".err")),
+        std::vector<std::string>{"SHARDCOORD_LOG_LEVEL=error"}));
+  }
+  ASSERT_TRUE(testing::WaitUntil([&] { return absl::StrContains(ReadFile(procs[0]->stdout_path()), "step 20 "); },
+                                 absl::Seconds(60)));
+  procs[1]->Signal(SIGKILL);
+  const absl::Time killed = absl::Now();
+  for (int r : {0, 2, 3}) {  // Rank 0 shares group/0 with it; every rank shares `world`.
+    auto code = procs[r]->Wait(absl::Seconds(20));
+    ASSERT_TRUE(code.has_value()) << "rank " << r << " hangs after rank 1 died";
+    EXPECT_EQ(*code, 3);
+    EXPECT_THAT(ReadFile(procs[r]->stderr_path()), HasSubstr("rank 1 declared dead")) << "rank " << r;
+  }
+  EXPECT_LT(absl::Now() - killed, absl::Seconds(10));
 }
 
 }  // namespace

@@ -27,6 +27,9 @@ namespace {
 
 // Extra time a unary RPC gets beyond the wait it asks the coordinator for.
 constexpr char kGlooHostEnv[] = "SHARDCOORD_GLOO_HOST";
+// How long a failed collective waits for the coordinator's abort (which names the lost
+// rank) before reporting the failure itself.
+constexpr absl::Duration kPeerVerdictWait = absl::Seconds(1);
 
 // Gloo's rendezvous store, backed by the coordinator's per-(communicator, epoch) store.
 // Gloo expects exceptions; the last failure is kept as a status for the caller.
@@ -248,6 +251,14 @@ class GlooCommunicator final : public AbortableCommunicator {
       if (finish()) {
         absl::MutexLock lock(&mu_);
         return AbortedStatusLocked();
+      }
+      // A peer's socket closing usually means the peer died; the coordinator sees its stream
+      // end at the same moment and its abort names the rank. Give that verdict a moment.
+      {
+        absl::MutexLock lock(&mu_);
+        auto verdict = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !abort_reason_.empty(); };
+        mu_.AwaitWithTimeout(absl::Condition(&verdict), kPeerVerdictWait);
+        if (!abort_reason_.empty()) return AbortedStatusLocked();
       }
       // Our own failure (a peer vanished, a timeout): the coordinator aborts the epoch for
       // everyone. If it already did (it saw the peer die), its answer names the cause.
