@@ -351,11 +351,7 @@ void CoordinatorCore::UpdateGroupState(Job& job, Group& group) {
   } else if (before == v1::GROUP_STATE_FORMING && group.engine->next_seq() == 0 && group.epoch == 0) {
     // Formed for the first time: the promotion budget is known now.
     group.state = v1::GROUP_STATE_HEALTHY;
-    int64_t min_budget = INT64_MAX;
-    for (int r : group.ranks) min_budget = std::min(min_budget, job.members[r].memory_budget);
-    EngineConfig cfg = group.engine->config();
-    cfg.min_memory_budget_bytes = min_budget;
-    group.engine = std::make_unique<DecisionEngine>(std::move(cfg));
+    const int64_t min_budget = SetPromotionBudget(job, group);
     Event("info", "group_formed", job.id, -1, group.index,
           absl::StrCat("ranks ", RankList(group.ranks), " policy=",
                        PolicyName(group.engine->config().policy),
@@ -374,17 +370,21 @@ void CoordinatorCore::UpdateGroupState(Job& job, Group& group) {
       job.members[r].static_seq = 0;  // Static seqs restart with the keys, on every member.
     }
     if (group.engine->config().min_memory_budget_bytes == 0 && group.engine->next_seq() == 0) {
-      // Whole for the first time through a failure: the promotion budget is known now.
-      int64_t min_budget = INT64_MAX;
-      for (int r : group.ranks) min_budget = std::min(min_budget, job.members[r].memory_budget);
-      EngineConfig cfg = group.engine->config();
-      cfg.min_memory_budget_bytes = min_budget;
-      group.engine = std::make_unique<DecisionEngine>(std::move(cfg));
+      SetPromotionBudget(job, group);  // Whole for the first time through a failure.
     }
     group.state = v1::GROUP_STATE_HEALTHY;
     Event("info", "group_reformed", job.id, -1, group.index,
           absl::StrCat("epoch ", group.epoch, " ranks ", RankList(group.ranks)));
   }
+}
+
+int64_t CoordinatorCore::SetPromotionBudget(Job& job, Group& group) {
+  int64_t min_budget = INT64_MAX;
+  for (int r : group.ranks) min_budget = std::min(min_budget, job.members[r].memory_budget);
+  EngineConfig cfg = group.engine->config();
+  cfg.min_memory_budget_bytes = min_budget;
+  group.engine = std::make_unique<DecisionEngine>(std::move(cfg));
+  return min_budget;
 }
 
 // ----------------------------------------------------------------------------------------

@@ -243,6 +243,9 @@ class CoordinatorCore {
   void FillGroupStatus(const Job& job, const Group& group, v1::GroupStatus* out) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void UpdateGroupState(Job& job, Group& group) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Gives the group's engine the smallest memory budget its members reported, once the
+  // group is whole and before it decided anything. Returns that budget.
+  int64_t SetPromotionBudget(Job& job, Group& group) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Communicator helpers (coordinator_core_comms.cc).
   // Finds the job, checks `rank` is live, and resolves the communicator (creating it on
   // first use). `ranks` is the caller's list for custom names (may be empty for built-in).

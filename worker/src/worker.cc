@@ -92,8 +92,12 @@ class Worker::Impl {
 
   void ReaderLoop();
   void WriterLoop();
-  // Aborts to carry out once mu_ is released: (communicator, reason).
-  using PendingAborts = std::vector<std::pair<std::shared_ptr<internal::AbortableCommunicator>, std::string>>;
+  // Work Handle leaves for after mu_ is released: aborts to carry out, (communicator,
+  // reason), then the acknowledgements (name, epoch) to send.
+  struct PendingAborts {
+    std::vector<std::pair<std::shared_ptr<internal::AbortableCommunicator>, std::string>> aborts;
+    std::vector<std::pair<std::string, int64_t>> acks;
+  };
   void Handle(const v1::CoordinatorMessage& msg, PendingAborts* aborts) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Resolve(Entry& e, EntryState state) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (e.state == EntryState::kPending) undecided_--;
@@ -131,14 +135,8 @@ class Worker::Impl {
   std::deque<v1::MicrobatchPlan> outbox_ ABSL_GUARDED_BY(mu_);
   std::vector<ModuleMemoryUsage> memory_ ABSL_GUARDED_BY(mu_);
   bool memory_dirty_ ABSL_GUARDED_BY(mu_) = false;  // Not sent yet: send without waiting.
-  // CommAbort acknowledgements: noted by Handle, released once the aborts ran, sent by
-  // the writer.
-  std::vector<std::pair<std::string, int64_t>> acks_ ABSL_GUARDED_BY(mu_);
+  // CommAbort acknowledgements for the writer, queued once the aborts ran.
   std::vector<std::pair<std::string, int64_t>> ready_acks_ ABSL_GUARDED_BY(mu_);
-  bool HasAcks() {
-    absl::MutexLock lock(&mu_);
-    return !acks_.empty();
-  }
   bool closing_ ABSL_GUARDED_BY(mu_) = false;
   bool goodbye_sent_ ABSL_GUARDED_BY(mu_) = false;
   bool writer_done_ ABSL_GUARDED_BY(mu_) = false;
@@ -234,11 +232,10 @@ void Worker::Impl::ReaderLoop() {
       absl::MutexLock lock(&mu_);
       Handle(msg, &aborts);
     }
-    for (auto& [comm, reason] : aborts) comm->Abort(reason);
-    if (!aborts.empty() || HasAcks()) {
+    for (auto& [comm, reason] : aborts.aborts) comm->Abort(reason);
+    if (!aborts.acks.empty()) {
       absl::MutexLock lock(&mu_);
-      ready_acks_.insert(ready_acks_.end(), acks_.begin(), acks_.end());
-      acks_.clear();
+      ready_acks_.insert(ready_acks_.end(), aborts.acks.begin(), aborts.acks.end());
     }
   }
   {
@@ -350,10 +347,10 @@ void Worker::Impl::Handle(const v1::CoordinatorMessage& msg, PendingAborts* abor
       const auto& a = msg.comm_abort();
       auto it = comms_.find(a.name());
       auto comm = it == comms_.end() ? nullptr : it->second.lock();
-      if (comm && comm->epoch() == a.epoch()) aborts->emplace_back(comm, a.reason());
+      if (comm && comm->epoch() == a.epoch()) aborts->aborts.emplace_back(comm, a.reason());
       // Acknowledged once aborted (the reader does it right after, see ReaderLoop): the
       // coordinator starts the next epoch only when every live member has.
-      acks_.push_back({a.name(), a.epoch()});
+      aborts->acks.push_back({a.name(), a.epoch()});
       break;
     }
     case v1::CoordinatorMessage::kNotice: {
