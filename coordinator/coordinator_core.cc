@@ -15,12 +15,23 @@ constexpr char kVersion[] = "0.1.0";
 
 std::string RankList(const std::vector<int>& ranks) { return absl::StrJoin(ranks, ","); }
 
+// Names for an error message or a log line: the first few, then how many more. A manifest
+// may hold a thousand modules; a message per bad plan must not carry them all.
+constexpr size_t kNamesInMessages = 16;
+// Most decisions one ListDecisions answer carries (each may list every module).
+constexpr int kMaxDecisionsListed = 2000;
+std::string NameList(const std::vector<std::string>& names) {
+  if (names.size() <= kNamesInMessages) return absl::StrJoin(names, ", ");
+  return absl::StrCat(absl::StrJoin(names.begin(), names.begin() + kNamesInMessages, ", "), ", ... (",
+                      names.size() - kNamesInMessages, " more)");
+}
+
 std::string DescribeManifestDifference(const v1::RegisterRequest& a, int rank_a,
                                        const v1::RegisterRequest& b, int rank_b) {
   auto names = [](const v1::RegisterRequest& r) {
     std::vector<std::string> n;
     for (const auto& m : r.modules()) n.push_back(m.name());
-    return absl::StrJoin(n, ",");
+    return NameList(n);
   };
   if (a.modules_size() != b.modules_size()) {
     return absl::StrCat("rank ", rank_b, " registered modules [", names(b), "] but rank ", rank_a,
@@ -129,17 +140,28 @@ void CoordinatorCore::SetReference(Group& group, const v1::RegisterRequest& req)
   group.engine = std::make_unique<DecisionEngine>(std::move(cfg));
 }
 
-absl::Status CoordinatorCore::Register(uint64_t session_id, const v1::RegisterRequest& in,
-                                       std::shared_ptr<RankSink> sink) {
-  v1::RegisterRequest req = in;
-  // Stateless checks first: a malformed request changes nothing.
+absl::Status CoordinatorCore::ValidateRegistration(const v1::RegisterRequest& req) const {
+  const CoordinatorLimits& lim = options_.limits;
+  auto too_long = [&](const std::string& what, const std::string& value) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "register: ", what, " is ", value.size(), " bytes, over the coordinator's max_name_bytes (",
+        lim.max_name_bytes, "): '", value.substr(0, 32), "...'; use a shorter name or raise --max-name-bytes"));
+  };
   if (req.job_id().empty()) {
     return absl::InvalidArgumentError("register: job_id is empty; every rank of a job must "
                                       "send the same non-empty job id");
   }
+  if (static_cast<int>(req.job_id().size()) > lim.max_name_bytes) return too_long("job_id", req.job_id());
+  if (static_cast<int>(req.host().size()) > lim.max_name_bytes) return too_long("host", req.host());
   if (req.world_size() <= 0) {
     return absl::InvalidArgumentError(absl::StrCat("register: world_size ", req.world_size(),
                                                    " must be >= 1 (job '", req.job_id(), "')"));
+  }
+  if (req.world_size() > lim.max_world_size) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "register: world_size ", req.world_size(), " of job '", req.job_id(),
+        "' is over the coordinator's max_world_size (", lim.max_world_size,
+        "); raise --max-world-size if the job really has that many ranks"));
   }
   if (req.group_size() <= 0 || req.world_size() % req.group_size() != 0) {
     return absl::InvalidArgumentError(
@@ -151,12 +173,23 @@ absl::Status CoordinatorCore::Register(uint64_t session_id, const v1::RegisterRe
                                                    ": job '", req.job_id(), "' has ranks 0..",
                                                    req.world_size() - 1));
   }
+  if (req.memory_budget_bytes() < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("register: rank ", req.rank(), " sent memory_budget_bytes ",
+                                                   req.memory_budget_bytes(), "; it must be >= 0 (0: no budget)"));
+  }
+  if (req.modules_size() > lim.max_modules) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "register: rank ", req.rank(), " lists ", req.modules_size(),
+        " controlled modules, over the coordinator's max_modules (", lim.max_modules,
+        "); control fewer modules or raise --max-modules"));
+  }
   std::set<std::string> names;
   for (const auto& m : req.modules()) {
     if (m.name().empty()) {
       return absl::InvalidArgumentError(
           absl::StrCat("register: rank ", req.rank(), " sent a module with an empty name"));
     }
+    if (static_cast<int>(m.name().size()) > lim.max_name_bytes) return too_long("a module name", m.name());
     if (!names.insert(m.name()).second) {
       return absl::InvalidArgumentError(absl::StrCat("register: rank ", req.rank(),
                                                      " lists module '", m.name(), "' twice"));
@@ -166,22 +199,90 @@ absl::Status CoordinatorCore::Register(uint64_t session_id, const v1::RegisterRe
                                                      "' has negative param_bytes ",
                                                      m.param_bytes()));
     }
-  }
-  if (req.policy() == v1::POLICY_UNSPECIFIED) req.set_policy(ToProto(options_.default_policy));
-  if (req.fallback() == v1::FALLBACK_UNSPECIFIED) {
-    req.set_fallback(ToProto(options_.default_fallback));
+    if (m.units_size() > lim.max_units_per_module) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "register: module '", m.name(), "' has ", m.units_size(),
+          " layer units, over the coordinator's max_units_per_module (", lim.max_units_per_module,
+          "); group layers into fewer units or raise --max-units-per-module"));
+    }
+    std::set<std::string> unit_names;
+    for (int u = 0; u < m.units_size(); ++u) {
+      const auto& unit = m.units(u);
+      // "" is the whole module, which is then its only unit.
+      if (unit.name().empty() && m.units_size() > 1) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "register: module '", m.name(), "': layer unit ", u, " has an empty name (the whole module) but the "
+            "module has ", m.units_size(), " units; name every unit, or send the whole module as its only unit"));
+      }
+      if (!unit_names.insert(unit.name()).second) {
+        return absl::InvalidArgumentError(absl::StrCat("register: module '", m.name(), "' lists layer unit '",
+                                                       unit.name(), "' twice"));
+      }
+      if (static_cast<int>(unit.name().size()) > lim.max_name_bytes) return too_long("a unit name", unit.name());
+      if (unit.param_bytes() < 0) {
+        return absl::InvalidArgumentError(absl::StrCat("register: module '", m.name(), "': layer unit '",
+                                                       unit.name(), "' has negative param_bytes ",
+                                                       unit.param_bytes()));
+      }
+    }
   }
   if (!v1::Policy_IsValid(req.policy()) || !v1::Fallback_IsValid(req.fallback())) {
     return absl::InvalidArgumentError(absl::StrCat("register: rank ", req.rank(),
                                                    " sent an unknown policy or fallback value"));
   }
-  if (req.lookahead() == 0) req.set_lookahead(std::min(kDefaultLookahead, options_.max_lookahead));
   if (req.lookahead() < 0 || req.lookahead() > options_.max_lookahead) {
     return absl::InvalidArgumentError(absl::StrCat(
         "register: lookahead ", req.lookahead(), " of rank ", req.rank(),
         " is outside 1..", options_.max_lookahead,
         " (the coordinator's --max-lookahead); lower it or raise the coordinator's limit"));
   }
+  return absl::OkStatus();
+}
+
+absl::Status CoordinatorCore::AdmitJob(const std::string& job_id) {
+  if (static_cast<int>(jobs_.size()) < options_.limits.max_jobs) return absl::OkStatus();
+  // Full: make room by forgetting the job that ended longest ago, if any ended.
+  auto oldest = jobs_.end();
+  for (auto it = jobs_.begin(); it != jobs_.end(); ++it) {
+    if (it->second->ended == absl::InfinitePast()) continue;
+    if (oldest == jobs_.end() || it->second->ended < oldest->second->ended) oldest = it;
+  }
+  if (oldest == jobs_.end()) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "register: cannot admit job '", job_id, "': the coordinator holds max_jobs (", options_.limits.max_jobs,
+        ") jobs and every one has live ranks; wait for a job to end or raise --max-jobs"));
+  }
+  Event("info", "job_evicted", oldest->first, -1, -1, "evicted to admit a new job (max_jobs reached)");
+  for (const Member& m : oldest->second->members) sessions_.erase(m.session);
+  jobs_.erase(oldest);
+  return absl::OkStatus();
+}
+
+void CoordinatorCore::EvictEndedJobs(absl::Time now) {
+  for (auto it = jobs_.begin(); it != jobs_.end();) {
+    const Job& job = *it->second;
+    if (job.ended != absl::InfinitePast() && now - job.ended > options_.limits.job_retention) {
+      Event("info", "job_evicted", job.id, -1, -1,
+            absl::StrCat("no live rank for ", absl::ToInt64Milliseconds(now - job.ended),
+                         " ms (job retention ", absl::ToInt64Milliseconds(options_.limits.job_retention), " ms)"));
+      for (const Member& m : job.members) sessions_.erase(m.session);
+      it = jobs_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+absl::Status CoordinatorCore::Register(uint64_t session_id, const v1::RegisterRequest& in,
+                                       std::shared_ptr<RankSink> sink) {
+  v1::RegisterRequest req = in;
+  if (req.policy() == v1::POLICY_UNSPECIFIED) req.set_policy(ToProto(options_.default_policy));
+  if (req.fallback() == v1::FALLBACK_UNSPECIFIED) {
+    req.set_fallback(ToProto(options_.default_fallback));
+  }
+  if (req.lookahead() == 0) req.set_lookahead(std::min(kDefaultLookahead, options_.max_lookahead));
+  // Stateless checks first: a malformed request changes nothing.
+  if (absl::Status s = ValidateRegistration(req); !s.ok()) return s;
   const Policy policy = FromProto(req.policy());
   const Fallback fallback = FromProto(req.fallback());
   const bool uses_root = policy == Policy::kRoot ||
@@ -196,7 +297,7 @@ absl::Status CoordinatorCore::Register(uint64_t session_id, const v1::RegisterRe
       return absl::InvalidArgumentError(absl::StrCat(
           "register: ", policy == Policy::kRoot ? "policy root" : "fallback root",
           " is impossible for rank ", req.rank(), ": wrap_outer_model is false and modules [",
-          absl::StrJoin(outside, ", "),
+          NameList(outside),
           "] lie outside the inner FSDP root, so no always-run unit can own them. Ways out: "
           "enable wrap_outer_model, use fallback replicate, or use policy replicate"));
     }
@@ -206,6 +307,9 @@ absl::Status CoordinatorCore::Register(uint64_t session_id, const v1::RegisterRe
   if (shut_down_) return absl::UnavailableError("coordinator is shutting down");
   auto it = jobs_.find(req.job_id());
   Job* job = it == jobs_.end() ? nullptr : it->second.get();
+  if (job == nullptr) {
+    if (absl::Status s = AdmitJob(req.job_id()); !s.ok()) return s;
+  }
   if (job != nullptr) {
     if (job->world_size != req.world_size()) {
       return absl::FailedPreconditionError(absl::StrCat(
@@ -274,7 +378,8 @@ absl::Status CoordinatorCore::Register(uint64_t session_id, const v1::RegisterRe
   m.registrations++;
   m.lookahead = req.lookahead();
   m.memory_budget = req.memory_budget_bytes();
-  m.static_seq = 0;
+  m.outbox_overflow = false;
+  job->ended = absl::InfinitePast();
   sessions_[session_id] = SessionRef{job, req.rank()};
 
   v1::CoordinatorMessage msg;
@@ -367,8 +472,8 @@ void CoordinatorCore::UpdateGroupState(Job& job, Group& group) {
     for (int r : group.ranks) {
       job.members[r].pending = 0;
       job.members[r].last_planned.reset();
-      job.members[r].static_seq = 0;  // Static seqs restart with the keys, on every member.
     }
+    group.static_seq = 0;  // Static seqs restart with the keys.
     if (group.engine->config().min_memory_budget_bytes == 0 && group.engine->next_seq() == 0) {
       SetPromotionBudget(job, group);  // Whole for the first time through a failure.
     }
@@ -426,9 +531,15 @@ void CoordinatorCore::OnPlans(uint64_t session_id, const v1::PlanBatch& batch) {
       rej->set_microbatch(plan.microbatch());
       rej->set_code(static_cast<int>(s.code()));
       rej->set_message(std::string(s.message()));
+      rej->set_epoch(batch.epoch());
       static const auto log = logging::Get("coordinator");
-      log->warn("plan_rejected job={} rank={} step={} mb={} code={} {}", job->id, m->rank,
-                plan.step(), plan.microbatch(), absl::StatusCodeToString(s.code()), std::string(s.message()));
+      static logging::RateLimit limit(10);  // A client sending 10^5 bad plans gets 10 lines a second.
+      int64_t suppressed = 0;
+      if (limit.Allow(&suppressed)) {
+        log->warn("plan_rejected job={} rank={} step={} mb={} code={} {}{}", job->id, m->rank, plan.step(),
+                  plan.microbatch(), absl::StatusCodeToString(s.code()), std::string(s.message()),
+                  suppressed > 0 ? absl::StrCat(" (", suppressed, " more plan rejections not logged)") : "");
+      }
       SendTo(*m, msg);
     }
   }
@@ -452,7 +563,7 @@ absl::Status CoordinatorCore::AcceptPlan(Job& job, Member& m, const v1::Microbat
       for (const auto& spec : group.modules) known.push_back(spec.name);
       return absl::InvalidArgumentError(absl::StrCat(
           "plan ", key.ToString(), " from ", who, " names unknown module '", name,
-          "'; the registered controlled modules are [", absl::StrJoin(known, ", "), "]"));
+          "'; the registered controlled modules are [", NameList(known), "]"));
     }
     if (count < 0) {
       return absl::InvalidArgumentError(absl::StrCat("plan ", key.ToString(), " from ", who,
@@ -473,20 +584,9 @@ absl::Status CoordinatorCore::AcceptPlan(Job& job, Member& m, const v1::Microbat
                                            "); wait for the group to re-form"));
   }
 
-  if (group.engine->is_static()) {
-    // root / replicate: no plans needed, never wait for the group.
-    m.last_planned = key;
-    m.plans_received++;
-    job.plans_received++;
-    MicrobatchDecision d = group.engine->DecideStatic(key, group.epoch, m.static_seq++);
-    v1::MicrobatchDecision pd;
-    ToProto(d, &pd);
-    pd.set_decided_unix_ms(absl::ToUnixMillis(clock_->Now()));
-    // Count and record each microbatch once per group: when its lowest rank reports it.
-    if (m.rank == group.ranks.front()) RecordDecision(job, group, pd);
-    QueueDecision(m, pd);
-    return absl::OkStatus();
-  }
+  const int idx = static_cast<int>(std::lower_bound(group.ranks.begin(), group.ranks.end(), m.rank) -
+                                   group.ranks.begin());
+  if (group.engine->is_static()) return AcceptStaticPlan(job, group, m, key, idx);
 
   if (group.last_resolved && key <= *group.last_resolved && !group.pending.count(key)) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -500,12 +600,18 @@ absl::Status CoordinatorCore::AcceptPlan(Job& job, Member& m, const v1::Microbat
         "; wait for the oldest decision before planning further ahead"));
   }
 
+  if (!group.pending.count(key) &&
+      static_cast<int>(group.pending.size()) >= options_.limits.max_pending_microbatches) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "plan ", key.ToString(), " from ", who, ": group ", group.index, " already holds ", group.pending.size(),
+        " microbatches that some ranks reported and others not yet (max_pending_microbatches); ranks of "
+        "the group are too far apart: wait for the slowest, or raise --max-pending-microbatches"));
+  }
+
   // Accepted.
   m.last_planned = key;
   m.plans_received++;
   job.plans_received++;
-  const int idx = static_cast<int>(std::lower_bound(group.ranks.begin(), group.ranks.end(), m.rank) -
-                                   group.ranks.begin());
   const int size = static_cast<int>(group.ranks.size());
   auto [it, inserted] = group.pending.try_emplace(key);
   PendingMicrobatch& p = it->second;
@@ -521,6 +627,13 @@ absl::Status CoordinatorCore::AcceptPlan(Job& job, Member& m, const v1::Microbat
     m.pending++;
   }
 
+  if (!FailSkipped(job, group, m, key, idx, inserted)) return absl::OkStatus();
+  DrainGroup(job, group);
+  return absl::OkStatus();
+}
+
+bool CoordinatorCore::FailSkipped(Job& job, Group& group, Member& m, const MicrobatchKey& key, int idx,
+                                  bool inserted) {
   // Microbatches this rank skipped: earlier pending ones it never reported.
   std::vector<MicrobatchKey> skipped;
   for (auto& [k, pk] : group.pending) {
@@ -533,28 +646,81 @@ absl::Status CoordinatorCore::AcceptPlan(Job& job, Member& m, const v1::Microbat
         m.rank, " reported ", key.ToString(), " without reporting ", k.ToString(),
         "; every rank of a shard group must run the same microbatches")));
   }
+  if (!inserted) return true;
   // Ranks that already moved past this key (or left) will never report it.
-  if (inserted) {
-    std::vector<int> never;
-    for (int i = 0; i < size; ++i) {
-      if (!p.reported[i] && WillNeverReport(job.members[group.ranks[i]], key)) never.push_back(group.ranks[i]);
+  const PendingMicrobatch& p = group.pending.at(key);
+  std::vector<int> never;
+  for (size_t i = 0; i < group.ranks.size(); ++i) {
+    if (!p.reported[i] && WillNeverReport(job.members[group.ranks[i]], key)) never.push_back(group.ranks[i]);
+  }
+  if (never.empty()) return true;
+  FailMicrobatch(job, group, key, absl::FailedPreconditionError(absl::StrCat(
+      "microbatch ", key.ToString(), " of group ", group.index, " can never be decided: ranks ", RankList(never),
+      " already planned later microbatches or left; every rank of a shard group must run the same microbatches")));
+  return false;
+}
+
+absl::Status CoordinatorCore::AcceptStaticPlan(Job& job, Group& group, Member& m, const MicrobatchKey& key,
+                                               int idx) {
+  // root / replicate: the rank gets its decision at once, without waiting for the group.
+  // The decision (and its seq) is made once per key, when the first rank reports it, so every
+  // rank of the group receives the identical decision; the key stays pending until every rank
+  // reported it, which is how a rank that skips a microbatch is caught (the microbatch fails
+  // for the whole group, as under auto).
+  const std::string who = absl::StrCat("rank ", m.rank, " (job '", job.id, "', group ", group.index, ")");
+  auto it = group.pending.find(key);
+  if (it == group.pending.end()) {
+    if (group.last_resolved && key <= *group.last_resolved) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "plan ", key.ToString(), " from ", who, " is stale: group ", group.index,
+          " already resolved every microbatch up to ", group.last_resolved->ToString()));
     }
-    if (!never.empty()) {
-      FailMicrobatch(job, group, key, absl::FailedPreconditionError(absl::StrCat(
-          "microbatch ", key.ToString(), " of group ", group.index,
-          " can never be decided: ranks ", RankList(never),
-          " already planned later microbatches or left; every rank of a shard group must run "
-          "the same microbatches")));
-      return absl::OkStatus();
+    if (static_cast<int>(group.pending.size()) >= options_.limits.max_pending_microbatches) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "plan ", key.ToString(), " from ", who, ": group ", group.index, " already holds ", group.pending.size(),
+          " microbatches that some ranks reported and others not yet (max_pending_microbatches); rank ", m.rank,
+          " runs too far ahead of the slowest rank of its group: wait for it, or raise --max-pending-microbatches"));
     }
   }
-  DrainGroup(job, group);
+  m.last_planned = key;
+  m.plans_received++;
+  job.plans_received++;
+  const int size = static_cast<int>(group.ranks.size());
+  const bool inserted = it == group.pending.end();
+  if (inserted) {
+    it = group.pending.try_emplace(key).first;
+    PendingMicrobatch& p = it->second;
+    p.reported.assign(size, false);
+    p.first_report = clock_->Now();
+    v1::MicrobatchDecision pd;
+    ToProto(group.engine->DecideStatic(key, group.epoch, group.static_seq++), &pd);
+    pd.set_decided_unix_ms(absl::ToUnixMillis(clock_->Now()));
+    RecordDecision(job, group, pd);
+    p.decided = std::move(pd);
+  }
+  PendingMicrobatch& p = it->second;
+  if (!p.reported[idx]) {
+    p.reported[idx] = true;
+    p.num_reported++;
+    m.pending++;
+  }
+  QueueDecision(m, *p.decided);
+  if (!FailSkipped(job, group, m, key, idx, inserted)) return absl::OkStatus();
+  // Resolved once every rank reported it; entries before it were failed above.
+  if (p.num_reported == size) {
+    for (int r : group.ranks) {
+      if (job.members[r].pending > 0) job.members[r].pending--;
+    }
+    if (!group.last_resolved || *group.last_resolved < key) group.last_resolved = key;
+    group.pending.erase(it);
+  }
   return absl::OkStatus();
 }
 
 void CoordinatorCore::DrainGroup(Job& job, Group& group) {
   const int size = static_cast<int>(group.ranks.size());
   if (group.state != v1::GROUP_STATE_HEALTHY) return;  // Forming: not everyone can plan yet.
+  if (group.engine->is_static()) return;              // Decided as reported (AcceptStaticPlan).
   while (!group.pending.empty()) {
     auto it = group.pending.begin();
     if (it->second.num_reported < size) break;
@@ -605,7 +771,7 @@ void CoordinatorCore::Flush(Job& job, const Group& group) {
   for (int r : group.ranks) {
     Member& m = job.members[r];
     if (m.outgoing.has_decisions() && m.outgoing.decisions().decisions_size() > 0) {
-      if (m.sink) m.sink->Send(m.outgoing);
+      SinkSend(m, m.outgoing);
       m.outgoing.Clear();
     }
   }
@@ -615,10 +781,17 @@ void CoordinatorCore::SendTo(Member& m, const v1::CoordinatorMessage& msg) {
   if (m.state != v1::RANK_STATE_LIVE || !m.sink) return;
   // Decisions batched so far go first: the rank sees messages in the order produced.
   if (m.outgoing.has_decisions() && m.outgoing.decisions().decisions_size() > 0) {
-    m.sink->Send(m.outgoing);
+    SinkSend(m, m.outgoing);
     m.outgoing.Clear();
   }
-  m.sink->Send(msg);
+  SinkSend(m, msg);
+}
+
+void CoordinatorCore::SinkSend(Member& m, const v1::CoordinatorMessage& msg) {
+  if (!m.sink || m.outbox_overflow) return;
+  // Refused: the rank is not reading. Tick fails it (not here: we may be deep inside a
+  // group's state change); until then nothing more is queued for it.
+  if (!m.sink->Send(msg)) m.outbox_overflow = true;
 }
 
 void CoordinatorCore::FailMicrobatch(Job& job, Group& group, const MicrobatchKey& key,
@@ -682,7 +855,7 @@ void CoordinatorCore::RemoveMember(Job& job, Member& m, bool clean, const std::s
   // Flush what it was owed, then detach it.
   if (m.sink) {
     if (m.outgoing.has_decisions()) {
-      m.sink->Send(m.outgoing);
+      SinkSend(m, m.outgoing);
       m.outgoing.Clear();
     }
     m.sink->Close(clean ? absl::OkStatus() : absl::AbortedError(full));
@@ -692,6 +865,10 @@ void CoordinatorCore::RemoveMember(Job& job, Member& m, bool clean, const std::s
   m.state = clean ? v1::RANK_STATE_LEFT : v1::RANK_STATE_DEAD;
   m.dead_reason = reason;
   Event(clean ? "info" : "error", clean ? "rank_left" : "rank_dead", job.id, m.rank, group.index, full);
+  if (std::none_of(job.members.begin(), job.members.end(),
+                   [](const Member& x) { return x.state == v1::RANK_STATE_LIVE; })) {
+    job.ended = clock_->Now();  // Kept for `job_retention`, then forgotten.
+  }
   OnMemberLost(job, m.rank, clean, full);
 
   if (clean) {
@@ -737,9 +914,17 @@ void CoordinatorCore::RemoveMember(Job& job, Member& m, bool clean, const std::s
 void CoordinatorCore::Tick() {
   absl::MutexLock lock(&mu_);
   const absl::Time now = clock_->Now();
+  EvictEndedJobs(now);
   for (auto& [id, job] : jobs_) {
     for (Member& m : job->members) {
       if (m.state != v1::RANK_STATE_LIVE) continue;
+      if (m.outbox_overflow) {
+        RemoveMember(*job, m, /*clean=*/false,
+                     absl::StrCat("not reading its session stream: more than ", options_.limits.max_outbox_bytes,
+                                  " bytes were queued for it (max_outbox_bytes); a rank must keep reading "
+                                  "its decisions"));
+        continue;
+      }
       absl::Duration silent = now - m.last_seen;
       if (silent > options_.heartbeat_timeout) {
         RemoveMember(*job, m, /*clean=*/false,
@@ -770,6 +955,24 @@ void CoordinatorCore::Tick() {
     ExpireCommWaiters(*job, now);
     DetectBehind(*job, now);
   }
+}
+
+void CoordinatorCore::OnPaused(absl::Duration gap) {
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = clock_->Now();
+  int extended = 0;
+  for (auto& [id, job] : jobs_) {
+    for (Member& m : job->members) {
+      if (m.state != v1::RANK_STATE_LIVE) continue;
+      m.last_seen = std::max(m.last_seen, now);
+      extended++;
+    }
+  }
+  const std::string what = absl::StrCat("the coordinator did not run for ", absl::ToInt64Milliseconds(gap),
+                                        " ms (paused, starved or the clock jumped); heartbeat deadlines of ",
+                                        extended, " live ranks restarted instead of declaring them dead");
+  logging::Get("coordinator")->warn("{}", what);
+  Event("warning", "coordinator_paused", "", -1, -1, what);
 }
 
 void CoordinatorCore::Shutdown() {
@@ -842,7 +1045,11 @@ v1::StatusResponse CoordinatorCore::Status(const std::string& job_id) const {
     }
     for (const Group& g : job->groups) {
       if (g.has_reference) {
-        for (const auto& spec : g.modules) js->add_modules(spec.name);
+        // A status line, not the manifest: a job may control a thousand modules.
+        for (size_t i = 0; i < g.modules.size() && i < kNamesInMessages; ++i) js->add_modules(g.modules[i].name);
+        if (g.modules.size() > kNamesInMessages) {
+          js->add_modules(absl::StrCat("... (", g.modules.size() - kNamesInMessages, " more)"));
+        }
         break;
       }
     }
@@ -916,10 +1123,16 @@ v1::ListDecisionsResponse CoordinatorCore::Decisions(const std::string& job_id, 
   absl::MutexLock lock(&mu_);
   v1::ListDecisionsResponse out;
   if (limit <= 0) limit = 20;
+  // Every job's groups each give up to `limit`: cap the whole answer so it always fits a
+  // message (ask per job for more).
+  int budget = kMaxDecisionsListed;
   for (const auto& [id, job] : jobs_) {
     if (!job_id.empty() && id != job_id) continue;
     for (const Group& g : job->groups) {
       if (group >= 0 && g.index != group) continue;
+      if (budget <= 0) break;
+      limit = std::min(limit, budget);
+      budget -= static_cast<int>(std::min<size_t>(g.history.size(), static_cast<size_t>(limit)));
       size_t start = g.history.size() > static_cast<size_t>(limit) ? g.history.size() - limit : 0;
       for (size_t i = start; i < g.history.size(); ++i) {
         auto* e = out.add_decisions();

@@ -40,7 +40,9 @@ class RankSink {
  public:
   virtual ~RankSink() = default;
   // Queues `msg` for the rank. Must not block and must not call into CoordinatorCore.
-  virtual void Send(const v1::CoordinatorMessage& msg) = 0;
+  // Returns false, and queues nothing, when the rank's queue is over its bound (the rank
+  // does not read its stream): the core then fails the rank.
+  virtual bool Send(const v1::CoordinatorMessage& msg) = 0;
   // Ends the session with `status` once the queued messages are written.
   virtual void Close(const absl::Status& status) = 0;
 };
@@ -85,6 +87,11 @@ class CoordinatorCore {
   // Declares dead every live rank silent for longer than the heartbeat timeout and fails
   // microbatches pending for longer than the plan timeout. Called periodically.
   void Tick();
+
+  // The daemon itself did not run for `gap` (SIGSTOP, VM pause, starvation, clock jump):
+  // heartbeats sat in socket buffers meanwhile, so every live rank's heartbeat deadline
+  // restarts now instead of every rank being declared dead at once. Called by the tick loop.
+  void OnPaused(absl::Duration gap);
 
   // Sends a shutdown notice to every live session and closes it with UNAVAILABLE.
   void Shutdown();
@@ -134,7 +141,7 @@ class CoordinatorCore {
     int64_t registrations = 0;
     int lookahead = kDefaultLookahead;
     int64_t memory_budget = 0;
-    uint64_t static_seq = 0;  // Next seq for static policies (the rank's own ordinal).
+    bool outbox_overflow = false;  // A Send was refused: the rank does not read its stream.
     std::vector<v1::ModuleMemory> memory;  // As last reported.
     v1::CoordinatorMessage outgoing;  // Decisions batched during one call; see Flush.
   };
@@ -144,6 +151,9 @@ class CoordinatorCore {
     std::vector<bool> reported;               // [member index]
     int num_reported = 0;
     absl::Time first_report;
+    // Static policies: the decision, made when the first rank reported the key and given
+    // to each rank as it reports; the entry lives on until every rank reported it.
+    std::optional<v1::MicrobatchDecision> decided;
   };
 
   struct Group {
@@ -161,6 +171,7 @@ class CoordinatorCore {
     std::optional<MicrobatchKey> last_resolved;  // Decided or failed.
     std::optional<MicrobatchKey> last_decided;
     std::deque<v1::MicrobatchDecision> history;
+    uint64_t static_seq = 0;  // Next seq for static policies, per key (restarts per epoch).
     v1::DecisionCounts counts;
     std::string failure_reason;
   };
@@ -207,6 +218,7 @@ class CoordinatorCore {
     std::vector<Group> groups;
     int64_t plans_received = 0;
     int64_t microbatches_decided = 0;
+    absl::Time ended = absl::InfinitePast();  // When its last live rank ended (retention).
   };
 
   struct SessionRef {
@@ -240,6 +252,21 @@ class CoordinatorCore {
   // Sends the decisions batched in members' `outgoing`.
   void Flush(Job& job, const Group& group) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SendTo(Member& member, const v1::CoordinatorMessage& msg) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Sends through the member's sink; marks a refused send (see Member::outbox_overflow).
+  void SinkSend(Member& member, const v1::CoordinatorMessage& msg) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Registration checks that need no state: malformed requests and the configured caps.
+  absl::Status ValidateRegistration(const v1::RegisterRequest& req) const;
+  // Makes room for a new job (evicting the oldest ended one) or says why there is none.
+  absl::Status AdmitJob(const std::string& job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Forgets jobs with no live rank for longer than the retention.
+  void EvictEndedJobs(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Static policies: the group's decision for `key`, made once and shared by every rank.
+  absl::Status AcceptStaticPlan(Job& job, Group& group, Member& member, const MicrobatchKey& key, int idx)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Fails earlier pending microbatches that `member` (at `idx`) skipped by reporting `key`,
+  // and `key` itself when other members already moved past it. False if `key` failed.
+  bool FailSkipped(Job& job, Group& group, Member& member, const MicrobatchKey& key, int idx, bool inserted)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FillGroupStatus(const Job& job, const Group& group, v1::GroupStatus* out) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void UpdateGroupState(Job& job, Group& group) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

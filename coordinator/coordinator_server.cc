@@ -1,11 +1,14 @@
 #include "coordinator_server.h"
 
+#include <dirent.h>
 #include <grpcpp/grpcpp.h>
+#include <sys/resource.h>
 
 #include <atomic>
 #include <deque>
 #include <optional>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "shardcoord/internal/logging.h"
 #include "shardcoord/proto/convert.h"
@@ -14,8 +17,11 @@
 namespace shardcoord::coordinator {
 namespace {
 
-// Consecutive decision messages queued for a rank are written as one message.
+// Consecutive decision messages queued for a rank are written as one message, up to a
+// count and a size (a decision lists every module: a big manifest makes big decisions, and
+// the worker's receive limit is kWorkerMaxReceiveBytes, see worker.cc).
 constexpr int kMaxDecisionsPerWrite = 256;
+constexpr size_t kMaxBytesPerWrite = 1 << 20;
 
 class SessionReactor;
 
@@ -23,9 +29,10 @@ class SessionReactor;
 // it after the stream is gone; it then drops messages. Thread-safe.
 class SessionSink final : public RankSink {
  public:
-  explicit SessionSink(SessionReactor* reactor) : reactor_(reactor) {}
+  SessionSink(SessionReactor* reactor, int64_t max_bytes) : reactor_(reactor), max_bytes_(max_bytes) {}
 
-  void Send(const v1::CoordinatorMessage& msg) override;
+  // Refuses (false) once more than max_bytes are queued: the rank does not read.
+  bool Send(const v1::CoordinatorMessage& msg) override;
   void Close(const absl::Status& status) override;
   void OnWriteDone(bool ok);
   void Detach() {
@@ -40,7 +47,10 @@ class SessionSink final : public RankSink {
 
   absl::Mutex mu_;
   SessionReactor* reactor_ ABSL_GUARDED_BY(mu_);
-  std::deque<v1::CoordinatorMessage> queue_ ABSL_GUARDED_BY(mu_);
+  const int64_t max_bytes_;
+  std::deque<std::pair<v1::CoordinatorMessage, size_t>> queue_ ABSL_GUARDED_BY(mu_);  // (message, size)
+  int64_t queued_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  bool overflowed_ ABSL_GUARDED_BY(mu_) = false;  // A Send was refused.
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
   std::optional<grpc::Status> finish_ ABSL_GUARDED_BY(mu_);
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
@@ -51,7 +61,10 @@ class SessionReactor final
     : public grpc::ServerBidiReactor<v1::WorkerMessage, v1::CoordinatorMessage> {
  public:
   SessionReactor(CoordinatorCore* core, uint64_t id, std::string peer)
-      : core_(core), id_(id), peer_(std::move(peer)), sink_(std::make_shared<SessionSink>(this)) {
+      : core_(core),
+        id_(id),
+        peer_(std::move(peer)),
+        sink_(std::make_shared<SessionSink>(this, core->options().limits.max_outbox_bytes)) {
     StartRead(&in_);
   }
 
@@ -91,10 +104,11 @@ class SessionReactor final
         sink_->Close(absl::OkStatus());
         return;
       case v1::WorkerMessage::kRegister:
-        core_->OnSessionClosed(id_, "register sent twice on one stream");
+        // The client's error first (the core's "declared dead" close then finds it closed).
         sink_->Close(absl::FailedPreconditionError(
             "`register` may only be the first message of a Session; open a new stream to "
             "register again"));
+        core_->OnSessionClosed(id_, "register sent twice on one stream");
         return;
       default:
         break;  // An empty message (a newer client's unknown kind): ignored.
@@ -121,18 +135,26 @@ class SessionReactor final
   bool registered_ = false;
 };
 
-void SessionSink::Send(const v1::CoordinatorMessage& msg) {
+bool SessionSink::Send(const v1::CoordinatorMessage& msg) {
+  const size_t size = msg.ByteSizeLong();
   mu_.Lock();
   if (reactor_ == nullptr || finish_.has_value()) {
     mu_.Unlock();
-    return;
+    return true;  // Closing: nothing more goes out, and that is not the rank's fault.
   }
-  queue_.push_back(msg);
+  if (overflowed_ || queued_bytes_ + static_cast<int64_t>(size) > max_bytes_) {
+    overflowed_ = true;
+    mu_.Unlock();
+    return false;
+  }
+  queue_.emplace_back(msg, size);
+  queued_bytes_ += static_cast<int64_t>(size);
   if (writing_) {
     mu_.Unlock();
-    return;
+    return true;
   }
   StartNextLocked();
+  return true;
 }
 
 void SessionSink::Close(const absl::Status& status) {
@@ -142,6 +164,11 @@ void SessionSink::Close(const absl::Status& status) {
     return;
   }
   finish_ = ToGrpcStatus(status);
+  if (overflowed_) {
+    // The rank stopped reading: what is queued would only wait behind the stuck write.
+    queue_.clear();
+    queued_bytes_ = 0;
+  }
   if (writing_) {
     mu_.Unlock();
     return;
@@ -155,6 +182,7 @@ void SessionSink::OnWriteDone(bool ok) {
   if (!ok) {
     // The stream is broken; nothing more can be written.
     queue_.clear();
+    queued_bytes_ = 0;
     if (!finish_) finish_ = grpc::Status(grpc::StatusCode::UNAVAILABLE, "write failed");
   }
   StartNextLocked();
@@ -167,15 +195,19 @@ void SessionSink::StartNextLocked() {
     return;
   }
   if (!queue_.empty()) {
-    current_ = std::move(queue_.front());
+    current_ = std::move(queue_.front().first);
+    size_t bytes = queue_.front().second;
+    queued_bytes_ -= static_cast<int64_t>(bytes);
     queue_.pop_front();
     if (current_.has_decisions()) {
       auto* batch = current_.mutable_decisions();
-      while (!queue_.empty() && queue_.front().has_decisions() &&
-             batch->decisions_size() < kMaxDecisionsPerWrite) {
-        for (auto& d : *queue_.front().mutable_decisions()->mutable_decisions()) {
+      while (!queue_.empty() && queue_.front().first.has_decisions() &&
+             batch->decisions_size() < kMaxDecisionsPerWrite && bytes + queue_.front().second <= kMaxBytesPerWrite) {
+        for (auto& d : *queue_.front().first.mutable_decisions()->mutable_decisions()) {
           *batch->add_decisions() = std::move(d);
         }
+        bytes += queue_.front().second;
+        queued_bytes_ -= static_cast<int64_t>(queue_.front().second);
         queue_.pop_front();
       }
     }
@@ -286,7 +318,8 @@ class CoordinatorService final : public v1::Coordinator::CallbackService {
 };
 
 absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
-    CoordinatorOptions options, std::shared_ptr<const Clock> clock) {
+    CoordinatorOptions options, std::shared_ptr<const Clock> clock,
+    std::function<void(const std::string&)> on_listener_lost) {
   if (absl::Status s = ValidateOptions(options); !s.ok()) return s;
   if (!clock) clock = std::make_shared<RealClock>();
   std::unique_ptr<CoordinatorServer> server(new CoordinatorServer);
@@ -302,6 +335,9 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   // A second daemon on the same port must fail, not share the port and split the job.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 1000);
+  // Connections that never speak HTTP/2 (idle or hostile) hold a descriptor only this long.
+  builder.AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS,
+                             static_cast<int>(absl::ToInt64Milliseconds(options.limits.handshake_timeout)));
   server->server_ = builder.BuildAndStart();
   if (!server->server_ || server->port_ == 0) {
     return absl::UnavailableError(absl::StrCat("cannot listen on ", listen,
@@ -312,6 +348,10 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   server->address_ = absl::StrCat(listen.substr(0, colon), ":", server->port_);
   server->core_->SetBoundAddress(server->address_);
   server->ticker_ = std::thread([s = server.get()] { s->TickLoop(); });
+  server->on_listener_lost_ = std::move(on_listener_lost);
+  if (options.limits.self_check_interval > absl::ZeroDuration()) {
+    server->self_check_ = std::thread([s = server.get()] { s->SelfCheckLoop(); });
+  }
   logging::Get("coordinator")->info("serving address={}", server->address_);
   return server;
 }
@@ -322,12 +362,70 @@ void CoordinatorServer::TickLoop() {
   const CoordinatorOptions& o = core_->options();
   const absl::Duration period =
       std::max(absl::Milliseconds(5), std::min(absl::Milliseconds(100), o.heartbeat_interval / 2));
+  // A gap between ticks this much longer than the heartbeat timeout allows means the daemon
+  // itself was not running (see CoordinatorCore::OnPaused).
+  const absl::Duration pause = o.heartbeat_timeout / 2;
+  absl::Time last = absl::Now();
   absl::MutexLock lock(&mu_);
   while (!stopping_) {
     mu_.AwaitWithTimeout(absl::Condition(&stopping_), period);
     if (stopping_) break;
     mu_.Unlock();
+    const absl::Time now = absl::Now();
+    if (now - last > pause || now < last) core_->OnPaused(now - last);
+    last = now;
     core_->Tick();
+    mu_.Lock();
+  }
+}
+
+namespace {
+
+// Open descriptors of this process (for the self-check's message).
+int OpenDescriptors() {
+  int n = 0;
+  if (DIR* d = opendir("/proc/self/fd")) {
+    while (readdir(d) != nullptr) n++;
+    closedir(d);
+  }
+  return n > 2 ? n - 3 : n;  // ".", ".." and the directory's own descriptor
+}
+
+}  // namespace
+
+void CoordinatorServer::SelfCheckLoop() {
+  const absl::Duration interval = core_->options().limits.self_check_interval;
+  // Our own address, reached over loopback when we listen on every interface.
+  std::string target = address_;
+  if (absl::StartsWith(target, "0.0.0.0:")) target = "127.0.0.1:" + target.substr(8);
+  if (absl::StartsWith(target, "[::]:")) target = "[::1]:" + target.substr(5);
+  int failures = 0;
+  absl::MutexLock lock(&mu_);
+  while (!stopping_) {
+    mu_.AwaitWithTimeout(absl::Condition(&stopping_), interval);
+    if (stopping_) break;
+    mu_.Unlock();
+    grpc::ChannelArguments args;
+    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);  // A new connection: it must be accepted.
+    auto stub = v1::Coordinator::NewStub(grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args));
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + std::min(interval, absl::Seconds(2))));
+    v1::StatusRequest req;
+    req.set_job_id("\x01self-check");  // Matches no job: a small answer.
+    v1::StatusResponse resp;
+    const grpc::Status st = stub->GetStatus(&ctx, req, &resp);
+    failures = st.ok() ? 0 : failures + 1;
+    if (failures == 3) {
+      rlimit lim{};
+      getrlimit(RLIMIT_NOFILE, &lim);
+      const std::string why = absl::StrCat(
+          "the server no longer accepts connections on ", address_, " (3 self-checks failed, last: ",
+          st.error_message(), "); open descriptors ", OpenDescriptors(), " of limit ", lim.rlim_cur,
+          ": with descriptors exhausted gRPC stops accepting for good. Raise the open file limit "
+          "(LimitNOFILE, ulimit -n) to about one per rank plus 64");
+      logging::Get("coordinator")->critical("{}", why);
+      if (on_listener_lost_) on_listener_lost_(why);
+    }
     mu_.Lock();
   }
 }
@@ -340,6 +438,7 @@ void CoordinatorServer::Shutdown(absl::Duration grace) {
     stopping_ = true;
   }
   if (ticker_.joinable()) ticker_.join();
+  if (self_check_.joinable()) self_check_.join();
   if (!server_) return;  // Never started serving.
   core_->Shutdown();
   server_->Shutdown(absl::ToChronoTime(absl::Now() + grace));

@@ -7,6 +7,7 @@
 #ifndef SHARDCOORD_COORDINATOR_COORDINATOR_SERVER_H_
 #define SHARDCOORD_COORDINATOR_COORDINATOR_SERVER_H_
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -29,8 +30,12 @@ class CoordinatorServer {
  public:
   // Binds options.listen_address (port 0 picks a free port) and starts serving.
   // Errors: INVALID_ARGUMENT for bad options, UNAVAILABLE when the address cannot be bound.
+  // `on_listener_lost` is called (once, from a background thread) when the self-check finds
+  // that the server no longer accepts connections (limits.self_check_interval); shardcoordd
+  // exits then, so that its supervisor restarts it. Null: the loss is only logged.
   static absl::StatusOr<std::unique_ptr<CoordinatorServer>> Start(
-      CoordinatorOptions options, std::shared_ptr<const Clock> clock = nullptr);
+      CoordinatorOptions options, std::shared_ptr<const Clock> clock = nullptr,
+      std::function<void(const std::string& why)> on_listener_lost = nullptr);
 
   ~CoordinatorServer();  // Shuts down if still running.
 
@@ -46,6 +51,10 @@ class CoordinatorServer {
  private:
   CoordinatorServer() = default;
   void TickLoop();
+  // Every self_check_interval: one query over a new connection to our own address. Three
+  // failures in a row mean the listener is gone (gRPC 1.51 stops accepting for good after
+  // accept() fails with EMFILE): says so with the descriptor count, calls on_listener_lost_.
+  void SelfCheckLoop();
 
   std::unique_ptr<CoordinatorCore> core_;
   std::unique_ptr<CoordinatorService> service_;
@@ -53,6 +62,8 @@ class CoordinatorServer {
   std::string address_;
   int port_ = 0;
   std::thread ticker_;
+  std::thread self_check_;
+  std::function<void(const std::string&)> on_listener_lost_;
   absl::Mutex mu_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool shut_down_ ABSL_GUARDED_BY(mu_) = false;

@@ -5,9 +5,11 @@
 // Settings come from the optional YAML file, then from flags (flags win). Stops cleanly
 // on SIGTERM or SIGINT: every session gets a shutdown notice and its stream is closed.
 #include <signal.h>
+#include <sys/resource.h>
 
 #include <CLI/CLI.hpp>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <iostream>
 #include <optional>
@@ -33,6 +35,23 @@ bool WriteAddressFile(const std::string& path, const std::string& address) {
   return std::rename(tmp.c_str(), path.c_str()) == 0;
 }
 
+// Every rank holds one connection (one descriptor) for its whole run, and operators' queries
+// one each while they last. gRPC 1.51 stops accepting for good once accept() fails with
+// EMFILE, so run with the hard limit, not the default soft one (1024). Deploy files raise
+// the hard limit; README "Limits" says how many a job needs.
+void RaiseFileLimit() {
+  rlimit lim{};
+  if (getrlimit(RLIMIT_NOFILE, &lim) != 0) return;
+  const rlim_t before = lim.rlim_cur;
+  if (lim.rlim_cur < lim.rlim_max) {
+    lim.rlim_cur = lim.rlim_max;
+    if (setrlimit(RLIMIT_NOFILE, &lim) != 0) lim.rlim_cur = before;
+  }
+  shardcoord::logging::Get("coordinator")
+      ->info("open file limit {} (was {}, hard limit {}): about {} ranks", lim.rlim_cur, before, lim.rlim_max,
+             lim.rlim_cur > 64 ? lim.rlim_cur - 64 : 0);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -42,7 +61,8 @@ int main(int argc, char** argv) {
   // Unset flags keep the config file's (or the built-in) value.
   std::optional<int64_t> hb_interval_ms, hb_timeout_ms, plan_timeout_ms, behind_threshold_ms;
   std::optional<int> max_lookahead, promote_window, promote_threshold, demote_threshold, event_capacity,
-      decision_history;
+      decision_history, max_world_size, max_jobs, max_modules, max_units, max_name_bytes, max_pending;
+  std::optional<int64_t> max_outbox_bytes, job_retention_ms, handshake_timeout_ms, self_check_ms;
   app.add_option("--config", config_file,
                  "YAML config file (keys as in README 'shardcoordd configuration' and deploy/config)")
       ->check(CLI::ExistingFile);
@@ -66,6 +86,20 @@ int main(int argc, char** argv) {
                  "auto promotion: at most this many divergent in a full window demotes");
   app.add_option("--event-capacity", event_capacity, "events kept for shardctl events");
   app.add_option("--decision-history", decision_history, "decisions kept per group for shardctl decisions");
+  app.add_option("--max-world-size", max_world_size, "most ranks one job may have");
+  app.add_option("--max-jobs", max_jobs, "most jobs held at once (finished ones until evicted)");
+  app.add_option("--max-modules", max_modules, "most controlled modules in a manifest");
+  app.add_option("--max-units-per-module", max_units, "most layer units of one module");
+  app.add_option("--max-name-bytes", max_name_bytes, "longest job id, module, unit or host name");
+  app.add_option("--max-pending-microbatches", max_pending,
+                 "per group: most microbatches reported by some ranks and not yet by all");
+  app.add_option("--max-outbox-bytes", max_outbox_bytes,
+                 "per rank: most bytes queued for a rank that does not read; over it the rank is failed");
+  app.add_option("--job-retention-ms", job_retention_ms, "forget a job this long after its last rank ended");
+  app.add_option("--handshake-timeout-ms", handshake_timeout_ms,
+                 "close connections that have not completed the HTTP/2 handshake by then");
+  app.add_option("--self-check-interval-ms", self_check_ms,
+                 "check this often that the listener still accepts connections (0: never)");
   app.add_option("--log-level", log_level, "trace, debug, info, warn, error")
       ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "off"}));
   app.add_option("--address-file", address_file,
@@ -99,6 +133,16 @@ int main(int argc, char** argv) {
   if (demote_threshold) options.promotion.demote_threshold = *demote_threshold;
   if (event_capacity) options.event_capacity = *event_capacity;
   if (decision_history) options.decision_history = *decision_history;
+  if (max_world_size) options.limits.max_world_size = *max_world_size;
+  if (max_jobs) options.limits.max_jobs = *max_jobs;
+  if (max_modules) options.limits.max_modules = *max_modules;
+  if (max_units) options.limits.max_units_per_module = *max_units;
+  if (max_name_bytes) options.limits.max_name_bytes = *max_name_bytes;
+  if (max_pending) options.limits.max_pending_microbatches = *max_pending;
+  if (max_outbox_bytes) options.limits.max_outbox_bytes = *max_outbox_bytes;
+  if (job_retention_ms) options.limits.job_retention = absl::Milliseconds(*job_retention_ms);
+  if (handshake_timeout_ms) options.limits.handshake_timeout = absl::Milliseconds(*handshake_timeout_ms);
+  if (self_check_ms) options.limits.self_check_interval = absl::Milliseconds(*self_check_ms);
   if (!log_level.empty()) options.log_level = log_level;
   if (!address_file.empty()) options.address_file = address_file;
   if (!shardcoord::logging::SetLevel(options.log_level)) {
@@ -111,6 +155,8 @@ int main(int argc, char** argv) {
     return 2;
   }
 
+  RaiseFileLimit();
+
   // Abseil's deadlock detector (on in Debian's build) costs a graph update per lock.
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
 
@@ -121,7 +167,12 @@ int main(int argc, char** argv) {
   sigaddset(&stop_signals, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
 
-  auto server = shardcoord::coordinator::CoordinatorServer::Start(options);
+  // A daemon that can no longer accept connections is useless to new and returning ranks
+  // and cannot heal in-process (gRPC 1.51): exit 3, so that the supervisor restarts it.
+  auto server = shardcoord::coordinator::CoordinatorServer::Start(options, nullptr, [](const std::string& why) {
+    std::cerr << "shardcoordd: exiting (3): " << why << std::endl;
+    std::_Exit(3);
+  });
   if (!server.ok()) {
     std::cerr << "shardcoordd: " << server.status().message() << "\n";
     return 2;

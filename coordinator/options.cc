@@ -3,6 +3,8 @@
 #include <yaml-cpp/yaml.h>
 
 #include <set>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -29,6 +31,19 @@ absl::Status ValidateOptions(const CoordinatorOptions& o) {
   }
   if (o.default_fallback == Fallback::kUnspecified) {
     return absl::InvalidArgumentError("default fallback must be root or replicate");
+  }
+  for (const auto& [name, d] : std::vector<std::pair<const char*, absl::Duration>>{
+           {"heartbeat interval", o.heartbeat_interval},
+           {"heartbeat timeout", o.heartbeat_timeout},
+           {"plan timeout", o.plan_timeout},
+           {"behind threshold", o.behind_threshold},
+           {"job retention", o.limits.job_retention},
+           {"handshake timeout", o.limits.handshake_timeout},
+           {"self-check interval", o.limits.self_check_interval}}) {
+    if (d > kMaxDuration) {
+      return absl::InvalidArgumentError(absl::StrCat(name, " (", absl::ToInt64Milliseconds(d),
+                                                     " ms) must be at most 24 h (86400000 ms)"));
+    }
   }
   if (o.heartbeat_interval <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("heartbeat interval must be > 0 ms");
@@ -57,6 +72,26 @@ absl::Status ValidateOptions(const CoordinatorOptions& o) {
   if (o.event_capacity < 1 || o.decision_history < 1) {
     return absl::InvalidArgumentError("event_capacity and decision_history must be >= 1");
   }
+  const CoordinatorLimits& l = o.limits;
+  for (const auto& [name, v] : std::vector<std::pair<const char*, int64_t>>{
+           {"max_world_size", l.max_world_size},
+           {"max_jobs", l.max_jobs},
+           {"max_modules", l.max_modules},
+           {"max_units_per_module", l.max_units_per_module},
+           {"max_name_bytes", l.max_name_bytes},
+           {"max_pending_microbatches", l.max_pending_microbatches},
+           {"max_outbox_bytes", l.max_outbox_bytes}}) {
+    if (v < 1) return absl::InvalidArgumentError(absl::StrCat(name, " must be >= 1, got ", v));
+  }
+  if (l.max_outbox_bytes < (64 << 10)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_outbox_bytes must be >= 65536 (one decision batch must fit), got ", l.max_outbox_bytes));
+  }
+  if (l.job_retention < absl::ZeroDuration() || l.self_check_interval < absl::ZeroDuration() ||
+      l.handshake_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        "job retention and self-check interval must be >= 0 ms, handshake timeout > 0 ms");
+  }
   return absl::OkStatus();
 }
 
@@ -80,7 +115,10 @@ absl::StatusOr<CoordinatorOptions> LoadConfigFile(const std::string& path,
       "listen",           "default_policy",    "default_fallback",  "heartbeat_interval_ms",
       "heartbeat_timeout_ms", "plan_timeout_ms", "max_lookahead",   "promote_window",
       "promote_threshold", "demote_threshold", "event_capacity",    "decision_history",
-      "log_level",        "address_file",      "behind_threshold_ms"};
+      "log_level",        "address_file",      "behind_threshold_ms", "max_world_size",
+      "max_jobs",         "max_modules",       "max_units_per_module", "max_name_bytes",
+      "max_pending_microbatches", "max_outbox_bytes", "job_retention_ms", "handshake_timeout_ms",
+      "self_check_interval_ms"};
   for (const auto& kv : root) {
     if (!kv.first.IsScalar()) {
       return absl::InvalidArgumentError(
@@ -127,6 +165,18 @@ absl::StatusOr<CoordinatorOptions> LoadConfigFile(const std::string& path,
       if (key == "decision_history") o.decision_history = v.as<int>();
       if (key == "log_level") o.log_level = v.as<std::string>();
       if (key == "address_file") o.address_file = v.as<std::string>();
+      if (key == "max_world_size") o.limits.max_world_size = v.as<int>();
+      if (key == "max_jobs") o.limits.max_jobs = v.as<int>();
+      if (key == "max_modules") o.limits.max_modules = v.as<int>();
+      if (key == "max_units_per_module") o.limits.max_units_per_module = v.as<int>();
+      if (key == "max_name_bytes") o.limits.max_name_bytes = v.as<int>();
+      if (key == "max_pending_microbatches") o.limits.max_pending_microbatches = v.as<int>();
+      if (key == "max_outbox_bytes") o.limits.max_outbox_bytes = v.as<int64_t>();
+      if (key == "job_retention_ms") o.limits.job_retention = absl::Milliseconds(v.as<int64_t>());
+      if (key == "handshake_timeout_ms") o.limits.handshake_timeout = absl::Milliseconds(v.as<int64_t>());
+      if (key == "self_check_interval_ms") {
+        o.limits.self_check_interval = absl::Milliseconds(v.as<int64_t>());
+      }
     } catch (const YAML::Exception& e) {
       return absl::InvalidArgumentError(absl::StrCat("config file ", path, ": key '", key,
                                                      "' has a value of the wrong type (", e.what(),

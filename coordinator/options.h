@@ -24,6 +24,29 @@ inline constexpr int kDefaultDemoteThreshold = 0;
 inline constexpr int kDefaultEventCapacity = 10000;
 inline constexpr int kDefaultDecisionHistory = 256;
 inline constexpr absl::Duration kDefaultBehindThreshold = absl::Seconds(10);
+// Longest duration any *_ms setting may have: durations travel to workers as int32 ms.
+inline constexpr absl::Duration kMaxDuration = absl::Hours(24);
+
+// Bounds on what clients may make the daemon hold (rule: every bound is a setting, and a
+// request over it is refused with RESOURCE_EXHAUSTED or INVALID_ARGUMENT naming it).
+// Memory per job is O(world_size + modules x units); per group O(pending microbatches x
+// modules x group size); per rank O(outbox).
+struct CoordinatorLimits {
+  int max_world_size = 65536;        // ranks in one job
+  int max_jobs = 1024;               // jobs held at once, finished ones included until evicted
+  int max_modules = 1024;            // controlled modules in a manifest
+  int max_units_per_module = 4096;   // layer units of one module
+  int max_name_bytes = 256;          // job id, module and unit names, host name
+  int max_pending_microbatches = 1024;  // per group: reported by some ranks, not yet by all
+  int64_t max_outbox_bytes = 16 << 20;  // per rank: queued, not yet written to its stream
+  // A job with no live rank is forgotten this long after its last rank left or died.
+  absl::Duration job_retention = absl::Minutes(10);
+  // A connection that has not finished the HTTP/2 handshake by then is closed.
+  absl::Duration handshake_timeout = absl::Seconds(10);
+  // The daemon checks this often that its listener still accepts connections (it stops
+  // after descriptor exhaustion in gRPC 1.51); 0 disables the check.
+  absl::Duration self_check_interval = absl::Seconds(5);
+};
 
 // `auto` promotion (DESIGN 3). Over the last `window` decided microbatches of a group,
 // a module whose ranks diverged in at least `promote_threshold` of them is replicated
@@ -53,6 +76,7 @@ struct CoordinatorOptions {
   // not issued it, make the coordinator name that member as behind.
   absl::Duration behind_threshold = kDefaultBehindThreshold;
   PromotionOptions promotion;
+  CoordinatorLimits limits;
   int event_capacity = kDefaultEventCapacity;      // Events kept for `shardctl events`.
   int decision_history = kDefaultDecisionHistory;  // Decisions kept per group.
   std::string log_level = "info";

@@ -1,5 +1,7 @@
 #include "shardcoord/internal/logging.h"
 
+#include <chrono>
+
 #include <spdlog/sinks/stdout_color_sinks.h>
 
 #include <cstdlib>
@@ -61,6 +63,24 @@ bool SetLevel(const std::string& level) {
   std::lock_guard<std::mutex> lock(reg.mu);
   reg.level = parsed;
   for (const auto& l : reg.loggers) l->set_level(parsed);
+  return true;
+}
+
+bool RateLimit::Allow(int64_t* suppressed) {
+  const int64_t now = std::chrono::duration_cast<std::chrono::seconds>(
+                          std::chrono::steady_clock::now().time_since_epoch()).count();
+  std::lock_guard<std::mutex> lock(mu_);
+  if (now != window_) {
+    window_ = now;
+    in_window_ = 0;
+  }
+  if (in_window_ >= per_second_) {
+    suppressed_++;
+    return false;
+  }
+  in_window_++;
+  *suppressed = suppressed_;
+  suppressed_ = 0;
   return true;
 }
 

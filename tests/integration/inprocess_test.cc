@@ -4,6 +4,10 @@
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
+#include <signal.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <map>
 #include <random>
 #include <thread>
@@ -13,13 +17,14 @@
 #include "shardcoord/proto/convert.h"
 #include "shardcoord/v1/coordinator.grpc.pb.h"
 #include "shardcoord/worker.h"
+#include "support/test_env.h"
 
 namespace shardcoord {
 namespace {
 
 using ::testing::HasSubstr;
 
-constexpr absl::Duration kDecisionTimeout = absl::Seconds(20);
+constexpr absl::Duration kDecisionTimeout = absl::Seconds(60);
 const std::vector<std::string> kModules = {"vision_tower", "audio_tower"};
 
 class InProcessTest : public ::testing::Test {
@@ -363,7 +368,7 @@ TEST_F(InProcessTest, DeadPeerFailsTheGroupInsteadOfHanging) {
   raw->ctx.TryCancel();  // The peer's connection dies mid-run.
   const absl::Time start = absl::Now();
   auto d = w0->GetDecision({0, 0}, kDecisionTimeout);
-  EXPECT_LT(absl::Now() - start, absl::Seconds(5)) << "must fail fast, not wait for the deadline";
+  EXPECT_LT(absl::Now() - start, testing::kLoadSlack) << "must fail fast, not wait for the deadline";
   ASSERT_FALSE(d.ok());
   EXPECT_EQ(d.status().code(), absl::StatusCode::kAborted);
   EXPECT_THAT(d.status().message(), HasSubstr("rank 1 declared dead"));
@@ -393,7 +398,7 @@ TEST_F(InProcessTest, CoordinatorLossFailsPendingCallsQuickly) {
   const absl::Time start = absl::Now();
   auto d = w0->GetDecision({0, 0}, kDecisionTimeout);
   stopper.join();
-  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  EXPECT_LT(absl::Now() - start, testing::kLoadSlack);
   ASSERT_FALSE(d.ok());
   EXPECT_EQ(d.status().code(), absl::StatusCode::kUnavailable);
   EXPECT_THAT(d.status().message(), HasSubstr(server_->address()));
@@ -408,7 +413,7 @@ TEST_F(InProcessTest, UnreachableCoordinatorFailsConnectWithinItsTimeout) {
   o.connect_timeout = absl::Milliseconds(500);
   const absl::Time start = absl::Now();
   auto w = Worker::Connect(o);
-  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  EXPECT_LT(absl::Now() - start, testing::kLoadSlack);
   ASSERT_FALSE(w.ok());
   EXPECT_EQ(w.status().code(), absl::StatusCode::kUnavailable);
   EXPECT_THAT(w.status().message(), HasSubstr("cannot reach coordinator at " + address));
@@ -500,6 +505,84 @@ TEST_F(InProcessTest, CommunicatorRendezvousRejectsBadInputAndKeepsWorking) {
   ASSERT_TRUE(sb.ok()) << sb;
   EXPECT_EQ(va, 7);
   EXPECT_EQ(vb, 7);
+}
+
+
+TEST_F(InProcessTest, RegistrationsOverTheCapsAreAnsweredAndShutdownStillCompletes) {
+  // Each of these used to be swallowed inside the gRPC callback (a 2^31-rank allocation),
+  // leaking its stream and making a later shutdown hang.
+  for (int i = 0; i < 3; ++i) {
+    RawSession raw(server_->address());
+    v1::RegisterRequest r = RawRequest(0, 2, 2);
+    r.set_world_size(2147483646);
+    auto resp = raw.Register(r);
+    ASSERT_FALSE(resp.ok());
+    EXPECT_EQ(resp.status().code(), absl::StatusCode::kResourceExhausted);
+    EXPECT_THAT(resp.status().message(), HasSubstr("max_world_size"));
+  }
+  auto w0 = Connect(Options(0, 2, 2));
+  ASSERT_TRUE(w0) << "a legitimate job is still admitted";
+  const absl::Time start = absl::Now();
+  server_->Shutdown(absl::Milliseconds(200));
+  EXPECT_LT(absl::Now() - start, testing::kLoadSlack);
+}
+
+TEST_F(InProcessTest, ARankThatNeverReadsIsFailedWithAReasonAndOthersAreServed) {
+  server_->Shutdown(absl::Milliseconds(10));
+  coordinator::CoordinatorOptions o;
+  o.limits.max_outbox_bytes = 64 << 10;
+  StartServer(o);
+  // Rank 0 (group 0, replicate: one decision per plan, at once) plans and never reads.
+  RawSession raw(server_->address());
+  v1::RegisterRequest r = RawRequest(0, 2, 1);
+  r.set_policy(v1::POLICY_REPLICATE);
+  v1::WorkerMessage reg;
+  *reg.mutable_register_() = r;
+  ASSERT_TRUE(raw.stream->Write(reg));
+  auto w1 = Connect(Options(1, 2, 1, Policy::kReplicate));
+  ASSERT_TRUE(w1);
+  auto rank0_state = [&] {
+    auto ranks = server_->core().Ranks("job");
+    return ranks.ranks(0);
+  };
+  int64_t step = 0;
+  // Flow control fills the transport's buffers first, then the daemon's queue for the rank.
+  const bool failed = testing::WaitUntil(
+      [&] {
+        v1::WorkerMessage m;
+        for (int i = 0; i < 2000; ++i) {
+          auto* p = m.mutable_plans()->add_plans();
+          p->set_step(step++);
+          (*p->mutable_calls())["vision_tower"] = 1;
+        }
+        raw.stream->Write(m);
+        return rank0_state().state() == v1::RANK_STATE_DEAD;
+      },
+      absl::Seconds(60), absl::Milliseconds(1));
+  ASSERT_TRUE(failed) << "after " << step << " plans: " << rank0_state().DebugString();
+  EXPECT_THAT(rank0_state().dead_reason(), HasSubstr("not reading its session stream"));
+  // The other rank is served as before.
+  ASSERT_TRUE(w1->ReportPlan(PlanOf(0, 0, 1)).ok());
+  auto d = w1->GetDecision({0, 0}, kDecisionTimeout);
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->Find("vision_tower")->decision, Decision::kReplicate);
+  raw.ctx.TryCancel();
+}
+
+TEST_F(InProcessTest, TheWorkerLibraryKeepsSigpipeFromKillingItsHost) {
+  signal(SIGPIPE, SIG_DFL);
+  auto w0 = Connect(Options(0, 2, 2));
+  ASSERT_TRUE(w0);
+  struct sigaction now {};
+  ASSERT_EQ(sigaction(SIGPIPE, nullptr, &now), 0);
+  EXPECT_EQ(now.sa_handler, SIG_IGN) << "a write to a dead peer's socket would kill the trainer";
+  // A write to a pipe nobody reads fails with EPIPE instead of killing this process.
+  int fds[2];
+  ASSERT_EQ(pipe(fds), 0);
+  close(fds[0]);
+  EXPECT_EQ(write(fds[1], "x", 1), -1);
+  EXPECT_EQ(errno, EPIPE);
+  close(fds[1]);
 }
 
 }  // namespace

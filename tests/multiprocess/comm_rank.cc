@@ -3,14 +3,17 @@
 //
 //   comm_rank --coordinator ADDR --job J --rank R --world-size W --group-size G
 //             --comm world|group --iterations N [--interval-ms M] [--rejoin]
-//             [--stall-at I --stall-ms MS] [--op-timeout-ms MS]
+//             [--stall-at I --stall-ms MS [--stall-until FILE]] [--op-timeout-ms MS]
 //
 // Each iteration: all-gather of (job rank * 1000 + iteration), all-reduce(SUM) of
 // (job rank + 1), broadcast from member 0; every result is checked. With --rejoin, an
 // aborted communicator is opened again (the next epoch) and the members agree, with an
 // all-reduce(MAX), on the iteration to resume from. Prints "iteration I epoch E ok" lines.
 // Exit codes: 0 done; 3 a collective failed (message on stderr); 4 wrong result.
+#include <unistd.h>
+
 #include <CLI/CLI.hpp>
+#include <chrono>
 #include <cstdlib>
 #include <cstdio>
 #include <iostream>
@@ -68,7 +71,7 @@ int main(int argc, char** argv) {
   int rank = 0, world = 0, group_size = 0, iterations = 10, interval_ms = 0;
   bool rejoin = false;
   int stall_at = -1, stall_ms = 0, op_timeout_ms = 10000, device = -1;
-  std::string backend = "gloo";
+  std::string backend = "gloo", stall_until;
   app.add_option("--coordinator", address)->required();
   app.add_option("--job", job)->required();
   app.add_option("--rank", rank)->required();
@@ -79,7 +82,9 @@ int main(int argc, char** argv) {
   app.add_option("--interval-ms", interval_ms);
   app.add_flag("--rejoin", rejoin);
   app.add_option("--stall-at", stall_at, "before this iteration, stop issuing collectives for --stall-ms");
-  app.add_option("--stall-ms", stall_ms);
+  app.add_option("--stall-ms", stall_ms, "longest stall");
+  app.add_option("--stall-until", stall_until,
+                 "end the stall as soon as this file exists (a test's signal), at the latest after --stall-ms");
   app.add_option("--op-timeout-ms", op_timeout_ms);
   app.add_option("--backend", backend)->check(CLI::IsMember({"gloo", "nccl"}));
   app.add_option("--device", device, "CUDA device for --backend nccl (default: rank % device count)");
@@ -144,8 +149,12 @@ int main(int argc, char** argv) {
     }
     if (s.ok() && it == stall_at && stall_ms > 0) {
       stall_at = -1;  // Alive and heartbeating, but not issuing collectives.
-      std::cerr << "stalling before iteration " << it << " for " << stall_ms << " ms" << std::endl;
-      std::this_thread::sleep_for(std::chrono::milliseconds(stall_ms));
+      std::cerr << "stalling before iteration " << it << " for at most " << stall_ms << " ms" << std::endl;
+      const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(stall_ms);
+      while (std::chrono::steady_clock::now() < until &&
+             (stall_until.empty() || access(stall_until.c_str(), F_OK) != 0)) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
     }
     if (s.ok()) {
       const int n = comm->size();

@@ -1,13 +1,15 @@
 // Multi-process tests: a real shardcoordd and real rank processes (`shardctl replay
 // --ranks R`, each linking the worker library), killed and frozen with real signals.
-#include <arpa/inet.h>
 #include <gmock/gmock.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
+#include <arpa/inet.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <unistd.h>
+
+#include <cstring>
 
 #include <fstream>
 #include <memory>
@@ -34,21 +36,7 @@ using testing::TempDir;
 using testing::WaitUntil;
 
 constexpr int kHeartbeatTimeoutMs = 1500;
-constexpr absl::Duration kStartTimeout = absl::Seconds(20);
-
-// A port nothing listens on: bound once by us, then released.
-int ClosedPort() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-  socklen_t len = sizeof(addr);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  close(fd);
-  return ntohs(addr.sin_port);
-}
+constexpr absl::Duration kStartTimeout = absl::Seconds(60);
 
 // A trace of `microbatches` per rank; group members disagree now and then.
 void WriteTrace(const std::string& path, int world, int microbatches) {
@@ -124,18 +112,18 @@ class MultiProcessTest : public ::testing::Test {
 TEST_F(MultiProcessTest, KillNineOneRankFailsItsGroupOnlyAndShowsItDead) {
   StartDaemon();
   const std::string trace = dir_.File("trace.jsonl");
-  WriteTrace(trace, 8, 120);  // 120 microbatches x 25 ms: ~3 s per rank
+  WriteTrace(trace, 8, 240);  // 240 microbatches x 25 ms: ~6 s per rank
   StartJob(trace, 25);
 
   ranks_[5]->Signal(SIGKILL);
   const absl::Time killed = absl::Now();
   for (int r : {4, 6, 7}) {
-    auto code = ranks_[r]->Wait(absl::Milliseconds(kHeartbeatTimeoutMs) + absl::Seconds(3));
+    auto code = ranks_[r]->Wait(absl::Milliseconds(kHeartbeatTimeoutMs) + testing::kLoadSlack);
     ASSERT_TRUE(code.has_value()) << "rank " << r << " still waiting after rank 5 died";
     EXPECT_EQ(*code, 1) << ReadFile(ranks_[r]->stderr_path());
     EXPECT_THAT(ReadFile(ranks_[r]->stderr_path()), HasSubstr("rank 5 declared dead"));
   }
-  EXPECT_LT(absl::Now() - killed, absl::Milliseconds(kHeartbeatTimeoutMs) + absl::Seconds(3));
+  EXPECT_LT(absl::Now() - killed, absl::Milliseconds(kHeartbeatTimeoutMs) + testing::kLoadSlack);
   // The other group goes on to the end.
   for (int r : {0, 1, 2, 3}) {
     auto code = ranks_[r]->Wait(absl::Seconds(60));
@@ -146,14 +134,24 @@ TEST_F(MultiProcessTest, KillNineOneRankFailsItsGroupOnlyAndShowsItDead) {
                      dir_.File("rank2.jsonl"), dir_.File("rank3.jsonl")},
                     absl::Seconds(30));
   EXPECT_EQ(verify.exit_code, 0) << verify.err;
-  EXPECT_THAT(verify.out, HasSubstr("verified 240 group decisions"));
+  EXPECT_THAT(verify.out, HasSubstr("verified 480 group decisions"));
 
-  // The operator sees it: `shardctl ranks --json` names rank 5 dead and why.
-  auto ranks = RunCommand({SHARDCTL_PATH, "ranks", "--json", "--coordinator", address_}, absl::Seconds(30));
-  ASSERT_EQ(ranks.exit_code, 0) << ranks.err;
+  // The operator sees it: `shardctl ranks --json` names rank 5 dead and why. A rank's
+  // goodbye may still be in flight when its process has exited: wait until all four left.
   v1::ListRanksResponse parsed;
-  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(ranks.out, &parsed).ok()) << ranks.out;
-  ASSERT_EQ(parsed.ranks_size(), 8);
+  ASSERT_TRUE(WaitUntil(
+      [&] {
+        auto ranks = RunCommand({SHARDCTL_PATH, "ranks", "--json", "--coordinator", address_}, absl::Seconds(30));
+        parsed.Clear();
+        if (ranks.exit_code != 0 || !google::protobuf::util::JsonStringToMessage(ranks.out, &parsed).ok()) {
+          return false;
+        }
+        return parsed.ranks_size() == 8 && std::all_of(parsed.ranks().begin(), parsed.ranks().begin() + 4, [](const auto& r) {
+                 return r.state() == v1::RANK_STATE_LEFT;
+               });
+      },
+      testing::kLoadSlack))
+      << parsed.DebugString();
   EXPECT_EQ(parsed.ranks(5).state(), v1::RANK_STATE_DEAD);
   EXPECT_THAT(parsed.ranks(5).dead_reason(), HasSubstr("session stream lost"));
   for (int r : {0, 1, 2, 3}) EXPECT_EQ(parsed.ranks(r).state(), v1::RANK_STATE_LEFT);
@@ -171,15 +169,19 @@ TEST_F(MultiProcessTest, FrozenRankIsDeclaredDeadByHeartbeatTimeout) {
   ranks_[2]->Signal(SIGSTOP);  // Alive, connection open, but silent.
   const absl::Time frozen = absl::Now();
   for (int r : {0, 1, 3}) {
-    auto code = ranks_[r]->Wait(absl::Milliseconds(kHeartbeatTimeoutMs) + absl::Seconds(5));
+    auto code = ranks_[r]->Wait(absl::Milliseconds(kHeartbeatTimeoutMs) + testing::kLoadSlack);
     ASSERT_TRUE(code.has_value()) << "rank " << r << " still waiting for the frozen rank";
     EXPECT_EQ(*code, 1);
     EXPECT_THAT(ReadFile(ranks_[r]->stderr_path()), HasSubstr("rank 2 declared dead: no heartbeat"));
   }
-  const absl::Duration took = absl::Now() - frozen;
-  EXPECT_GE(took, absl::Milliseconds(kHeartbeatTimeoutMs) - absl::Milliseconds(300))
-      << "declared dead before the timeout";
-  EXPECT_LT(took, absl::Milliseconds(kHeartbeatTimeoutMs) + absl::Seconds(5));
+  EXPECT_LT(absl::Now() - frozen, absl::Milliseconds(kHeartbeatTimeoutMs) + testing::kLoadSlack);
+  // Not declared dead early: the coordinator's own measure of the silence (in the reason) is
+  // at least the timeout. (Time measured here would also count a heartbeat the machine's
+  // load delayed before the SIGSTOP.)
+  const std::string err = ReadFile(ranks_[0]->stderr_path());
+  const size_t at = err.find("no heartbeat for ");
+  ASSERT_NE(at, std::string::npos) << err;
+  EXPECT_GE(std::atoi(err.c_str() + at + strlen("no heartbeat for ")), kHeartbeatTimeoutMs) << err;
   // Group 1 is not affected.
   for (int r : {4, 5, 6, 7}) EXPECT_TRUE(ranks_[r]->Running()) << "rank " << r;
   ranks_[2]->Signal(SIGKILL);
@@ -214,11 +216,12 @@ TEST_F(MultiProcessTest, ProcessesAgreeWithTheEmbeddedReplay) {
 }
 
 TEST_F(MultiProcessTest, ShardctlFailsFastOnAnUnreachableCoordinator) {
-  const std::string addr = absl::StrCat("127.0.0.1:", ClosedPort());
+  testing::RefusingPort closed;
+  const std::string addr = closed.address();
   for (const char* cmd : {"status", "ranks", "groups", "decisions", "events"}) {
     const absl::Time start = absl::Now();
     auto r = RunCommand({SHARDCTL_PATH, cmd, "--coordinator", addr, "--timeout-ms", "2000"}, absl::Seconds(30));
-    EXPECT_LT(absl::Now() - start, absl::Seconds(10)) << cmd;
+    EXPECT_LT(absl::Now() - start, absl::Seconds(2) + testing::kLoadSlack) << cmd;
     EXPECT_EQ(r.exit_code, 2) << cmd;
     EXPECT_THAT(r.err, HasSubstr("cannot reach coordinator at " + addr)) << cmd;
     EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << "one line: " << r.err;
@@ -257,6 +260,80 @@ TEST_F(MultiProcessTest, DaemonRejectsABadConfigWithAClearMessage) {
   r = RunCommand({SHARDCOORDD_PATH, "--config", cfg, "--listen", "127.0.0.1:0"}, absl::Seconds(10));
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_THAT(r.err, HasSubstr("at least twice the heartbeat interval"));
+}
+
+
+TEST_F(MultiProcessTest, APausedDaemonDeclaresNoRankDeadWhenItResumes) {
+  StartDaemon();
+  const std::string trace = dir_.File("trace.jsonl");
+  WriteTrace(trace, 8, 160);  // ~4 s of work per rank at 25 ms
+  StartJob(trace, 25);
+  // The daemon stops for three heartbeat timeouts (a VM pause, SIGSTOP, a long stall): the
+  // ranks' heartbeats wait in socket buffers meanwhile.
+  daemon_->process().Signal(SIGSTOP);
+  absl::SleepFor(absl::Milliseconds(3 * kHeartbeatTimeoutMs));
+  daemon_->process().Signal(SIGCONT);
+  for (int r = 0; r < 8; ++r) {
+    auto code = ranks_[r]->Wait(absl::Seconds(60));
+    ASSERT_TRUE(code.has_value()) << "rank " << r << " hangs";
+    EXPECT_EQ(*code, 0) << "rank " << r << ": " << ReadFile(ranks_[r]->stderr_path());
+  }
+  EXPECT_EQ(CountInState(v1::RANK_STATE_DEAD), 0);
+  auto events = RunCommand({SHARDCTL_PATH, "events", "--coordinator", address_}, absl::Seconds(30));
+  EXPECT_THAT(events.out, HasSubstr("coordinator_paused"));
+}
+
+// gRPC 1.51 stops accepting for good once accept() fails with EMFILE. The daemon raises its
+// soft descriptor limit to the hard one, and exits (3) when its listener is gone, so that a
+// supervisor restarts it instead of leaving a deaf daemon bound to the port.
+TEST_F(MultiProcessTest, DaemonUsesItsHardFileLimitAndExitsWhenItCanNoLongerAccept) {
+  auto start = [&](const std::string& nofile, const std::string& tag) {
+    const std::string addr_file = dir_.File(tag + ".addr");
+    auto p = std::make_unique<Subprocess>(
+        std::vector<std::string>{"/usr/bin/prlimit", "--nofile=" + nofile, SHARDCOORDD_PATH, "--listen", "127.0.0.1:0",
+                                 "--address-file", addr_file, "--self-check-interval-ms", "200"},
+        dir_.File(tag + ".out"), dir_.File(tag + ".err"));
+    EXPECT_TRUE(WaitUntil([&] { return ReadFile(addr_file).find(':') != std::string::npos; }, kStartTimeout))
+        << ReadFile(dir_.File(tag + ".err"));
+    std::string a = ReadFile(addr_file);
+    a.erase(a.find_last_not_of('\n') + 1);
+    return std::make_pair(std::move(p), a);
+  };
+  auto flood = [](const std::string& address, int n) {
+    const int port = std::stoi(address.substr(address.rfind(':') + 1));
+    std::vector<int> fds;
+    for (int i = 0; i < n; ++i) {
+      int fd = socket(AF_INET, SOCK_STREAM, 0);
+      sockaddr_in sa{};
+      sa.sin_family = AF_INET;
+      sa.sin_port = htons(port);
+      sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+      connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa));
+      fds.push_back(fd);
+    }
+    return fds;
+  };
+  {
+    // Soft limit 64, hard 4096: 200 idle connections are fine and operators still get in.
+    auto [daemon, address] = start("64:4096", "raised");
+    EXPECT_THAT(ReadFile(dir_.File("raised.err")), HasSubstr("open file limit 4096 (was 64"));
+    std::vector<int> fds = flood(address, 200);
+    auto status = RunCommand({SHARDCTL_PATH, "status", "--coordinator", address}, absl::Seconds(30));
+    EXPECT_EQ(status.exit_code, 0) << status.err;
+    EXPECT_TRUE(daemon->Running());
+    for (int fd : fds) close(fd);
+  }
+  {
+    // Hard limit 64: the flood exhausts it; the daemon notices and exits 3, naming why.
+    auto [daemon, address] = start("64:64", "exhausted");
+    std::vector<int> fds = flood(address, 100);
+    auto code = daemon->Wait(absl::Seconds(30));
+    for (int fd : fds) close(fd);
+    ASSERT_TRUE(code.has_value()) << "a deaf daemon stayed up: " << ReadFile(dir_.File("exhausted.err"));
+    EXPECT_EQ(*code, 3);
+    EXPECT_THAT(ReadFile(dir_.File("exhausted.err")), HasSubstr("no longer accepts connections"));
+    EXPECT_THAT(ReadFile(dir_.File("exhausted.err")), HasSubstr("Raise the open file limit"));
+  }
 }
 
 }  // namespace

@@ -164,12 +164,12 @@ TEST_F(TrainerTest, KillNineOneTrainerAndEveryOtherRankStopsWithItsName) {
   procs[1]->Signal(SIGKILL);
   const absl::Time killed = absl::Now();
   for (int r : {0, 2, 3}) {  // Rank 0 shares group/0 with it; every rank shares `world`.
-    auto code = procs[r]->Wait(absl::Seconds(20));
+    auto code = procs[r]->Wait(absl::Seconds(10) + testing::kLoadSlack);
     ASSERT_TRUE(code.has_value()) << "rank " << r << " hangs after rank 1 died";
     EXPECT_EQ(*code, 3);
     EXPECT_THAT(ReadFile(procs[r]->stderr_path()), HasSubstr("rank 1 declared dead")) << "rank " << r;
   }
-  EXPECT_LT(absl::Now() - killed, absl::Seconds(10));
+  EXPECT_LT(absl::Now() - killed, absl::Seconds(5) + testing::kLoadSlack);
 }
 
 }  // namespace

@@ -9,6 +9,28 @@
 
 namespace shardcoord::testing {
 
+// Time allowed on top of a protocol deadline (heartbeat timeout, op timeout) for what a
+// loaded 2-core machine may delay: process start, scheduling, a poll that forks shardctl.
+// Bounds stay finite, so a hang still fails the test; they only stop measuring noise.
+inline constexpr absl::Duration kLoadSlack = absl::Seconds(15);
+
+// A loopback TCP port that refuses connections for as long as this object lives: the socket
+// is bound but never listens, so no other process can take the port in the meantime (a port
+// found by binding and releasing it could be taken by anyone before the test uses it).
+class RefusingPort {
+ public:
+  RefusingPort();
+  ~RefusingPort();
+  RefusingPort(const RefusingPort&) = delete;
+  RefusingPort& operator=(const RefusingPort&) = delete;
+  int port() const { return port_; }
+  std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
+
+ private:
+  int fd_ = -1;
+  int port_ = 0;
+};
+
 // A fresh directory under $TMPDIR (or /tmp), removed with its contents on destruction.
 class TempDir {
  public:

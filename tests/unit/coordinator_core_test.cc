@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <gtest/gtest.h>
 
+#include <functional>
+
 #include "absl/synchronization/mutex.h"
 
 namespace shardcoord::coordinator {
@@ -32,7 +34,12 @@ class FakeClock final : public Clock {
 // Records what the core sends to one rank.
 class RecordingSink final : public RankSink {
  public:
-  void Send(const v1::CoordinatorMessage& msg) override { messages.push_back(msg); }
+  bool Send(const v1::CoordinatorMessage& msg) override {
+    if (refuse) return false;
+    messages.push_back(msg);
+    return true;
+  }
+  bool refuse = false;  // Acts as a rank that stopped reading: its queue is full.
   void Close(const absl::Status& status) override {
     closed = true;
     close_status = status;
@@ -75,6 +82,13 @@ class CoreTest : public ::testing::Test {
     options_.max_lookahead = 8;
     clock_ = std::make_shared<FakeClock>();
     core_ = std::make_unique<CoordinatorCore>(options_, clock_);
+  }
+
+  void Reset(const CoordinatorOptions& o) {
+    options_ = o;
+    core_ = std::make_unique<CoordinatorCore>(options_, clock_);
+    sinks_.clear();
+    sessions_.clear();
   }
 
   static v1::RegisterRequest Request(int rank, int world = 4, int group_size = 2,
@@ -300,6 +314,8 @@ TEST_F(CoreTest, GroupGetsOneIdenticalDecisionPerMicrobatch) {
   EXPECT_EQ(d0[1].modules(0).decision(), v1::DECISION_ROOT);
   EXPECT_EQ(d0[1].modules(0).reason(), v1::REASON_DIVERGENT);
 }
+
+class StaticPolicyTest : public CoreTest, public ::testing::WithParamInterface<v1::Policy> {};
 
 TEST_F(CoreTest, StaticPolicyNeverWaitsForTheGroup) {
   ASSERT_TRUE(Register(Request(0, 4, 2, v1::POLICY_REPLICATE)).ok());
@@ -568,6 +584,233 @@ TEST_F(CoreTest, ShutdownTellsEverySessionAndClosesIt) {
     EXPECT_FALSE(sinks_[r]->Where([](const auto& m) { return m.has_notice(); }).empty());
   }
   EXPECT_EQ(Register(Request(0)).code(), absl::StatusCode::kUnavailable);
+}
+
+
+// ---- Static policies keep the group invariant (issue: one rank's view hid a divergence).
+
+TEST_P(StaticPolicyTest, EveryRankGetsTheSameSeqAndDigestPerKeyEvenWhenOneSkips) {
+  RegisterAll(4, 2, GetParam());
+  // Rank 0 plans (0,0) and (0,1); rank 1 plans only (0,1): it skipped (0,0).
+  Plan(0, 0, 0, 1);
+  Plan(0, 0, 1, 1);
+  Plan(1, 0, 1, 1);
+  auto d0 = sinks_[0]->Decisions();
+  auto d1 = sinks_[1]->Decisions();
+  ASSERT_EQ(d0.size(), 2u);
+  ASSERT_EQ(d1.size(), 1u);
+  EXPECT_EQ(d1[0].microbatch(), 1);
+  EXPECT_EQ(d1[0].seq(), d0[1].seq()) << "same key, same seq on every rank";
+  EXPECT_EQ(d1[0].digest(), d0[1].digest());
+  // ... and the skipped microbatch fails for the whole group, as under auto.
+  for (int r : {0, 1}) {
+    auto failed = sinks_[r]->Where([](const auto& m) { return m.has_microbatch_failed(); });
+    ASSERT_EQ(failed.size(), 1u) << "rank " << r;
+    EXPECT_EQ(failed[0].microbatch_failed().microbatch(), 0);
+    EXPECT_THAT(failed[0].microbatch_failed().message(), HasSubstr("rank 1 reported (0,1) without reporting (0,0)"));
+  }
+}
+
+TEST_P(StaticPolicyTest, ARankThatLeftAndCameBackContinuesTheGroupsSeqs) {
+  RegisterAll(4, 2, GetParam());
+  for (int mb = 0; mb < 3; ++mb) {
+    Plan(0, 0, mb, 1);
+    Plan(1, 0, mb, 1);
+  }
+  core_->OnGoodbye(sessions_[1], "restart");
+  ASSERT_TRUE(Register(Request(1, 4, 2, GetParam())).ok());
+  // A key the group already resolved is stale for the returning rank, as under auto.
+  Plan(1, 0, 2, 1);
+  auto rej = sinks_[1]->Rejections();
+  ASSERT_EQ(rej.size(), 1u);
+  EXPECT_THAT(rej[0].message(), HasSubstr("is stale"));
+  Plan(0, 0, 3, 1);
+  Plan(1, 0, 3, 1);
+  auto d0 = sinks_[0]->Decisions();
+  auto d1 = sinks_[1]->Decisions();  // The new session's sink.
+  ASSERT_EQ(d0.size(), 4u);
+  ASSERT_EQ(d1.size(), 1u);
+  EXPECT_EQ(d1[0].seq(), 3u);
+  EXPECT_EQ(d1[0].seq(), d0[3].seq());
+  EXPECT_EQ(d1[0].digest(), d0[3].digest());
+}
+
+TEST_P(StaticPolicyTest, ARankFarAheadOfItsGroupIsToldToWait) {
+  CoordinatorOptions o = options_;
+  o.limits.max_pending_microbatches = 3;
+  Reset(o);
+  RegisterAll(4, 2, GetParam());
+  for (int mb = 0; mb < 4; ++mb) Plan(0, 0, mb, 1);  // Rank 1 reports nothing.
+  EXPECT_EQ(sinks_[0]->Decisions().size(), 3u);
+  auto rej = sinks_[0]->Rejections();
+  ASSERT_EQ(rej.size(), 1u);
+  EXPECT_EQ(rej[0].code(), static_cast<int>(absl::StatusCode::kResourceExhausted));
+  EXPECT_THAT(rej[0].message(), HasSubstr("max_pending_microbatches"));
+  // Once rank 1 catches up, rank 0 may go on.
+  for (int mb = 0; mb < 3; ++mb) Plan(1, 0, mb, 1);
+  Plan(0, 0, 4, 1);
+  EXPECT_EQ(sinks_[0]->Decisions().size(), 4u);
+}
+
+INSTANTIATE_TEST_SUITE_P(RootAndReplicate, StaticPolicyTest,
+                         ::testing::Values(v1::POLICY_ROOT, v1::POLICY_REPLICATE));
+
+TEST_F(CoreTest, RejectionsCarryTheEpochOfTheRejectedPlan) {
+  RegisterAll();
+  core_->OnSessionClosed(sessions_[1], "test");
+  ASSERT_TRUE(Register(Request(1)).ok());  // Re-formed at epoch 1.
+  v1::PlanBatch old;
+  old.set_epoch(0);  // Queued before the failure, arriving after the re-form.
+  auto* p = old.add_plans();
+  p->set_step(0);
+  (*p->mutable_calls())["vision_tower"] = 1;
+  core_->OnPlans(sessions_[0], old);
+  auto rej = sinks_[0]->Rejections();
+  ASSERT_EQ(rej.size(), 1u);
+  EXPECT_EQ(rej[0].epoch(), 0) << "so the worker can tell it from the same key planned in epoch 1";
+}
+
+// ---- Bounds: caps on registrations, queues and retention.
+
+TEST_F(CoreTest, RegistrationsOverTheCapsAreRefusedNamingTheCap) {
+  CoordinatorOptions o = options_;
+  o.limits.max_world_size = 1024;
+  o.limits.max_modules = 4;
+  o.limits.max_units_per_module = 2;
+  o.limits.max_name_bytes = 16;
+  Reset(o);
+  struct Case {
+    std::function<void(v1::RegisterRequest&)> edit;
+    absl::StatusCode code;
+    std::string text;
+  };
+  std::vector<Case> cases = {
+      {[](auto& r) { r.set_world_size(2147483646); }, absl::StatusCode::kResourceExhausted, "max_world_size (1024)"},
+      {[](auto& r) { r.set_job_id(std::string(1 << 20, 'j')); }, absl::StatusCode::kInvalidArgument, "max_name_bytes"},
+      {[](auto& r) { r.set_host(std::string(100, 'h')); }, absl::StatusCode::kInvalidArgument, "host is 100 bytes"},
+      {[](auto& r) {
+         for (int i = 0; i < 5; ++i) r.add_modules()->set_name("m" + std::to_string(i));
+       },
+       absl::StatusCode::kResourceExhausted, "max_modules (4)"},
+      {[](auto& r) {
+         for (int i = 0; i < 3; ++i) r.mutable_modules(0)->add_units()->set_name("u" + std::to_string(i));
+       },
+       absl::StatusCode::kResourceExhausted, "max_units_per_module (2)"},
+      {[](auto& r) {
+         r.mutable_modules(0)->add_units()->set_name("layers.0");
+         r.mutable_modules(0)->add_units();
+       },
+       absl::StatusCode::kInvalidArgument, "layer unit 1 has an empty name"},
+      {[](auto& r) {
+         r.mutable_modules(0)->add_units()->set_name("layers.0");
+         r.mutable_modules(0)->add_units()->set_name("layers.0");
+       },
+       absl::StatusCode::kInvalidArgument, "lists layer unit 'layers.0' twice"},
+      {[](auto& r) {
+         auto* u = r.mutable_modules(0)->add_units();
+         u->set_name("layer0");
+         u->set_param_bytes(-5);
+       },
+       absl::StatusCode::kInvalidArgument, "negative param_bytes -5"},
+      {[](auto& r) { r.set_memory_budget_bytes(-1); }, absl::StatusCode::kInvalidArgument, "memory_budget_bytes -1"},
+  };
+  for (const auto& c : cases) {
+    v1::RegisterRequest r = Request(0);
+    c.edit(r);
+    absl::Status s = Register(r);
+    EXPECT_EQ(s.code(), c.code) << s;
+    EXPECT_THAT(std::string(s.message()), HasSubstr(c.text));
+  }
+  EXPECT_TRUE(core_->Status("").jobs().empty()) << "nothing was created";
+  EXPECT_TRUE(Register(Request(0)).ok());
+}
+
+TEST_F(CoreTest, JobsAreCappedAndEndedOnesEvictedAfterTheirRetention) {
+  CoordinatorOptions o = options_;
+  o.limits.max_jobs = 2;
+  o.limits.job_retention = absl::Seconds(60);
+  Reset(o);
+  auto job = [](const std::string& id) {
+    v1::RegisterRequest r = Request(0, 1, 1);
+    r.set_job_id(id);
+    return r;
+  };
+  ASSERT_TRUE(Register(job("a")).ok());  // session 1
+  ASSERT_TRUE(Register(job("b")).ok());  // session 2
+  absl::Status full = Register(job("c"));  // session 3, refused
+  EXPECT_EQ(full.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(full.message()), HasSubstr("max_jobs (2)"));
+  // Job "a" ends: the next new job takes its place at once.
+  core_->OnGoodbye(1, "done");
+  ASSERT_TRUE(Register(job("c")).ok());  // session 4
+  auto ids = [&] {
+    std::vector<std::string> out;
+    const v1::StatusResponse st = core_->Status("");
+    for (const auto& j : st.jobs()) out.push_back(j.job_id());
+    return out;
+  };
+  EXPECT_THAT(ids(), ::testing::ElementsAre("b", "c"));
+  // An ended job is kept for the retention, then forgotten by the tick.
+  core_->OnGoodbye(2, "done");
+  clock_->Advance(absl::Seconds(59));
+  core_->OnHeartbeat(4);  // "c" stays live.
+  core_->Tick();
+  EXPECT_THAT(ids(), ::testing::ElementsAre("b", "c"));
+  clock_->Advance(absl::Seconds(2));
+  core_->OnHeartbeat(4);
+  core_->Tick();
+  EXPECT_THAT(ids(), ::testing::ElementsAre("c"));
+}
+
+TEST_F(CoreTest, ARankThatStopsReadingIsFailedAndItsGroupToldWhy) {
+  RegisterAll(4, 2, v1::POLICY_REPLICATE);
+  sinks_[1]->refuse = true;  // Its outgoing queue is full.
+  Plan(1, 0, 0, 1);
+  core_->Tick();
+  EXPECT_EQ(RankStatusOf(1).state(), v1::RANK_STATE_DEAD);
+  EXPECT_THAT(RankStatusOf(1).dead_reason(), HasSubstr("not reading its session stream"));
+  EXPECT_THAT(RankStatusOf(1).dead_reason(), HasSubstr("max_outbox_bytes"));
+  auto failures = sinks_[0]->Where([](const auto& m) { return m.has_group_failure(); });
+  ASSERT_EQ(failures.size(), 1u);
+  EXPECT_THAT(failures[0].group_failure().reason(), HasSubstr("not reading"));
+  // The other group is untouched.
+  EXPECT_EQ(RankStatusOf(2).state(), v1::RANK_STATE_LIVE);
+  EXPECT_EQ(RankStatusOf(3).state(), v1::RANK_STATE_LIVE);
+}
+
+TEST_F(CoreTest, APausedCoordinatorDoesNotDeclareEveryRankDead) {
+  RegisterAll();
+  // The daemon was stopped for 7 s: no heartbeat was read meanwhile.
+  clock_->Advance(absl::Seconds(7));
+  core_->OnPaused(absl::Seconds(7));
+  core_->Tick();
+  for (int r = 0; r < 4; ++r) EXPECT_EQ(RankStatusOf(r).state(), v1::RANK_STATE_LIVE) << "rank " << r;
+  // A rank that stays silent after the pause is still declared dead one timeout later.
+  clock_->Advance(absl::Milliseconds(1001));
+  for (int r : {0, 1, 2}) core_->OnHeartbeat(sessions_[r]);
+  core_->Tick();
+  EXPECT_EQ(RankStatusOf(3).state(), v1::RANK_STATE_DEAD);
+  EXPECT_EQ(RankStatusOf(0).state(), v1::RANK_STATE_LIVE);
+}
+
+TEST_F(CoreTest, RejectionsOfHugeManifestsStayShort) {
+  CoordinatorOptions o = options_;
+  o.limits.max_modules = 1000;
+  Reset(o);
+  v1::RegisterRequest r = Request(0, 1, 1);
+  for (int i = 0; i < 900; ++i) r.add_modules()->set_name("module_with_a_long_name_" + std::to_string(i));
+  ASSERT_TRUE(Register(r).ok());
+  v1::PlanBatch b;
+  auto* p = b.add_plans();
+  (*p->mutable_calls())["vison_tower"] = 1;
+  core_->OnPlans(sessions_[0], b);
+  auto rej = sinks_[0]->Rejections();
+  ASSERT_EQ(rej.size(), 1u);
+  EXPECT_THAT(rej[0].message(), HasSubstr("unknown module 'vison_tower'"));
+  EXPECT_THAT(rej[0].message(), HasSubstr("(886 more)"));
+  EXPECT_LT(rej[0].message().size(), 2000u);
+  auto st = core_->Status("job");
+  EXPECT_EQ(st.jobs(0).modules_size(), 17);
 }
 
 }  // namespace

@@ -3,11 +3,13 @@
 #include "communicator_internal.h"
 
 #include <grpcpp/grpcpp.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <cstdlib>
 #include <deque>
 #include <map>
+#include <mutex>
 #include <set>
 #include <thread>
 
@@ -25,6 +27,25 @@ namespace {
 // Keepalive pings notice a coordinator that vanished without closing the connection.
 constexpr int kKeepaliveTimeMs = 5000;
 constexpr int kKeepaliveTimeoutMs = 5000;
+
+// A decision message lists every module; the coordinator splits batches at 1 MiB, and one
+// decision of a manifest at the coordinator's caps stays below this.
+constexpr int kWorkerMaxReceiveBytes = 64 << 20;
+
+// A peer that dies mid-collective makes the next write on its socket raise SIGPIPE, whose
+// default action kills the whole trainer instead of failing the collective with EPIPE
+// (Gloo's TCP transport writes without MSG_NOSIGNAL). A library must not let that happen:
+// ignore SIGPIPE, unless the host program installed a handler of its own.
+void IgnoreSigpipeOnce() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    struct sigaction current {};
+    if (sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL &&
+        !(current.sa_flags & SA_SIGINFO)) {
+      signal(SIGPIPE, SIG_IGN);
+    }
+  });
+}
 
 std::string HostName() {
   char buf[256] = {0};
@@ -59,7 +80,7 @@ class Worker::Impl {
     absl::MutexLock lock(&mu_);
     if (!session_status_.ok()) return session_status_;
     if (!group_failure_.empty()) return absl::AbortedError(group_failure_);
-    return absl::OkStatus();
+    return late_failure_;
   }
   GroupInfo group() const {
     absl::MutexLock lock(&mu_);
@@ -132,6 +153,9 @@ class Worker::Impl {
   std::map<std::string, std::weak_ptr<internal::AbortableCommunicator>> comms_ ABSL_GUARDED_BY(mu_);
   int undecided_ ABSL_GUARDED_BY(mu_) = 0;
   std::optional<MicrobatchKey> last_reported_ ABSL_GUARDED_BY(mu_);
+  std::optional<MicrobatchKey> last_taken_ ABSL_GUARDED_BY(mu_);  // Newest key GetDecision returned.
+  // A microbatch failed after its decision was taken: returned by the next GetDecision.
+  absl::Status late_failure_ ABSL_GUARDED_BY(mu_);
   std::deque<v1::MicrobatchPlan> outbox_ ABSL_GUARDED_BY(mu_);
   std::vector<ModuleMemoryUsage> memory_ ABSL_GUARDED_BY(mu_);
   bool memory_dirty_ ABSL_GUARDED_BY(mu_) = false;  // Not sent yet: send without waiting.
@@ -161,7 +185,9 @@ absl::Status Worker::Impl::Start() {
         " world_size=", options_.world_size, " group_size=", options_.group_size,
         "; all four are required"));
   }
+  IgnoreSigpipeOnce();
   grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(kWorkerMaxReceiveBytes);
   args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, kKeepaliveTimeMs);
   args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, kKeepaliveTimeoutMs);
   args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
@@ -312,6 +338,12 @@ void Worker::Impl::Handle(const v1::CoordinatorMessage& msg, PendingAborts* abor
     case v1::CoordinatorMessage::kPlanRejected: {
       const auto& r = msg.plan_rejected();
       MicrobatchKey key{r.step(), r.microbatch()};
+      if (r.epoch() != group_.epoch) {
+        // Sent before the group failed, rejected after it re-formed: not about this epoch's plan.
+        log_->debug("{} step={} mb={} epoch {} plan rejected after re-forming: {}", Prefix(), key.step,
+                    key.microbatch, r.epoch(), r.message());
+        break;
+      }
       log_->warn("{} step={} mb={} plan rejected: {}", Prefix(), key.step, key.microbatch, r.message());
       auto it = entries_.find(key);
       if (it == entries_.end() || it->second.state != EntryState::kPending) break;
@@ -324,9 +356,16 @@ void Worker::Impl::Handle(const v1::CoordinatorMessage& msg, PendingAborts* abor
       MicrobatchKey key{f.step(), f.microbatch()};
       log_->error("{} step={} mb={} microbatch failed: {}", Prefix(), key.step, key.microbatch, f.message());
       auto it = entries_.find(key);
-      if (it == entries_.end() || it->second.state != EntryState::kPending) break;
-      it->second.status = MakeStatus(f.code(), f.message());
-      Resolve(it->second, EntryState::kFailed);
+      if (it != entries_.end() && it->second.state != EntryState::kFailed) {
+        // Pending, or decided and not yet taken (static policies decide before the group has
+        // reported): the trainer must not run it.
+        it->second.status = MakeStatus(f.code(), f.message());
+        Resolve(it->second, EntryState::kFailed);
+      } else if (it == entries_.end() && last_taken_ && !(*last_taken_ < key)) {
+        // Already taken and maybe run (static policies): the next GetDecision says so.
+        late_failure_ = MakeStatus(f.code(), absl::StrCat(f.message(), " (the decision for ", key.ToString(),
+                                                          " was already taken on this rank)"));
+      }
       break;
     }
     case v1::CoordinatorMessage::kGroupFailure: {
@@ -359,6 +398,7 @@ void Worker::Impl::Handle(const v1::CoordinatorMessage& msg, PendingAborts* abor
         group_failure_.clear();
         group_.epoch = n.epoch();
         last_reported_.reset();  // Keys start afresh in the new epoch (the coordinator's rule).
+        last_taken_.reset();
         log_->info("{} {}", Prefix(), n.message());
       } else if (n.kind() == v1::Notice::KIND_SHUTDOWN) {
         session_status_ = absl::UnavailableError(absl::StrCat(
@@ -517,6 +557,11 @@ absl::StatusOr<MicrobatchDecision> Worker::Impl::GetDecision(const MicrobatchKey
   absl::StatusOr<MicrobatchDecision> out =
       e.state == EntryState::kDecided ? absl::StatusOr<MicrobatchDecision>(e.decision)
                                       : absl::StatusOr<MicrobatchDecision>(e.status);
+  if (!late_failure_.ok() && out.ok()) {
+    out = late_failure_;
+    late_failure_ = absl::OkStatus();
+  }
+  if (!last_taken_ || *last_taken_ < key) last_taken_ = key;
   // Entries up to this key are done with: the trainer moves forward.
   for (auto e_it = entries_.begin(); e_it != std::next(it); ++e_it) {
     if (e_it->second.state == EntryState::kPending) Resolve(e_it->second, EntryState::kFailed);
