@@ -18,8 +18,11 @@ std::string RankList(const std::vector<int>& ranks) { return absl::StrJoin(ranks
 // Names for an error message or a log line: the first few, then how many more. A manifest
 // may hold a thousand modules; a message per bad plan must not carry them all.
 constexpr size_t kNamesInMessages = 16;
-// Most decisions one ListDecisions answer carries (each may list every module).
-constexpr int kMaxDecisionsListed = 2000;
+// Largest one decision may be (it lists every module, and a message holds at least one);
+// workers accept messages of 64 MiB (worker.cc), operators' queries of 4 MiB.
+constexpr size_t kMaxDecisionBytes = 1 << 20;
+// Largest answer to an operator's query (gRPC clients accept 4 MiB by default).
+constexpr size_t kMaxAnswerBytes = 3 << 20;
 std::string NameList(const std::vector<std::string>& names) {
   if (names.size() <= kNamesInMessages) return absl::StrJoin(names, ", ");
   return absl::StrCat(absl::StrJoin(names.begin(), names.begin() + kNamesInMessages, ", "), ", ... (",
@@ -225,6 +228,14 @@ absl::Status CoordinatorCore::ValidateRegistration(const v1::RegisterRequest& re
                                                        unit.param_bytes()));
       }
     }
+  }
+  // One decision names every module and cannot be split: it must fit a worker's message.
+  size_t decision_bytes = 64;
+  for (const auto& m : req.modules()) decision_bytes += m.name().size() + 8;
+  if (decision_bytes > kMaxDecisionBytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "register: rank ", req.rank(), "'s manifest would make each decision about ", decision_bytes,
+        " bytes, over the ", kMaxDecisionBytes, " a worker accepts in one message; control fewer modules"));
   }
   if (!v1::Policy_IsValid(req.policy()) || !v1::Fallback_IsValid(req.fallback())) {
     return absl::InvalidArgumentError(absl::StrCat("register: rank ", req.rank(),
@@ -1123,18 +1134,20 @@ v1::ListDecisionsResponse CoordinatorCore::Decisions(const std::string& job_id, 
   absl::MutexLock lock(&mu_);
   v1::ListDecisionsResponse out;
   if (limit <= 0) limit = 20;
-  // Every job's groups each give up to `limit`: cap the whole answer so it always fits a
-  // message (ask per job for more).
-  int budget = kMaxDecisionsListed;
+  // Every group of every job gives up to `limit`: the answer stops before it would outgrow
+  // a message (ask per job or group for the rest).
+  size_t bytes = 0;
   for (const auto& [id, job] : jobs_) {
     if (!job_id.empty() && id != job_id) continue;
     for (const Group& g : job->groups) {
       if (group >= 0 && g.index != group) continue;
-      if (budget <= 0) break;
-      limit = std::min(limit, budget);
-      budget -= static_cast<int>(std::min<size_t>(g.history.size(), static_cast<size_t>(limit)));
       size_t start = g.history.size() > static_cast<size_t>(limit) ? g.history.size() - limit : 0;
       for (size_t i = start; i < g.history.size(); ++i) {
+        bytes += g.history[i].ByteSizeLong() + id.size() + 16;
+        if (bytes > kMaxAnswerBytes) {
+          out.set_truncated(true);
+          return out;
+        }
         auto* e = out.add_decisions();
         e->set_job_id(id);
         *e->mutable_decision() = g.history[i];

@@ -195,5 +195,33 @@ TEST_F(CommTest, ARankThatStopsIssuingCollectivesIsNamedAsBehind) {
   EXPECT_THAT(events.out, HasSubstr("comm_rank_behind"));
 }
 
+
+TEST_F(CommTest, AStoppedRankAbortsCollectivesInFlightOnEverySurvivor) {
+  // Rank 3 is frozen (SIGSTOP): its sockets stay open, so the survivors' collectives block
+  // on it until Gloo's op timeout (60 s here) unless the coordinator's abort wakes them.
+  std::vector<std::unique_ptr<Subprocess>> ranks;
+  for (int r = 0; r < 4; ++r) {
+    std::vector<std::string> argv = {COMM_RANK_PATH, "--coordinator", daemon_->address(), "--job", "frozen",
+                                     "--rank", std::to_string(r), "--world-size", "4", "--group-size", "2",
+                                     "--comm", "world", "--iterations", "100000", "--op-timeout-ms", "60000"};
+    ranks.push_back(std::make_unique<Subprocess>(argv, dir_.File(absl::StrCat("frozen", r, ".out")),
+                                                 dir_.File(absl::StrCat("frozen", r, ".err"))));
+  }
+  ASSERT_TRUE(WaitUntil([&] { return CountLines(ReadFile(ranks[0]->stdout_path()), " ok") >= 20; },
+                        absl::Seconds(30)));
+  ranks[3]->Signal(SIGSTOP);
+  const absl::Time frozen = absl::Now();
+  for (int r : {0, 1, 2}) {
+    auto code = ranks[r]->Wait(absl::Milliseconds(kHeartbeatTimeoutMs) + testing::kLoadSlack);
+    ASSERT_TRUE(code.has_value()) << "rank " << r << " still blocked in a collective: "
+                                  << ReadFile(ranks[r]->stderr_path());
+    EXPECT_EQ(*code, 3);
+    EXPECT_THAT(ReadFile(ranks[r]->stderr_path()), HasSubstr("ABORTED"));
+    EXPECT_THAT(ReadFile(ranks[r]->stderr_path()), HasSubstr("rank 3 declared dead"));
+  }
+  EXPECT_LT(absl::Now() - frozen, absl::Milliseconds(kHeartbeatTimeoutMs) + testing::kLoadSlack);
+  ranks[3]->Signal(SIGKILL);
+}
+
 }  // namespace
 }  // namespace shardcoord

@@ -811,6 +811,27 @@ TEST_F(CoreTest, RejectionsOfHugeManifestsStayShort) {
   EXPECT_LT(rej[0].message().size(), 2000u);
   auto st = core_->Status("job");
   EXPECT_EQ(st.jobs(0).modules_size(), 17);
+  // Decisions of such a manifest are big: the answer stops before it outgrows a message.
+  for (int mb = 0; mb < 150; ++mb) {
+    v1::PlanBatch plan;
+    plan.add_plans()->set_microbatch(mb);
+    core_->OnPlans(sessions_[0], plan);
+  }
+  auto decisions = core_->Decisions("", -1, 200);
+  EXPECT_TRUE(decisions.truncated());
+  EXPECT_GT(decisions.decisions_size(), 50);
+  EXPECT_LT(decisions.ByteSizeLong(), 4u << 20);
+}
+
+TEST_F(CoreTest, AManifestWhoseDecisionsCannotBeDeliveredIsRefused) {
+  CoordinatorOptions o = options_;
+  o.limits.max_modules = 100000;
+  Reset(o);
+  v1::RegisterRequest r = Request(0, 1, 1);
+  for (int i = 0; i < 20000; ++i) r.add_modules()->set_name(std::string(60, 'm') + std::to_string(i));
+  absl::Status s = Register(r);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("a worker accepts in one message"));
 }
 
 }  // namespace

@@ -12,6 +12,11 @@
 
 #include <atomic>
 #include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <functional>
+#include <optional>
+#include <thread>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
@@ -96,6 +101,99 @@ void Dispatch(DataType type, F&& f) {
   }
 }
 
+// Runs the communicator's Gloo operations, one at a time, on a thread of its own, so that an
+// abort can end the caller's wait: Gloo cannot cancel an operation, and closing its
+// connections does not wake one that is already waiting (its buffers only hear of errors the
+// device loop reads from a peer). An abandoned operation ends by itself when a peer's socket
+// closes or at the op timeout; it only touches the buffers it owns (copies: see Run) and the
+// shared state below, so the communicator and the caller may be gone by then.
+class OpThread {
+ public:
+  OpThread() : state_(std::make_shared<State>()) {
+    std::thread([s = state_] { Loop(*s); }).detach();
+  }
+  ~OpThread() {
+    absl::MutexLock lock(&state_->mu);
+    state_->stop = true;  // The thread exits once its operation (if any) returns.
+  }
+
+  // Runs `op` on the thread and waits until it returned, or until Abandon() was called.
+  // Returns nullopt when abandoned; otherwise the exception the operation threw, if any.
+  std::optional<std::exception_ptr> Run(std::function<void()> op) {
+    State& s = *state_;
+    absl::MutexLock lock(&s.mu);
+    if (s.abandoned) return std::nullopt;
+    s.op = std::move(op);
+    s.done = false;
+    s.error = nullptr;
+    auto finished = [&s]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) { return s.done || s.abandoned; };
+    s.mu.Await(absl::Condition(&finished));
+    if (!s.done) return std::nullopt;
+    return s.error;
+  }
+
+  // Ends the wait of Run (now and later) without waiting for the operation.
+  void Abandon() {
+    absl::MutexLock lock(&state_->mu);
+    state_->abandoned = true;
+  }
+
+ private:
+  struct State {
+    absl::Mutex mu;
+    std::function<void()> op ABSL_GUARDED_BY(mu);
+    bool done ABSL_GUARDED_BY(mu) = false;
+    bool abandoned ABSL_GUARDED_BY(mu) = false;
+    bool stop ABSL_GUARDED_BY(mu) = false;
+    std::exception_ptr error ABSL_GUARDED_BY(mu);
+  };
+
+  static void Loop(State& s) {
+    while (true) {
+      std::function<void()> op;
+      {
+        absl::MutexLock lock(&s.mu);
+        auto ready = [&s]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) { return s.op != nullptr || s.stop; };
+        s.mu.Await(absl::Condition(&ready));
+        if (s.op == nullptr) return;  // Stopped.
+        op = std::move(s.op);
+        s.op = nullptr;
+      }
+      std::exception_ptr error;
+      try {
+        op();
+      } catch (...) {
+        error = std::current_exception();
+      }
+      op = nullptr;  // Frees what the operation held (its buffers, the context) here.
+      absl::MutexLock lock(&s.mu);
+      s.done = true;
+      s.error = error;
+    }
+  }
+
+  std::shared_ptr<State> state_;
+};
+
+// A copy of a caller's buffer that an abandoned operation may keep writing into.
+using Bytes = std::shared_ptr<std::vector<char>>;
+Bytes CopyOf(const void* data, size_t n) {
+  auto b = std::make_shared<std::vector<char>>(n);
+  if (n > 0) std::memcpy(b->data(), data, n);
+  return b;
+}
+
+size_t SizeOf(DataType type) {
+  switch (type) {
+    case DataType::kFloat32: return 4;
+    case DataType::kFloat64: return 8;
+    case DataType::kInt32: return 4;
+    case DataType::kInt64: return 8;
+    case DataType::kUint8: return 1;
+  }
+  return 1;
+}
+
 class GlooCommunicator final : public AbortableCommunicator {
  public:
   GlooCommunicator(const CommEndpoint& ep, const std::string& name, int64_t epoch, std::vector<int> ranks,
@@ -140,15 +238,21 @@ class GlooCommunicator final : public AbortableCommunicator {
       absl::MutexLock lock(&mu_);
       if (!abort_reason_.empty()) return;
       abort_reason_ = reason;
-      if (!in_flight_) ctx = ctx_;
+      ctx = ctx_;
     }
     logging::Get("worker")->warn("job={} rank={} comm={} epoch={} aborting: {}", ep_.job_id, ep_.job_rank, name(),
                                  epoch(), reason);
-    // Closing our connections makes peers blocked on us fail at once (they see EOF). Gloo
-    // does not wake an operation of our own that is in flight when we close under it, so
-    // then the operation's end closes them (see Run); it fails through the peers' EOF, or
-    // at the op timeout at the latest.
-    if (ctx) ctx->closeConnections();
+    // An operation in flight returns ABORTED to its caller now; it ends in the background,
+    // and its end closes the connections (see Run). Without one, close them now: peers
+    // blocked on us see EOF at once.
+    ops_.Abandon();
+    bool running;
+    {
+      absl::MutexLock lock(&op_end_->mu);
+      op_end_->aborted = true;
+      running = op_end_->running;
+    }
+    if (ctx && !running) ctx->closeConnections();
   }
 
   void Progress(int64_t* issued, int64_t* completed) const override {
@@ -164,51 +268,67 @@ class GlooCommunicator final : public AbortableCommunicator {
   }
 
   absl::Status AllGather(const void* in, void* out, size_t count, DataType type) override {
-    return Run("all_gather", [&](auto& ctx) {
+    const size_t n = count * SizeOf(type);
+    Bytes in_copy = CopyOf(in, n);
+    Bytes out_copy = std::make_shared<std::vector<char>>(n * size());
+    const int members = size();
+    const auto timeout = absl::ToChronoMilliseconds(options_.op_timeout);
+    absl::Status s = Run("all_gather", [=](const std::shared_ptr<gloo::Context>& ctx) {
       Dispatch(type, [&](auto t) {
         using T = decltype(t);
         gloo::AllgatherOptions opts(ctx);
-        opts.setInput(const_cast<T*>(static_cast<const T*>(in)), count);
-        opts.setOutput(static_cast<T*>(out), count * size());
-        opts.setTimeout(absl::ToChronoMilliseconds(options_.op_timeout));
+        opts.setInput(reinterpret_cast<T*>(in_copy->data()), count);
+        opts.setOutput(reinterpret_cast<T*>(out_copy->data()), count * members);
+        opts.setTimeout(timeout);
         gloo::allgather(opts);
       });
     });
+    if (s.ok() && !out_copy->empty()) std::memcpy(out, out_copy->data(), out_copy->size());
+    return s;
   }
 
   absl::Status AllReduce(void* data, size_t count, DataType type, ReduceOp op) override {
-    return Run("all_reduce", [&](auto& ctx) {
+    Bytes buf = CopyOf(data, count * SizeOf(type));
+    const auto timeout = absl::ToChronoMilliseconds(options_.op_timeout);
+    absl::Status s = Run("all_reduce", [=](const std::shared_ptr<gloo::Context>& ctx) {
       Dispatch(type, [&](auto t) {
         using T = decltype(t);
         gloo::AllreduceOptions opts(ctx);
-        opts.setOutput(static_cast<T*>(data), count);
+        opts.setOutput(reinterpret_cast<T*>(buf->data()), count);
         SetReduce<T>(opts, op);
-        opts.setTimeout(absl::ToChronoMilliseconds(options_.op_timeout));
+        opts.setTimeout(timeout);
         gloo::allreduce(opts);
       });
     });
+    if (s.ok() && !buf->empty()) std::memcpy(data, buf->data(), buf->size());
+    return s;
   }
 
   absl::Status Broadcast(void* data, size_t count, DataType type, int root) override {
     if (root < 0 || root >= size()) {
       return absl::InvalidArgumentError(absl::StrCat("broadcast root ", root, " outside 0..", size() - 1));
     }
-    return Run("broadcast", [&](auto& ctx) {
+    Bytes buf = CopyOf(data, count * SizeOf(type));
+    const auto timeout = absl::ToChronoMilliseconds(options_.op_timeout);
+    absl::Status s = Run("broadcast", [=](const std::shared_ptr<gloo::Context>& ctx) {
       Dispatch(type, [&](auto t) {
         using T = decltype(t);
         gloo::BroadcastOptions opts(ctx);
         opts.setRoot(root);
-        opts.setOutput(static_cast<T*>(data), count);
-        opts.setTimeout(absl::ToChronoMilliseconds(options_.op_timeout));
+        opts.setOutput(reinterpret_cast<T*>(buf->data()), count);
+        opts.setTimeout(timeout);
         gloo::broadcast(opts);
       });
     });
+    if (s.ok() && !buf->empty()) std::memcpy(data, buf->data(), buf->size());
+    return s;
   }
 
   absl::Status Barrier() override {
-    return Run("barrier", [&](auto& ctx) {
+    const auto timeout = absl::ToChronoMilliseconds(options_.op_timeout);
+    return Run("barrier", [=](const std::shared_ptr<gloo::Context>& ctx) {
       gloo::BarrierOptions opts(ctx);
-      opts.setTimeout(absl::ToChronoMilliseconds(options_.op_timeout));
+      opts.setTimeout(timeout);
       gloo::barrier(opts);
     });
   }
@@ -220,54 +340,75 @@ class GlooCommunicator final : public AbortableCommunicator {
                                            "; open it again to join the next epoch"));
   }
 
-  template <typename F>
-  absl::Status Run(const char* what, F&& f) {
+  // Runs `f` (which may only use what it owns: it can outlive this call) on the op thread.
+  absl::Status Run(const char* what, std::function<void(const std::shared_ptr<gloo::Context>&)> f) {
     std::shared_ptr<gloo::rendezvous::Context> ctx;
     {
       absl::MutexLock lock(&mu_);
       if (!abort_reason_.empty()) return AbortedStatusLocked();
       if (!ctx_) return absl::FailedPreconditionError("communicator is not connected");
       ctx = ctx_;
-      in_flight_ = true;
+      absl::MutexLock end_lock(&op_end_->mu);
+      op_end_->running = true;
     }
     issued_.fetch_add(1, std::memory_order_relaxed);
-    // Ends the operation; closes the connections if an abort arrived meanwhile.
-    auto finish = [&]() -> bool {
-      completed_.fetch_add(1, std::memory_order_relaxed);
-      bool aborted;
-      {
-        absl::MutexLock lock(&mu_);
-        in_flight_ = false;
-        aborted = !abort_reason_.empty();
-      }
-      if (aborted) ctx->closeConnections();
-      return aborted;
-    };
-    try {
+    // The operation's end, on the op thread: if an abort came meanwhile, close the
+    // connections now that nothing waits on them (peers blocked on us then see EOF). Exactly
+    // one of Abort and this end closes them (op_end_ decides, under its lock).
+    auto op = [ctx, f = std::move(f), end = op_end_]() {
+      struct OnEnd {
+        const std::shared_ptr<gloo::rendezvous::Context>& ctx;
+        const std::shared_ptr<OpEnd>& end;
+        ~OnEnd() {
+          bool aborted;
+          {
+            absl::MutexLock lock(&end->mu);
+            end->running = false;
+            aborted = end->aborted;
+          }
+          if (aborted) ctx->closeConnections();
+        }
+      } on_end{ctx, end};
       f(ctx);
-      finish();  // Completed: its result is valid even if an abort arrived meanwhile.
-      return absl::OkStatus();
-    } catch (const std::exception& e) {
-      if (finish()) {
-        absl::MutexLock lock(&mu_);
-        return AbortedStatusLocked();
-      }
-      // A peer's socket closing usually means the peer died; the coordinator sees its stream
-      // end at the same moment and its abort names the rank. Give that verdict a moment.
-      {
-        absl::MutexLock lock(&mu_);
-        auto verdict = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !abort_reason_.empty(); };
-        mu_.AwaitWithTimeout(absl::Condition(&verdict), kPeerVerdictWait);
-        if (!abort_reason_.empty()) return AbortedStatusLocked();
-      }
-      // Our own failure (a peer vanished, a timeout): the coordinator aborts the epoch for
-      // everyone. If it already did (it saw the peer die), its answer names the cause.
-      const std::string error = absl::StrCat(what, " failed: ", e.what());
-      absl::Status report = ReportComm(ep_, name(), epoch(), v1::CommReportRequest::KIND_ERROR, error);
-      Abort(report.code() == absl::StatusCode::kAborted ? std::string(report.message()) : error);
+    };
+    std::optional<std::exception_ptr> result = ops_.Run(std::move(op));
+    completed_.fetch_add(1, std::memory_order_relaxed);
+    bool aborted;
+    {
+      absl::MutexLock lock(&mu_);
+      aborted = !abort_reason_.empty();
+    }
+    if (!result.has_value()) {  // Abandoned by Abort: the operation ends in the background.
       absl::MutexLock lock(&mu_);
       return AbortedStatusLocked();
     }
+    if (*result == nullptr) return absl::OkStatus();  // Completed: valid even if an abort came meanwhile.
+    if (aborted) {
+      absl::MutexLock lock(&mu_);
+      return AbortedStatusLocked();
+    }
+    std::string error;
+    try {
+      std::rethrow_exception(*result);
+    } catch (const std::exception& e) {
+      error = absl::StrCat(what, " failed: ", e.what());
+    } catch (...) {
+      error = absl::StrCat(what, " failed");
+    }
+    // A peer's socket closing usually means the peer died; the coordinator sees its stream
+    // end at the same moment and its abort names the rank. Give that verdict a moment.
+    {
+      absl::MutexLock lock(&mu_);
+      auto verdict = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !abort_reason_.empty(); };
+      mu_.AwaitWithTimeout(absl::Condition(&verdict), kPeerVerdictWait);
+      if (!abort_reason_.empty()) return AbortedStatusLocked();
+    }
+    // Our own failure (a peer vanished, a timeout): the coordinator aborts the epoch for
+    // everyone. If it already did (it saw the peer die), its answer names the cause.
+    absl::Status report = ReportComm(ep_, name(), epoch(), v1::CommReportRequest::KIND_ERROR, error);
+    Abort(report.code() == absl::StatusCode::kAborted ? std::string(report.message()) : error);
+    absl::MutexLock lock(&mu_);
+    return AbortedStatusLocked();
   }
 
   const CommEndpoint ep_;
@@ -276,7 +417,14 @@ class GlooCommunicator final : public AbortableCommunicator {
   mutable absl::Mutex mu_;
   std::shared_ptr<gloo::rendezvous::Context> ctx_ ABSL_GUARDED_BY(mu_);
   std::string abort_reason_ ABSL_GUARDED_BY(mu_);
-  bool in_flight_ ABSL_GUARDED_BY(mu_) = false;
+  // Shared with the operation in flight, which may end after this communicator is gone.
+  struct OpEnd {
+    absl::Mutex mu;
+    bool running ABSL_GUARDED_BY(mu) = false;
+    bool aborted ABSL_GUARDED_BY(mu) = false;
+  };
+  std::shared_ptr<OpEnd> op_end_ = std::make_shared<OpEnd>();
+  OpThread ops_;
   std::atomic<int64_t> issued_{0};
   std::atomic<int64_t> completed_{0};
 };
