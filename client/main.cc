@@ -1,20 +1,31 @@
 // shardctl: the operator CLI of shardcoord.
 //
-//   shardctl [--coordinator ADDR] [--timeout-ms N] status|ranks|groups|decisions|events [--json]
+//   shardctl [--coordinator ADDR] [--timeout-ms N] status|ranks|groups|decisions|comms|events [--json]
 //   shardctl replay TRACE.jsonl [--coordinator ADDR] [--ranks 0,1] ...
 //
-// ADDR defaults to $SHARDCOORD_ADDR, then 127.0.0.1:7871. Every RPC has a deadline: an
-// unreachable coordinator gives a one-line error and exit code 2, never a hang.
+// ADDR (HOST:PORT or [IPV6]:PORT) defaults to $SHARDCOORD_ADDR, then 127.0.0.1:7871. Every
+// RPC has a deadline: an unreachable coordinator gives a one-line error, never a hang.
+//
+// Exit codes: 0 ok; 1 the coordinator answered but the request failed (a --job that names
+// no job; in replay, a rank failed); 2 usage or bad input (an unknown command, a bad
+// address or flag value, a bad trace) or the coordinator is unreachable; 3 (replay, verify)
+// ranks of a group received different decisions.
 #include <google/protobuf/util/json_util.h>
 #include <grpcpp/grpcpp.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <iostream>
 #include <set>
 #include <sstream>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
@@ -30,7 +41,48 @@ namespace {
 namespace v1 = shardcoord::v1;
 
 constexpr char kDefaultAddress[] = "127.0.0.1:7871";
+constexpr char kAddressEnv[] = "SHARDCOORD_ADDR";
+constexpr int kExitOk = 0;
+constexpr int kExitFailed = 1;  // The coordinator answered, but the request failed.
+constexpr int kExitUsage = 2;   // Usage or bad input.
 constexpr int kExitUnreachable = 2;
+static_assert(kExitUsage == shardcoord::client::kReplayBadInput);
+// Longest --timeout-ms and the like: one day, as the coordinator's own *_ms settings.
+constexpr int kMaxTimeoutMs = 24 * 60 * 60 * 1000;
+constexpr int kMaxLimit = 1 << 20;  // --limit, --lookahead.
+
+// Why `address` is not HOST:PORT or [IPV6]:PORT with a port in 1..65535, or "" when it is.
+// gRPC would take "host:99999" and quietly connect to another port.
+std::string AddressProblem(absl::string_view address) {
+  absl::string_view host, port;
+  if (absl::StartsWith(address, "[")) {
+    const size_t close = address.find(']');
+    if (close == absl::string_view::npos) return "no ']' after the IPv6 host";
+    host = address.substr(1, close - 1);
+    if (close + 1 >= address.size() || address[close + 1] != ':') return "no ':PORT' after ']'";
+    port = address.substr(close + 2);
+  } else {
+    const size_t colon = address.rfind(':');
+    if (colon == absl::string_view::npos) return "no ':PORT'";
+    host = address.substr(0, colon);
+    port = address.substr(colon + 1);
+    if (absl::StrContains(host, ':')) return "an IPv6 host needs brackets, [::1]:7871";
+  }
+  if (host.empty()) return "the host is empty";
+  for (char c : host) {
+    if (absl::ascii_isspace(static_cast<unsigned char>(c)) || c == '/') return "the host is not a host name or IP";
+  }
+  int value = 0;
+  if (port.empty() || port.size() > 5 || !std::all_of(port.begin(), port.end(), [](char c) {
+        return absl::ascii_isdigit(static_cast<unsigned char>(c));
+      })) {
+    return absl::StrCat("the port '", port, "' is not a number in 1..65535");
+  }
+  if (!absl::SimpleAtoi(port, &value) || value < 1 || value > 65535) {
+    return absl::StrCat("the port ", port, " is not in 1..65535");
+  }
+  return "";
+}
 
 std::string ToJson(const google::protobuf::Message& m) {
   google::protobuf::util::JsonPrintOptions opts;
@@ -59,7 +111,10 @@ struct Client {
   std::unique_ptr<v1::Coordinator::Stub> stub;
 
   void Connect() {
-    stub = v1::Coordinator::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+    // A job of 65536 ranks lists more than gRPC's default 4 MiB.
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(64 << 20);
+    stub = v1::Coordinator::NewStub(grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args));
   }
 
   // Runs one RPC with a deadline; on failure prints one line and returns false.
@@ -83,12 +138,20 @@ struct Client {
   }
 };
 
-// A --job that names no job is a typo more often than not: say so, exit 1.
-bool NoSuchJob(const Client& c, const std::string& job, bool empty) {
-  if (job.empty() || !empty) return false;
+// A --job that names no job is a typo more often than not: every query says so the same
+// way, with exit 1. The job is known when the query returned rows for it (the event journal
+// keeps the events of a job that is gone), else when GetStatus names it. Returns kExitOk
+// when there is no --job or the job is known, else the exit code.
+int CheckJob(Client& c, const std::string& job, bool have_rows) {
+  if (job.empty() || have_rows) return kExitOk;
+  v1::StatusRequest req;
+  req.set_job_id(job);
+  v1::StatusResponse resp;
+  if (!c.Call("GetStatus", &v1::Coordinator::Stub::GetStatus, req, &resp)) return kExitUnreachable;
+  if (!resp.jobs().empty()) return kExitOk;
   std::cerr << "shardctl: coordinator at " << c.address << " has no job '" << job
             << "'; `shardctl status` lists the jobs\n";
-  return true;
+  return kExitFailed;
 }
 
 void PrintCounts(const v1::DecisionCounts& c) {
@@ -101,10 +164,10 @@ int CmdStatus(Client& c, const std::string& job, bool json) {
   req.set_job_id(job);
   v1::StatusResponse resp;
   if (!c.Call("GetStatus", &v1::Coordinator::Stub::GetStatus, req, &resp)) return kExitUnreachable;
-  if (NoSuchJob(c, job, resp.jobs().empty())) return 1;
+  if (int rc = CheckJob(c, job, !resp.jobs().empty()); rc != kExitOk) return rc;
   if (json) {
     std::cout << ToJson(resp) << "\n";
-    return 0;
+    return kExitOk;
   }
   std::cout << absl::StrFormat("coordinator %s  version %s  up %.1f s  jobs %d\n", c.address,
                                resp.version(), resp.uptime_ms() / 1000.0, resp.jobs_size());
@@ -121,7 +184,7 @@ int CmdStatus(Client& c, const std::string& job, bool json) {
     PrintCounts(j.counts());
     for (const auto& alert : j.comm_alerts()) std::cout << "  comm: " << alert << "\n";
   }
-  return 0;
+  return kExitOk;
 }
 
 int CmdRanks(Client& c, const std::string& job, bool json) {
@@ -129,10 +192,10 @@ int CmdRanks(Client& c, const std::string& job, bool json) {
   req.set_job_id(job);
   v1::ListRanksResponse resp;
   if (!c.Call("ListRanks", &v1::Coordinator::Stub::ListRanks, req, &resp)) return kExitUnreachable;
-  if (NoSuchJob(c, job, resp.ranks().empty())) return 1;
+  if (int rc = CheckJob(c, job, !resp.ranks().empty()); rc != kExitOk) return rc;
   if (json) {
     std::cout << ToJson(resp) << "\n";
-    return 0;
+    return kExitOk;
   }
   std::cout << absl::StrFormat("%-10s %5s %5s %-12s %-16s %8s %10s %12s %7s %8s %8s %12s  %s\n", "JOB", "RANK",
                                "GROUP", "STATE", "HOST", "PID", "HB_AGE_MS", "LAST_PLANNED",
@@ -147,7 +210,7 @@ int CmdRanks(Client& c, const std::string& job, bool json) {
         r.pending_plans(), r.plans_received(), r.plans_rejected(),
         r.memory().empty() ? std::string("-") : absl::StrCat(peak), r.dead_reason());
   }
-  return 0;
+  return kExitOk;
 }
 
 int CmdGroups(Client& c, const std::string& job, bool json) {
@@ -155,10 +218,10 @@ int CmdGroups(Client& c, const std::string& job, bool json) {
   req.set_job_id(job);
   v1::ListGroupsResponse resp;
   if (!c.Call("ListGroups", &v1::Coordinator::Stub::ListGroups, req, &resp)) return kExitUnreachable;
-  if (NoSuchJob(c, job, resp.groups().empty())) return 1;
+  if (int rc = CheckJob(c, job, !resp.groups().empty()); rc != kExitOk) return rc;
   if (json) {
     std::cout << ToJson(resp) << "\n";
-    return 0;
+    return kExitOk;
   }
   std::cout << absl::StrFormat("%-10s %5s %-16s %-9s %5s %7s %7s %9s %7s %7s %9s %9s  %s\n", "JOB",
                                "GROUP", "RANKS", "STATE", "EPOCH", "SEQ", "PENDING", "PER_LAYER",
@@ -173,7 +236,7 @@ int CmdGroups(Client& c, const std::string& job, bool json) {
                                  g.counts().skip(), g.counts().root(), g.counts().replicate(),
                                  g.counts().divergent(), note);
   }
-  return 0;
+  return kExitOk;
 }
 
 int CmdDecisions(Client& c, const std::string& job, int group, int limit, bool json) {
@@ -183,9 +246,14 @@ int CmdDecisions(Client& c, const std::string& job, int group, int limit, bool j
   req.set_limit(limit);
   v1::ListDecisionsResponse resp;
   if (!c.Call("ListDecisions", &v1::Coordinator::Stub::ListDecisions, req, &resp)) return kExitUnreachable;
+  if (int rc = CheckJob(c, job, !resp.decisions().empty()); rc != kExitOk) return rc;
+  if (resp.truncated()) {
+    std::cerr << "shardctl: the answer stopped at the coordinator's size limit; use --job, --group or a "
+                 "smaller --limit for the rest\n";
+  }
   if (json) {
     std::cout << ToJson(resp) << "\n";
-    return 0;
+    return kExitOk;
   }
   std::cout << absl::StrFormat("%-10s %5s %7s %12s %-28s %-10s %-16s %s\n", "JOB", "GROUP", "SEQ",
                                "MICROBATCH", "MODULE", "DECISION", "REASON", "DIGEST");
@@ -198,7 +266,7 @@ int CmdDecisions(Client& c, const std::string& job, int group, int limit, bool j
                                    Lower(v1::DecisionReason_Name(m.reason()), "REASON_"), d.digest());
     }
   }
-  return 0;
+  return kExitOk;
 }
 
 int CmdEvents(Client& c, const std::string& job, uint64_t after, int limit, bool json) {
@@ -208,16 +276,17 @@ int CmdEvents(Client& c, const std::string& job, uint64_t after, int limit, bool
   req.set_limit(limit);
   v1::ListEventsResponse resp;
   if (!c.Call("ListEvents", &v1::Coordinator::Stub::ListEvents, req, &resp)) return kExitUnreachable;
+  if (int rc = CheckJob(c, job, !resp.events().empty()); rc != kExitOk) return rc;
   if (json) {
     std::cout << ToJson(resp) << "\n";
-    return 0;
+    return kExitOk;
   }
   for (const auto& e : resp.events()) {
     std::cout << absl::StrFormat("%6d %s %-7s %-20s job=%s rank=%d group=%d %s\n", e.id(),
                                  FormatTime(e.unix_ms()), e.severity(), e.kind(), e.job_id(), e.rank(),
                                  e.group(), e.message());
   }
-  return 0;
+  return kExitOk;
 }
 
 int CmdComms(Client& c, const std::string& job, bool json) {
@@ -225,9 +294,10 @@ int CmdComms(Client& c, const std::string& job, bool json) {
   req.set_job_id(job);
   v1::ListCommsResponse resp;
   if (!c.Call("ListComms", &v1::Coordinator::Stub::ListComms, req, &resp)) return kExitUnreachable;
+  if (int rc = CheckJob(c, job, !resp.comms().empty()); rc != kExitOk) return rc;
   if (json) {
     std::cout << ToJson(resp) << "\n";
-    return 0;
+    return kExitOk;
   }
   std::cout << absl::StrFormat("%-10s %-12s %5s %-8s %-16s %7s  %s\n", "JOB", "COMM", "EPOCH", "STATE", "RANKS",
                                "ABORTED", "MEMBERS (rank:state@completed/issued) / WHY");
@@ -243,7 +313,7 @@ int CmdComms(Client& c, const std::string& job, bool json) {
                                  Lower(v1::CommState_Name(cm.state()), "COMM_STATE_"), absl::StrJoin(cm.ranks(), ","),
                                  cm.epochs_aborted(), note);
   }
-  return 0;
+  return kExitOk;
 }
 
 }  // namespace
@@ -255,9 +325,11 @@ int main(int argc, char** argv) {
   app.fallthrough();
   Client client;
   std::string address;
-  app.add_option("--coordinator", address, "coordinator HOST:PORT (default $SHARDCOORD_ADDR, then 127.0.0.1:7871)")
-      ->envname("SHARDCOORD_ADDR");
-  app.add_option("--timeout-ms", client.timeout_ms, "deadline of each query RPC")->check(CLI::PositiveNumber);
+  // $SHARDCOORD_ADDR is read below, not with envname(), so that an error names its source.
+  app.add_option("--coordinator", address,
+                 "coordinator HOST:PORT or [IPV6]:PORT (default $SHARDCOORD_ADDR, then 127.0.0.1:7871)");
+  app.add_option("--timeout-ms", client.timeout_ms, "deadline of each query RPC")
+      ->check(CLI::Range(1, kMaxTimeoutMs));
   std::string job;
   bool json = false;
   auto add_common = [&](CLI::App* sub) {
@@ -275,7 +347,7 @@ int main(int argc, char** argv) {
   add_common(decisions);
   int group = -1, limit = 20;
   decisions->add_option("--group", group, "only this group (default: all)");
-  decisions->add_option("--limit", limit, "most recent decisions per group")->check(CLI::PositiveNumber);
+  decisions->add_option("--limit", limit, "most recent decisions per group")->check(CLI::Range(1, kMaxLimit));
   auto* comms = app.add_subcommand("comms", "every communicator: epoch, state, members, why aborted");
   add_common(comms);
   auto* events = app.add_subcommand("events", "the event journal (registrations, deaths, failures)");
@@ -283,7 +355,7 @@ int main(int argc, char** argv) {
   uint64_t after = 0;
   int event_limit = 100;
   events->add_option("--after", after, "only events with a larger id");
-  events->add_option("--limit", event_limit, "at most this many events")->check(CLI::PositiveNumber);
+  events->add_option("--limit", event_limit, "at most this many events")->check(CLI::Range(1, kMaxLimit));
 
   auto* replay = app.add_subcommand("replay", "play simulated ranks from a JSON-lines trace through a coordinator");
   std::string trace_path, ranks_arg, modules_arg, manifest_path, policy = "", fallback = "", output;
@@ -293,12 +365,12 @@ int main(int argc, char** argv) {
   replay->add_option("trace", trace_path, "trace file, JSON lines ('-' for stdin)")->required();
   replay->add_option("--job-id", ro.job_id, "job id to register (default 'replay')");
   replay->add_option("--world-size", ro.world_size, "ranks in the job (default: highest rank in the trace + 1)")
-      ->check(CLI::Range(1, 1 << 20));
+      ->check(CLI::Range(1, shardcoord::client::kMaxReplayWorldSize));
   replay->add_option("--group-size", ro.group_size, "shard group size (default: world size)")
-      ->check(CLI::Range(1, 1 << 20));
+      ->check(CLI::Range(1, shardcoord::client::kMaxReplayWorldSize));
   int connect_timeout_ms = 10000;
   replay->add_option("--connect-timeout-ms", connect_timeout_ms, "deadline to reach the coordinator and register")
-      ->check(CLI::PositiveNumber);
+      ->check(CLI::Range(1, kMaxTimeoutMs));
   replay->add_option("--policy", policy, "auto, per_layer, root or replicate (default: the coordinator's)")
       ->check(CLI::IsMember({"auto", "per_layer", "root", "replicate"}));
   replay->add_option("--fallback", fallback, "root or replicate (default: the coordinator's)")
@@ -307,10 +379,12 @@ int main(int argc, char** argv) {
   replay->add_option("--manifest", manifest_path, "manifest JSON file instead of --modules")->check(CLI::ExistingFile);
   replay->add_flag("--no-outer-root", no_outer, "register wrap_outer_model=false");
   replay->add_option("--ranks", ranks_arg, "play only these ranks, e.g. 0,1,5 (default: all)");
-  replay->add_option("--interval-ms", interval_ms, "pause between a rank's microbatches, like a trainer");
-  replay->add_option("--lookahead", ro.lookahead, "plans each rank reports ahead")->check(CLI::PositiveNumber);
+  replay->add_option("--interval-ms", interval_ms, "pause between a rank's microbatches, like a trainer")
+      ->check(CLI::Range(0, kMaxTimeoutMs));
+  replay->add_option("--lookahead", ro.lookahead, "plans each rank reports ahead")->check(CLI::Range(1, kMaxLimit));
   replay->add_option("--memory-budget-bytes", ro.memory_budget_bytes, "reported per rank, enables auto promotion");
-  replay->add_option("--decision-timeout-ms", decision_timeout_ms, "deadline for each decision");
+  replay->add_option("--decision-timeout-ms", decision_timeout_ms, "deadline for each decision")
+      ->check(CLI::Range(1, kMaxTimeoutMs));
   replay->add_flag("--per-rank", ro.per_rank, "one line per rank: what each rank received");
   replay->add_option("--output", output, "write decisions here instead of stdout");
 
@@ -319,15 +393,48 @@ int main(int argc, char** argv) {
   std::vector<std::string> verify_files;
   verify->add_option("files", verify_files, "outputs of `shardctl replay --per-rank`")->required()->check(CLI::ExistingFile);
 
+  const std::vector<CLI::App*> commands = {status, ranks, groups, decisions, comms, events, replay, verify};
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e) == 0 ? 0 : shardcoord::client::kReplayBadInput;  // Usage errors exit 2.
+    if (dynamic_cast<const CLI::RequiredError*>(&e) != nullptr && app.get_subcommands().empty()) {
+      // CLI11 would only say "A subcommand is required", also for `shardctl bogus`.
+      std::vector<std::string> names;
+      for (const CLI::App* cmd : commands) names.push_back(cmd->get_name());
+      std::string unknown;
+      for (const std::string& arg : app.remaining()) {
+        if (!absl::StartsWith(arg, "-")) {
+          unknown = arg;
+          break;
+        }
+      }
+      std::cerr << "shardctl: "
+                << (unknown.empty() ? std::string("no command given")
+                                    : absl::StrCat("unknown command '", unknown, "'"))
+                << "; the commands are " << absl::StrJoin(names, ", ") << " (shardctl --help)\n";
+      return kExitUsage;
+    }
+    return app.exit(e) == 0 ? kExitOk : kExitUsage;
   }
   if (verify->parsed()) return shardcoord::client::VerifyPerRankOutputs(verify_files, std::cout, std::cerr);
   if (replay->parsed() && std::getenv(shardcoord::logging::kLevelEnv) == nullptr) {
     // The embedded coordinator and the simulated workers log only problems by default.
     shardcoord::logging::SetLevel("warn");
+  }
+  // Every command from here on talks to a coordinator (verify, which does not, returned).
+  std::string address_source = "--coordinator";
+  if (address.empty()) {
+    const char* env = std::getenv(kAddressEnv);
+    if (env != nullptr) address = env;
+    address_source = kAddressEnv;
+  }
+  if (!address.empty()) {
+    if (std::string problem = AddressProblem(address); !problem.empty()) {
+      std::cerr << "shardctl: " << address_source << " '" << address << "' is not a coordinator address: "
+                << problem << "; expected HOST:PORT or [IPV6]:PORT with a port in 1..65535, e.g. "
+                << kDefaultAddress << "\n";
+      return kExitUsage;
+    }
   }
   client.address = address.empty() ? kDefaultAddress : address;
 
@@ -409,5 +516,5 @@ int main(int argc, char** argv) {
   if (decisions->parsed()) return CmdDecisions(client, job, group, limit, json);
   if (comms->parsed()) return CmdComms(client, job, json);
   if (events->parsed()) return CmdEvents(client, job, after, event_limit, json);
-  return 0;
+  return kExitOk;
 }

@@ -1,11 +1,15 @@
 #include "replay.h"
 
 #include <algorithm>
+#include <condition_variable>
 #include <fstream>
 #include <map>
 #include <memory>
+#include <mutex>
+#include <new>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <system_error>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -56,8 +60,36 @@ bool SameDecision(const MicrobatchDecision& a, const MicrobatchDecision& b) {
   return true;
 }
 
+// The ranks start together once every rank's thread exists: when one cannot be created, no
+// rank has registered yet, and all return at once. std:: primitives, not absl::Notification:
+// waiting on them allocates nothing, and the gate is used when memory ran out.
+class StartGate {
+ public:
+  void Open(bool go) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      open_ = true;
+      go_ = go;
+    }
+    cv_.notify_all();
+  }
+  // Blocks until Open; returns its `go`.
+  bool Wait() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [this] { return open_; });
+    return go_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool open_ = false;
+  bool go_ = false;
+};
+
 void PlayRank(const Trace& trace, const ReplayOptions& o, const std::string& address,
-              int world_size, int group_size, RankRun* run) {
+              int world_size, int group_size, StartGate* gate, RankRun* run) {
+  if (!gate->Wait()) return;
   WorkerOptions wo;
   wo.coordinator_address = address;
   wo.job_id = o.job_id;
@@ -117,6 +149,11 @@ void PlayRank(const Trace& trace, const ReplayOptions& o, const std::string& add
 }  // namespace
 
 int RunReplay(const Trace& trace, ReplayOptions o, std::ostream& out, std::ostream& err) {
+  if (o.world_size <= 0 && int64_t{trace.max_rank} + 1 > kMaxReplayWorldSize) {
+    err << "shardctl replay: the trace names rank " << trace.max_rank << ", so the world would have "
+        << int64_t{trace.max_rank} + 1 << " ranks; a replay registers at most " << kMaxReplayWorldSize << "\n";
+    return kReplayBadInput;
+  }
   const int world_size = o.world_size > 0 ? o.world_size : trace.max_rank + 1;
   if (trace.max_rank >= world_size) {
     err << "shardctl replay: the trace names rank " << trace.max_rank << " but --world-size is "
@@ -142,6 +179,15 @@ int RunReplay(const Trace& trace, ReplayOptions o, std::ostream& out, std::ostre
         return kReplayBadInput;
       }
     }
+  }
+  // One thread per simulated rank: refuse what the machine cannot run before starting any.
+  const size_t simulated = o.ranks.empty() ? static_cast<size_t>(world_size) : o.ranks.size();
+  if (simulated > static_cast<size_t>(kMaxReplayRanks)) {
+    err << "shardctl replay: " << simulated << " ranks to simulate (world size " << world_size
+        << ") is over " << kMaxReplayRanks
+        << ", the most one replay process plays (one thread per rank); pick ranks with --ranks and run "
+           "several replay processes against one coordinator (--coordinator)\n";
+    return kReplayBadInput;
   }
   if (o.ranks.empty()) {
     for (int r = 0; r < world_size; ++r) o.ranks.push_back(r);
@@ -170,12 +216,33 @@ int RunReplay(const Trace& trace, ReplayOptions o, std::ostream& out, std::ostre
 
   std::vector<RankRun> runs(o.ranks.size());
   std::vector<std::thread> threads;
+  threads.reserve(o.ranks.size());
+  StartGate gate;
   for (size_t i = 0; i < o.ranks.size(); ++i) {
     runs[i].rank = o.ranks[i];
     runs[i].group = o.ranks[i] / group_size;
-    threads.emplace_back(PlayRank, std::cref(trace), std::cref(o), address, world_size, group_size,
-                         &runs[i]);
+    std::error_code failure;  // Not e.what(): copying it could need memory there is none of.
+    try {
+      threads.emplace_back(PlayRank, std::cref(trace), std::cref(o), address, world_size, group_size,
+                           &gate, &runs[i]);
+    } catch (const std::system_error& e) {  // Out of threads, or of memory for their stacks.
+      failure = e.code();
+    } catch (const std::bad_alloc&) {
+      failure = std::make_error_code(std::errc::not_enough_memory);
+    }
+    if (failure) {
+      // The threads started have done nothing yet: let them return, and say so, rather than
+      // std::terminate.
+      gate.Open(/*go=*/false);
+      for (auto& t : threads) t.join();
+      if (embedded) embedded->Shutdown();
+      err << "shardctl replay: cannot start the thread of rank " << o.ranks[i] << " (" << i << " of "
+          << o.ranks.size() << " started): " << failure.message()
+          << "; play fewer ranks per process with --ranks\n";
+      return kReplayBadInput;
+    }
   }
+  gate.Open(/*go=*/true);
   for (auto& t : threads) t.join();
   if (embedded) embedded->Shutdown();
 

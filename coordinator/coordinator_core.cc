@@ -250,22 +250,33 @@ absl::Status CoordinatorCore::ValidateRegistration(const v1::RegisterRequest& re
   return absl::OkStatus();
 }
 
-absl::Status CoordinatorCore::AdmitJob(const std::string& job_id) {
-  if (static_cast<int>(jobs_.size()) < options_.limits.max_jobs) return absl::OkStatus();
-  // Full: make room by forgetting the job that ended longest ago, if any ended.
-  auto oldest = jobs_.end();
-  for (auto it = jobs_.begin(); it != jobs_.end(); ++it) {
-    if (it->second->ended == absl::InfinitePast()) continue;
-    if (oldest == jobs_.end() || it->second->ended < oldest->second->ended) oldest = it;
+absl::Status CoordinatorCore::AdmitJob(const std::string& job_id, int world_size) {
+  const CoordinatorLimits& lim = options_.limits;
+  auto total_ranks = [this] {
+    int64_t n = 0;
+    for (const auto& [id, job] : jobs_) n += job->world_size;
+    return n;
+  };
+  // Full: make room by forgetting the jobs that ended longest ago, while any ended.
+  while (static_cast<int>(jobs_.size()) >= lim.max_jobs || total_ranks() + world_size > lim.max_total_ranks) {
+    auto oldest = jobs_.end();
+    for (auto it = jobs_.begin(); it != jobs_.end(); ++it) {
+      if (it->second->ended == absl::InfinitePast()) continue;
+      if (oldest == jobs_.end() || it->second->ended < oldest->second->ended) oldest = it;
+    }
+    if (oldest == jobs_.end()) {
+      const bool by_count = static_cast<int>(jobs_.size()) >= lim.max_jobs;
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "register: cannot admit job '", job_id, "' (", world_size, " ranks): the coordinator holds ",
+          by_count ? absl::StrCat("max_jobs (", lim.max_jobs, ") jobs")
+                   : absl::StrCat(total_ranks(), " ranks and max_total_ranks is ", lim.max_total_ranks),
+          " and every job has live ranks; wait for a job to end or raise ",
+          by_count ? "--max-jobs" : "--max-total-ranks"));
+    }
+    Event("info", "job_evicted", oldest->first, -1, -1, "evicted to admit a new job (max_jobs or max_total_ranks reached)");
+    for (const Member& m : oldest->second->members) sessions_.erase(m.session);
+    jobs_.erase(oldest);
   }
-  if (oldest == jobs_.end()) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "register: cannot admit job '", job_id, "': the coordinator holds max_jobs (", options_.limits.max_jobs,
-        ") jobs and every one has live ranks; wait for a job to end or raise --max-jobs"));
-  }
-  Event("info", "job_evicted", oldest->first, -1, -1, "evicted to admit a new job (max_jobs reached)");
-  for (const Member& m : oldest->second->members) sessions_.erase(m.session);
-  jobs_.erase(oldest);
   return absl::OkStatus();
 }
 
@@ -319,7 +330,7 @@ absl::Status CoordinatorCore::Register(uint64_t session_id, const v1::RegisterRe
   auto it = jobs_.find(req.job_id());
   Job* job = it == jobs_.end() ? nullptr : it->second.get();
   if (job == nullptr) {
-    if (absl::Status s = AdmitJob(req.job_id()); !s.ok()) return s;
+    if (absl::Status s = AdmitJob(req.job_id(), req.world_size()); !s.ok()) return s;
   }
   if (job != nullptr) {
     if (job->world_size != req.world_size()) {

@@ -257,7 +257,7 @@ class CoordinatorCore {
   // Registration checks that need no state: malformed requests and the configured caps.
   absl::Status ValidateRegistration(const v1::RegisterRequest& req) const;
   // Makes room for a new job (evicting the oldest ended one) or says why there is none.
-  absl::Status AdmitJob(const std::string& job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status AdmitJob(const std::string& job_id, int world_size) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Forgets jobs with no live rank for longer than the retention.
   void EvictEndedJobs(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Static policies: the group's decision for `key`, made once and shared by every rank.

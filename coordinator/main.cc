@@ -61,7 +61,7 @@ int main(int argc, char** argv) {
   // Unset flags keep the config file's (or the built-in) value.
   std::optional<int64_t> hb_interval_ms, hb_timeout_ms, plan_timeout_ms, behind_threshold_ms;
   std::optional<int> max_lookahead, promote_window, promote_threshold, demote_threshold, event_capacity,
-      decision_history, max_world_size, max_jobs, max_modules, max_units, max_name_bytes, max_pending;
+      decision_history, max_world_size, max_total_ranks, max_jobs, max_modules, max_units, max_name_bytes, max_pending;
   std::optional<int64_t> max_outbox_bytes, job_retention_ms, handshake_timeout_ms, self_check_ms;
   app.add_option("--config", config_file,
                  "YAML config file (keys as in README 'shardcoordd configuration' and deploy/config)")
@@ -87,6 +87,7 @@ int main(int argc, char** argv) {
   app.add_option("--event-capacity", event_capacity, "events kept for shardctl events");
   app.add_option("--decision-history", decision_history, "decisions kept per group for shardctl decisions");
   app.add_option("--max-world-size", max_world_size, "most ranks one job may have");
+  app.add_option("--max-total-ranks", max_total_ranks, "most ranks of all jobs held at once");
   app.add_option("--max-jobs", max_jobs, "most jobs held at once (finished ones until evicted)");
   app.add_option("--max-modules", max_modules, "most controlled modules in a manifest");
   app.add_option("--max-units-per-module", max_units, "most layer units of one module");
@@ -135,6 +136,7 @@ int main(int argc, char** argv) {
   if (decision_history) options.decision_history = *decision_history;
   if (max_world_size) options.limits.max_world_size = *max_world_size;
   if (max_jobs) options.limits.max_jobs = *max_jobs;
+  if (max_total_ranks) options.limits.max_total_ranks = *max_total_ranks;
   if (max_modules) options.limits.max_modules = *max_modules;
   if (max_units) options.limits.max_units_per_module = *max_units;
   if (max_name_bytes) options.limits.max_name_bytes = *max_name_bytes;

@@ -75,6 +75,7 @@ absl::Status ValidateOptions(const CoordinatorOptions& o) {
   const CoordinatorLimits& l = o.limits;
   for (const auto& [name, v] : std::vector<std::pair<const char*, int64_t>>{
            {"max_world_size", l.max_world_size},
+           {"max_total_ranks", l.max_total_ranks},
            {"max_jobs", l.max_jobs},
            {"max_modules", l.max_modules},
            {"max_units_per_module", l.max_units_per_module},
@@ -115,7 +116,7 @@ absl::StatusOr<CoordinatorOptions> LoadConfigFile(const std::string& path,
       "listen",           "default_policy",    "default_fallback",  "heartbeat_interval_ms",
       "heartbeat_timeout_ms", "plan_timeout_ms", "max_lookahead",   "promote_window",
       "promote_threshold", "demote_threshold", "event_capacity",    "decision_history",
-      "log_level",        "address_file",      "behind_threshold_ms", "max_world_size",
+      "log_level",        "address_file",      "behind_threshold_ms", "max_world_size", "max_total_ranks",
       "max_jobs",         "max_modules",       "max_units_per_module", "max_name_bytes",
       "max_pending_microbatches", "max_outbox_bytes", "job_retention_ms", "handshake_timeout_ms",
       "self_check_interval_ms"};
@@ -167,6 +168,7 @@ absl::StatusOr<CoordinatorOptions> LoadConfigFile(const std::string& path,
       if (key == "address_file") o.address_file = v.as<std::string>();
       if (key == "max_world_size") o.limits.max_world_size = v.as<int>();
       if (key == "max_jobs") o.limits.max_jobs = v.as<int>();
+      if (key == "max_total_ranks") o.limits.max_total_ranks = v.as<int>();
       if (key == "max_modules") o.limits.max_modules = v.as<int>();
       if (key == "max_units_per_module") o.limits.max_units_per_module = v.as<int>();
       if (key == "max_name_bytes") o.limits.max_name_bytes = v.as<int>();

@@ -762,6 +762,19 @@ TEST_F(CoreTest, JobsAreCappedAndEndedOnesEvictedAfterTheirRetention) {
   EXPECT_THAT(ids(), ::testing::ElementsAre("c"));
 }
 
+TEST_F(CoreTest, RanksOfAllJobsAreCapped) {
+  CoordinatorOptions o = options_;
+  o.limits.max_total_ranks = 10;
+  Reset(o);
+  v1::RegisterRequest big = Request(0, 8, 2);
+  big.set_job_id("big");
+  ASSERT_TRUE(Register(big).ok());
+  absl::Status s = Register(Request(0, 4, 2));  // 8 + 4 > 10
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("max_total_ranks is 10"));
+  EXPECT_TRUE(Register(Request(0, 2, 2)).ok());  // 8 + 2 fits
+}
+
 TEST_F(CoreTest, ARankThatStopsReadingIsFailedAndItsGroupToldWhy) {
   RegisterAll(4, 2, v1::POLICY_REPLICATE);
   sinks_[1]->refuse = true;  // Its outgoing queue is full.

@@ -1,0 +1,206 @@
+// shardctl on bad input: the real binary, and a real shardcoordd where a coordinator answers.
+// The rule: 0 ok; 1 the coordinator answered but the request failed (no such job); 2 usage,
+// bad input, or the coordinator unreachable. Every error is a readable line on stderr.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "support/daemon.h"
+#include "support/subprocess.h"
+#include "support/test_env.h"
+
+namespace shardcoord {
+namespace {
+
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+using ::testing::IsEmpty;
+using ::testing::Not;
+using testing::RunCommand;
+using testing::TempDir;
+
+constexpr absl::Duration kCommandTimeout = absl::Seconds(30);
+const std::vector<std::string> kQueries = {"status", "ranks", "groups", "decisions", "comms", "events"};
+
+// `microbatches` lines per rank of ranks 0..world-1.
+void WriteTrace(const std::string& path, int world, int microbatches) {
+  std::ofstream out(path);
+  for (int i = 0; i < microbatches; ++i) {
+    for (int r = 0; r < world; ++r) {
+      out << "{\"rank\":" << r << ",\"step\":0,\"microbatch\":" << i << ",\"calls\":{\"vision_tower\":" << (i % 2)
+          << "}}\n";
+    }
+  }
+}
+
+std::vector<std::string> Shardctl(std::vector<std::string> args) {
+  args.insert(args.begin(), SHARDCTL_PATH);
+  return args;
+}
+
+TEST(ShardctlCliTest, BadCoordinatorAddressIsAUsageErrorForEveryCommand) {
+  TempDir dir;
+  const std::string trace = dir.File("trace.jsonl");
+  WriteTrace(trace, 2, 2);
+  for (const std::string bad : {"127.0.0.1:99999", "127.0.0.1:0", "127.0.0.1:65536", "127.0.0.1", ":7871",
+                                "127.0.0.1:", "127.0.0.1:abc", "127.0.0.1:+80", "::1:7871", "[::1]", "[]:7871",
+                                "[::1]7871", "dns:///127.0.0.1:7871"}) {
+    std::vector<std::vector<std::string>> commands;
+    for (const auto& q : kQueries) commands.push_back({q, "--coordinator", bad, "--timeout-ms", "2000"});
+    commands.push_back({"replay", trace, "--coordinator", bad, "--connect-timeout-ms", "2000"});
+    for (const auto& args : commands) {
+      auto r = RunCommand(Shardctl(args), kCommandTimeout);
+      EXPECT_EQ(r.exit_code, 2) << args[0] << " " << bad << ": " << r.err;
+      EXPECT_THAT(r.err, AllOf(HasSubstr("--coordinator '" + bad + "'"), HasSubstr("HOST:PORT"),
+                               HasSubstr("1..65535")))
+          << args[0];
+      EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << "one line: " << r.err;
+      EXPECT_THAT(r.out, IsEmpty());
+    }
+  }
+  // $SHARDCOORD_ADDR is checked the same way, and the error names it.
+  for (const std::string cmd : {"status", "events"}) {
+    auto r = RunCommand(Shardctl({cmd}), kCommandTimeout, {"SHARDCOORD_ADDR=127.0.0.1:99999"});
+    EXPECT_EQ(r.exit_code, 2) << r.err;
+    EXPECT_THAT(r.err, HasSubstr("SHARDCOORD_ADDR '127.0.0.1:99999'"));
+  }
+  // `verify` talks to no coordinator: a bad $SHARDCOORD_ADDR is none of its business.
+  std::ofstream(dir.File("rank0.jsonl"))
+      << R"({"rank":0,"group":0,"step":0,"microbatch":0,"module":"m","decision":"skip","seq":1,"reason":"x"})"
+      << "\n";
+  auto verify = RunCommand(Shardctl({"verify", dir.File("rank0.jsonl")}), kCommandTimeout,
+                           {"SHARDCOORD_ADDR=127.0.0.1:99999"});
+  EXPECT_EQ(verify.exit_code, 0) << verify.err;
+}
+
+TEST(ShardctlCliTest, WellFormedAddressesAreAccepted) {
+  testing::RefusingPort closed;
+  const std::string port = std::to_string(closed.port());
+  for (const std::string& good : {closed.address(), "localhost:" + port, "[::1]:" + port}) {
+    auto r = RunCommand(Shardctl({"status", "--coordinator", good, "--timeout-ms", "2000"}), kCommandTimeout);
+    // Nothing serves there: the address passes the check and the query fails as unreachable.
+    EXPECT_THAT(r.err, Not(HasSubstr("not a coordinator address"))) << good;
+    EXPECT_THAT(r.err, HasSubstr("cannot reach coordinator at " + good)) << good;
+    EXPECT_EQ(r.exit_code, 2) << good;
+  }
+}
+
+TEST(ShardctlCliTest, AJobThatDoesNotExistIsExitOneForEveryQuery) {
+  TempDir dir;
+  auto daemon = testing::Daemon::Start(dir.path(), {});
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  const std::string address = (*daemon)->address();
+  // A job that exists once its replay has finished (its ranks left; the job is retained).
+  const std::string trace = dir.File("trace.jsonl");
+  WriteTrace(trace, 2, 4);
+  auto replay = RunCommand(Shardctl({"replay", trace, "--coordinator", address, "--job-id", "known",
+                                     "--decision-timeout-ms", "30000"}),
+                           absl::Seconds(60));
+  ASSERT_EQ(replay.exit_code, 0) << replay.err;
+
+  for (const auto& q : kQueries) {
+    for (bool json : {false, true}) {
+      std::vector<std::string> args = {q, "--coordinator", address, "--job", "nosuch"};
+      if (json) args.push_back("--json");
+      auto r = RunCommand(Shardctl(args), kCommandTimeout);
+      EXPECT_EQ(r.exit_code, 1) << q << " json=" << json << ": " << r.err;
+      EXPECT_THAT(r.err, HasSubstr("has no job 'nosuch'")) << q;
+      EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << "one line: " << r.err;
+      EXPECT_THAT(r.out, IsEmpty()) << q;
+    }
+    // The job that exists answers 0, also where it has no rows (no communicators).
+    auto ok = RunCommand(Shardctl({q, "--coordinator", address, "--job", "known"}), kCommandTimeout);
+    EXPECT_EQ(ok.exit_code, 0) << q << ": " << ok.err;
+    EXPECT_THAT(ok.err, IsEmpty()) << q;
+    // No --job: every job, never "no job".
+    auto all = RunCommand(Shardctl({q, "--coordinator", address}), kCommandTimeout);
+    EXPECT_EQ(all.exit_code, 0) << q << ": " << all.err;
+  }
+  auto events = RunCommand(Shardctl({"events", "--coordinator", address, "--job", "known"}), kCommandTimeout);
+  EXPECT_THAT(events.out, HasSubstr("job=known"));
+}
+
+TEST(ShardctlCliTest, OutOfRangeTimeoutsAndLimitsSayTheRange) {
+  for (const std::vector<std::string>& args : std::vector<std::vector<std::string>>{
+           {"status", "--timeout-ms", "0"},
+           {"--timeout-ms", "-5", "ranks"},
+           {"groups", "--timeout-ms", "86400001"},
+           {"decisions", "--limit", "0"},
+           {"events", "--limit", "-1"}}) {
+    auto r = RunCommand(Shardctl(args), kCommandTimeout);
+    const std::string& flag = args[0] == "--timeout-ms" ? args[0] : args[1];
+    EXPECT_EQ(r.exit_code, 2) << r.err;
+    EXPECT_THAT(r.err, AllOf(HasSubstr(flag), HasSubstr("not in range 1 to ")));
+    // A readable range, not numeric_limits<double>.
+    EXPECT_LT(r.err.size(), 200u) << r.err;
+    EXPECT_THAT(r.err, Not(HasSubstr("00000000000000000000")));
+  }
+  auto r = RunCommand(Shardctl({"status", "--timeout-ms", "0"}), kCommandTimeout);
+  EXPECT_THAT(r.err, HasSubstr("1 to 86400000"));
+}
+
+TEST(ShardctlCliTest, AnUnknownCommandIsNamedWithTheCommands) {
+  for (const std::vector<std::string>& args : std::vector<std::vector<std::string>>{
+           {"bogus"}, {"--coordinator", "127.0.0.1:7871", "bogus"}, {"bogus", "--json"}}) {
+    auto r = RunCommand(Shardctl(args), kCommandTimeout);
+    EXPECT_EQ(r.exit_code, 2) << r.err;
+    EXPECT_THAT(r.err, HasSubstr("unknown command 'bogus'"));
+    for (const char* cmd : {"status", "ranks", "groups", "decisions", "comms", "events", "replay", "verify"}) {
+      EXPECT_THAT(r.err, HasSubstr(cmd));
+    }
+    EXPECT_THAT(r.err, Not(HasSubstr("A subcommand is required")));
+  }
+  auto none = RunCommand(Shardctl({}), kCommandTimeout);
+  EXPECT_EQ(none.exit_code, 2);
+  EXPECT_THAT(none.err, AllOf(HasSubstr("no command given"), HasSubstr("status")));
+  auto help = RunCommand(Shardctl({"--help"}), kCommandTimeout);
+  EXPECT_EQ(help.exit_code, 0);
+  EXPECT_THAT(help.out, HasSubstr("replay"));
+}
+
+TEST(ShardctlCliTest, ReplayRefusesMoreRanksThanOneProcessCanRun) {
+  TempDir dir;
+  const std::string trace = dir.File("big.jsonl");
+  std::ofstream(trace) << "{\"rank\":0,\"step\":0,\"microbatch\":0,\"calls\":{\"m\":1}}\n"
+                       << "{\"rank\":100000,\"step\":0,\"microbatch\":0,\"calls\":{\"m\":1}}\n";
+  const absl::Time start = absl::Now();
+  auto r = RunCommand(Shardctl({"replay", trace}), kCommandTimeout);
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_THAT(r.err, AllOf(HasSubstr("100001 ranks to simulate"), HasSubstr("4096"), HasSubstr("--ranks")));
+  EXPECT_LT(absl::Now() - start, testing::kLoadSlack) << "refused before starting anything";
+  // A subset within the cap is not refused for its size (it plays ranks 0 and 1 of a world
+  // of 100001; the embedded coordinator's default max_world_size refuses that world).
+  auto subset = RunCommand(Shardctl({"replay", trace, "--ranks", "0,1", "--connect-timeout-ms", "5000"}),
+                           absl::Seconds(60));
+  EXPECT_THAT(subset.err, Not(HasSubstr("ranks to simulate"))) << subset.err;
+  // A rank near INT32_MAX does not overflow the world size.
+  std::ofstream(dir.File("huge.jsonl")) << "{\"rank\":2147483647,\"step\":0,\"microbatch\":0}\n";
+  auto huge = RunCommand(Shardctl({"replay", dir.File("huge.jsonl")}), kCommandTimeout);
+  EXPECT_EQ(huge.exit_code, 2) << huge.err;
+  EXPECT_THAT(huge.err, HasSubstr("the trace names rank 2147483647"));
+}
+
+TEST(ShardctlCliTest, ReplayReportsThreadsItCannotStart) {
+  // 3000 ranks (under the cap) in an address space too small for their thread stacks:
+  // thread creation fails part way, which is an error message, not std::terminate.
+  TempDir dir;
+  const std::string trace = dir.File("wide.jsonl");
+  WriteTrace(trace, 3000, 1);
+  testing::RefusingPort closed;
+  auto r = RunCommand({"/bin/sh", "-c",
+                       absl::StrCat("ulimit -v 1500000 && exec ", SHARDCTL_PATH, " replay ", trace,
+                                    " --coordinator ", closed.address(), " --connect-timeout-ms 2000")},
+                      absl::Seconds(120));
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_THAT(r.err, AllOf(HasSubstr("cannot start the thread of rank"), HasSubstr("--ranks")));
+  EXPECT_THAT(r.err, Not(HasSubstr("terminate")));
+}
+
+}  // namespace
+}  // namespace shardcoord
