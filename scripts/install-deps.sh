@@ -8,6 +8,7 @@ packages=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libspdlog-dev libcli11-dev nlohmann-json3-dev libyaml-cpp-dev
   libgtest-dev libgmock-dev libbenchmark-dev libgloo-dev libtorch-dev
+  python3-dev pybind11-dev python3-torch python3-pytest python3-numpy
 )
 if [[ "${SHARDCOORD_WITH_TORCH:-0}" == 1 ]]; then packages+=(libtorch-dev); fi
 

@@ -1,0 +1,38 @@
+"""shardcoord: safe per-layer sharding of frozen multimodal towers (Python binding).
+
+    import shardcoord
+    with shardcoord.Worker("run-42", manifest, group_size=8) as w:   # RANK/WORLD_SIZE from torchrun
+        w.report_plan(step, mb, {"model.visual": 1})                  # ahead of time
+        d = w.get_decision(step, mb, timeout=30)                      # right before the microbatch
+        d["model.visual"].decision                                    # "per_layer", "skip", "root", "replicate"
+
+``shardcoord.torch`` builds the manifest from a ``torch.nn.Module`` and keeps plans ahead of the
+training loop.
+"""
+
+from . import _shardcoord
+from .errors import (AlreadyExists, Cancelled, DeadlineExceeded, Error, FailedPrecondition, GroupFailed, Internal,
+                     InvalidArgument, NotFound, OutOfRange, PermissionDenied, ResourceExhausted, Unavailable,
+                     Unimplemented)
+from .worker import ADDRESS_ENV, Decision, GroupInfo, LayerUnit, ModuleDecision, ModuleSpec, Worker
+
+
+def classify(nodes, extra_towers=(), extra_projectors=()):
+    """The contract's classification (one implementation, shared with C++).
+
+    ``nodes``: (dotted path, parameter tensors in the subtree, those requiring grad). Returns
+    [(path, "tower" | "projector", fully_frozen)] in path order; controlled modules are the fully
+    frozen ones."""
+    return _shardcoord.classify([(p, int(n), int(t)) for p, n, t in nodes], list(extra_towers),
+                                list(extra_projectors))
+
+
+BUILTIN_TOWER_NAMES = tuple(_shardcoord.builtin_tower_names())
+BUILTIN_PROJECTOR_NAMES = tuple(_shardcoord.builtin_projector_names())
+
+__all__ = [
+    "ADDRESS_ENV", "AlreadyExists", "BUILTIN_PROJECTOR_NAMES", "BUILTIN_TOWER_NAMES", "Cancelled", "DeadlineExceeded",
+    "Decision", "Error", "FailedPrecondition", "GroupFailed", "GroupInfo", "Internal", "InvalidArgument", "LayerUnit",
+    "ModuleDecision", "ModuleSpec", "NotFound", "OutOfRange", "PermissionDenied", "ResourceExhausted", "Unavailable",
+    "Unimplemented", "Worker", "classify",
+]

@@ -1,0 +1,143 @@
+"""The worker: one per trainer rank. Mirrors the C++ ``shardcoord::Worker``."""
+
+import os
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from . import _shardcoord
+from .errors import InvalidArgument
+
+ADDRESS_ENV = "SHARDCOORD_ADDR"
+
+
+@dataclass(frozen=True)
+class LayerUnit:
+    """One layer unit of a controlled module: ``name`` relative to the module ("" = the whole module)."""
+
+    name: str
+    param_bytes: int
+
+
+@dataclass(frozen=True)
+class ModuleSpec:
+    """A controlled (fully frozen multimodal) module, as registered with the coordinator."""
+
+    name: str
+    param_bytes: int
+    units: Tuple[LayerUnit, ...] = ()
+    outside_inner_root: bool = False
+
+
+@dataclass(frozen=True)
+class ModuleDecision:
+    decision: str  # "per_layer", "skip", "root" or "replicate"
+    reason: str    # "uniform", "all_skip", "divergent", "static_policy", "sticky_replicate", "promoted"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The group's decision for one microbatch: identical on every rank of the group."""
+
+    group: int
+    step: int
+    microbatch: int
+    epoch: int
+    seq: int
+    digest: int
+    modules: Dict[str, ModuleDecision] = field(default_factory=dict)
+
+    def __getitem__(self, module: str) -> ModuleDecision:
+        return self.modules[module]
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    group: int
+    ranks: List[int]
+    epoch: int
+    policy: str
+    fallback: str
+    lookahead: int
+    warnings: List[str]
+
+
+def _env_int(name: str, value: Optional[int]) -> int:
+    if value is not None:
+        return value
+    raw = os.environ.get(name)
+    if raw is None:
+        raise InvalidArgument(f"{name.lower()} not given and ${name} is not set (torchrun sets it)")
+    try:
+        return int(raw)
+    except ValueError:
+        raise InvalidArgument(f"${name}={raw!r} is not an integer") from None
+
+
+class Worker:
+    """Connects to the coordinator and registers this rank (within ``connect_timeout`` seconds).
+
+    ``rank`` and ``world_size`` default to torchrun's ``RANK`` and ``WORLD_SIZE``; ``address`` to
+    ``$SHARDCOORD_ADDR``. ``group_size`` is the FSDP shard group size (contiguous blocks of ranks).
+    Use as a context manager, or call ``close()`` (a clean leave). Thread-safe: a data-loader thread
+    may report plans while the training loop waits for decisions (waits release the GIL).
+    """
+
+    def __init__(self, job_id: str, modules: Sequence[ModuleSpec], group_size: int, *, rank: Optional[int] = None,
+                 world_size: Optional[int] = None, address: Optional[str] = None, policy: str = "",
+                 fallback: str = "", wrap_outer_model: bool = True, lookahead: int = 0,
+                 memory_budget_bytes: int = 0, connect_timeout: float = 30.0):
+        rank = _env_int("RANK", rank)
+        world_size = _env_int("WORLD_SIZE", world_size)
+        address = address if address is not None else os.environ.get(ADDRESS_ENV, "")
+        native_modules = []
+        for m in modules:
+            if not isinstance(m, ModuleSpec):
+                raise InvalidArgument(f"modules must be shardcoord.ModuleSpec, got {type(m).__name__}")
+            native_modules.append((m.name, int(m.param_bytes), [(u.name, int(u.param_bytes)) for u in m.units],
+                                   bool(m.outside_inner_root)))
+        self._native = _shardcoord.connect(address, job_id, rank, world_size, group_size, native_modules, policy,
+                                           fallback, wrap_outer_model, lookahead, memory_budget_bytes,
+                                           float(connect_timeout))
+        self.rank = rank
+        self.world_size = world_size
+
+    def report_plan(self, step: int, microbatch: int, calls: Dict[str, int]) -> None:
+        """Tells the coordinator, ahead of time, how often each controlled module will run in the
+        microbatch. Never blocks on the network. Plans go in increasing (step, microbatch) order."""
+        self._native.report_plan(step, microbatch, dict(calls))
+
+    def get_decision(self, step: int, microbatch: int, timeout: float = 30.0) -> Decision:
+        """The group's decision for the microbatch, waiting at most ``timeout`` seconds."""
+        d = self._native.get_decision(step, microbatch, float(timeout))
+        return Decision(d["group"], d["step"], d["microbatch"], d["epoch"], d["seq"], d["digest"],
+                        {name: ModuleDecision(*md) for name, md in d["modules"].items()})
+
+    def report_memory(self, usage: Sequence[Tuple[str, int, int, int]]) -> None:
+        """(module, resident_bytes, peak_bytes, gathered_bytes) per controlled module; shown by shardctl."""
+        self._native.report_memory(list(usage))
+
+    def health(self) -> None:
+        """Returns while the session is usable; raises why it is not."""
+        self._native.health()
+
+    @property
+    def undecided_plans(self) -> int:
+        return self._native.undecided_plans()
+
+    def await_group_ready(self, timeout: float = 60.0) -> None:
+        """After a group failure: waits until the group re-formed under a new epoch."""
+        self._native.await_group_ready(float(timeout))
+
+    @property
+    def group(self) -> GroupInfo:
+        return GroupInfo(**self._native.group())
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Says goodbye (the rank becomes LEFT, not dead). Idempotent."""
+        self._native.close(float(timeout))
+
+    def __enter__(self) -> "Worker":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,56 @@
+"""Fixtures for the Python tests: a real shardcoordd on 127.0.0.1 with a port it picks.
+
+ctest sets SHARDCOORDD (the daemon binary) and PYTHONPATH (the build tree's python/ folder)."""
+
+import os
+import subprocess
+import time
+
+import pytest
+
+
+def _wait_for(predicate, timeout, what):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+class Daemon:
+    def __init__(self, tmp_path, *flags):
+        binary = os.environ.get("SHARDCOORDD")
+        if not binary:
+            pytest.fail("SHARDCOORDD is not set: run these tests through ctest")
+        self.addr_file = tmp_path / "addr"
+        self.err = open(tmp_path / "daemon.err", "w")
+        self.proc = subprocess.Popen([binary, "--listen", "127.0.0.1:0", "--address-file", str(self.addr_file),
+                                      *flags], stdout=subprocess.DEVNULL, stderr=self.err)
+        _wait_for(lambda: self.addr_file.exists() and ":" in self.addr_file.read_text() or self.proc.poll() is not None,
+                  20, "shardcoordd to write its address")
+        if self.proc.poll() is not None:
+            raise AssertionError(f"shardcoordd exited: {(tmp_path / 'daemon.err').read_text()}")
+        self.address = self.addr_file.read_text().strip()
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.err.close()
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    d = Daemon(tmp_path, "--heartbeat-interval-ms", "100", "--heartbeat-timeout-ms", "1500")
+    yield d
+    d.stop()
+
+
+@pytest.fixture
+def wait_for():
+    return _wait_for

@@ -1,0 +1,135 @@
+"""The Python binding against a real shardcoordd: decisions, typed errors, bad input, no hangs."""
+
+import threading
+import time
+
+import pytest
+
+import shardcoord
+
+MODULES = [
+    shardcoord.ModuleSpec("model.visual", 4096, (shardcoord.LayerUnit("blocks.0", 2048),
+                                                 shardcoord.LayerUnit("blocks.1", 2048))),
+    shardcoord.ModuleSpec("model.audio_tower", 1024),
+]
+
+
+def connect(daemon, rank, world=2, group=2, **kw):
+    kw.setdefault("connect_timeout", 10)
+    return shardcoord.Worker("job", MODULES, group, rank=rank, world_size=world, address=daemon.address, **kw)
+
+
+def test_a_group_gets_one_identical_decision(daemon):
+    with connect(daemon, 0) as w0, connect(daemon, 1) as w1:
+        assert w0.group.ranks == [0, 1]
+        assert w0.group.policy == "auto"
+        w0.report_plan(0, 0, {"model.visual": 1, "model.audio_tower": 0})
+        w1.report_plan(0, 0, {"model.visual": 1, "model.audio_tower": 0})
+        d0 = w0.get_decision(0, 0, timeout=30)
+        d1 = w1.get_decision(0, 0, timeout=30)
+        assert d0 == d1
+        assert d0["model.visual"] == shardcoord.ModuleDecision("per_layer", "uniform")
+        assert d0["model.audio_tower"].decision == "skip"
+        # Divergent: the fallback, root, on both.
+        w0.report_plan(0, 1, {"model.visual": 1})
+        w1.report_plan(0, 1, {"model.visual": 0})
+        d0, d1 = w0.get_decision(0, 1), w1.get_decision(0, 1)
+        assert d0.digest == d1.digest and d0.seq == d1.seq == 1
+        assert d0["model.visual"] == shardcoord.ModuleDecision("root", "divergent")
+
+
+def test_rank_and_world_come_from_torchrun_variables(daemon, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("SHARDCOORD_ADDR", daemon.address)
+    with shardcoord.Worker("job", MODULES, 2, connect_timeout=10) as w:
+        assert w.rank == 1 and w.world_size == 2
+    monkeypatch.delenv("RANK")
+    with pytest.raises(shardcoord.InvalidArgument, match="RANK"):
+        shardcoord.Worker("job", MODULES, 2)
+
+
+def test_bad_input_raises_typed_errors_with_the_message(daemon):
+    with connect(daemon, 0) as w:
+        with pytest.raises(shardcoord.InvalidArgument, match="unknown module 'vison'"):
+            w.report_plan(0, 0, {"vison": 1})
+        with pytest.raises(shardcoord.InvalidArgument, match="step and microbatch must be >= 0"):
+            w.report_plan(-1, 0, {})
+        with pytest.raises(shardcoord.InvalidArgument, match="calls must be"):
+            w.report_plan(0, 0, {"model.visual": -2})
+        with pytest.raises(TypeError):
+            w.report_plan("zero", 0, {})
+        with pytest.raises(TypeError):
+            w.report_plan(0, 0, {"model.visual": "one"})
+        with pytest.raises(shardcoord.InvalidArgument, match="timeout"):
+            w.get_decision(0, 0, timeout=-1)
+        with pytest.raises(shardcoord.FailedPrecondition, match="no plan was reported"):
+            w.get_decision(5, 0, timeout=1)
+        w.report_plan(0, 0, {"model.visual": 1})
+        with pytest.raises(shardcoord.FailedPrecondition, match="out-of-order"):
+            w.report_plan(0, 0, {"model.visual": 1})
+        # Rank 1 never plans: the wait ends at its deadline, naming what is missing.
+        start = time.monotonic()
+        with pytest.raises(shardcoord.DeadlineExceeded, match="has not reported its plan"):
+            w.get_decision(0, 0, timeout=0.3)
+        assert time.monotonic() - start < 15
+    with pytest.raises(shardcoord.InvalidArgument, match="unknown policy 'fastest'"):
+        connect(daemon, 1, policy="fastest")
+    with pytest.raises(shardcoord.InvalidArgument, match="unknown rank 7"):
+        connect(daemon, 7)
+
+
+def test_registration_errors_carry_the_coordinators_code(daemon):
+    with connect(daemon, 0):
+        with pytest.raises(shardcoord.AlreadyExists, match="duplicate rank 0"):
+            connect(daemon, 0)
+        with pytest.raises(shardcoord.FailedPrecondition, match="world size mismatch"):
+            connect(daemon, 1, world=4)
+
+
+def test_a_peer_that_leaves_ends_the_wait_with_the_reason(daemon):
+    with connect(daemon, 0) as w0:
+        w1 = connect(daemon, 1)
+        w0.report_plan(0, 0, {"model.visual": 1})
+        w1.close()  # A clean leave without planning (0,0): it can never be decided.
+        start = time.monotonic()
+        with pytest.raises(shardcoord.FailedPrecondition, match="rank 1 left the job without planning it"):
+            w0.get_decision(0, 0, timeout=30)
+        assert time.monotonic() - start < 15
+        with pytest.raises(shardcoord.Unavailable, match="session with coordinator"):
+            w1.health()
+
+
+def test_an_unreachable_coordinator_fails_connect_within_its_timeout():
+    start = time.monotonic()
+    with pytest.raises(shardcoord.Unavailable, match="cannot reach coordinator at 127.0.0.1:1"):
+        shardcoord.Worker("job", MODULES, 1, rank=0, world_size=1, address="127.0.0.1:1", connect_timeout=0.5)
+    assert time.monotonic() - start < 15
+
+
+def test_get_decision_releases_the_gil(daemon):
+    with connect(daemon, 0) as w0, connect(daemon, 1) as w1:
+        w0.report_plan(0, 0, {"model.visual": 1})
+        ticks = []
+        stop = threading.Event()
+
+        def count():
+            while not stop.is_set():
+                ticks.append(1)
+                time.sleep(0.005)
+
+        t = threading.Thread(target=count)
+        t.start()
+        with pytest.raises(shardcoord.DeadlineExceeded):
+            w0.get_decision(0, 0, timeout=0.5)  # Rank 1 has not planned.
+        stop.set()
+        t.join(5)
+        assert len(ticks) > 10, "another Python thread must run while get_decision waits"
+
+
+def test_classify_is_the_contracts_classifier():
+    nodes = [("", 10, 4), ("model", 10, 4), ("model.visual", 4, 0), ("model.visual.merger", 1, 0),
+             ("model.multi_modal_projector", 2, 2), ("model.language_model", 4, 4)]
+    assert shardcoord.classify(nodes) == [("model.multi_modal_projector", "projector", False),
+                                          ("model.visual", "tower", True)]
+    assert shardcoord.classify([("enc", 1, 0)], extra_towers=["enc"]) == [("enc", "tower", True)]
