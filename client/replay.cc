@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "coordinator_server.h"
+#include "shardcoord/plan_ahead.h"
 #include "shardcoord/worker.h"
 
 namespace shardcoord::client {
@@ -112,31 +113,22 @@ void PlayRank(const Trace& trace, const ReplayOptions& o, const std::string& add
     run->failure = absl::StrCat("registration failed: ", worker.status().ToString());
     return;
   }
-  const int window = std::max(1, (*worker)->group().lookahead);
   const std::vector<MicrobatchKey> keys(trace.keys.begin(), trace.keys.end());
   auto plans_it = trace.plans.find(run->rank);
-  size_t next_report = 0;
-  for (size_t i = 0; i < keys.size(); ++i) {
-    while (next_report < keys.size() && next_report < i + window) {
-      MicrobatchPlan plan;
-      plan.key = keys[next_report];
-      if (plans_it != trace.plans.end()) {
-        auto p = plans_it->second.find(plan.key);
-        if (p != plans_it->second.end()) plan.calls = p->second;
-      }
-      absl::Status s = (*worker)->ReportPlan(plan);
-      if (!s.ok()) {
-        run->failed = true;
-        run->failure = absl::StrCat("plan ", plan.key.ToString(), ": ", s.ToString());
-        (*worker)->Close();
-        return;
-      }
-      ++next_report;
+  PlanAhead ahead(**worker, static_cast<int64_t>(keys.size()), [&](int64_t i) {
+    MicrobatchPlan plan;
+    plan.key = keys[i];
+    if (plans_it != trace.plans.end()) {
+      auto p = plans_it->second.find(plan.key);
+      if (p != plans_it->second.end()) plan.calls = p->second;
     }
-    auto d = (*worker)->GetDecision(keys[i], o.decision_timeout);
+    return plan;
+  });
+  for (size_t i = 0; i < keys.size(); ++i) {
+    auto d = ahead.Next(o.decision_timeout);
     if (!d.ok()) {
       run->failed = true;
-      run->failure = absl::StrCat("decision ", keys[i].ToString(), ": ", d.status().ToString());
+      run->failure = absl::StrCat("microbatch ", keys[i].ToString(), ": ", d.status().ToString());
       (*worker)->Close();
       return;
     }

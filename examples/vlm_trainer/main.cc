@@ -26,6 +26,7 @@
 #include <thread>
 
 #include "shardcoord/torch/executor.h"
+#include "shardcoord/plan_ahead.h"
 #include "shardcoord/worker.h"
 
 namespace {
@@ -199,16 +200,11 @@ int main(int argc, char** argv) {
   const int total = steps * accum;
   auto key_of = [&](int i) { return shardcoord::MicrobatchKey{i / accum, i % accum}; };
   auto has_images = [&](int i) { return HasImages(media, image_fraction, skew, seed, rank, i / accum, i % accum); };
-  int reported = 0;
-  auto report_ahead = [&](int i) {
-    while (reported < total && reported < i + lookahead) {
-      const int calls = has_images(reported) ? 1 : 0;
-      absl::Status s = (*worker)->ReportPlan(
-          {key_of(reported), {{"vision_tower", calls}, {"multi_modal_projector", calls}}});
-      if (!s.ok()) Fail("plan", s);
-      ++reported;
-    }
-  };
+  shardcoord::PlanAhead ahead(**worker, total, [&](int64_t i) {
+    const int calls = has_images(static_cast<int>(i)) ? 1 : 0;
+    return shardcoord::MicrobatchPlan{key_of(static_cast<int>(i)),
+                                      {{"vision_tower", calls}, {"multi_modal_projector", calls}}};
+  }, lookahead);
 
   for (int step = 0; step < steps; ++step) {
     for (auto& p : trainable) {
@@ -217,8 +213,7 @@ int main(int argc, char** argv) {
     double step_loss = 0;
     for (int mb = 0; mb < accum; ++mb) {
       const int i = step * accum + mb;
-      report_ahead(i);
-      auto d = (*worker)->GetDecision(key_of(i), absl::Seconds(60));
+      auto d = ahead.Next(absl::Seconds(60));
       if (!d.ok()) Fail("decision", d.status());
       for (const auto& m : d->modules) {
         decided[shardcoord::DecisionName(m.decision)]++;

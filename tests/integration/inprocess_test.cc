@@ -16,6 +16,7 @@
 #include "shardcoord/decide.h"
 #include "shardcoord/proto/convert.h"
 #include "shardcoord/v1/coordinator.grpc.pb.h"
+#include "shardcoord/plan_ahead.h"
 #include "shardcoord/worker.h"
 #include "support/test_env.h"
 
@@ -583,6 +584,42 @@ TEST_F(InProcessTest, TheWorkerLibraryKeepsSigpipeFromKillingItsHost) {
   EXPECT_EQ(write(fds[1], "x", 1), -1);
   EXPECT_EQ(errno, EPIPE);
   close(fds[1]);
+}
+
+
+TEST_F(InProcessTest, PlanAheadKeepsTheWindowFullAndReturnsDecisionsInOrder) {
+  auto w0 = Connect(Options(0, 2, 2));
+  auto w1 = Connect(Options(1, 2, 2));
+  ASSERT_TRUE(w0 && w1);
+  constexpr int64_t kTotal = 7;
+  auto plan_of = [](int64_t i) { return PlanOf(i / 2, static_cast<int>(i % 2), static_cast<int>(i % 3 == 0)); };
+  PlanAhead a0(*w0, kTotal, plan_of, /*lookahead=*/3);
+  PlanAhead a1(*w1, kTotal, plan_of);  // The group's lookahead (4).
+  std::vector<absl::StatusOr<MicrobatchDecision>> got1;
+  std::thread rank1([&] {  // Each rank's loop in its own thread, as in two processes.
+    while (!a1.done()) got1.push_back(a1.Next(kDecisionTimeout));
+  });
+  std::vector<MicrobatchDecision> got;
+  while (!a0.done()) {
+    auto d0 = a0.Next(kDecisionTimeout);
+    ASSERT_TRUE(d0.ok()) << d0.status();
+    EXPECT_EQ(d0->key, a0.key());
+    EXPECT_LE(w0->UndecidedPlans(), 3) << "never more than the lookahead in flight";
+    got.push_back(*d0);
+  }
+  rank1.join();
+  ASSERT_EQ(got1.size(), static_cast<size_t>(kTotal));
+  for (int64_t i = 0; i < kTotal; ++i) {
+    ASSERT_TRUE(got1[i].ok()) << got1[i].status();
+    EXPECT_EQ(got1[i]->digest, got[i].digest);
+  }
+  ASSERT_EQ(got.size(), static_cast<size_t>(kTotal));
+  for (int64_t i = 0; i < kTotal; ++i) {
+    EXPECT_EQ(got[i].key, plan_of(i).key);
+    EXPECT_EQ(got[i].Find("vision_tower")->decision, i % 3 == 0 ? Decision::kPerLayer : Decision::kSkip);
+  }
+  auto after = a0.Next(kDecisionTimeout);
+  EXPECT_EQ(after.status().code(), absl::StatusCode::kFailedPrecondition);
 }
 
 }  // namespace

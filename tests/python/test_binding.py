@@ -93,7 +93,9 @@ def test_a_peer_that_leaves_ends_the_wait_with_the_reason(daemon):
         w0.report_plan(0, 0, {"model.visual": 1})
         w1.close()  # A clean leave without planning (0,0): it can never be decided.
         start = time.monotonic()
-        with pytest.raises(shardcoord.FailedPrecondition, match="rank 1 left the job without planning it"):
+        # Whichever reaches the coordinator first, w0's plan or w1's goodbye, the reason names rank 1.
+        with pytest.raises(shardcoord.FailedPrecondition,
+                           match=r"can never be decided: ranks? 1 (left the job|already planned later .* or left)"):
             w0.get_decision(0, 0, timeout=30)
         assert time.monotonic() - start < 15
         with pytest.raises(shardcoord.Unavailable, match="session with coordinator"):
