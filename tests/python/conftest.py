@@ -52,5 +52,15 @@ def daemon(tmp_path):
 
 
 @pytest.fixture
+def trainer_daemon(tmp_path):
+    """For tests with several torch rank processes (as the C++ trainer tests): heartbeats every
+    200 ms, a rank silent for 5 s is dead, so that a loaded 2-core machine cannot starve a live
+    rank into a false death."""
+    d = Daemon(tmp_path, "--heartbeat-interval-ms", "200", "--heartbeat-timeout-ms", "5000")
+    yield d
+    d.stop()
+
+
+@pytest.fixture
 def wait_for():
     return _wait_for

@@ -1,0 +1,240 @@
+"""The seed's two-rank regression with the Python example trainer (examples/python/vlm_train.py):
+real rank processes (torch, Gloo on CPU) under a real shardcoordd, every policy. Mirrors
+tests/multiprocess/trainer_test.cc. Every wait has a deadline; every process is killed in a
+finally."""
+
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import List
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+VLM_TRAIN = ROOT / "examples" / "python" / "vlm_train.py"
+EXECUTOR_RANKS = Path(__file__).resolve().parent / "executor_ranks.py"
+RUN_DEADLINE = 120  # Seconds for one training run (a few seconds normally).
+_jobs = itertools.count()
+
+
+@dataclass
+class RankResult:
+    exit_code: int  # -1: it hung (killed at the deadline).
+    losses: List[str] = field(default_factory=list)  # Hex floats, bitwise comparable.
+    params_hash: str = ""
+    summary: str = ""
+    err: str = ""
+
+
+def start(tmp_path, name, argv, env=None):
+    out = open(tmp_path / f"{name}.out", "w")
+    err = open(tmp_path / f"{name}.err", "w")
+    try:
+        return subprocess.Popen(argv, stdout=out, stderr=err, env={**os.environ, **(env or {})})
+    finally:
+        out.close()
+        err.close()
+
+
+def stop_all(procs):
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    for p in procs:
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def wait_code(proc, deadline) -> int:
+    try:
+        return proc.wait(max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        return -1
+
+
+def rank_argv(daemon, tmp_path, job, rank, world, group, extra):
+    return [sys.executable, str(VLM_TRAIN), "--coordinator", daemon.address, "--job", job, "--rank", str(rank),
+            "--world-size", str(world), "--group-size", str(group), "--init-method", f"file://{tmp_path}/{job}.store",
+            *extra]
+
+
+def train(daemon, tmp_path, policy, media, *extra, world=2, group=2) -> List[RankResult]:
+    """Runs a job of `world` ranks (3 steps of 2 microbatches) and returns what each rank printed."""
+    job = f"job{next(_jobs)}"
+    procs = []
+    try:
+        for r in range(world):
+            argv = rank_argv(daemon, tmp_path, job, r, world, group,
+                             ["--policy", policy, "--media", media, "--steps", "3", "--accum", "2", *extra])
+            procs.append(start(tmp_path, f"{job}-{r}", argv, {"SHARDCOORD_LOG_LEVEL": "warn"}))
+        deadline = time.monotonic() + RUN_DEADLINE
+        codes = [wait_code(p, deadline) for p in procs]
+    finally:
+        stop_all(procs)
+    results = []
+    for r, code in enumerate(codes):
+        res = RankResult(code, err=(tmp_path / f"{job}-{r}.err").read_text())
+        for line in (tmp_path / f"{job}-{r}.out").read_text().splitlines():
+            f = line.split()
+            if len(f) >= 4 and f[0] == "step" and f[2] == "loss":
+                res.losses.append(f[3])
+            elif len(f) == 4 and f[0] == "final":
+                res.params_hash = f[3]
+            elif line.startswith("summary"):
+                res.summary = line
+        results.append(res)
+    return results
+
+
+def expect_healthy(run: List[RankResult]):
+    for r, res in enumerate(run):
+        assert res.exit_code == 0, f"rank {r} exited {res.exit_code}: {res.err}"
+        assert len(res.losses) == 3, res.losses
+        for loss in res.losses:
+            assert float.fromhex(loss) == float.fromhex(loss) and abs(float.fromhex(loss)) < float("inf"), loss
+        assert res.params_hash == run[0].params_hash, "ranks disagree on the trained parameters"
+
+
+def test_executor_two_ranks_gathers_bitwise(tmp_path):
+    procs = []
+    try:
+        for r in range(2):
+            procs.append(start(tmp_path, f"exec-{r}", [sys.executable, str(EXECUTOR_RANKS),
+                                                       f"file://{tmp_path}/exec.store", str(r), "2"]))
+        deadline = time.monotonic() + 60
+        codes = [wait_code(p, deadline) for p in procs]
+    finally:
+        stop_all(procs)
+    for r in range(2):
+        out, err = (tmp_path / f"exec-{r}.out").read_text(), (tmp_path / f"exec-{r}.err").read_text()
+        assert codes[r] == 0, f"rank {r} exited {codes[r]}: {err}"
+        assert f"ok rank {r} gathered 608 peak 228" in out
+
+
+def test_root_with_media_on_rank_zero_only_does_not_hang(trainer_daemon, tmp_path):
+    run = train(trainer_daemon, tmp_path, "root", "rank0")
+    expect_healthy(run)
+    assert "root=12" in run[0].summary  # 2 modules x 6 microbatches.
+    # The executor's memory counts reached the coordinator: `shardctl ranks` shows them.
+    shardctl = os.environ.get("SHARDCTL")
+    if not shardctl:
+        pytest.skip("SHARDCTL is not set: run through ctest")
+    ranks = subprocess.run([shardctl, "ranks", "--json", "--coordinator", trainer_daemon.address],
+                           capture_output=True, text=True, timeout=30)
+    assert ranks.returncode == 0, ranks.stderr
+    usage = [m for rank in json.loads(ranks.stdout)["ranks"] for m in rank.get("memory", [])]
+    visual = [m for m in usage if m["module"] == "model.visual"]
+    assert visual, ranks.stdout
+    # model.visual: 3 blocks, 2656 floats (10624 bytes) gathered whole once per microbatch under
+    # root, 6 microbatches; peak = the 5312-byte shard plus one full buffer (as the C++ trainer).
+    assert {(m["resident_bytes"], m["peak_bytes"], m["gathered_bytes"]) for m in visual} == {("5312", "15936", "63744")}
+
+
+def test_per_layer_with_every_rank_skipping_under_accumulation(trainer_daemon, tmp_path):
+    run = train(trainer_daemon, tmp_path, "per_layer", "none")
+    expect_healthy(run)
+    assert "skip=12" in run[0].summary
+    assert "gathered_bytes=0" in run[0].summary
+
+
+def test_replicate_with_asymmetric_media(trainer_daemon, tmp_path):
+    run = train(trainer_daemon, tmp_path, "replicate", "rank0")
+    expect_healthy(run)
+    assert "replicate=12" in run[0].summary
+    assert "gathered_bytes=13792" in run[0].summary, "each module gathered once, then resident"
+
+
+def test_per_layer_requested_with_asymmetric_media_falls_back_and_matches_root(trainer_daemon, tmp_path):
+    per_layer = train(trainer_daemon, tmp_path, "per_layer", "rank0")
+    root = train(trainer_daemon, tmp_path, "root", "rank0")
+    expect_healthy(per_layer)
+    expect_healthy(root)
+    assert "fallbacks=12" in per_layer[0].summary
+    for r in range(2):
+        assert per_layer[r].losses == root[r].losses, f"rank {r}"
+    assert per_layer[0].params_hash == root[0].params_hash
+
+
+def test_every_policy_computes_exactly_what_the_unsharded_model_does(trainer_daemon, tmp_path):
+    # --seed 4 --image-fraction 0.6: per microbatch per_layer, skip, root, per_layer, root, root
+    # under auto, so asymmetric microbatches sit between per_layer ones.
+    mix = ["--seed", "4", "--image-fraction", "0.6"]
+    reference = train(trainer_daemon, tmp_path, "auto", "mixed", "--no-shard", *mix)
+    expect_healthy(reference)
+    for policy in ("auto", "per_layer", "root", "replicate"):
+        run = train(trainer_daemon, tmp_path, policy, "mixed", *mix)
+        expect_healthy(run)
+        for r in range(2):
+            assert run[r].losses == reference[r].losses, f"{policy}, rank {r}"
+        assert run[0].params_hash == reference[0].params_hash, policy
+        if policy == "auto":
+            assert "per_layer=4 skip=2 root=6" in run[0].summary, run[0].summary
+            assert "fallbacks=6" in run[0].summary
+
+
+def test_four_ranks_in_two_groups_with_skewed_media(trainer_daemon, tmp_path):
+    # Shard groups {0, 1} and {2, 3} (shard_process_group), data parallel over all four.
+    run = train(trainer_daemon, tmp_path, "auto", "mixed", "--skew", "0.3", world=4, group=2)
+    expect_healthy(run)
+    reference = train(trainer_daemon, tmp_path, "auto", "mixed", "--skew", "0.3", "--no-shard", world=4, group=2)
+    expect_healthy(reference)
+    for r in range(4):
+        assert run[r].losses == reference[r].losses, f"rank {r}"
+    assert run[0].params_hash == reference[0].params_hash
+    decisions = [res.summary.split(": ", 1)[1] for res in run]  # "decisions per_layer=... gathered_bytes=..."
+    assert decisions[0] == decisions[1] and decisions[2] == decisions[3], "one decision per group"
+    assert decisions[0] != decisions[2], "the two groups decide independently (skewed media)"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["kill-9", "sigstop"])
+def test_a_lost_rank_stops_the_other_naming_it(daemon, tmp_path, sig):
+    """kill -9: the session ends at once. SIGSTOP: the rank hangs with its sockets open, so only the
+    coordinator's heartbeat verdict can end rank 0's wait (in a decision or in a Gloo collective;
+    the collective timeout is 60 s, far beyond the bound checked)."""
+    heartbeat_timeout = 1.5  # The `daemon` fixture's.
+    procs = []
+    try:
+        for r in range(2):
+            argv = rank_argv(daemon, tmp_path, "lost", r, 2, 2, ["--media", "mixed", "--steps", "2000",
+                                                                  "--interval-ms", "10", "--collective-timeout", "60"])
+            procs.append(start(tmp_path, f"lost-{r}", argv, {"SHARDCOORD_LOG_LEVEL": "error"}))
+        deadline = time.monotonic() + 60
+        while "step 20 " not in (tmp_path / "lost-0.out").read_text():
+            assert time.monotonic() < deadline, "rank 0 did not reach step 20 in 60 s: " + \
+                (tmp_path / "lost-0.err").read_text()
+            assert all(p.poll() is None for p in procs), "a rank stopped early"
+            time.sleep(0.05)
+        procs[1].send_signal(sig)
+        lost = time.monotonic()
+        code = wait_code(procs[0], lost + heartbeat_timeout + 15)
+        elapsed = time.monotonic() - lost
+    finally:
+        stop_all(procs)  # SIGKILL ends a stopped process too.
+    err = (tmp_path / "lost-0.err").read_text()
+    assert code != -1, "rank 0 hangs after rank 1 was lost"
+    assert code == 3, err
+    assert "rank 1 declared dead" in err
+    assert elapsed < heartbeat_timeout + 15
+
+
+def test_the_local_launcher_runs_every_rank(trainer_daemon, tmp_path):
+    p = start(tmp_path, "launch", [sys.executable, str(VLM_TRAIN), "--nproc", "2", "--coordinator",
+                                   trainer_daemon.address, "--job", "launched", "--steps", "2", "--accum", "1"])
+    try:
+        code = wait_code(p, time.monotonic() + RUN_DEADLINE)
+    finally:
+        stop_all([p])
+    out = (tmp_path / "launch.out").read_text()
+    assert code == 0, out + (tmp_path / "launch.err").read_text()
+    hashes = {line.split()[-1] for line in out.splitlines() if "final params hash" in line}
+    assert len(hashes) == 1, out
+    for r in range(2):
+        assert f"[rank {r}] step 1 loss " in out and f"[rank {r}] summary rank {r}:" in out, out
