@@ -329,6 +329,15 @@ absl::Status CoordinatorCore::Register(uint64_t session_id, const v1::RegisterRe
   if (shut_down_) return absl::UnavailableError("coordinator is shutting down");
   auto it = jobs_.find(req.job_id());
   Job* job = it == jobs_.end() ? nullptr : it->second.get();
+  if (job != nullptr && job->ended != absl::InfinitePast()) {
+    // Every rank of the job left or died: this registration starts the job afresh (a rerun, or
+    // a restart from a checkpoint), possibly with another size, manifest or policy.
+    Event("info", "job_replaced", job->id, req.rank(), -1,
+          "no rank was live: the job starts afresh with this registration");
+    for (const Member& m : job->members) sessions_.erase(m.session);
+    jobs_.erase(it);
+    job = nullptr;
+  }
   if (job == nullptr) {
     if (absl::Status s = AdmitJob(req.job_id(), req.world_size()); !s.ok()) return s;
   }

@@ -762,6 +762,22 @@ TEST_F(CoreTest, JobsAreCappedAndEndedOnesEvictedAfterTheirRetention) {
   EXPECT_THAT(ids(), ::testing::ElementsAre("c"));
 }
 
+TEST_F(CoreTest, AJobWithNoLiveRankStartsAfreshWithAnotherPolicyOrSize) {
+  RegisterAll(2, 2, v1::POLICY_AUTO);
+  core_->OnGoodbye(sessions_[0], "done");
+  core_->OnGoodbye(sessions_[1], "done");
+  // The same job id again, as a rerun with another policy and world size.
+  ASSERT_TRUE(Register(Request(0, 4, 2, v1::POLICY_PER_LAYER)).ok());
+  ASSERT_TRUE(Register(Request(1, 4, 2, v1::POLICY_PER_LAYER)).ok());
+  auto groups = core_->Groups("job");
+  ASSERT_EQ(groups.groups_size(), 2);
+  EXPECT_EQ(groups.groups(0).policy(), v1::POLICY_PER_LAYER);
+  EXPECT_EQ(groups.groups(0).epoch(), 0);
+  // While a rank is live, the job is not replaced: a mismatch is still an error.
+  absl::Status s = Register(Request(2, 8, 2));
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+}
+
 TEST_F(CoreTest, RanksOfAllJobsAreCapped) {
   CoordinatorOptions o = options_;
   o.limits.max_total_ranks = 10;
