@@ -13,7 +13,7 @@ Needs torch >= 2.6 (``torch.distributed.fsdp.fully_shard``). Usage, on every ran
         ctl.end_microbatch()
 
 What each decision does, so that every rank of the shard group issues the same collectives
-(the mechanisms and why each is needed are in docs/FSDP2.md; the GPU tests check each):
+(why each mechanism is needed, and the 2-GPU check of each, are in docs/GPU.md):
 
 - Every layer unit of a controlled module is its own FSDP unit with ``set_unshard_in_backward(False)``:
   a frozen tower takes no part in backward, and without this FSDP's backward prefetch follows each

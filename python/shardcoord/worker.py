@@ -132,8 +132,10 @@ class Worker:
     def group(self) -> GroupInfo:
         return GroupInfo(**self._native.group())
 
-    def close(self, timeout: float = 2.0) -> None:
-        """Says goodbye (the rank becomes LEFT, not dead). Idempotent."""
+    def close(self, timeout: float = 10.0) -> None:
+        """Says goodbye (the rank becomes LEFT, not dead), waiting at most ``timeout`` seconds for the
+        coordinator to end the session (if it does not read the goodbye in time, e.g. it is paused,
+        the rank counts as dead). Idempotent."""
         self._native.close(float(timeout))
 
     def __enter__(self) -> "Worker":

@@ -52,7 +52,10 @@ namespace shardcoord {
 // Environment variable consulted when WorkerOptions::coordinator_address is empty.
 inline constexpr char kCoordinatorAddressEnv[] = "SHARDCOORD_ADDR";
 inline constexpr absl::Duration kDefaultConnectTimeout = absl::Seconds(30);
-inline constexpr absl::Duration kDefaultCloseTimeout = absl::Seconds(2);
+// How long Close waits for the coordinator to end the session after the goodbye. Normally
+// milliseconds; the bound matters when the coordinator is paused: a session cancelled before
+// the coordinator read the goodbye counts as a death (its group fails), so it is generous.
+inline constexpr absl::Duration kDefaultCloseTimeout = absl::Seconds(10);
 
 struct WorkerOptions {
   std::string coordinator_address;  // HOST:PORT; empty: $SHARDCOORD_ADDR.
