@@ -6,6 +6,8 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <functional>
+#include <vector>
 #include <fstream>
 #include <string>
 
@@ -297,3 +299,39 @@ TEST(ValidateOptionsTest, RejectsOtherOutOfRangeFields) {
 }
 
 }  // namespace
+
+TEST(ValidateOptionsTest, RejectsDurationsThatDoNotFitTheWireNamingThem) {
+  CoordinatorOptions o;
+  o.heartbeat_interval = absl::Milliseconds(3000000000LL);  // Told to workers as int32 ms.
+  o.heartbeat_timeout = 2 * o.heartbeat_interval;
+  absl::Status s = ValidateOptions(o);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("heartbeat interval (3000000000 ms) must be at most 24 h"));
+}
+
+TEST(ValidateOptionsTest, RejectsLimitsBelowOneNamingThem) {
+  for (auto set : std::vector<std::function<void(CoordinatorOptions&)>>{
+           [](CoordinatorOptions& o) { o.limits.max_world_size = 0; },
+           [](CoordinatorOptions& o) { o.limits.max_jobs = -1; },
+           [](CoordinatorOptions& o) { o.limits.max_outbox_bytes = 1000; },
+           [](CoordinatorOptions& o) { o.limits.handshake_timeout = absl::ZeroDuration(); }}) {
+    CoordinatorOptions o;
+    set(o);
+    EXPECT_EQ(ValidateOptions(o).code(), absl::StatusCode::kInvalidArgument) << ValidateOptions(o);
+  }
+}
+
+TEST(LoadConfigFileTest, ReadsTheLimits) {
+  shardcoord::testing::TempDir dir;
+  auto o = LoadConfigFile(WriteConfig(dir, "max_world_size: 128\nmax_total_ranks: 512\nmax_jobs: 3\n"
+                                           "max_outbox_bytes: 1048576\njob_retention_ms: 5000\n"
+                                           "self_check_interval_ms: 0\n"));
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->limits.max_world_size, 128);
+  EXPECT_EQ(o->limits.max_total_ranks, 512);
+  EXPECT_EQ(o->limits.max_jobs, 3);
+  EXPECT_EQ(o->limits.max_outbox_bytes, 1048576);
+  EXPECT_EQ(o->limits.job_retention, absl::Seconds(5));
+  EXPECT_EQ(o->limits.self_check_interval, absl::ZeroDuration());
+  EXPECT_TRUE(ValidateOptions(*o).ok());
+}
