@@ -330,13 +330,20 @@ absl::Status CoordinatorCore::Register(uint64_t session_id, const v1::RegisterRe
   auto it = jobs_.find(req.job_id());
   Job* job = it == jobs_.end() ? nullptr : it->second.get();
   if (job != nullptr && job->ended != absl::InfinitePast()) {
-    // Every rank of the job left or died: this registration starts the job afresh (a rerun, or
-    // a restart from a checkpoint), possibly with another size, manifest or policy.
-    Event("info", "job_replaced", job->id, req.rank(), -1,
-          "no rank was live: the job starts afresh with this registration");
-    for (const Member& m : job->members) sessions_.erase(m.session);
-    jobs_.erase(it);
-    job = nullptr;
+    // Every rank of the job left or died: this registration is a rerun or a restart from a
+    // checkpoint. With another size the job starts afresh; with the same size it keeps its
+    // history (communicator epochs, events, counts), and each group takes the manifest and
+    // policy of its first rank to register again.
+    if (job->world_size != req.world_size() || job->group_size != req.group_size()) {
+      Event("info", "job_replaced", job->id, req.rank(), -1,
+            absl::StrCat("no rank was live: the job starts afresh with world_size ", req.world_size(),
+                         " and group_size ", req.group_size()));
+      for (const Member& m : job->members) sessions_.erase(m.session);
+      jobs_.erase(it);
+      job = nullptr;
+    } else {
+      for (Group& g : job->groups) g.has_reference = false;
+    }
   }
   if (job == nullptr) {
     if (absl::Status s = AdmitJob(req.job_id(), req.world_size()); !s.ok()) return s;

@@ -762,20 +762,26 @@ TEST_F(CoreTest, JobsAreCappedAndEndedOnesEvictedAfterTheirRetention) {
   EXPECT_THAT(ids(), ::testing::ElementsAre("c"));
 }
 
-TEST_F(CoreTest, AJobWithNoLiveRankStartsAfreshWithAnotherPolicyOrSize) {
+TEST_F(CoreTest, AJobWithNoLiveRankRunsAgainWithAnotherPolicyOrSize) {
   RegisterAll(2, 2, v1::POLICY_AUTO);
   core_->OnGoodbye(sessions_[0], "done");
   core_->OnGoodbye(sessions_[1], "done");
-  // The same job id again, as a rerun with another policy and world size.
-  ASSERT_TRUE(Register(Request(0, 4, 2, v1::POLICY_PER_LAYER)).ok());
-  ASSERT_TRUE(Register(Request(1, 4, 2, v1::POLICY_PER_LAYER)).ok());
+  // A rerun with the same size and another policy: the job keeps its history.
+  ASSERT_TRUE(Register(Request(0, 2, 2, v1::POLICY_PER_LAYER)).ok());
+  ASSERT_TRUE(Register(Request(1, 2, 2, v1::POLICY_PER_LAYER)).ok());
   auto groups = core_->Groups("job");
-  ASSERT_EQ(groups.groups_size(), 2);
+  ASSERT_EQ(groups.groups_size(), 1);
   EXPECT_EQ(groups.groups(0).policy(), v1::POLICY_PER_LAYER);
-  EXPECT_EQ(groups.groups(0).epoch(), 0);
-  // While a rank is live, the job is not replaced: a mismatch is still an error.
-  absl::Status s = Register(Request(2, 8, 2));
-  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(core_->Ranks("job").ranks(0).registrations(), 2);
+  // While a rank is live, a mismatch is still an error.
+  EXPECT_EQ(Register(Request(0, 2, 2, v1::POLICY_AUTO)).code(), absl::StatusCode::kAlreadyExists);
+  core_->OnGoodbye(sessions_[0], "done");
+  EXPECT_EQ(Register(Request(0, 2, 2, v1::POLICY_AUTO)).code(), absl::StatusCode::kFailedPrecondition);
+  // Once none is live, a rerun with another size starts the job afresh.
+  core_->OnGoodbye(sessions_[1], "done");
+  ASSERT_TRUE(Register(Request(0, 4, 2, v1::POLICY_ROOT)).ok());
+  EXPECT_EQ(core_->Groups("job").groups_size(), 2);
+  EXPECT_EQ(core_->Ranks("job").ranks(0).registrations(), 1);
 }
 
 TEST_F(CoreTest, RanksOfAllJobsAreCapped) {
