@@ -21,6 +21,8 @@ constexpr size_t kNamesInMessages = 16;
 // Largest one decision may be (it lists every module, and a message holds at least one);
 // workers accept messages of 64 MiB (worker.cc), operators' queries of 4 MiB.
 constexpr size_t kMaxDecisionBytes = 1 << 20;
+// Decisions an ended job keeps per group (a live one keeps `decision_history`).
+constexpr size_t kEndedJobHistory = 16;
 // Largest answer to an operator's query (gRPC clients accept 4 MiB by default).
 constexpr size_t kMaxAnswerBytes = 3 << 20;
 std::string NameList(const std::vector<std::string>& names) {
@@ -906,6 +908,12 @@ void CoordinatorCore::RemoveMember(Job& job, Member& m, bool clean, const std::s
   if (std::none_of(job.members.begin(), job.members.end(),
                    [](const Member& x) { return x.state == v1::RANK_STATE_LIVE; })) {
     job.ended = clock_->Now();  // Kept for `job_retention`, then forgotten.
+    // An ended job is kept to be looked at, not to decide: its groups keep their last few
+    // decisions only (up to max_jobs ended jobs may wait for eviction at once).
+    for (Group& g : job.groups) {
+      while (g.history.size() > kEndedJobHistory) g.history.pop_front();
+      g.history.shrink_to_fit();
+    }
   }
   OnMemberLost(job, m.rank, clean, full);
 

@@ -784,6 +784,21 @@ TEST_F(CoreTest, AJobWithNoLiveRankRunsAgainWithAnotherPolicyOrSize) {
   EXPECT_EQ(core_->Ranks("job").ranks(0).registrations(), 1);
 }
 
+TEST_F(CoreTest, AnEndedJobKeepsOnlyItsLastDecisions) {
+  RegisterAll(2, 2, v1::POLICY_ROOT);
+  for (int mb = 0; mb < 30; ++mb) {
+    Plan(0, 0, mb, 1);
+    Plan(1, 0, mb, 1);
+  }
+  EXPECT_EQ(core_->Decisions("job", -1, 1000).decisions_size(), 30);
+  core_->OnGoodbye(sessions_[0], "done");
+  EXPECT_EQ(core_->Decisions("job", -1, 1000).decisions_size(), 30) << "a live rank: the job goes on";
+  core_->OnGoodbye(sessions_[1], "done");
+  auto kept = core_->Decisions("job", -1, 1000);
+  ASSERT_EQ(kept.decisions_size(), 16);
+  EXPECT_EQ(kept.decisions(15).decision().microbatch(), 29) << "the newest are kept";
+}
+
 TEST_F(CoreTest, RanksOfAllJobsAreCapped) {
   CoordinatorOptions o = options_;
   o.limits.max_total_ranks = 10;
