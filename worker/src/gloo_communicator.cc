@@ -183,17 +183,6 @@ Bytes CopyOf(const void* data, size_t n) {
   return b;
 }
 
-size_t SizeOf(DataType type) {
-  switch (type) {
-    case DataType::kFloat32: return 4;
-    case DataType::kFloat64: return 8;
-    case DataType::kInt32: return 4;
-    case DataType::kInt64: return 8;
-    case DataType::kUint8: return 1;
-  }
-  return 1;
-}
-
 class GlooCommunicator final : public AbortableCommunicator {
  public:
   GlooCommunicator(const CommEndpoint& ep, const std::string& name, int64_t epoch, std::vector<int> ranks,
@@ -268,7 +257,7 @@ class GlooCommunicator final : public AbortableCommunicator {
   }
 
   absl::Status AllGather(const void* in, void* out, size_t count, DataType type) override {
-    const size_t n = count * SizeOf(type);
+    const size_t n = count * DataTypeSize(type);
     Bytes in_copy = CopyOf(in, n);
     Bytes out_copy = std::make_shared<std::vector<char>>(n * size());
     const int members = size();
@@ -288,7 +277,7 @@ class GlooCommunicator final : public AbortableCommunicator {
   }
 
   absl::Status AllReduce(void* data, size_t count, DataType type, ReduceOp op) override {
-    Bytes buf = CopyOf(data, count * SizeOf(type));
+    Bytes buf = CopyOf(data, count * DataTypeSize(type));
     const auto timeout = absl::ToChronoMilliseconds(options_.op_timeout);
     absl::Status s = Run("all_reduce", [=](const std::shared_ptr<gloo::Context>& ctx) {
       Dispatch(type, [&](auto t) {
@@ -308,7 +297,7 @@ class GlooCommunicator final : public AbortableCommunicator {
     if (root < 0 || root >= size()) {
       return absl::InvalidArgumentError(absl::StrCat("broadcast root ", root, " outside 0..", size() - 1));
     }
-    Bytes buf = CopyOf(data, count * SizeOf(type));
+    Bytes buf = CopyOf(data, count * DataTypeSize(type));
     const auto timeout = absl::ToChronoMilliseconds(options_.op_timeout);
     absl::Status s = Run("broadcast", [=](const std::shared_ptr<gloo::Context>& ctx) {
       Dispatch(type, [&](auto t) {
