@@ -10,8 +10,8 @@ library) and injects one fault, at seeded random times:
                or SIGKILL
   daemon_stop  SIGSTOP of the daemon for 2-4x the heartbeat timeout, then SIGCONT: no rank may
                be declared dead afterwards. Besides A and B, a small job D has all its
-               decisions before the pause and finishes (its ranks say goodbye) during it
-               (--no-leave-during-pause leaves D out)
+               decisions before the pause and finishes (its ranks say goodbye) during it;
+               the pause is then 3-4x (--no-leave-during-pause leaves D out)
   bad_input    a burst of bad registrations (inconsistent world/group sizes for a live job and
                for a fresh one, duplicate live ranks, oversized names and manifests, a huge
                world), odd operator queries, and raw TCP abuse of the daemon port (garbage
@@ -41,6 +41,10 @@ Job B (a healthy job) runs alongside every trial. Per trial it records:
                   duplicate, an oversized name, too many modules/units, a world over the
                   limit) was not refused
 and samples the daemon's VmRSS (and open descriptors) every second.
+
+Logs go to --out (default: a new temporary directory): per trial a folder (kept only when the
+trial found something, or with --keep-logs), the daemon's log, rss.csv (VmRSS and open
+descriptors every second) and summary.txt.
 
 Exit code: 0 all good; 1 any hang, false death, contradiction, job failure, accepted bad
 registration, daemon crash, unclean daemon shutdown, or RSS above --max-rss-mb; 2 setup
@@ -150,7 +154,7 @@ def reaper():
         done = []
         for rp in rps:
             if rp.proc.poll() is not None:
-                if rp.exited is None:
+                if rp.exited is None and not rp.hung:  # A hung one was killed: no exit time.
                     rp.exited = time.monotonic()
                     rp.rc = rp.proc.returncode
                 done.append(rp)
@@ -304,8 +308,12 @@ class Daemon:
             self.sample()
             _stopping.wait(1.0)
 
-    def pause(self, seconds):
+    def pause(self, seconds, before=None):
+        """SIGSTOP for `seconds`, then SIGCONT; one pause at a time. `before` runs under the
+        pause lock right before the SIGSTOP (so that another trial's pause cannot delay it)."""
         with self.pause_lock:
+            if before is not None:
+                before()
             start = time.monotonic()
             self.paused_now = start
             self.proc.send_signal(signal.SIGSTOP)
@@ -668,6 +676,7 @@ class Harness:
         self.results = []
         self.results_lock = threading.Lock()
         self.H = args.heartbeat_timeout_ms / 1000.0
+        self.shardctl_mtimes = [mtime(args.shardctl)]
 
     # -- queries ------------------------------------------------------------------------
     def shardctl(self, tdir, *cmd, timeout_s=30):
@@ -790,7 +799,7 @@ class Harness:
                         res.note("CONTRADICTION: %s rank %s exit 3: %s" % (job.job_id, rp.ranks, tail(read_file(rp.err, 4000))))
                 if not faulted:
                     for rp in rps:
-                        if rp.rc not in (0, 3, None):
+                        if rp.rc not in (0, 3, None) and not rp.hung:
                             res.job_failures += 1
                             res.note("JOB FAILURE: %s rank %s (healthy group %d) exit %s: %s" % (
                                 job.job_id, rp.ranks, g, rp.rc, tail(read_file(rp.err, 4000), 400)))
@@ -804,7 +813,7 @@ class Harness:
             if rp.rc == 3:
                 res.contradictions += 1
                 res.note("CONTRADICTION: %s exit 3: %s" % (job.job_id, tail(read_file(rp.err, 4000))))
-            elif rp.rc not in (0, None):
+            elif rp.rc not in (0, None) and not rp.hung:
                 res.job_failures += 1
                 res.note("JOB FAILURE: %s (one process) exit %s: %s" % (job.job_id, rp.rc, tail(read_file(rp.err, 4000), 400)))
             if rp.rc == 0:
@@ -898,6 +907,7 @@ class Harness:
         mates = []
         fault_time = None
         victim_rp = None
+        pause_end = None
         extra_rank_jobs = []  # Healthy jobs besides A and B (job D of daemon_stop).
         try:
             a.start()
@@ -943,17 +953,26 @@ class Harness:
                         res.info.append("SIGSTOP r%d %.1fs then %s" % (victim, stop_s, how))
                 elif kind == "daemon_stop":
                     stop_s = rng.uniform(2.0, 4.0) * H
+                    before = None
                     if not self.args.no_leave_during_pause:
                         # Job D: all its decisions are made before the pause, and its ranks
                         # finish and leave (Close) while the daemon is stopped.
-                        d = Job(self, tdir, a.job_id[:-2] + "-d", 2, 2, 6, 150, rng, lookahead=16)
+                        # D's ranks use their decisions in 1.5 s and close about 1 s into
+                        # the pause; their goodbye then waits longer than the worker's 2 s
+                        # close timeout. So the pause is long (3-4x the heartbeat timeout).
+                        d = Job(self, tdir, a.job_id[:-2] + "-d", 2, 2, 6, 300, rng, lookahead=16)
                         extra_rank_jobs.append(d)
-                        d.start()
-                        if self.wait_decided(tdir, d, 20.0):
-                            time.sleep(rng.uniform(0.0, 0.2))
-                        else:
-                            res.info.append("job D not decided in time")
-                    took = self.daemon.pause(stop_s)
+                        stop_s = rng.uniform(3.0, 4.0) * H
+                        delay = rng.uniform(0.4, 0.6)  # Decided is not delivered yet.
+
+                        def before():
+                            d.start()
+                            if self.wait_decided(tdir, d, 20.0):
+                                time.sleep(delay)
+                            else:
+                                res.info.append("job D not decided in time")
+                    took = self.daemon.pause(stop_s, before)
+                    pause_end = time.monotonic()
                     res.info.append("daemon SIGSTOP %.1fs" % took)
                 elif kind == "bad_input":
                     self.bad_input_burst(res, rng, tdir, a, extra_procs, extra_jobs, threads, raw_results)
@@ -1010,6 +1029,13 @@ class Harness:
             self.check_job(res, tdir, b, set())
             for job in extra_rank_jobs:
                 self.check_job(res, tdir, job, set())
+                # Ranks that closed during the pause end right after it (when the daemon
+                # ends their session); ranks still using decisions end ~1.5 s later.
+                ends = ["%+.1fs" % (rp.exited - pause_end) for rp in job.procs if rp.exited and pause_end]
+                gave_up = sum("did not end the session" in read_file(rp.err, 8000) for rp in job.procs)
+                res.info.append("job D ranks exited %s after the pause%s" % (
+                    ",".join(ends), "; %d gave up waiting for the daemon to end the session" % gave_up
+                    if gave_up else ""))
             for job_id, procs in extra_jobs:
                 # Bad clients exit on their own; none of them was signalled: none may be DEAD.
                 self.check_deaths(res, tdir, job_id, set(r for p in procs if p.hung for r in p.ranks), procs)
@@ -1156,6 +1182,13 @@ class Harness:
 
 # ---------------------------------------------------------------------------------------
 
+def mtime(path):
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(os.path.getmtime(path)))
+    except OSError:
+        return "?"
+
+
 def summarize(h, results, elapsed, planned, daemon_rc, interrupted):
     args = h.args
     lines = []
@@ -1164,6 +1197,9 @@ def summarize(h, results, elapsed, planned, daemon_rc, interrupted):
     lines.append("run %s: chaos.py %s" % (time.strftime("%Y-%m-%d %H:%M"), " ".join(
         a for a in sys.argv[1:])))
     lines.append("shardcoordd: %s" % "; ".join(h.daemon.binaries))
+    ctl = sorted(set(h.shardctl_mtimes + [mtime(args.shardctl)]))
+    lines.append("shardctl (ranks, queries) binary modified %s%s" % (
+        ctl[0], "" if len(ctl) == 1 else " -- REPLACED during the run: " + ", ".join(ctl[1:])))
     cols = [("trials", "n", 7), ("hangs", "hangs", 5), ("false_deaths", "fd", 12), ("pause_leave_deaths", "pl", 18),
             ("contradictions", "c", 14), ("job_failures", "jf", 12), ("bad_accepted", "ba", 12),
             ("groups_verified", "gv", 15), ("decisions", "dv", 9)]
@@ -1257,7 +1293,8 @@ def main():
                     help="daemon_stop: do not run job D, whose ranks finish and leave while the daemon is stopped")
     ap.add_argument("--allow-pause-leave-deaths", action="store_true",
                     help="do not fail the run for ranks declared dead because they left while the daemon was "
-                         "stopped (a known daemon/worker issue; they are still counted and listed)")
+                         "stopped longer than the worker's close timeout (10 s; 2 s before commit "
+                         "0455042); they are still counted and listed")
     args = ap.parse_args()
     if args.trials is None:
         args.trials = 1 if args.short else 3

@@ -33,7 +33,7 @@ inline constexpr absl::Duration kMaxDuration = absl::Hours(24);
 // modules x group size); per rank O(outbox).
 struct CoordinatorLimits {
   int max_world_size = 65536;        // ranks in one job
-  int max_total_ranks = 262144;      // ranks of all jobs held at once (about 0.4 KB each)
+  int max_total_ranks = 262144;      // ranks of all jobs held at once (about 0.5 KB each)
   int max_jobs = 1024;               // jobs held at once, finished ones included until evicted
   int max_modules = 1024;            // controlled modules in a manifest
   int max_units_per_module = 4096;   // layer units of one module

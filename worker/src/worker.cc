@@ -47,6 +47,12 @@ void IgnoreSigpipeOnce() {
   });
 }
 
+// The group's ranks for a message or a log line: all of a small group, the ends of a big one.
+std::string RanksOf(const std::vector<int>& ranks) {
+  if (ranks.size() <= 16) return absl::StrJoin(ranks, ",");
+  return absl::StrCat(ranks.front(), "..", ranks.back(), " (", ranks.size(), " ranks)");
+}
+
 std::string HostName() {
   char buf[256] = {0};
   if (gethostname(buf, sizeof(buf) - 1) != 0) return "unknown";
@@ -244,7 +250,7 @@ absl::Status Worker::Impl::Start() {
   writer_started_ = true;
   writer_ = std::thread([this] { WriterLoop(); });
   log_->info("{} registered coordinator={} group={} ranks={} epoch={} policy={} fallback={} lookahead={}",
-             Prefix(), address_, group_.group, absl::StrJoin(group_.ranks, ","), group_.epoch,
+             Prefix(), address_, group_.group, RanksOf(group_.ranks), group_.epoch,
              PolicyName(group_.policy), FallbackName(group_.fallback), group_.lookahead);
   for (const auto& w : group_.warnings) log_->warn("{} {}", Prefix(), w);
   return absl::OkStatus();
@@ -551,7 +557,7 @@ absl::StatusOr<MicrobatchDecision> Worker::Impl::GetDecision(const MicrobatchKey
   if (e.state == EntryState::kPending) {
     return absl::DeadlineExceededError(absl::StrCat(
         "no decision for ", key.ToString(), " within ", absl::ToInt64Milliseconds(timeout),
-        " ms (", Prefix(), ", group ", group_.group, " ranks ", absl::StrJoin(group_.ranks, ","),
+        " ms (", Prefix(), ", group ", group_.group, " ranks ", RanksOf(group_.ranks),
         "): some rank of the group has not reported its plan yet"));
   }
   absl::StatusOr<MicrobatchDecision> out =
