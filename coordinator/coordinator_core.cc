@@ -640,12 +640,8 @@ absl::Status CoordinatorCore::AcceptPlan(Job& job, Member& m, const v1::Microbat
         "; wait for the oldest decision before planning further ahead"));
   }
 
-  if (!group.pending.count(key) &&
-      static_cast<int>(group.pending.size()) >= options_.limits.max_pending_microbatches) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "plan ", key.ToString(), " from ", who, ": group ", group.index, " already holds ", group.pending.size(),
-        " microbatches that some ranks reported and others not yet (max_pending_microbatches); ranks of "
-        "the group are too far apart: wait for the slowest, or raise --max-pending-microbatches"));
+  if (!group.pending.count(key)) {
+    if (absl::Status s = CheckPendingRoom(group, key, who); !s.ok()) return s;
   }
 
   // Accepted.
@@ -670,6 +666,15 @@ absl::Status CoordinatorCore::AcceptPlan(Job& job, Member& m, const v1::Microbat
   if (!FailSkipped(job, group, m, key, idx, inserted)) return absl::OkStatus();
   DrainGroup(job, group);
   return absl::OkStatus();
+}
+
+absl::Status CoordinatorCore::CheckPendingRoom(const Group& group, const MicrobatchKey& key,
+                                              const std::string& who) const {
+  if (static_cast<int>(group.pending.size()) < options_.limits.max_pending_microbatches) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "plan ", key.ToString(), " from ", who, ": group ", group.index, " already holds ", group.pending.size(),
+      " microbatches that some ranks reported and others not yet (max_pending_microbatches); the ranks of "
+      "the group are too far apart: wait for the slowest, or raise --max-pending-microbatches"));
 }
 
 bool CoordinatorCore::FailSkipped(Job& job, Group& group, Member& m, const MicrobatchKey& key, int idx,
@@ -715,12 +720,7 @@ absl::Status CoordinatorCore::AcceptStaticPlan(Job& job, Group& group, Member& m
           "plan ", key.ToString(), " from ", who, " is stale: group ", group.index,
           " already resolved every microbatch up to ", group.last_resolved->ToString()));
     }
-    if (static_cast<int>(group.pending.size()) >= options_.limits.max_pending_microbatches) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "plan ", key.ToString(), " from ", who, ": group ", group.index, " already holds ", group.pending.size(),
-          " microbatches that some ranks reported and others not yet (max_pending_microbatches); rank ", m.rank,
-          " runs too far ahead of the slowest rank of its group: wait for it, or raise --max-pending-microbatches"));
-    }
+    if (absl::Status s = CheckPendingRoom(group, key, who); !s.ok()) return s;
   }
   m.last_planned = key;
   m.plans_received++;

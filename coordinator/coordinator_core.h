@@ -260,6 +260,9 @@ class CoordinatorCore {
   absl::Status AdmitJob(const std::string& job_id, int world_size) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Forgets jobs with no live rank for longer than the retention.
   void EvictEndedJobs(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // RESOURCE_EXHAUSTED when the group holds max_pending_microbatches keys already (a new key).
+  absl::Status CheckPendingRoom(const Group& group, const MicrobatchKey& key, const std::string& who) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Static policies: the group's decision for `key`, made once and shared by every rank.
   absl::Status AcceptStaticPlan(Job& job, Group& group, Member& member, const MicrobatchKey& key, int idx)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
