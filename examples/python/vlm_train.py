@@ -3,11 +3,21 @@
 tower and projector are sharded by ``shardcoord.torch.Executor`` and placed, per microbatch, by the
 coordinator's decisions. The Python counterpart of examples/vlm_trainer (C++).
 
-Started like torchrun (RANK, WORLD_SIZE, MASTER_ADDR/MASTER_PORT) or with flags; ``--nproc N``
-launches N ranks locally (a FileStore in a temporary folder: no ports to choose)::
+Started like torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/MASTER_PORT) or with flags;
+``--nproc N`` launches N ranks locally (a FileStore in a temporary folder: no ports to choose)::
 
     SHARDCOORD_ADDR=127.0.0.1:7871 python3 examples/python/vlm_train.py --nproc 2 --media mixed
     torchrun --nproc-per-node 2 examples/python/vlm_train.py --coordinator HOST:PORT --group-size 2
+    torchrun --nproc-per-node 2 examples/python/vlm_train.py --coordinator HOST:PORT --fsdp2   # GPUs, NCCL
+
+``--fsdp2`` (torch >= 2.6): FSDP2 instead of the plain executor: ``shardcoord.fsdp2.shard`` makes
+each layer of the frozen tower its own ``fully_shard`` unit and the model the root unit (the
+trainable weights are sharded too; FSDP reduce-scatters their gradients), one GPU per rank with
+NCCL (``cuda:$LOCAL_RANK``), or Gloo on CPU when there are fewer GPUs than local ranks. The shard
+group is the world. A ``shardcoord.torch.FailureWatch`` aborts the process group once the
+coordinator declares a member dead, so no rank stays blocked in an NCCL collective with it.
+``--fsdp2 --no-shard`` is its reference: ``fully_shard`` on the model alone, the frozen tower in
+the root unit that every rank gathers in every forward.
 
 Model: ``model.visual`` (frozen; a ``blocks`` ModuleList), ``model.multi_modal_projector`` (frozen),
 ``model.language_model`` (trainable: ``embed_tokens`` and ``layers``) and ``lm_head`` (trainable).
@@ -25,6 +35,7 @@ e.g. "rank 1 declared dead"); with ``--nproc``, the first failing rank's code.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import hashlib
 import os
@@ -44,6 +55,7 @@ from torch import nn
 
 import shardcoord
 import shardcoord.torch as sct
+from shardcoord import fsdp2
 
 IMAGE_IN, PATCHES, VISION_DIM, VISION_LAYERS = 16, 4, 32, 3
 TEXT_IN, HIDDEN, TEXT_LAYERS, CLASSES, BATCH = 12, 24, 2, 5, 4
@@ -156,14 +168,29 @@ def make_microbatch(args: argparse.Namespace, rank: int, step: int, mb: int) -> 
 
 
 def params_hash(model: nn.Module) -> str:
+    """Of the trainable parameters, whole (under FSDP2 each rank gathers them: a collective)."""
     h = hashlib.sha256()
     for _, p in model.named_parameters():
         if p.requires_grad:
-            h.update(p.detach().contiguous().numpy().tobytes())
+            t = p.full_tensor() if hasattr(p, "full_tensor") else p
+            h.update(t.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
 
 
 # -- training
+
+def fsdp2_device(args: argparse.Namespace) -> torch.device:
+    """cuda:$LOCAL_RANK when every local rank has a GPU of its own, else the CPU (Gloo)."""
+    if not fsdp2.available():
+        raise shardcoord.FailedPrecondition(f"--fsdp2 needs torch >= 2.6 (fully_shard); this is torch "
+                                            f"{torch.__version__}: leave --fsdp2 out to use the plain executor")
+    local = int(os.environ.get("LOCAL_RANK", args.rank))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", args.world_size))
+    if torch.cuda.is_available() and torch.cuda.device_count() >= local_world:
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
@@ -194,6 +221,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     ap.add_argument("--collective-timeout", type=float, default=60.0, help="seconds, for torch.distributed")
     ap.add_argument("--interval-ms", type=int, default=0, help="pause after each step (demos)")
     ap.add_argument("--no-shard", action="store_true", help="reference run: frozen parameters whole on every rank")
+    ap.add_argument("--fsdp2", action="store_true",
+                    help="FSDP2 (torch >= 2.6) instead of the plain executor: a GPU per rank with NCCL, else Gloo")
+    ap.add_argument("--no-watch", action="store_true",
+                    help="with --fsdp2: no FailureWatch (to show a rank blocked in NCCL when a peer hangs)")
     args = ap.parse_args(argv)
     if args.nproc:
         return args
@@ -210,6 +241,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         args.init_method = "env://"
     if args.steps < 1 or args.accum < 1:
         ap.error("--steps and --accum must be >= 1")
+    if args.fsdp2 and args.group_size != args.world_size:
+        ap.error(f"--fsdp2 shards over the world: --group-size must be the world size ({args.world_size}); "
+                 f"for hybrid sharding build a 2-D DeviceMesh and pass it to shardcoord.fsdp2.shard(mesh=...)")
     return args
 
 
@@ -225,13 +259,28 @@ def train(args: argparse.Namespace) -> int:
                                lookahead=args.lookahead, memory_budget_bytes=args.memory_budget_bytes,
                                connect_timeout=args.connect_timeout)
     timeout = datetime.timedelta(seconds=args.collective_timeout)
+    device = fsdp2_device(args) if args.fsdp2 else torch.device("cpu")
     with sct.collective(worker, "process group rendezvous"):
-        dist.init_process_group("gloo", init_method=args.init_method, rank=rank, world_size=world, timeout=timeout)
-    executor = None
-    if not args.no_shard:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=args.init_method, rank=rank,
+                                world_size=world, timeout=timeout)
+    executor = control = watch = optimizer = None
+    if args.fsdp2:
+        model.to(device)
+        if args.no_shard:
+            fsdp2.fully_shard(model)  # The reference: the frozen tower gathered by every rank in every forward.
+        else:
+            control = fsdp2.shard(model, specs)
+        optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=args.lr)
+        if not args.no_watch:
+            watch = sct.FailureWatch(worker).start()
+    elif not args.no_shard:
         with sct.collective(worker, "shard process groups"):
             pg = sct.shard_process_group(worker)
         executor = sct.Executor(model, specs, worker, pg)
+
+    def check() -> None:
+        if watch is not None:
+            watch.check()
 
     trainable = [p for p in model.parameters() if p.requires_grad]
     total = args.steps * args.accum
@@ -243,45 +292,71 @@ def train(args: argparse.Namespace) -> int:
     decided: Counter = Counter()
     fallbacks = 0
     step_loss = 0.0
-    for step, mb, batch, decision in plans:
-        if mb == 0:
-            for p in trainable:
-                p.grad = None
-            step_loss = 0.0
-        for d in decision.modules.values():
-            decided[d.decision] += 1
-            fallbacks += d.reason == "divergent"
-        if executor is not None:
-            executor.begin_microbatch(decision)
-        loss = F.cross_entropy(model(batch.text, batch.pixels), batch.target) / args.accum
-        loss.backward()
-        if executor is not None:
-            executor.end_microbatch()
-        step_loss += loss.item()
-        if mb < args.accum - 1:
-            continue
-        with torch.no_grad():  # Data parallel: average the trainable gradients over the world.
-            flat = torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel()) for p in trainable])
-            with sct.collective(worker, "gradient all-reduce"):
-                work = dist.all_reduce(flat, async_op=True)
-            sct.wait_collective(work, worker, "gradient all-reduce")  # Watches the coordinator meanwhile.
-            flat.div_(world)
-            offset = 0
-            for p in trainable:
-                p.sub_(flat[offset:offset + p.numel()].view_as(p) * args.lr)
-                offset += p.numel()
-        if executor is not None:
-            worker.report_memory(executor.memory_usage())  # Shown by `shardctl ranks`.
-        print(f"step {step} loss {float.hex(step_loss)} ({step_loss:.6f})", flush=True)
-        if args.interval_ms:
-            time.sleep(args.interval_ms / 1000)
-    print(f"final params hash {params_hash(model)}")
+    # Under FSDP2 a collective that fails (aborted by the watch, or NCCL's own error) raises the
+    # coordinator's verdict, naming the lost rank, instead of a bare RuntimeError.
+    guard = sct.collective(worker, "FSDP2 training step") if args.fsdp2 else contextlib.nullcontext()
+    with guard:
+        for step, mb, batch, decision in plans:
+            if mb == 0:
+                for p in trainable:
+                    p.grad = None
+                step_loss = 0.0
+            for d in decision.modules.values():
+                decided[d.decision] += 1
+                fallbacks += d.reason == "divergent"
+            check()
+            if executor is not None:
+                executor.begin_microbatch(decision)
+            if control is not None:
+                control.begin_microbatch(decision)
+            if args.fsdp2:
+                model.set_requires_gradient_sync(mb == args.accum - 1)  # Reduce-scatter once per step.
+            pixels = None if batch.pixels is None else batch.pixels.to(device)
+            loss = F.cross_entropy(model(batch.text.to(device), pixels), batch.target.to(device)) / args.accum
+            loss.backward()
+            if executor is not None:
+                executor.end_microbatch()
+            if control is not None:
+                control.end_microbatch()
+            step_loss += loss.item()  # Waits for the GPU: blocked here if a peer died mid-collective.
+            check()
+            if mb < args.accum - 1:
+                continue
+            if optimizer is not None:  # FSDP2 averaged the gradients over the world (reduce-scatter).
+                optimizer.step()
+                optimizer.zero_grad()
+                print(f"step {step} loss {float.hex(step_loss)} ({step_loss:.6f})", flush=True)
+                if args.interval_ms:
+                    time.sleep(args.interval_ms / 1000)
+                continue
+            with torch.no_grad():  # Data parallel: average the trainable gradients over the world.
+                flat = torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel()) for p in trainable])
+                with sct.collective(worker, "gradient all-reduce"):
+                    work = dist.all_reduce(flat, async_op=True)
+                sct.wait_collective(work, worker, "gradient all-reduce")  # Watches the coordinator meanwhile.
+                flat.div_(world)
+                offset = 0
+                for p in trainable:
+                    p.sub_(flat[offset:offset + p.numel()].view_as(p) * args.lr)
+                    offset += p.numel()
+            if executor is not None:
+                worker.report_memory(executor.memory_usage())  # Shown by `shardctl ranks`.
+            print(f"step {step} loss {float.hex(step_loss)} ({step_loss:.6f})", flush=True)
+            if args.interval_ms:
+                time.sleep(args.interval_ms / 1000)
+        final = params_hash(model)
+    check()
+    print(f"final params hash {final}")
     summary = (f"summary rank {rank}: decisions per_layer={decided['per_layer']} skip={decided['skip']} "
                f"root={decided['root']} replicate={decided['replicate']} fallbacks={fallbacks}")
     if executor is not None:
         gathered = sum(b.gathered for b in executor.bytes.values())
         summary += f" gathered_bytes={gathered} peak_frozen_bytes={executor.peak_total_bytes}"
+    if device.type == "cuda":
+        summary += f" peak_gpu_mib={torch.cuda.max_memory_allocated(device) / 2**20:.1f}"
     print(summary, flush=True)
+    if watch is not None:
+        watch.stop()
     worker.close()
     dist.destroy_process_group()
     return 0

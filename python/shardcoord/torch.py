@@ -28,6 +28,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import (TYPE_CHECKING, Any, Callable, Deque, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence,
@@ -41,8 +43,8 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch as _torch_t
 
 __all__ = [
-    "DEFAULT_LAYER_LISTS", "Executor", "ModuleBytes", "PlanAhead", "collective", "collective_failure", "manifest",
-    "shard_process_group", "wait_collective", "with_keys",
+    "DEFAULT_LAYER_LISTS", "Executor", "FailureWatch", "ModuleBytes", "PlanAhead", "abort_process_group", "collective",
+    "collective_failure", "manifest", "shard_process_group", "wait_collective", "with_keys",
 ]
 
 # Where a tower keeps its layers, tried in this order (Qwen-VL `blocks`, Whisper / Gemma `layers`,
@@ -295,6 +297,106 @@ def wait_collective(work: Any, worker: Optional[Worker], what: str, *, poll: flo
             if work.is_completed():
                 raise collective_failure(worker, what, e, verdict_wait) from e
         worker.health()  # Raises the coordinator's verdict (GroupFailed names the rank).
+
+
+def abort_process_group(pg: Any = None) -> bool:
+    """Aborts a ``torch.distributed`` process group (``None``: the default one) so that collectives
+    blocked in it return (NCCL kernels watch the communicator's abort flag). Returns False when this
+    torch or backend cannot abort (torch 1.13, Gloo: a dead peer's closed sockets fail those)."""
+    import torch.distributed as dist
+
+    c10d = dist.distributed_c10d
+    abort = getattr(c10d, "_abort_process_group", None)  # torch >= 2.6
+    if abort is not None:
+        abort(pg)
+        return True
+    group = pg if pg is not None else c10d._get_default_group()
+    for device in ("cuda", "cpu"):
+        try:
+            backend = group._get_backend(__import__("torch").device(device))
+        except Exception:
+            continue
+        if hasattr(backend, "abort"):
+            backend.abort()
+            return True
+    return False
+
+
+class FailureWatch:
+    """Watches the coordinator from a background thread while the training loop runs collectives
+    that shardcoord does not manage (FSDP2's all-gathers and reduce-scatters on NCCL).
+
+    Once this rank's group fails (a member killed, or hung past the heartbeat timeout), the watch
+    keeps the coordinator's verdict (GroupFailed, naming the rank), prints it on stderr and aborts
+    ``process_groups`` (default: the default group) so that nothing stays blocked in a collective
+    with the dead peer; :meth:`check`, called by the training loop once per microbatch and after
+    anything that waits for the GPU, raises the verdict. Without it, a rank blocked in an NCCL
+    collective waits for the process group's timeout and then dies without saying why. The
+    aborted process groups are unusable afterwards: leave the process (or build new ones)::
+
+        with sct.FailureWatch(worker) as watch:
+            for step, mb, batch, decision in plans:
+                watch.check()
+                ...
+                loss.item(); watch.check()
+    """
+
+    def __init__(self, worker: Worker, process_groups: Sequence[Any] = (None,), poll: float = 0.05):
+        if poll <= 0:
+            raise InvalidArgument(f"poll must be > 0 seconds, got {poll}")
+        self._worker = worker
+        self._groups = list(process_groups)
+        self._poll = poll
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._abort = abort_process_group  # A seam for tests (torch 1.13 cannot abort Gloo).
+        self.verdict: Optional[Error] = None
+        self.aborted = False
+        self.polls = 0  # Health checks made so far.
+
+    def start(self) -> "FailureWatch":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="shardcoord-failure-watch", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(max(1.0, 4 * self._poll))
+
+    def __enter__(self) -> "FailureWatch":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def check(self) -> None:
+        """Raises the coordinator's verdict once the group failed; returns at once otherwise."""
+        if self.verdict is not None:
+            raise self.verdict
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._poll):
+            try:
+                self.polls += 1
+                self._worker.health()
+            except Error as verdict:
+                if self._stop.is_set() or getattr(self._worker, "closed", False):  # A clean end, not a failure.
+                    return
+                self.verdict = verdict
+                print(f"shardcoord: rank {self._worker.rank}: {type(verdict).__name__}: {verdict}; aborting the "
+                      f"process groups", file=sys.stderr, flush=True)
+                for pg in self._groups:
+                    try:
+                        self.aborted = bool(self._abort(pg)) or self.aborted
+                    except Exception as e:  # The verdict stands; the loop raises it at check().
+                        print(f"shardcoord: aborting a process group failed: {e}", file=sys.stderr, flush=True)
+                return
 
 
 def shard_process_group(group: Union[Worker, GroupInfo]) -> Any:

@@ -100,6 +100,7 @@ class Worker:
                                            float(connect_timeout))
         self.rank = rank
         self.world_size = world_size
+        self.closed = False
 
     def report_plan(self, step: int, microbatch: int, calls: Dict[str, int]) -> None:
         """Tells the coordinator, ahead of time, how often each controlled module will run in the
@@ -136,6 +137,7 @@ class Worker:
         """Says goodbye (the rank becomes LEFT, not dead), waiting at most ``timeout`` seconds for the
         coordinator to end the session (if it does not read the goodbye in time, e.g. it is paused,
         the rank counts as dead). Idempotent."""
+        self.closed = True
         self._native.close(float(timeout))
 
     def __enter__(self) -> "Worker":

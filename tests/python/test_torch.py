@@ -394,3 +394,63 @@ def test_a_failed_collective_raises_the_coordinators_verdict():
     with pytest.raises(KeyError):
         with sct.collective(FakeWorker(0), "x"):
             raise KeyError("k")
+
+
+# -- FailureWatch: the coordinator's verdict reaches a training loop that is busy elsewhere
+
+RANK_ONE = """
+import sys, time, shardcoord
+units = (shardcoord.LayerUnit("blocks.0", 32), shardcoord.LayerUnit("blocks.1", 32))
+w = shardcoord.Worker("job", [shardcoord.ModuleSpec("model.visual", 64, units)], 2, rank=1, world_size=2,
+                      address=sys.argv[1], connect_timeout=10)
+print("registered", flush=True)
+time.sleep(120)
+"""
+
+
+def test_failure_watch_keeps_the_verdict_naming_the_killed_rank(daemon, wait_for):
+    rank1 = subprocess.Popen([sys.executable, "-c", RANK_ONE, daemon.address], stdout=subprocess.PIPE, text=True)
+    try:
+        with connect(daemon, 0) as w0:
+            assert rank1.stdout.readline().strip() == "registered"
+            aborted = []
+            watch = sct.FailureWatch(w0, process_groups=["pg"], poll=0.02)
+            watch._abort = aborted.append  # The seam: which groups it aborts (torch 1.13 cannot abort Gloo).
+            with watch:
+                watch.check()  # No failure yet: returns.
+                assert watch.verdict is None
+                rank1.kill()
+                wait_for(lambda: watch.verdict is not None, 15, "the watch to see the group failure")
+                with pytest.raises(shardcoord.GroupFailed, match="rank 1 declared dead"):
+                    watch.check()
+                assert aborted == ["pg"]
+    finally:
+        rank1.kill()
+        rank1.wait(10)
+
+
+def test_failure_watch_is_quiet_when_the_worker_closes(daemon, wait_for):
+    with connect(daemon, 0) as w0, connect(daemon, 1) as w1:
+        aborted = []
+        watch = sct.FailureWatch(w0, process_groups=[None], poll=0.02)
+        watch._abort = aborted.append
+        watch.start()
+        w0.close()  # A clean end while the watch still runs: no verdict, nothing aborted.
+        polls = watch.polls
+        wait_for(lambda: watch.polls >= polls + 5 or not watch.running, 15, "the watch to poll the closed worker")
+        watch.stop()
+        w1.close()
+    assert watch.verdict is None and aborted == []
+    with pytest.raises(shardcoord.InvalidArgument, match="poll must be > 0"):
+        sct.FailureWatch(w0, poll=0)
+
+
+def test_abort_process_group_on_this_torch(group_of_one):
+    # torch 1.13 with Gloo has no abort: False, and the group still works; torch >= 2.6 aborts.
+    pg = dist.new_group([0])
+    can = sct.abort_process_group(pg)
+    assert can == hasattr(dist.distributed_c10d, "_abort_process_group")
+    if not can:
+        t = torch.ones(2)
+        dist.all_reduce(t, group=pg)
+        assert t.tolist() == [1.0, 1.0]
