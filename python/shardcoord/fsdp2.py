@@ -106,6 +106,20 @@ class Fsdp2Control:
                 c.root_gathered = False
         self._in_microbatch = False
 
+    def release(self) -> None:
+        """Frees every replica (outside a microbatch; local, no collective). The next ``replicate``
+        decision gathers the module again."""
+        if self._in_microbatch:
+            raise FailedPrecondition("release() inside a microbatch; call end_microbatch first")
+        for c in self._controlled.values():
+            c.replica = None
+            c.decision = "skip"
+
+    @property
+    def replicated(self) -> List[str]:
+        """Controlled modules holding a full replica now."""
+        return [name for name, c in self._controlled.items() if c.replica is not None]
+
 
 def _materialize(c: _Controlled) -> nn.Module:
     """A full, unsharded copy of the module (same order of all-gathers on every rank)."""
