@@ -224,7 +224,7 @@ def rank_main(args) -> int:
         params = sum(p.numel() for p in model.parameters())
         print("INFO " + json.dumps({
             "torch": torch.__version__, "device": torch.cuda.get_device_name(device) if cuda else "cpu",
-            "tower_params": sum(p.numel() for p in model.visual.parameters()), "total_params": params * WORLD,
+            "tower_params": sum(p.numel() for p in model.visual.parameters()), "total_params": params,  # DTensor.numel() is the global count
             "config": asdict(cfg)}), flush=True)
 
     def batch(step, mb, images):

@@ -66,8 +66,8 @@ class DecisionEngine {
   struct ModuleState {
     bool sticky_replicate = false;
     bool promoted = false;
-    std::deque<bool> recent_divergent;  // Last `promotion.window` microbatches.
-    int divergent_in_window = 0;
+    std::deque<bool> recent_gathers;  // Last `promotion.window` microbatches: did the contract gather?
+    int gathers_in_window = 0;
   };
 
   EngineConfig config_;

@@ -81,9 +81,9 @@ int main(int argc, char** argv) {
                  "name a rank as behind once others waited this long in a collective it has not issued");
   app.add_option("--promote-window", promote_window, "auto promotion: microbatches considered");
   app.add_option("--promote-threshold", promote_threshold,
-                 "auto promotion: divergent microbatches in the window that promote");
+                 "auto promotion: microbatches in the window that gather the module, to promote");
   app.add_option("--demote-threshold", demote_threshold,
-                 "auto promotion: at most this many divergent in a full window demotes");
+                 "auto promotion: at most this many gathering microbatches in a full window demotes");
   app.add_option("--event-capacity", event_capacity, "events kept for shardctl events");
   app.add_option("--decision-history", decision_history, "decisions kept per group for shardctl decisions");
   app.add_option("--max-world-size", max_world_size, "most ranks one job may have");

@@ -50,11 +50,12 @@ struct CoordinatorLimits {
 };
 
 // `auto` promotion (DESIGN 3). Over the last `window` decided microbatches of a group,
-// a module whose ranks diverged in at least `promote_threshold` of them is replicated
-// from the next microbatch on, provided its parameter bytes fit the smallest
-// memory_budget_bytes any member reported (0 there disables promotion). A promoted
-// module returns to per-microbatch decisions once the last `window` microbatches hold at
-// most `demote_threshold` divergent ones.
+// a module that the contract would gather (per_layer or root: some rank runs it) in at
+// least `promote_threshold` of them is replicated from the next microbatch on, provided
+// its parameter bytes fit the smallest memory_budget_bytes any member reported (0 there
+// disables promotion): a resident replica needs no gather at all. A promoted module
+// returns to per-microbatch decisions (freeing the replica) once the last `window`
+// microbatches hold at most `demote_threshold` that would gather it.
 struct PromotionOptions {
   int window = kDefaultPromoteWindow;
   int promote_threshold = kDefaultPromoteThreshold;

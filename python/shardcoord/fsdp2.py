@@ -19,7 +19,8 @@ What each decision does, so that every rank of the shard group issues the same c
   a frozen tower takes no part in backward, and without this FSDP's backward prefetch follows each
   rank's own forward order (ranks that skipped the tower would gather other units than ranks that
   ran it).
-- ``per_layer``: FSDP's own per-unit all-gather before each unit's forward, reshard after.
+- ``per_layer``: FSDP's own per-unit all-gather before each unit's forward (each unit prefetches
+  the next one: measured 2 x H200, without it per_layer was 30 % slower than root), reshard after.
 - ``skip``: nothing; no rank calls the module, so no rank gathers it.
 - ``root``: every rank gathers every unit up front (``unshard()``, in manifest order) with
   reshard-after-forward off for the microbatch, so a unit's forward issues no all-gather whether or
@@ -172,6 +173,12 @@ def shard(model: nn.Module, manifest: Iterable[ModuleSpec], mesh=None, **fully_s
         for unit in units:
             fully_shard(unit, **kwargs)
             unit.set_unshard_in_backward(False)
+        for unit, following in zip(units, units[1:]):
+            # per_layer: gather the next unit while this one computes (FSDP2 prefetches only in
+            # backward by default, and a frozen tower has no backward): every rank runs the
+            # units in the same order, so the prefetches are the same on every rank. Under root
+            # the units are already gathered (a no-op); skip and replicate run no unit.
+            unit.set_modules_to_forward_prefetch([following])
         _route_forward(c)
         controlled[spec.name] = c
     fully_shard(model, **kwargs)

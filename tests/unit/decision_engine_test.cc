@@ -187,31 +187,47 @@ TEST(DecisionEngineTest, AutoPromotesAfterThresholdAndDemotesAfterQuietWindow) {
   EXPECT_THAT(t[0].detail, HasSubstr("(0,1)"));
   EXPECT_THAT(engine.ReplicatedModules(), ElementsAre("vision_tower"));
 
-  // seq 2..5: four non-divergent microbatches, all replicated by promotion. The window
-  // [T,T,F,F] still holds 2 divergent at seq 3, 1 at seq 4, and 0 at seq 5: demote.
+  // seq 2..6: a uniform microbatch (the contract would gather: the window stays busy), then
+  // all-skip ones, all replicated by promotion. The window is [T,T,T,F] at seq 3, then
+  // [T,T,F,F], [T,F,F,F] and [F,F,F,F] at seq 6: demoted once it holds no gathering microbatch.
   MicrobatchDecision d2 = engine.Decide({1, 0}, 0, kUniform1, &t);
   ExpectModule(d2, 0, "vision_tower", Decision::kReplicate, DecisionReason::kPromoted);
-  MicrobatchDecision d3 = engine.Decide({1, 1}, 0, kSkip1, &t);
-  ExpectModule(d3, 0, "vision_tower", Decision::kReplicate, DecisionReason::kPromoted);
-  MicrobatchDecision d4 = engine.Decide({2, 0}, 0, kUniform1, &t);
-  ExpectModule(d4, 0, "vision_tower", Decision::kReplicate, DecisionReason::kPromoted);
+  for (MicrobatchKey k : {MicrobatchKey{1, 1}, MicrobatchKey{2, 0}, MicrobatchKey{2, 1}}) {
+    ExpectModule(engine.Decide(k, 0, kSkip1, &t), 0, "vision_tower", Decision::kReplicate,
+                 DecisionReason::kPromoted);
+  }
   EXPECT_THAT(Whats(t), ElementsAre("promoted"));  // Not demoted before the window is quiet.
 
-  MicrobatchDecision d5 = engine.Decide({2, 1}, 0, kUniform1, &t);
-  ExpectModule(d5, 0, "vision_tower", Decision::kReplicate, DecisionReason::kPromoted);
-  EXPECT_THAT(Whats(t), ElementsAre("promoted", "demoted"));
+  MicrobatchDecision d6 = engine.Decide({3, 0}, 0, kSkip1, &t);
+  ExpectModule(d6, 0, "vision_tower", Decision::kReplicate, DecisionReason::kPromoted);
+  ASSERT_THAT(Whats(t), ElementsAre("promoted", "demoted"));
   EXPECT_EQ(t[1].module, "vision_tower");
-  EXPECT_THAT(t[1].detail, HasSubstr("(2,1)"));
+  EXPECT_THAT(t[1].detail, HasSubstr("(3,0)"));
   EXPECT_THAT(engine.ReplicatedModules(), IsEmpty());
 
   // Back to the per-microbatch rule.
-  MicrobatchDecision d6 = engine.Decide({3, 0}, 0, kUniform1, &t);
-  ExpectModule(d6, 0, "vision_tower", Decision::kPerLayer, DecisionReason::kUniform);
-  MicrobatchDecision d7 = engine.Decide({3, 1}, 0, kSkip1, &t);
-  ExpectModule(d7, 0, "vision_tower", Decision::kSkip, DecisionReason::kAllSkip);
-  MicrobatchDecision d8 = engine.Decide({4, 0}, 0, kDivergent1, &t);
-  ExpectModule(d8, 0, "vision_tower", Decision::kRoot, DecisionReason::kDivergent);
-  EXPECT_THAT(Whats(t), ElementsAre("promoted", "demoted"));
+  MicrobatchDecision d7 = engine.Decide({3, 1}, 0, kUniform1, &t);
+  ExpectModule(d7, 0, "vision_tower", Decision::kPerLayer, DecisionReason::kUniform);
+  MicrobatchDecision d8 = engine.Decide({4, 0}, 0, kSkip1, &t);
+  ExpectModule(d8, 0, "vision_tower", Decision::kSkip, DecisionReason::kAllSkip);
+  MicrobatchDecision d9 = engine.Decide({4, 1}, 0, kDivergent1, &t);
+  ExpectModule(d9, 0, "vision_tower", Decision::kRoot, DecisionReason::kDivergent);
+  // Two gathering microbatches in the window again: promoted from the next one.
+  EXPECT_THAT(Whats(t), ElementsAre("promoted", "demoted", "promoted"));
+}
+
+TEST(DecisionEngineTest, UniformMicrobatchesPromoteToo) {
+  // Every rank runs the tower: per_layer is safe, but a replica saves its gather every time.
+  DecisionEngine engine(PromotionConfig());
+  std::vector<EngineTransition> t;
+  ExpectModule(engine.Decide({0, 0}, 0, kUniform1, &t), 0, "vision_tower", Decision::kPerLayer,
+               DecisionReason::kUniform);
+  ExpectModule(engine.Decide({0, 1}, 0, kUniform1, &t), 0, "vision_tower", Decision::kPerLayer,
+               DecisionReason::kUniform);
+  ASSERT_THAT(Whats(t), ElementsAre("promoted"));
+  EXPECT_THAT(t[0].detail, HasSubstr("2 of the last 2 microbatches gathered it"));
+  ExpectModule(engine.Decide({1, 0}, 0, kUniform1, &t), 0, "vision_tower", Decision::kReplicate,
+               DecisionReason::kPromoted);
 }
 
 TEST(DecisionEngineTest, PromotedModuleStaysReplicatedWhileDivergenceContinues) {
@@ -226,17 +242,20 @@ TEST(DecisionEngineTest, PromotedModuleStaysReplicatedWhileDivergenceContinues) 
   EXPECT_THAT(Whats(t), ElementsAre("promoted"));
 }
 
-TEST(DecisionEngineTest, DivergencesOutsideTheWindowDoNotPromote) {
-  // Window 4, threshold 2: divergences 4 microbatches apart never share a window.
+TEST(DecisionEngineTest, GathersOutsideTheWindowDoNotPromote) {
+  // Window 4, threshold 2: gathering microbatches 4 apart (all-skip between) never share a window.
   DecisionEngine engine(PromotionConfig());
   std::vector<EngineTransition> t;
   for (int i = 0; i < 12; ++i) {
-    const bool div = i % 4 == 0;
-    MicrobatchDecision d = engine.Decide({i, 0}, 0, div ? kDivergent1 : kUniform1, &t);
+    const bool div = i % 8 == 0;
+    const bool uniform = i % 8 == 4;
+    MicrobatchDecision d = engine.Decide({i, 0}, 0, div ? kDivergent1 : uniform ? kUniform1 : kSkip1, &t);
     if (div) {
       ExpectModule(d, 0, "vision_tower", Decision::kRoot, DecisionReason::kDivergent);
-    } else {
+    } else if (uniform) {
       ExpectModule(d, 0, "vision_tower", Decision::kPerLayer, DecisionReason::kUniform);
+    } else {
+      ExpectModule(d, 0, "vision_tower", Decision::kSkip, DecisionReason::kAllSkip);
     }
   }
   EXPECT_THAT(t, IsEmpty());
