@@ -181,9 +181,6 @@ def params_hash(model: nn.Module) -> str:
 
 def fsdp2_device(args: argparse.Namespace) -> torch.device:
     """cuda:$LOCAL_RANK when every local rank has a GPU of its own, else the CPU (Gloo)."""
-    if not fsdp2.available():
-        raise shardcoord.FailedPrecondition(f"--fsdp2 needs torch >= 2.6 (fully_shard); this is torch "
-                                            f"{torch.__version__}: leave --fsdp2 out to use the plain executor")
     local = int(os.environ.get("LOCAL_RANK", args.rank))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", args.world_size))
     if torch.cuda.is_available() and torch.cuda.device_count() >= local_world:
@@ -241,6 +238,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         args.init_method = "env://"
     if args.steps < 1 or args.accum < 1:
         ap.error("--steps and --accum must be >= 1")
+    if args.fsdp2 and not fsdp2.available():
+        ap.error(f"--fsdp2 needs torch >= 2.6 (fully_shard); this is torch {torch.__version__}: leave --fsdp2 out "
+                 f"to use the plain torch.distributed executor")
     if args.fsdp2 and args.group_size != args.world_size:
         ap.error(f"--fsdp2 shards over the world: --group-size must be the world size ({args.world_size}); "
                  f"for hybrid sharding build a 2-D DeviceMesh and pass it to shardcoord.fsdp2.shard(mesh=...)")

@@ -238,3 +238,34 @@ def test_the_local_launcher_runs_every_rank(trainer_daemon, tmp_path):
     assert len(hashes) == 1, out
     for r in range(2):
         assert f"[rank {r}] step 1 loss " in out and f"[rank {r}] summary rank {r}:" in out, out
+
+
+def test_bad_flags_are_refused_before_anything_starts():
+    import torch
+
+    def run(*flags):
+        return subprocess.run([sys.executable, str(VLM_TRAIN), "--rank", "0", "--world-size", "2",
+                               "--init-method", "file:///nonexistent", *flags], capture_output=True, text=True,
+                              timeout=60)
+
+    fsdp2_ok = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 6)
+    r = run("--fsdp2")
+    if not fsdp2_ok:  # Debian's torch 1.13: FSDP2 is not there; say so and what to do instead.
+        assert r.returncode == 2 and "--fsdp2 needs torch >= 2.6" in r.stderr and "leave --fsdp2 out" in r.stderr
+    r = run("--fsdp2", "--group-size", "1")
+    assert r.returncode == 2 and ("--group-size must be the world size (2)" in r.stderr or not fsdp2_ok), r.stderr
+    r = run("--steps", "0")
+    assert r.returncode == 2 and "--steps and --accum must be >= 1" in r.stderr, r.stderr
+
+
+def test_policy_matrix_harness_parses_its_flags_without_torch():
+    # bench/policy_matrix.py runs on the GPU machine; here: its launcher imports no torch and
+    # refuses bad flags clearly.
+    matrix = ROOT / "bench" / "policy_matrix.py"
+    r = subprocess.run([sys.executable, str(matrix), "--help"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "sc_auto" in r.stdout and "alternating" in r.stdout, r.stderr
+    r = subprocess.run([sys.executable, str(matrix)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--shardcoordd is required" in r.stderr, r.stderr
+    r = subprocess.run([sys.executable, str(matrix), "--shardcoordd", "x", "--mixes", "bogus"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and "invalid choice: 'bogus'" in r.stderr, r.stderr
