@@ -468,6 +468,8 @@ absl::Status CoordinatorCore::Register(uint64_t session_id, const v1::RegisterRe
   return absl::OkStatus();
 }
 
+// The group state machine (DESIGN 8): FORMING -> HEALTHY -> FAILED -> FORMING (epoch + 1),
+// FINISHED when every member left.
 void CoordinatorCore::UpdateGroupState(Job& job, Group& group) {
   int live = 0, left = 0, dead = 0;
   for (int r : group.ranks) {

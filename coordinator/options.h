@@ -31,6 +31,7 @@ inline constexpr absl::Duration kMaxDuration = absl::Hours(24);
 // request over it is refused with RESOURCE_EXHAUSTED or INVALID_ARGUMENT naming it).
 // Memory per job is O(world_size + modules x units); per group O(pending microbatches x
 // modules x group size); per rank O(outbox).
+// DESIGN 11.
 struct CoordinatorLimits {
   int max_world_size = 65536;        // ranks in one job
   int max_total_ranks = 262144;      // ranks of all jobs held at once (about 0.5 KB each)

@@ -1,4 +1,4 @@
-"""FSDP2 integration: carry out shardcoord decisions on a model sharded with ``fully_shard``.
+"""FSDP2 integration: carry out shardcoord decisions on a model sharded with ``fully_shard`` (DESIGN 10).
 
 Needs torch >= 2.6 (``torch.distributed.fsdp.fully_shard``). Usage, on every rank::
 
