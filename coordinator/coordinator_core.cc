@@ -957,6 +957,22 @@ void CoordinatorCore::RemoveMember(Job& job, Member& m, bool clean, const std::s
   for (int r : group.ranks) SendTo(job.members[r], msg);
   Event("error", "group_failed", job.id, m.rank, group.index,
         absl::StrCat(gf->reason(), "; cancelled ", gf->cancelled_size(), " pending microbatches"));
+  NotifyRankLost(job, group, m.rank, gf->reason());
+}
+
+void CoordinatorCore::NotifyRankLost(Job& job, const Group& group, int rank, const std::string& reason) {
+  // The rest of the job (DESIGN 3): collectives that span groups include the dead rank too.
+  if (job.groups.size() < 2) return;
+  v1::CoordinatorMessage msg;
+  auto* n = msg.mutable_notice();
+  n->set_kind(v1::Notice::KIND_RANK_LOST);
+  n->set_group(group.index);
+  n->set_epoch(group.epoch);
+  n->set_rank(rank);
+  n->set_message(reason);
+  for (Member& other : job.members) {
+    if (other.group != group.index && other.state == v1::RANK_STATE_LIVE) SendTo(other, msg);
+  }
 }
 
 void CoordinatorCore::Tick() {

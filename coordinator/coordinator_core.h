@@ -296,6 +296,9 @@ class CoordinatorCore {
   void MaybeFinishAbort(Job& job, Comm& comm) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A member died or left: end every live epoch it belongs to.
   void OnMemberLost(Job& job, int rank, bool clean, const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Tells the live ranks of the job's other groups that `rank` of `group` was declared dead.
+  void NotifyRankLost(Job& job, const Group& group, int rank, const std::string& reason)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A rank became live again: communicators waiting for it may start their next epoch.
   void OnMemberBack(Job& job, int rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ExpireCommWaiters(Job& job, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -245,21 +245,27 @@ def collective_failure(worker: Optional[Worker], what: str, cause: BaseException
     """The error to raise for a failed ``torch.distributed`` collective.
 
     A peer's socket closing usually means the peer died; the coordinator sees its session end at
-    the same moment and fails its group, naming the rank. This waits up to ``wait`` seconds for that
-    verdict (``worker.health()``) and returns it (GroupFailed: "... rank 1 declared dead ..."), or
-    GroupFailed with the collective's own error when none comes (e.g. the dead rank is in another
-    shard group)."""
+    the same moment and fails its group, naming the rank, and tells the job's other groups. This
+    waits up to ``wait`` seconds for that verdict (``worker.job_health()``: this rank's group, or a
+    rank lost in another group, which a collective over the world also includes) and returns it
+    (GroupFailed: "... rank 1 declared dead ..."), or GroupFailed with the collective's own error
+    when none comes."""
     if worker is not None:
+        check = _job_health(worker)
         deadline = time.monotonic() + wait
         while True:
             try:
-                worker.health()
+                check()
             except Error as verdict:
                 return verdict
             if time.monotonic() >= deadline:
                 break
             time.sleep(0.02)
     return GroupFailed(f"{what} failed: {cause}")
+
+
+def _job_health(worker: Any) -> Callable[[], None]:
+    return getattr(worker, "job_health", None) or worker.health
 
 
 @contextlib.contextmanager
@@ -277,8 +283,9 @@ def collective(worker: Optional[Worker], what: str, wait: float = 2.0) -> Iterat
 def wait_collective(work: Any, worker: Optional[Worker], what: str, *, poll: float = 0.05,
                     verdict_wait: float = 2.0) -> None:
     """Waits for an asynchronous collective (``dist.all_reduce(t, async_op=True)``) while watching
-    the coordinator: once this rank's group failed (a member declared dead, also one that hangs
-    without closing its sockets, after the heartbeat timeout) the verdict is raised at once,
+    the coordinator: once this rank's group failed, or a rank of another group of the job was
+    declared dead (also one that hangs without closing its sockets, after the heartbeat timeout:
+    a world collective waits for it too), the verdict is raised at once,
     instead of after the backend's own timeout; a collective that fails raises
     :func:`collective_failure`'s error. The abandoned operation must not be waited for again:
     the process group is unusable (exit, or build a new one)."""
@@ -296,7 +303,7 @@ def wait_collective(work: Any, worker: Optional[Worker], what: str, *, poll: flo
         except RuntimeError as e:  # "Operation timed out!" (the poll) or the collective's failure.
             if work.is_completed():
                 raise collective_failure(worker, what, e, verdict_wait) from e
-        worker.health()  # Raises the coordinator's verdict (GroupFailed names the rank).
+        _job_health(worker)()  # Raises the coordinator's verdict (GroupFailed names the rank).
 
 
 def abort_process_group(pg: Any = None) -> bool:
@@ -326,8 +333,10 @@ class FailureWatch:
     """Watches the coordinator from a background thread while the training loop runs collectives
     that shardcoord does not manage (FSDP2's all-gathers and reduce-scatters on NCCL).
 
-    Once this rank's group fails (a member killed, or hung past the heartbeat timeout), the watch
-    keeps the coordinator's verdict (GroupFailed, naming the rank), prints it on stderr and aborts
+    Once this rank's group fails (a member killed, or hung past the heartbeat timeout), or with
+    ``job_wide`` (the default, right for process groups that span shard groups, such as the
+    default one) once a rank of any group of the job is declared dead, the watch keeps the
+    coordinator's verdict (GroupFailed, naming the rank), prints it on stderr and aborts
     ``process_groups`` (default: the default group) so that nothing stays blocked in a collective
     with the dead peer; :meth:`check`, called by the training loop once per microbatch and after
     anything that waits for the GPU, raises the verdict. Without it, a rank blocked in an NCCL
@@ -341,12 +350,14 @@ class FailureWatch:
                 loss.item(); watch.check()
     """
 
-    def __init__(self, worker: Worker, process_groups: Sequence[Any] = (None,), poll: float = 0.05):
+    def __init__(self, worker: Worker, process_groups: Sequence[Any] = (None,), poll: float = 0.05,
+                 job_wide: bool = True):
         if poll <= 0:
             raise InvalidArgument(f"poll must be > 0 seconds, got {poll}")
         self._worker = worker
         self._groups = list(process_groups)
         self._poll = poll
+        self._check = _job_health(worker) if job_wide else worker.health
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._abort = abort_process_group  # A seam for tests (torch 1.13 cannot abort Gloo).
@@ -384,7 +395,7 @@ class FailureWatch:
         while not self._stop.wait(self._poll):
             try:
                 self.polls += 1
-                self._worker.health()
+                self._check()
             except Error as verdict:
                 if self._stop.is_set() or getattr(self._worker, "closed", False):  # A clean end, not a failure.
                     return

@@ -121,6 +121,12 @@ class Worker:
         """Returns while the session is usable; raises why it is not."""
         self._native.health()
 
+    def job_health(self) -> None:
+        """As :meth:`health`, and also raises GroupFailed once a rank of another shard group of
+        this job was declared dead (naming it): collectives that span groups (the data-parallel
+        gradient reduction) cannot complete. Stays raised for the rest of the session."""
+        self._native.job_health()
+
     @property
     def undecided_plans(self) -> int:
         return self._native.undecided_plans()

@@ -114,6 +114,7 @@ class PyWorker {
   }
 
   void Health() const { Check(worker().Health()); }
+  void JobHealth() const { Check(worker().JobHealth()); }
   int UndecidedPlans() const { return worker().UndecidedPlans(); }
 
   void AwaitGroupReady(double timeout_s) {
@@ -213,6 +214,7 @@ PYBIND11_MODULE(_shardcoord, m) {
       .def("get_decision", &PyWorker::GetDecision, py::arg("step"), py::arg("microbatch"), py::arg("timeout"))
       .def("report_memory", &PyWorker::ReportMemory, py::arg("usage"))
       .def("health", &PyWorker::Health)
+      .def("job_health", &PyWorker::JobHealth)
       .def("undecided_plans", &PyWorker::UndecidedPlans)
       .def("await_group_ready", &PyWorker::AwaitGroupReady, py::arg("timeout"))
       .def("group", &PyWorker::Group)

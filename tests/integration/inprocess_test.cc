@@ -391,6 +391,35 @@ TEST_F(InProcessTest, DeadPeerFailsTheGroupInsteadOfHanging) {
   EXPECT_EQ(d2->Find("vision_tower")->decision, Decision::kPerLayer);
 }
 
+TEST_F(InProcessTest, ARankLostInAnotherGroupShowsInJobHealthOnly) {
+  // Groups {0, 1} and {2, 3}: rank 3 dies. Rank 0's group is fine (Health OK, decisions go
+  // on), but a collective over the world would wait for rank 3: JobHealth names it.
+  auto w0 = Connect(Options(0, 4, 2));
+  ASSERT_TRUE(w0);
+  std::vector<std::unique_ptr<RawSession>> raws;
+  for (int r = 1; r < 4; ++r) {
+    raws.push_back(std::make_unique<RawSession>(server_->address()));
+    ASSERT_TRUE(raws.back()->Register(RawRequest(r, 4, 2)).ok());
+  }
+  EXPECT_TRUE(w0->JobHealth().ok());
+  raws[2]->ctx.TryCancel();  // Rank 3.
+  const absl::Time deadline = absl::Now() + testing::kLoadSlack;
+  absl::Status job = w0->JobHealth();
+  while (job.ok() && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(10));
+    job = w0->JobHealth();
+  }
+  EXPECT_EQ(job.code(), absl::StatusCode::kAborted) << job;
+  EXPECT_THAT(job.message(), HasSubstr("rank 3 of another shard group"));
+  EXPECT_THAT(job.message(), HasSubstr("rank 3 declared dead"));
+  EXPECT_TRUE(w0->Health().ok()) << "its own group is unaffected";
+  ASSERT_TRUE(w0->ReportPlan(PlanOf(0, 0, 1)).ok());
+  raws[0]->SendPlan(RawPlan(0, 0, "vision_tower", 1), /*epoch=*/0);
+  auto d = w0->GetDecision({0, 0}, kDecisionTimeout);
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->Find("vision_tower")->decision, Decision::kPerLayer);
+}
+
 TEST_F(InProcessTest, CoordinatorLossFailsPendingCallsQuickly) {
   auto w0 = Connect(Options(0, 2, 2));
   ASSERT_TRUE(w0);

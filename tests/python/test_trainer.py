@@ -225,6 +225,38 @@ def test_a_lost_rank_stops_the_other_naming_it(daemon, tmp_path, sig):
     assert elapsed < heartbeat_timeout + 15
 
 
+def test_a_rank_hung_in_another_group_stops_the_whole_job_naming_it(daemon, tmp_path):
+    """Groups {0, 1} and {2, 3}; rank 3 is stopped (SIGSTOP: its sockets stay open, so the world's
+    gradient all-reduce neither completes nor fails). Rank 2 learns it from its group's failure;
+    ranks 0 and 1 from the coordinator's notice to the other groups, while they wait in that
+    all-reduce (its own timeout is 60 s, far beyond the bound checked)."""
+    heartbeat_timeout = 1.5  # The `daemon` fixture's.
+    procs = []
+    try:
+        for r in range(4):
+            argv = rank_argv(daemon, tmp_path, "lost4", r, 4, 2, ["--media", "mixed", "--steps", "2000",
+                                                                   "--interval-ms", "10", "--collective-timeout", "60"])
+            procs.append(start(tmp_path, f"lost4-{r}", argv, {"SHARDCOORD_LOG_LEVEL": "error"}))
+        deadline = time.monotonic() + 90
+        while "step 10 " not in (tmp_path / "lost4-0.out").read_text():
+            assert time.monotonic() < deadline, "rank 0 did not reach step 10 in 90 s: " + \
+                (tmp_path / "lost4-0.err").read_text()
+            assert all(p.poll() is None for p in procs), "a rank stopped early"
+            time.sleep(0.05)
+        procs[3].send_signal(signal.SIGSTOP)
+        lost = time.monotonic()
+        codes = [wait_code(p, lost + heartbeat_timeout + 20) for p in procs[:3]]
+    finally:
+        stop_all(procs)
+    errs = [(tmp_path / f"lost4-{r}.err").read_text() for r in range(3)]
+    for r in range(3):
+        assert codes[r] != -1, f"rank {r} hangs after rank 3 was lost: {errs[r]}"
+        assert codes[r] == 3, errs[r]
+        assert "rank 3 declared dead" in errs[r], errs[r]
+    for r in (0, 1):
+        assert "another shard group" in errs[r], errs[r]
+
+
 def test_the_local_launcher_runs_every_rank(trainer_daemon, tmp_path):
     p = start(tmp_path, "launch", [sys.executable, str(VLM_TRAIN), "--nproc", "2", "--coordinator",
                                    trainer_daemon.address, "--job", "launched", "--steps", "2", "--accum", "1"])

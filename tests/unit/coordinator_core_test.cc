@@ -436,9 +436,19 @@ TEST_F(CoreTest, SilentRankIsDeclaredDeadAndItsGroupIsToldWhy) {
   EXPECT_THAT(gf.reason(), HasSubstr("rank 1 declared dead"));
   ASSERT_EQ(gf.cancelled_size(), 1);
   EXPECT_EQ(gf.cancelled(0).microbatch(), 0);
-  // Group 1 is untouched.
+  // Group 1 is untouched, but told: its collectives across groups include rank 1 too.
   EXPECT_TRUE(sinks_[2]->Where([](const auto& m) { return m.has_group_failure(); }).empty());
   EXPECT_EQ(core_->Groups("job").groups(1).state(), v1::GROUP_STATE_HEALTHY);
+  for (int r : {2, 3}) {
+    auto lost = sinks_[r]->Where([](const auto& m) {
+      return m.has_notice() && m.notice().kind() == v1::Notice::KIND_RANK_LOST;
+    });
+    ASSERT_EQ(lost.size(), 1u) << "rank " << r;
+    EXPECT_EQ(lost[0].notice().rank(), 1);
+    EXPECT_EQ(lost[0].notice().group(), 0);
+    EXPECT_THAT(lost[0].notice().message(), HasSubstr("rank 1 declared dead: no heartbeat"));
+  }
+  EXPECT_TRUE(sinks_[0]->Where([](const auto& m) { return m.has_notice(); }).empty()) << "its own group gets the failure";
   EXPECT_EQ(core_->Groups("job").groups(0).state(), v1::GROUP_STATE_FAILED);
 
   // A survivor's plan is refused until the group re-forms.

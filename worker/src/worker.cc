@@ -88,6 +88,13 @@ class Worker::Impl {
     if (!group_failure_.empty()) return absl::AbortedError(group_failure_);
     return late_failure_;
   }
+  absl::Status JobHealth() const {
+    absl::Status own = Health();
+    if (!own.ok()) return own;
+    absl::MutexLock lock(&mu_);
+    if (!job_failure_.empty()) return absl::AbortedError(job_failure_);
+    return absl::OkStatus();
+  }
   GroupInfo group() const {
     absl::MutexLock lock(&mu_);
     return group_;
@@ -154,6 +161,7 @@ class Worker::Impl {
   bool reader_done_ ABSL_GUARDED_BY(mu_) = false;  // ... and recorded why.
   bool writer_started_ ABSL_GUARDED_BY(mu_) = false;
   std::string group_failure_ ABSL_GUARDED_BY(mu_);     // Non-empty while the group is failed.
+  std::string job_failure_ ABSL_GUARDED_BY(mu_);       // Non-empty once a rank of another group died.
   std::map<MicrobatchKey, Entry> entries_ ABSL_GUARDED_BY(mu_);
   // Open communicators by name (the latest epoch of each), for CommAbort.
   std::map<std::string, std::weak_ptr<internal::AbortableCommunicator>> comms_ ABSL_GUARDED_BY(mu_);
@@ -406,6 +414,12 @@ void Worker::Impl::Handle(const v1::CoordinatorMessage& msg, PendingAborts* abor
         last_reported_.reset();  // Keys start afresh in the new epoch (the coordinator's rule).
         last_taken_.reset();
         log_->info("{} {}", Prefix(), n.message());
+      } else if (n.kind() == v1::Notice::KIND_RANK_LOST) {
+        if (job_failure_.empty()) {  // The first loss is the cause; later ones follow from it.
+          job_failure_ = absl::StrCat("rank ", n.rank(), " of another shard group of this job was lost: ",
+                                      n.message());
+        }
+        log_->error("{} {}", Prefix(), job_failure_);
       } else if (n.kind() == v1::Notice::KIND_SHUTDOWN) {
         session_status_ = absl::UnavailableError(absl::StrCat(
             "coordinator at ", address_, " is shutting down (", Prefix(), ")"));
@@ -682,6 +696,7 @@ absl::Status Worker::AwaitGroupReady(absl::Duration timeout) {
 void Worker::ReportMemory(const std::vector<ModuleMemoryUsage>& usage) { impl_->ReportMemory(usage); }
 int Worker::UndecidedPlans() const { return impl_->UndecidedPlans(); }
 absl::Status Worker::Health() const { return impl_->Health(); }
+absl::Status Worker::JobHealth() const { return impl_->JobHealth(); }
 void Worker::Close(absl::Duration timeout) { impl_->Close(timeout); }
 
 }  // namespace shardcoord

@@ -124,6 +124,12 @@ class SHARDCOORD_EXPORT Worker {
   // OK while the session is usable; otherwise why it is not.
   absl::Status Health() const;
 
+  // Health(), and also ABORTED once a rank of another shard group of this job was declared
+  // dead (the message names it): collectives that span groups, such as the data-parallel
+  // gradient reduction, cannot complete. Stays so for the rest of the session: a trainer
+  // whose cross-group process groups include the lost rank must rebuild them or stop.
+  absl::Status JobHealth() const;
+
   // Waits until the group is usable again after a failure (it re-formed under a new
   // epoch), at most `timeout`. OK at once when the group has not failed. Errors:
   // DEADLINE_EXCEEDED (still failed: the message says why), UNAVAILABLE (session lost).
