@@ -254,7 +254,7 @@ absl::Status CoordinatorCore::ValidateRegistration(const v1::RegisterRequest& re
 
 absl::Status CoordinatorCore::AdmitJob(const std::string& job_id, int world_size) {
   const CoordinatorLimits& lim = options_.limits;
-  auto total_ranks = [this] {
+  auto total_ranks = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     int64_t n = 0;
     for (const auto& [id, job] : jobs_) n += job->world_size;
     return n;

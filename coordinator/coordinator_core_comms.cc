@@ -211,10 +211,6 @@ absl::Status CoordinatorCore::CommReport(const v1::CommReportRequest& req) {
   auto comm = ResolveComm(req.job_id(), req.rank(), req.name(), {}, &job);
   if (!comm.ok()) return comm.status();
   Comm& c = **comm;
-  if (req.kind() == v1::CommReportRequest::KIND_ABORTED) {
-    AckAbort(*job, c, req.rank(), req.epoch());
-    return absl::OkStatus();
-  }
   if (absl::Status s = CheckEpoch(c, req.epoch()); !s.ok()) return s;
   if (req.kind() == v1::CommReportRequest::KIND_READY) {
     c.member_state[req.rank()] = "ready";
@@ -230,7 +226,9 @@ absl::Status CoordinatorCore::CommReport(const v1::CommReportRequest& req) {
     AbortComm(*job, c, absl::StrCat("rank ", req.rank(), " reported a communicator error: ", req.error()), {});
     return absl::OkStatus();
   }
-  return absl::InvalidArgumentError("CommReport: kind must be READY, ERROR or ABORTED");
+  return absl::InvalidArgumentError(absl::StrCat(
+      "CommReport: kind must be KIND_READY or KIND_ERROR, got ", static_cast<int>(req.kind()),
+      " (aborts are acknowledged on the session stream with CommAborted)"));
 }
 
 void CoordinatorCore::AbortComm(Job& job, Comm& comm, const std::string& reason, const std::vector<int>& lost,

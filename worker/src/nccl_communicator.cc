@@ -113,7 +113,7 @@ class NcclCommunicator final : public AbortableCommunicator {
       absl::MutexLock lock(&mu_);
       comm_ = comm;
     }
-    absl::Status s = WaitComm(absl::Now() + options_.join_timeout, "ncclCommInitRankConfig");
+    absl::Status s = WaitComm(comm, absl::Now() + options_.join_timeout, "ncclCommInitRankConfig");
     if (!s.ok()) return s;
     return ReportComm(ep_, name(), epoch(), v1::CommReportRequest::KIND_READY, "");
   }
@@ -144,21 +144,23 @@ class NcclCommunicator final : public AbortableCommunicator {
   }
 
   absl::Status AllGather(const void* in, void* out, size_t count, DataType type) override {
-    return Run("ncclAllGather", [&] { return ncclAllGather(in, out, count, ToNccl(type), comm_, stream_); });
+    return Run("ncclAllGather",
+               [&](ncclComm_t c) { return ncclAllGather(in, out, count, ToNccl(type), c, stream_); });
   }
   absl::Status AllReduce(void* data, size_t count, DataType type, ReduceOp op) override {
     return Run("ncclAllReduce",
-               [&] { return ncclAllReduce(data, data, count, ToNccl(type), ToNccl(op), comm_, stream_); });
+               [&](ncclComm_t c) { return ncclAllReduce(data, data, count, ToNccl(type), ToNccl(op), c, stream_); });
   }
   absl::Status Broadcast(void* data, size_t count, DataType type, int root) override {
     if (root < 0 || root >= size()) {
       return absl::InvalidArgumentError(absl::StrCat("broadcast root ", root, " outside 0..", size() - 1));
     }
     return Run("ncclBroadcast",
-               [&] { return ncclBroadcast(data, data, count, ToNccl(type), root, comm_, stream_); });
+               [&](ncclComm_t c) { return ncclBroadcast(data, data, count, ToNccl(type), root, c, stream_); });
   }
   absl::Status Barrier() override {
-    return Run("barrier", [&] { return ncclAllReduce(scratch_, scratch_, 1, ncclInt32, ncclSum, comm_, stream_); });
+    return Run("barrier",
+               [&](ncclComm_t c) { return ncclAllReduce(scratch_, scratch_, 1, ncclInt32, ncclSum, c, stream_); });
   }
 
  private:
@@ -168,11 +170,13 @@ class NcclCommunicator final : public AbortableCommunicator {
   }
 
   // Polls the communicator's async state until it leaves ncclInProgress, the deadline
-  // passes or an abort arrives; aborts the communicator in the last two cases.
-  absl::Status WaitComm(absl::Time deadline, const char* what) {
+  // passes or an abort arrives; aborts the communicator in the last two cases. `comm` is
+  // comm_, read under mu_ by the caller: it is set once, before any operation, and only the
+  // destructor releases it.
+  absl::Status WaitComm(ncclComm_t comm, absl::Time deadline, const char* what) {
     while (true) {
       ncclResult_t state = ncclSuccess;
-      ncclCommGetAsyncError(comm_, &state);
+      ncclCommGetAsyncError(comm, &state);
       if (state == ncclSuccess) return absl::OkStatus();
       if (state != ncclInProgress) return Fail(absl::StrCat(what, ": ", ncclGetErrorString(state)));
       if (absl::Status s = CheckAbortOrDeadline(deadline, what); !s.ok()) return s;
@@ -210,14 +214,16 @@ class NcclCommunicator final : public AbortableCommunicator {
 
   template <typename F>
   absl::Status Run(const char* what, F&& launch) {
+    ncclComm_t comm = nullptr;
     {
       absl::MutexLock lock(&mu_);
       if (!abort_reason_.empty()) return AbortedLocked();
       if (comm_ == nullptr) return absl::FailedPreconditionError("communicator is not connected");
-      in_flight_ = true;
+      in_flight_ = true;  // This thread owns the communicator until in_flight_ is false again.
+      comm = comm_;
     }
     issued_.fetch_add(1, std::memory_order_relaxed);
-    absl::Status s = RunLocked(what, launch);
+    absl::Status s = RunInFlight(what, comm, launch);
     completed_.fetch_add(1, std::memory_order_relaxed);
     absl::MutexLock lock(&mu_);
     in_flight_ = false;
@@ -229,7 +235,7 @@ class NcclCommunicator final : public AbortableCommunicator {
   }
 
   template <typename F>
-  absl::Status RunLocked(const char* what, F&& launch) {
+  absl::Status RunInFlight(const char* what, ncclComm_t comm, F&& launch) {
     const absl::Time deadline = absl::Now() + options_.op_timeout;
     // Order after the work the caller queued on the default stream (e.g. LibTorch filling
     // the input), without blocking the host.
@@ -237,16 +243,16 @@ class NcclCommunicator final : public AbortableCommunicator {
         cudaStreamWaitEvent(stream_, ready_, 0) != cudaSuccess) {
       return Fail("cannot order the collective after the default stream");
     }
-    ncclResult_t r = launch();
+    ncclResult_t r = launch(comm);
     if (r != ncclSuccess && r != ncclInProgress) return Fail(absl::StrCat(what, ": ", ncclGetErrorString(r)));
-    if (absl::Status s = WaitComm(deadline, what); !s.ok()) return s;
+    if (absl::Status s = WaitComm(comm, deadline, what); !s.ok()) return s;
     // The kernel is queued: poll the stream, so a hung peer cannot block us past the deadline.
     while (true) {
       cudaError_t e = cudaStreamQuery(stream_);
       if (e == cudaSuccess) return absl::OkStatus();
       if (e != cudaErrorNotReady) return Fail(absl::StrCat(what, ": ", cudaGetErrorString(e)));
       ncclResult_t state = ncclSuccess;
-      ncclCommGetAsyncError(comm_, &state);
+      ncclCommGetAsyncError(comm, &state);
       if (state != ncclSuccess && state != ncclInProgress) {
         return Fail(absl::StrCat(what, ": ", ncclGetErrorString(state)));
       }

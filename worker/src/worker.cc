@@ -176,7 +176,6 @@ class Worker::Impl {
   // CommAbort acknowledgements for the writer, queued once the aborts ran.
   std::vector<std::pair<std::string, int64_t>> ready_acks_ ABSL_GUARDED_BY(mu_);
   bool closing_ ABSL_GUARDED_BY(mu_) = false;
-  bool goodbye_sent_ ABSL_GUARDED_BY(mu_) = false;
   bool writer_done_ ABSL_GUARDED_BY(mu_) = false;
   bool closed_ = false;  // Touched only by Close, which callers serialize via close_mu_.
   absl::Mutex close_mu_;
@@ -496,8 +495,6 @@ void Worker::Impl::WriterLoop() {
     if (!stream_->Write(msg)) break;  // The reader sees the end and records why.
     if (goodbye) {
       stream_->WritesDone();
-      absl::MutexLock lock(&mu_);
-      goodbye_sent_ = true;
       break;
     }
   }
