@@ -2,8 +2,9 @@
 """policy_matrix: what each placement of a frozen vision tower costs under FSDP2, per data mix.
 
 A VLM with random bf16 weights (a frozen ViT-like tower, a frozen projector, a trainable decoder)
-is trained data-parallel with FSDP2 on 2 GPUs (NCCL), one shard group over both. The same model
-and process pair run every cell (data mix x placement) in turn:
+is trained data-parallel with FSDP2 on --gpus GPUs (default 2, NCCL), in shard groups of
+--group-size (default: all; smaller groups shard within the group and replicate across groups:
+HSDP). The same model and processes run every cell (data mix x placement) in turn:
 
   placements  root                 every rank gathers the whole tower before each microbatch (static)
               replicate            a full copy of the tower on every rank, made once (static)
@@ -13,14 +14,15 @@ and process pair run every cell (data mix x placement) in turn:
                                    microbatch: per_layer / skip when the ranks agree, root otherwise
               sc_per_layer         shardcoord, policy per_layer, fallback root
               sc_auto              shardcoord, policy auto (promotion to replicate allowed)
-  mixes       all, none, random50 (per rank and microbatch), skewed (rank 0 90 %, rank 1 10 %),
-              alternating (every rank has images on even steps)
+  mixes       all, none, random50 (per rank and microbatch), skewed (even ranks 90 %, odd ranks
+              10 %), alternating (every rank has images on even steps)
 
-Per cell: tokens/s over both ranks (median of the measured steps, min, max), peak GPU memory
+Per cell: tokens/s over all ranks (median of the measured steps, min, max), peak GPU memory
 (max over ranks), GiB all-gathered per step, and for shardcoord the decisions that were not
 ready when the trainer asked (a wait > 1 ms). Every run is bounded.
 
-    python bench/policy_matrix.py --shardcoordd PATH [--quick] [--mixes ...] [--placements ...]
+    python bench/policy_matrix.py --shardcoordd PATH [--gpus N] [--group-size G] [--quick] [--mixes ...]
+                                  [--placements ...]
 
 Run by scripts/gpu/run_policy_matrix.sh (which builds the binding on the GPU machine).
 """
@@ -42,7 +44,6 @@ from dataclasses import asdict, dataclass
 MIXES = ["all", "none", "random50", "skewed", "alternating"]
 UNIFORM_MIXES = {"all", "none", "alternating"}
 PLACEMENTS = ["root", "replicate", "per_layer", "per_layer_dummy", "per_layer_allreduce", "sc_per_layer", "sc_auto"]
-WORLD = 2
 
 
 @dataclass
@@ -76,7 +77,7 @@ def has_images(mix: str, rank: int, step: int, mb: int, seed: int = 7) -> bool:
     h = 1469598103934665603
     for v in (seed, rank, step, mb):
         h = ((h ^ ((v + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF)) * 1099511628211) & 0xFFFFFFFFFFFFFFFF
-    p = 0.5 if mix == "random50" else (0.9 if rank == 0 else 0.1)
+    p = 0.5 if mix == "random50" else (0.9 if rank % 2 == 0 else 0.1)
     return (h % 10000) / 10000.0 < p
 
 
@@ -203,12 +204,18 @@ def rank_main(args) -> int:
     if args.warmup >= 0:
         cfg.warmup = args.warmup
     rank = int(os.environ["RANK"])
-    cuda = torch.cuda.device_count() >= WORLD
+    world, group_size = args.gpus, args.group_size or args.gpus
+    cuda = torch.cuda.device_count() >= world
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=args.init_method, rank=rank, world_size=WORLD,
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=args.init_method, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=args.collective_timeout))
+    mesh = shard_pg = None
+    if group_size < world:  # HSDP: shard within a group of group_size, replicate across groups.
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh(device.type, (world // group_size, group_size), mesh_dim_names=("replicate", "shard"))
+        shard_pg = mesh.get_group("shard")
     counters = Counters()
     count_all_gathers(counters)
     model = build_model(cfg, device)
@@ -217,13 +224,14 @@ def rank_main(args) -> int:
                   for i, b in enumerate(model.visual.blocks))
     specs = [shardcoord.ModuleSpec("visual", tower_bytes, units)]
     for layer in model.layers:
-        fsdp2.fully_shard(layer)
-    ctl = fsdp2.shard(model, specs)
+        fsdp2.fully_shard(layer, mesh=mesh)
+    ctl = fsdp2.shard(model, specs, mesh=mesh)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     if rank == 0:
         params = sum(p.numel() for p in model.parameters())
         print("INFO " + json.dumps({
             "torch": torch.__version__, "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+            "gpus": world, "group_size": group_size,
             "tower_params": sum(p.numel() for p in model.visual.parameters()), "total_params": params,  # DTensor.numel() is the global count
             "config": asdict(cfg)}), flush=True)
 
@@ -242,12 +250,12 @@ def rank_main(args) -> int:
 
     def in_band(images, step, mb):  # One all-reduce(MAX) of (has images, has none) per microbatch.
         flags[0], flags[1] = int(images), int(not images)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=shard_pg)  # Over the shard group.
         any_images, any_without = flags.tolist()
         kind = "root" if any_images and any_without else ("per_layer" if any_images else "skip")
         return local(kind, step, mb)
 
-    run_id = args.run_id  # The same on both ranks: one shardcoord job per cell.
+    run_id = args.run_id  # The same on every rank: one shardcoord job per cell.
     total_steps = cfg.warmup + cfg.steps
     for mix in args.mixes:
         for placement in args.placements:
@@ -259,8 +267,8 @@ def rank_main(args) -> int:
             worker = plans = None
             if placement.startswith("sc_"):
                 policy = placement[3:]
-                worker = shardcoord.Worker(f"matrix-{run_id}-{mix}-{placement}", specs, WORLD, rank=rank,
-                                           world_size=WORLD, address=args.coordinator, policy=policy,
+                worker = shardcoord.Worker(f"matrix-{run_id}-{mix}-{placement}", specs, group_size, rank=rank,
+                                           world_size=world, address=args.coordinator, policy=policy,
                                            fallback="root", lookahead=4,
                                            memory_budget_bytes=(8 << 30) if policy == "auto" else 0)
                 keys = ((i // cfg.accum, i % cfg.accum, has_images(mix, rank, i // cfg.accum, i % cfg.accum))
@@ -310,7 +318,7 @@ def rank_main(args) -> int:
                     gathered.append(counters.gathered_bytes - g0)
             if worker is not None:
                 worker.close()
-            # Over both ranks: tokens add up, a step takes the slower rank's time.
+            # Over all ranks: tokens add up, a step takes the slowest rank's time.
             stats = torch.tensor([sum(tokens_per_step), torch.cuda.max_memory_allocated() if cuda else 0, stalls],
                                  dtype=torch.float64, device=device)
             times = torch.tensor(step_s, dtype=torch.float64, device=device)
@@ -363,6 +371,8 @@ def table(cells, info) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shardcoordd", help="the daemon binary (the launcher starts one)")
+    ap.add_argument("--gpus", type=int, default=2, help="ranks, one GPU each (default 2)")
+    ap.add_argument("--group-size", type=int, default=0, help="shard group size (default: --gpus)")
     ap.add_argument("--quick", action="store_true", help="a tiny model and 3 steps: checks the harness")
     ap.add_argument("--mixes", nargs="+", default=MIXES, choices=MIXES)
     ap.add_argument("--placements", nargs="+", default=PLACEMENTS, choices=PLACEMENTS)
@@ -380,6 +390,8 @@ def main() -> int:
         return rank_main(args)
     if args.steps < 0 or args.timeout <= 0:
         ap.error("--steps must be >= 0 and --timeout > 0")
+    if args.gpus < 1 or args.group_size < 0 or args.gpus % (args.group_size or args.gpus):
+        ap.error(f"--gpus {args.gpus} must be >= 1 and a multiple of --group-size {args.group_size}")
     if not args.shardcoordd:
         ap.error("--shardcoordd is required")
     cells, info = [], {}
@@ -395,11 +407,12 @@ def main() -> int:
             address = open(addr_file).read().strip()
             child = [sys.executable, os.path.abspath(__file__), "--rank-main", "--init-method", f"file://{tmp}/store",
                      "--coordinator", address, "--run-id", f"{os.getpid()}-{int(time.time())}",
-                     "--collective-timeout", str(args.collective_timeout),
+                     "--collective-timeout", str(args.collective_timeout), "--gpus", str(args.gpus),
+                     "--group-size", str(args.group_size),
                      "--steps", str(args.steps), "--warmup", str(args.warmup), "--mixes", *args.mixes,
                      "--placements", *args.placements] + (["--quick"] if args.quick else [])
-            for r in range(WORLD):
-                env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(WORLD))
+            for r in range(args.gpus):
+                env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(args.gpus))
                 procs.append(subprocess.Popen(child, env=env, stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL,
                                               text=True))
             deadline = time.monotonic() + args.timeout

@@ -301,3 +301,6 @@ def test_policy_matrix_harness_parses_its_flags_without_torch():
     r = subprocess.run([sys.executable, str(matrix), "--shardcoordd", "x", "--mixes", "bogus"], capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 2 and "invalid choice: 'bogus'" in r.stderr, r.stderr
+    r = subprocess.run([sys.executable, str(matrix), "--shardcoordd", "x", "--gpus", "6", "--group-size", "4"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--gpus 6 must be >= 1 and a multiple of --group-size 4" in r.stderr, r.stderr
