@@ -1,3 +1,4 @@
+// CoordinatorCore, part 1: registration, groups, plans and decisions, liveness (DESIGN 3, 8).
 #include "coordinator_core.h"
 
 #include <algorithm>
@@ -7,72 +8,14 @@
 #include "shardcoord/decide.h"
 #include "shardcoord/internal/logging.h"
 #include "shardcoord/proto/convert.h"
+#include "registration.h"
+#include "text.h"
 
 namespace shardcoord::coordinator {
 namespace {
 
-constexpr char kVersion[] = "0.1.0";
-
-std::string RankList(const std::vector<int>& ranks) { return absl::StrJoin(ranks, ","); }
-
-// Names for an error message or a log line: the first few, then how many more. A manifest
-// may hold a thousand modules; a message per bad plan must not carry them all.
-constexpr size_t kNamesInMessages = 16;
-// Largest one decision may be (it lists every module, and a message holds at least one);
-// workers accept messages of 64 MiB (worker.cc), operators' queries of 4 MiB.
-constexpr size_t kMaxDecisionBytes = 1 << 20;
 // Decisions an ended job keeps per group (a live one keeps `decision_history`).
 constexpr size_t kEndedJobHistory = 16;
-// Largest answer to an operator's query (gRPC clients accept 4 MiB by default).
-constexpr size_t kMaxAnswerBytes = 3 << 20;
-std::string NameList(const std::vector<std::string>& names) {
-  if (names.size() <= kNamesInMessages) return absl::StrJoin(names, ", ");
-  return absl::StrCat(absl::StrJoin(names.begin(), names.begin() + kNamesInMessages, ", "), ", ... (",
-                      names.size() - kNamesInMessages, " more)");
-}
-
-std::string DescribeManifestDifference(const v1::RegisterRequest& a, int rank_a,
-                                       const v1::RegisterRequest& b, int rank_b) {
-  auto names = [](const v1::RegisterRequest& r) {
-    std::vector<std::string> n;
-    for (const auto& m : r.modules()) n.push_back(m.name());
-    return NameList(n);
-  };
-  if (a.modules_size() != b.modules_size()) {
-    return absl::StrCat("rank ", rank_b, " registered modules [", names(b), "] but rank ", rank_a,
-                        " registered [", names(a), "]");
-  }
-  for (int i = 0; i < a.modules_size(); ++i) {
-    const auto& ma = a.modules(i);
-    const auto& mb = b.modules(i);
-    if (ma.name() != mb.name()) {
-      return absl::StrCat("rank ", rank_b, " registered modules [", names(b), "] but rank ",
-                          rank_a, " registered [", names(a), "] (same order required)");
-    }
-    if (ma.param_bytes() != mb.param_bytes()) {
-      return absl::StrCat("module '", ma.name(), "': param_bytes ", mb.param_bytes(), " on rank ",
-                          rank_b, " vs ", ma.param_bytes(), " on rank ", rank_a);
-    }
-    if (ma.outside_inner_root() != mb.outside_inner_root()) {
-      return absl::StrCat("module '", ma.name(), "': outside_inner_root differs between rank ",
-                          rank_b, " and rank ", rank_a);
-    }
-    if (ma.units_size() != mb.units_size()) {
-      return absl::StrCat("module '", ma.name(), "': ", mb.units_size(), " layer units on rank ",
-                          rank_b, " vs ", ma.units_size(), " on rank ", rank_a);
-    }
-    for (int u = 0; u < ma.units_size(); ++u) {
-      if (ma.units(u).name() != mb.units(u).name() ||
-          ma.units(u).param_bytes() != mb.units(u).param_bytes()) {
-        return absl::StrCat("module '", ma.name(), "': layer unit ", u, " is '",
-                            mb.units(u).name(), "' (", mb.units(u).param_bytes(),
-                            " bytes) on rank ", rank_b, " vs '", ma.units(u).name(), "' (",
-                            ma.units(u).param_bytes(), " bytes) on rank ", rank_a);
-      }
-    }
-  }
-  return "";
-}
 
 }  // namespace
 
@@ -93,37 +36,6 @@ void CoordinatorCore::Event(const std::string& severity, const std::string& kind
 // ----------------------------------------------------------------------------------------
 // Registration
 
-absl::Status CoordinatorCore::ValidateAgainstGroup(const Job& job, const Group& group,
-                                                   const v1::RegisterRequest& req) const {
-  const v1::RegisterRequest& ref = group.reference;
-  const int ref_rank = group.reference_rank;
-  const std::string where = absl::StrCat(" (job '", job.id, "', group ", group.index, ")");
-  if (ref.policy() != req.policy()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "rank ", req.rank(), " registered policy ", PolicyName(FromProto(req.policy())),
-        " but rank ", ref_rank, " registered ", PolicyName(FromProto(ref.policy())), where,
-        "; every rank of a shard group must use the same policy"));
-  }
-  if (ref.fallback() != req.fallback()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "rank ", req.rank(), " registered fallback ", FallbackName(FromProto(req.fallback())),
-        " but rank ", ref_rank, " registered ", FallbackName(FromProto(ref.fallback())), where,
-        "; every rank of a shard group must use the same fallback"));
-  }
-  if (ref.wrap_outer_model() != req.wrap_outer_model()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "rank ", req.rank(), " registered wrap_outer_model=", req.wrap_outer_model(),
-        " but rank ", ref_rank, " registered ", ref.wrap_outer_model(), where));
-  }
-  std::string diff = DescribeManifestDifference(ref, ref_rank, req, req.rank());
-  if (!diff.empty()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("module manifest mismatch", where, ": ", diff,
-                     "; every rank of a shard group must register the same controlled modules"));
-  }
-  return absl::OkStatus();
-}
-
 void CoordinatorCore::SetReference(Group& group, const v1::RegisterRequest& req) {
   group.has_reference = true;
   group.reference = req;
@@ -143,113 +55,6 @@ void CoordinatorCore::SetReference(Group& group, const v1::RegisterRequest& req)
   cfg.modules = group.modules;
   cfg.promotion = options_.promotion;
   group.engine = std::make_unique<DecisionEngine>(std::move(cfg));
-}
-
-absl::Status CoordinatorCore::ValidateRegistration(const v1::RegisterRequest& req) const {
-  const CoordinatorLimits& lim = options_.limits;
-  auto too_long = [&](const std::string& what, const std::string& value) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "register: ", what, " is ", value.size(), " bytes, over the coordinator's max_name_bytes (",
-        lim.max_name_bytes, "): '", value.substr(0, 32), "...'; use a shorter name or raise --max-name-bytes"));
-  };
-  if (req.job_id().empty()) {
-    return absl::InvalidArgumentError("register: job_id is empty; every rank of a job must "
-                                      "send the same non-empty job id");
-  }
-  if (static_cast<int>(req.job_id().size()) > lim.max_name_bytes) return too_long("job_id", req.job_id());
-  if (static_cast<int>(req.host().size()) > lim.max_name_bytes) return too_long("host", req.host());
-  if (req.world_size() <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat("register: world_size ", req.world_size(),
-                                                   " must be >= 1 (job '", req.job_id(), "')"));
-  }
-  if (req.world_size() > lim.max_world_size) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "register: world_size ", req.world_size(), " of job '", req.job_id(),
-        "' is over the coordinator's max_world_size (", lim.max_world_size,
-        "); raise --max-world-size if the job really has that many ranks"));
-  }
-  if (req.group_size() <= 0 || req.world_size() % req.group_size() != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("register: group_size ", req.group_size(), " must be >= 1 and divide world_size ",
-                     req.world_size(), " (job '", req.job_id(), "', rank ", req.rank(), ")"));
-  }
-  if (req.rank() < 0 || req.rank() >= req.world_size()) {
-    return absl::InvalidArgumentError(absl::StrCat("register: unknown rank ", req.rank(),
-                                                   ": job '", req.job_id(), "' has ranks 0..",
-                                                   req.world_size() - 1));
-  }
-  if (req.memory_budget_bytes() < 0) {
-    return absl::InvalidArgumentError(absl::StrCat("register: rank ", req.rank(), " sent memory_budget_bytes ",
-                                                   req.memory_budget_bytes(), "; it must be >= 0 (0: no budget)"));
-  }
-  if (req.modules_size() > lim.max_modules) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "register: rank ", req.rank(), " lists ", req.modules_size(),
-        " controlled modules, over the coordinator's max_modules (", lim.max_modules,
-        "); control fewer modules or raise --max-modules"));
-  }
-  std::set<std::string> names;
-  for (const auto& m : req.modules()) {
-    if (m.name().empty()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("register: rank ", req.rank(), " sent a module with an empty name"));
-    }
-    if (static_cast<int>(m.name().size()) > lim.max_name_bytes) return too_long("a module name", m.name());
-    if (!names.insert(m.name()).second) {
-      return absl::InvalidArgumentError(absl::StrCat("register: rank ", req.rank(),
-                                                     " lists module '", m.name(), "' twice"));
-    }
-    if (m.param_bytes() < 0) {
-      return absl::InvalidArgumentError(absl::StrCat("register: module '", m.name(),
-                                                     "' has negative param_bytes ",
-                                                     m.param_bytes()));
-    }
-    if (m.units_size() > lim.max_units_per_module) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "register: module '", m.name(), "' has ", m.units_size(),
-          " layer units, over the coordinator's max_units_per_module (", lim.max_units_per_module,
-          "); group layers into fewer units or raise --max-units-per-module"));
-    }
-    std::set<std::string> unit_names;
-    for (int u = 0; u < m.units_size(); ++u) {
-      const auto& unit = m.units(u);
-      // "" is the whole module, which is then its only unit.
-      if (unit.name().empty() && m.units_size() > 1) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "register: module '", m.name(), "': layer unit ", u, " has an empty name (the whole module) but the "
-            "module has ", m.units_size(), " units; name every unit, or send the whole module as its only unit"));
-      }
-      if (!unit_names.insert(unit.name()).second) {
-        return absl::InvalidArgumentError(absl::StrCat("register: module '", m.name(), "' lists layer unit '",
-                                                       unit.name(), "' twice"));
-      }
-      if (static_cast<int>(unit.name().size()) > lim.max_name_bytes) return too_long("a unit name", unit.name());
-      if (unit.param_bytes() < 0) {
-        return absl::InvalidArgumentError(absl::StrCat("register: module '", m.name(), "': layer unit '",
-                                                       unit.name(), "' has negative param_bytes ",
-                                                       unit.param_bytes()));
-      }
-    }
-  }
-  // One decision names every module and cannot be split: it must fit a worker's message.
-  size_t decision_bytes = 64;
-  for (const auto& m : req.modules()) decision_bytes += m.name().size() + 8;
-  if (decision_bytes > kMaxDecisionBytes) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "register: rank ", req.rank(), "'s manifest would make each decision about ", decision_bytes,
-        " bytes, over the ", kMaxDecisionBytes, " a worker accepts in one message; control fewer modules"));
-  }
-  if (!v1::Policy_IsValid(req.policy()) || !v1::Fallback_IsValid(req.fallback())) {
-    return absl::InvalidArgumentError(absl::StrCat("register: rank ", req.rank(),
-                                                   " sent an unknown policy or fallback value"));
-  }
-  if (req.lookahead() < 0 || req.lookahead() > options_.max_lookahead) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "register: lookahead ", req.lookahead(), " of rank ", req.rank(),
-        " is outside 1..", options_.max_lookahead,
-        " (the coordinator's --max-lookahead); lower it or raise the coordinator's limit"));
-  }
-  return absl::OkStatus();
 }
 
 absl::Status CoordinatorCore::AdmitJob(const std::string& job_id, int world_size) {
@@ -306,7 +111,7 @@ absl::Status CoordinatorCore::Register(uint64_t session_id, const v1::RegisterRe
   }
   if (req.lookahead() == 0) req.set_lookahead(std::min(kDefaultLookahead, options_.max_lookahead));
   // Stateless checks first: a malformed request changes nothing.
-  if (absl::Status s = ValidateRegistration(req); !s.ok()) return s;
+  if (absl::Status s = ValidateRegisterRequest(req, options_.limits, options_.max_lookahead); !s.ok()) return s;
   const Policy policy = FromProto(req.policy());
   const Fallback fallback = FromProto(req.fallback());
   const bool uses_root = policy == Policy::kRoot ||
@@ -375,7 +180,8 @@ absl::Status CoordinatorCore::Register(uint64_t session_id, const v1::RegisterRe
     }
     const Group& g = job->groups[existing.group];
     if (g.has_reference) {
-      absl::Status s = ValidateAgainstGroup(*job, g, req);
+      absl::Status s = CheckSameAsReference(g.reference, g.reference_rank, req,
+                                            absl::StrCat(" (job '", job->id, "', group ", g.index, ")"));
       if (!s.ok()) return s;
     }
   }
@@ -1054,160 +860,6 @@ void CoordinatorCore::Shutdown() {
       m.sink.reset();
     }
   }
-}
-
-// ----------------------------------------------------------------------------------------
-// Queries
-
-v1::StatusResponse CoordinatorCore::Status(const std::string& job_id) const {
-  absl::MutexLock lock(&mu_);
-  v1::StatusResponse out;
-  const absl::Time now = clock_->Now();
-  out.set_version(kVersion);
-  out.set_listen_address(bound_address_.empty() ? options_.listen_address : bound_address_);
-  out.set_started_unix_ms(absl::ToUnixMillis(started_));
-  out.set_uptime_ms(absl::ToInt64Milliseconds(now - started_));
-  for (const auto& [id, job] : jobs_) {
-    if (!job_id.empty() && id != job_id) continue;
-    v1::JobStatus* js = out.add_jobs();
-    js->set_job_id(id);
-    js->set_world_size(job->world_size);
-    js->set_group_size(job->group_size);
-    js->set_plans_received(job->plans_received);
-    js->set_microbatches_decided(job->microbatches_decided);
-    for (const Member& m : job->members) {
-      switch (m.state) {
-        case v1::RANK_STATE_LIVE: js->set_ranks_live(js->ranks_live() + 1); break;
-        case v1::RANK_STATE_DEAD: js->set_ranks_dead(js->ranks_dead() + 1); break;
-        case v1::RANK_STATE_LEFT: js->set_ranks_left(js->ranks_left() + 1); break;
-        default: js->set_ranks_unregistered(js->ranks_unregistered() + 1); break;
-      }
-    }
-    v1::DecisionCounts* c = js->mutable_counts();
-    for (const Group& g : job->groups) {
-      switch (g.state) {
-        case v1::GROUP_STATE_HEALTHY: js->set_groups_healthy(js->groups_healthy() + 1); break;
-        case v1::GROUP_STATE_FAILED: js->set_groups_failed(js->groups_failed() + 1); break;
-        case v1::GROUP_STATE_FINISHED: js->set_groups_finished(js->groups_finished() + 1); break;
-        default: js->set_groups_forming(js->groups_forming() + 1); break;
-      }
-      c->set_per_layer(c->per_layer() + g.counts.per_layer());
-      c->set_skip(c->skip() + g.counts.skip());
-      c->set_root(c->root() + g.counts.root());
-      c->set_replicate(c->replicate() + g.counts.replicate());
-      c->set_divergent(c->divergent() + g.counts.divergent());
-    }
-    for (const auto& [name, comm] : job->comms) {
-      if (!comm.behind.empty()) js->add_comm_alerts(absl::StrCat("behind: ", comm.behind));
-      if ((comm.state == v1::COMM_STATE_ABORTING || comm.state == v1::COMM_STATE_ABORTED) &&
-          comm.epochs_aborted > 0 && !comm.lost_ranks.empty() &&
-          job->members[comm.lost_ranks.front()].state != v1::RANK_STATE_LEFT) {
-        js->add_comm_alerts(absl::StrCat(name, " epoch ", comm.epoch, " ",
-                                         comm.state == v1::COMM_STATE_ABORTING ? "aborting" : "aborted", ": ",
-                                         comm.abort_reason));
-      }
-    }
-    for (const Group& g : job->groups) {
-      if (g.has_reference) {
-        // A status line, not the manifest: a job may control a thousand modules.
-        for (size_t i = 0; i < g.modules.size() && i < kNamesInMessages; ++i) js->add_modules(g.modules[i].name);
-        if (g.modules.size() > kNamesInMessages) {
-          js->add_modules(absl::StrCat("... (", g.modules.size() - kNamesInMessages, " more)"));
-        }
-        break;
-      }
-    }
-  }
-  return out;
-}
-
-v1::ListRanksResponse CoordinatorCore::Ranks(const std::string& job_id) const {
-  absl::MutexLock lock(&mu_);
-  v1::ListRanksResponse out;
-  const absl::Time now = clock_->Now();
-  for (const auto& [id, job] : jobs_) {
-    if (!job_id.empty() && id != job_id) continue;
-    for (const Member& m : job->members) {
-      v1::RankStatus* rs = out.add_ranks();
-      rs->set_job_id(id);
-      rs->set_rank(m.rank);
-      rs->set_group(m.group);
-      rs->set_state(m.state);
-      rs->set_host(m.host);
-      rs->set_pid(m.pid);
-      rs->set_last_heartbeat_age_ms(m.last_seen == absl::InfinitePast()
-                                        ? -1
-                                        : absl::ToInt64Milliseconds(now - m.last_seen));
-      if (m.last_planned) {
-        ToProto(*m.last_planned, rs->mutable_last_planned());
-      }
-      rs->set_pending_plans(m.pending);
-      rs->set_plans_received(m.plans_received);
-      rs->set_plans_rejected(m.plans_rejected);
-      rs->set_dead_reason(m.dead_reason);
-      rs->set_registrations(m.registrations);
-      for (const auto& mem : m.memory) *rs->add_memory() = mem;
-    }
-  }
-  return out;
-}
-
-void CoordinatorCore::FillGroupStatus(const Job& job, const Group& g, v1::GroupStatus* gs) const {
-  gs->set_job_id(job.id);
-  gs->set_group(g.index);
-  for (int r : g.ranks) gs->add_ranks(r);
-  gs->set_state(g.state);
-  gs->set_epoch(g.epoch);
-  gs->set_pending_microbatches(static_cast<int32_t>(g.pending.size()));
-  *gs->mutable_counts() = g.counts;
-  gs->set_failure_reason(g.failure_reason);
-  if (g.engine) {
-    gs->set_next_seq(g.engine->next_seq());
-    for (const auto& name : g.engine->ReplicatedModules()) gs->add_promoted_modules(name);
-    gs->set_policy(ToProto(g.engine->config().policy));
-    gs->set_fallback(ToProto(g.engine->config().fallback));
-  }
-  if (g.last_decided) {
-    ToProto(*g.last_decided, gs->mutable_last_decided());
-  }
-}
-
-v1::ListGroupsResponse CoordinatorCore::Groups(const std::string& job_id) const {
-  absl::MutexLock lock(&mu_);
-  v1::ListGroupsResponse out;
-  for (const auto& [id, job] : jobs_) {
-    if (!job_id.empty() && id != job_id) continue;
-    for (const Group& g : job->groups) FillGroupStatus(*job, g, out.add_groups());
-  }
-  return out;
-}
-
-v1::ListDecisionsResponse CoordinatorCore::Decisions(const std::string& job_id, int group,
-                                                     int limit) const {
-  absl::MutexLock lock(&mu_);
-  v1::ListDecisionsResponse out;
-  if (limit <= 0) limit = 20;
-  // Every group of every job gives up to `limit`: the answer stops before it would outgrow
-  // a message (ask per job or group for the rest).
-  size_t bytes = 0;
-  for (const auto& [id, job] : jobs_) {
-    if (!job_id.empty() && id != job_id) continue;
-    for (const Group& g : job->groups) {
-      if (group >= 0 && g.index != group) continue;
-      size_t start = g.history.size() > static_cast<size_t>(limit) ? g.history.size() - limit : 0;
-      for (size_t i = start; i < g.history.size(); ++i) {
-        bytes += g.history[i].ByteSizeLong() + id.size() + 16;
-        if (bytes > kMaxAnswerBytes) {
-          out.set_truncated(true);
-          return out;
-        }
-        auto* e = out.add_decisions();
-        e->set_job_id(id);
-        *e->mutable_decision() = g.history[i];
-      }
-    }
-  }
-  return out;
 }
 
 }  // namespace shardcoord::coordinator

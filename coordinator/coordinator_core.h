@@ -228,9 +228,6 @@ class CoordinatorCore {
 
   // Returns the session's member if it is the rank's current live session.
   Member* LiveMember(uint64_t session_id, Job** job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status ValidateAgainstGroup(const Job& job, const Group& group,
-                                    const v1::RegisterRequest& req) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SetReference(Group& group, const v1::RegisterRequest& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Handles one plan; returns a non-OK status to reject it (nothing changed then).
@@ -255,7 +252,6 @@ class CoordinatorCore {
   // Sends through the member's sink; marks a refused send (see Member::outbox_overflow).
   void SinkSend(Member& member, const v1::CoordinatorMessage& msg) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Registration checks that need no state: malformed requests and the configured caps.
-  absl::Status ValidateRegistration(const v1::RegisterRequest& req) const;
   // Makes room for a new job (evicting the oldest ended one) or says why there is none.
   absl::Status AdmitJob(const std::string& job_id, int world_size) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Forgets jobs with no live rank for longer than the retention.

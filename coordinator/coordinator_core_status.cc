@@ -1,0 +1,168 @@
+// CoordinatorCore, part 3: the status views operators query (shardctl status, ranks,
+// groups, decisions). Read-only snapshots taken under the core's lock.
+#include "absl/strings/str_cat.h"
+#include "coordinator_core.h"
+#include "shardcoord/proto/convert.h"
+#include "text.h"
+
+namespace shardcoord::coordinator {
+namespace {
+
+constexpr char kVersion[] = "0.1.0";
+// Largest answer to an operator's query (gRPC clients accept 4 MiB by default).
+constexpr size_t kMaxAnswerBytes = 3 << 20;
+
+}  // namespace
+
+v1::StatusResponse CoordinatorCore::Status(const std::string& job_id) const {
+  absl::MutexLock lock(&mu_);
+  v1::StatusResponse out;
+  const absl::Time now = clock_->Now();
+  out.set_version(kVersion);
+  out.set_listen_address(bound_address_.empty() ? options_.listen_address : bound_address_);
+  out.set_started_unix_ms(absl::ToUnixMillis(started_));
+  out.set_uptime_ms(absl::ToInt64Milliseconds(now - started_));
+  for (const auto& [id, job] : jobs_) {
+    if (!job_id.empty() && id != job_id) continue;
+    v1::JobStatus* js = out.add_jobs();
+    js->set_job_id(id);
+    js->set_world_size(job->world_size);
+    js->set_group_size(job->group_size);
+    js->set_plans_received(job->plans_received);
+    js->set_microbatches_decided(job->microbatches_decided);
+    for (const Member& m : job->members) {
+      switch (m.state) {
+        case v1::RANK_STATE_LIVE: js->set_ranks_live(js->ranks_live() + 1); break;
+        case v1::RANK_STATE_DEAD: js->set_ranks_dead(js->ranks_dead() + 1); break;
+        case v1::RANK_STATE_LEFT: js->set_ranks_left(js->ranks_left() + 1); break;
+        default: js->set_ranks_unregistered(js->ranks_unregistered() + 1); break;
+      }
+    }
+    v1::DecisionCounts* c = js->mutable_counts();
+    for (const Group& g : job->groups) {
+      switch (g.state) {
+        case v1::GROUP_STATE_HEALTHY: js->set_groups_healthy(js->groups_healthy() + 1); break;
+        case v1::GROUP_STATE_FAILED: js->set_groups_failed(js->groups_failed() + 1); break;
+        case v1::GROUP_STATE_FINISHED: js->set_groups_finished(js->groups_finished() + 1); break;
+        default: js->set_groups_forming(js->groups_forming() + 1); break;
+      }
+      c->set_per_layer(c->per_layer() + g.counts.per_layer());
+      c->set_skip(c->skip() + g.counts.skip());
+      c->set_root(c->root() + g.counts.root());
+      c->set_replicate(c->replicate() + g.counts.replicate());
+      c->set_divergent(c->divergent() + g.counts.divergent());
+    }
+    for (const auto& [name, comm] : job->comms) {
+      if (!comm.behind.empty()) js->add_comm_alerts(absl::StrCat("behind: ", comm.behind));
+      if ((comm.state == v1::COMM_STATE_ABORTING || comm.state == v1::COMM_STATE_ABORTED) &&
+          comm.epochs_aborted > 0 && !comm.lost_ranks.empty() &&
+          job->members[comm.lost_ranks.front()].state != v1::RANK_STATE_LEFT) {
+        js->add_comm_alerts(absl::StrCat(name, " epoch ", comm.epoch, " ",
+                                         comm.state == v1::COMM_STATE_ABORTING ? "aborting" : "aborted", ": ",
+                                         comm.abort_reason));
+      }
+    }
+    for (const Group& g : job->groups) {
+      if (g.has_reference) {
+        // A status line, not the manifest: a job may control a thousand modules.
+        for (size_t i = 0; i < g.modules.size() && i < kNamesInMessages; ++i) js->add_modules(g.modules[i].name);
+        if (g.modules.size() > kNamesInMessages) {
+          js->add_modules(absl::StrCat("... (", g.modules.size() - kNamesInMessages, " more)"));
+        }
+        break;
+      }
+    }
+  }
+  return out;
+}
+
+v1::ListRanksResponse CoordinatorCore::Ranks(const std::string& job_id) const {
+  absl::MutexLock lock(&mu_);
+  v1::ListRanksResponse out;
+  const absl::Time now = clock_->Now();
+  for (const auto& [id, job] : jobs_) {
+    if (!job_id.empty() && id != job_id) continue;
+    for (const Member& m : job->members) {
+      v1::RankStatus* rs = out.add_ranks();
+      rs->set_job_id(id);
+      rs->set_rank(m.rank);
+      rs->set_group(m.group);
+      rs->set_state(m.state);
+      rs->set_host(m.host);
+      rs->set_pid(m.pid);
+      rs->set_last_heartbeat_age_ms(m.last_seen == absl::InfinitePast()
+                                        ? -1
+                                        : absl::ToInt64Milliseconds(now - m.last_seen));
+      if (m.last_planned) {
+        ToProto(*m.last_planned, rs->mutable_last_planned());
+      }
+      rs->set_pending_plans(m.pending);
+      rs->set_plans_received(m.plans_received);
+      rs->set_plans_rejected(m.plans_rejected);
+      rs->set_dead_reason(m.dead_reason);
+      rs->set_registrations(m.registrations);
+      for (const auto& mem : m.memory) *rs->add_memory() = mem;
+    }
+  }
+  return out;
+}
+
+void CoordinatorCore::FillGroupStatus(const Job& job, const Group& g, v1::GroupStatus* gs) const {
+  gs->set_job_id(job.id);
+  gs->set_group(g.index);
+  for (int r : g.ranks) gs->add_ranks(r);
+  gs->set_state(g.state);
+  gs->set_epoch(g.epoch);
+  gs->set_pending_microbatches(static_cast<int32_t>(g.pending.size()));
+  *gs->mutable_counts() = g.counts;
+  gs->set_failure_reason(g.failure_reason);
+  if (g.engine) {
+    gs->set_next_seq(g.engine->next_seq());
+    for (const auto& name : g.engine->ReplicatedModules()) gs->add_promoted_modules(name);
+    gs->set_policy(ToProto(g.engine->config().policy));
+    gs->set_fallback(ToProto(g.engine->config().fallback));
+  }
+  if (g.last_decided) {
+    ToProto(*g.last_decided, gs->mutable_last_decided());
+  }
+}
+
+v1::ListGroupsResponse CoordinatorCore::Groups(const std::string& job_id) const {
+  absl::MutexLock lock(&mu_);
+  v1::ListGroupsResponse out;
+  for (const auto& [id, job] : jobs_) {
+    if (!job_id.empty() && id != job_id) continue;
+    for (const Group& g : job->groups) FillGroupStatus(*job, g, out.add_groups());
+  }
+  return out;
+}
+
+v1::ListDecisionsResponse CoordinatorCore::Decisions(const std::string& job_id, int group,
+                                                     int limit) const {
+  absl::MutexLock lock(&mu_);
+  v1::ListDecisionsResponse out;
+  if (limit <= 0) limit = 20;
+  // Every group of every job gives up to `limit`: the answer stops before it would outgrow
+  // a message (ask per job or group for the rest).
+  size_t bytes = 0;
+  for (const auto& [id, job] : jobs_) {
+    if (!job_id.empty() && id != job_id) continue;
+    for (const Group& g : job->groups) {
+      if (group >= 0 && g.index != group) continue;
+      size_t start = g.history.size() > static_cast<size_t>(limit) ? g.history.size() - limit : 0;
+      for (size_t i = start; i < g.history.size(); ++i) {
+        bytes += g.history[i].ByteSizeLong() + id.size() + 16;
+        if (bytes > kMaxAnswerBytes) {
+          out.set_truncated(true);
+          return out;
+        }
+        auto* e = out.add_decisions();
+        e->set_job_id(id);
+        *e->mutable_decision() = g.history[i];
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace shardcoord::coordinator

@@ -1,0 +1,190 @@
+#include "registration.h"
+
+#include <set>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "shardcoord/proto/convert.h"
+#include "text.h"
+
+namespace shardcoord::coordinator {
+
+absl::Status ValidateRegisterRequest(const v1::RegisterRequest& req, const CoordinatorLimits& lim,
+                                     int max_lookahead) {
+  auto too_long = [&](const std::string& what, const std::string& value) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "register: ", what, " is ", value.size(), " bytes, over the coordinator's max_name_bytes (",
+        lim.max_name_bytes, "): '", value.substr(0, 32), "...'; use a shorter name or raise --max-name-bytes"));
+  };
+  if (req.job_id().empty()) {
+    return absl::InvalidArgumentError("register: job_id is empty; every rank of a job must "
+                                      "send the same non-empty job id");
+  }
+  if (static_cast<int>(req.job_id().size()) > lim.max_name_bytes) return too_long("job_id", req.job_id());
+  if (static_cast<int>(req.host().size()) > lim.max_name_bytes) return too_long("host", req.host());
+  if (req.world_size() <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("register: world_size ", req.world_size(),
+                                                   " must be >= 1 (job '", req.job_id(), "')"));
+  }
+  if (req.world_size() > lim.max_world_size) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "register: world_size ", req.world_size(), " of job '", req.job_id(),
+        "' is over the coordinator's max_world_size (", lim.max_world_size,
+        "); raise --max-world-size if the job really has that many ranks"));
+  }
+  if (req.group_size() <= 0 || req.world_size() % req.group_size() != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("register: group_size ", req.group_size(), " must be >= 1 and divide world_size ",
+                     req.world_size(), " (job '", req.job_id(), "', rank ", req.rank(), ")"));
+  }
+  if (req.rank() < 0 || req.rank() >= req.world_size()) {
+    return absl::InvalidArgumentError(absl::StrCat("register: unknown rank ", req.rank(),
+                                                   ": job '", req.job_id(), "' has ranks 0..",
+                                                   req.world_size() - 1));
+  }
+  if (req.memory_budget_bytes() < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("register: rank ", req.rank(), " sent memory_budget_bytes ",
+                                                   req.memory_budget_bytes(), "; it must be >= 0 (0: no budget)"));
+  }
+  if (req.modules_size() > lim.max_modules) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "register: rank ", req.rank(), " lists ", req.modules_size(),
+        " controlled modules, over the coordinator's max_modules (", lim.max_modules,
+        "); control fewer modules or raise --max-modules"));
+  }
+  std::set<std::string> names;
+  for (const auto& m : req.modules()) {
+    if (m.name().empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("register: rank ", req.rank(), " sent a module with an empty name"));
+    }
+    if (static_cast<int>(m.name().size()) > lim.max_name_bytes) return too_long("a module name", m.name());
+    if (!names.insert(m.name()).second) {
+      return absl::InvalidArgumentError(absl::StrCat("register: rank ", req.rank(),
+                                                     " lists module '", m.name(), "' twice"));
+    }
+    if (m.param_bytes() < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("register: module '", m.name(),
+                                                     "' has negative param_bytes ",
+                                                     m.param_bytes()));
+    }
+    if (m.units_size() > lim.max_units_per_module) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "register: module '", m.name(), "' has ", m.units_size(),
+          " layer units, over the coordinator's max_units_per_module (", lim.max_units_per_module,
+          "); group layers into fewer units or raise --max-units-per-module"));
+    }
+    std::set<std::string> unit_names;
+    for (int u = 0; u < m.units_size(); ++u) {
+      const auto& unit = m.units(u);
+      // "" is the whole module, which is then its only unit.
+      if (unit.name().empty() && m.units_size() > 1) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "register: module '", m.name(), "': layer unit ", u, " has an empty name (the whole module) but the "
+            "module has ", m.units_size(), " units; name every unit, or send the whole module as its only unit"));
+      }
+      if (!unit_names.insert(unit.name()).second) {
+        return absl::InvalidArgumentError(absl::StrCat("register: module '", m.name(), "' lists layer unit '",
+                                                       unit.name(), "' twice"));
+      }
+      if (static_cast<int>(unit.name().size()) > lim.max_name_bytes) return too_long("a unit name", unit.name());
+      if (unit.param_bytes() < 0) {
+        return absl::InvalidArgumentError(absl::StrCat("register: module '", m.name(), "': layer unit '",
+                                                       unit.name(), "' has negative param_bytes ",
+                                                       unit.param_bytes()));
+      }
+    }
+  }
+  // One decision names every module and cannot be split: it must fit a worker's message.
+  size_t decision_bytes = 64;
+  for (const auto& m : req.modules()) decision_bytes += m.name().size() + 8;
+  if (decision_bytes > kMaxDecisionBytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "register: rank ", req.rank(), "'s manifest would make each decision about ", decision_bytes,
+        " bytes, over the ", kMaxDecisionBytes, " a worker accepts in one message; control fewer modules"));
+  }
+  if (!v1::Policy_IsValid(req.policy()) || !v1::Fallback_IsValid(req.fallback())) {
+    return absl::InvalidArgumentError(absl::StrCat("register: rank ", req.rank(),
+                                                   " sent an unknown policy or fallback value"));
+  }
+  if (req.lookahead() < 0 || req.lookahead() > max_lookahead) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "register: lookahead ", req.lookahead(), " of rank ", req.rank(),
+        " is outside 1..", max_lookahead,
+        " (the coordinator's --max-lookahead); lower it or raise the coordinator's limit"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckSameAsReference(const v1::RegisterRequest& ref, int ref_rank,
+                                  const v1::RegisterRequest& req, const std::string& where) {
+  if (ref.policy() != req.policy()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "rank ", req.rank(), " registered policy ", PolicyName(FromProto(req.policy())),
+        " but rank ", ref_rank, " registered ", PolicyName(FromProto(ref.policy())), where,
+        "; every rank of a shard group must use the same policy"));
+  }
+  if (ref.fallback() != req.fallback()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "rank ", req.rank(), " registered fallback ", FallbackName(FromProto(req.fallback())),
+        " but rank ", ref_rank, " registered ", FallbackName(FromProto(ref.fallback())), where,
+        "; every rank of a shard group must use the same fallback"));
+  }
+  if (ref.wrap_outer_model() != req.wrap_outer_model()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "rank ", req.rank(), " registered wrap_outer_model=", req.wrap_outer_model(),
+        " but rank ", ref_rank, " registered ", ref.wrap_outer_model(), where));
+  }
+  std::string diff = DescribeManifestDifference(ref, ref_rank, req, req.rank());
+  if (!diff.empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("module manifest mismatch", where, ": ", diff,
+                     "; every rank of a shard group must register the same controlled modules"));
+  }
+  return absl::OkStatus();
+}
+
+std::string DescribeManifestDifference(const v1::RegisterRequest& a, int rank_a,
+                                       const v1::RegisterRequest& b, int rank_b) {
+  auto names = [](const v1::RegisterRequest& r) {
+    std::vector<std::string> n;
+    for (const auto& m : r.modules()) n.push_back(m.name());
+    return NameList(n);
+  };
+  if (a.modules_size() != b.modules_size()) {
+    return absl::StrCat("rank ", rank_b, " registered modules [", names(b), "] but rank ", rank_a,
+                        " registered [", names(a), "]");
+  }
+  for (int i = 0; i < a.modules_size(); ++i) {
+    const auto& ma = a.modules(i);
+    const auto& mb = b.modules(i);
+    if (ma.name() != mb.name()) {
+      return absl::StrCat("rank ", rank_b, " registered modules [", names(b), "] but rank ",
+                          rank_a, " registered [", names(a), "] (same order required)");
+    }
+    if (ma.param_bytes() != mb.param_bytes()) {
+      return absl::StrCat("module '", ma.name(), "': param_bytes ", mb.param_bytes(), " on rank ",
+                          rank_b, " vs ", ma.param_bytes(), " on rank ", rank_a);
+    }
+    if (ma.outside_inner_root() != mb.outside_inner_root()) {
+      return absl::StrCat("module '", ma.name(), "': outside_inner_root differs between rank ",
+                          rank_b, " and rank ", rank_a);
+    }
+    if (ma.units_size() != mb.units_size()) {
+      return absl::StrCat("module '", ma.name(), "': ", mb.units_size(), " layer units on rank ",
+                          rank_b, " vs ", ma.units_size(), " on rank ", rank_a);
+    }
+    for (int u = 0; u < ma.units_size(); ++u) {
+      if (ma.units(u).name() != mb.units(u).name() ||
+          ma.units(u).param_bytes() != mb.units(u).param_bytes()) {
+        return absl::StrCat("module '", ma.name(), "': layer unit ", u, " is '",
+                            mb.units(u).name(), "' (", mb.units(u).param_bytes(),
+                            " bytes) on rank ", rank_b, " vs '", ma.units(u).name(), "' (",
+                            ma.units(u).param_bytes(), " bytes) on rank ", rank_a);
+      }
+    }
+  }
+  return "";
+}
+
+}  // namespace shardcoord::coordinator

@@ -1,0 +1,33 @@
+// Registration checks (DESIGN 3, "Registration"): pure functions of the request, the limits
+// and the group's first registration; CoordinatorCore::Register calls them under its lock.
+#pragma once
+
+#include <cstddef>
+#include <string>
+
+#include "absl/status/status.h"
+#include "options.h"
+#include "shardcoord/v1/coordinator.pb.h"
+
+namespace shardcoord::coordinator {
+
+// Largest one decision may be (it lists every module, and a message holds at least one);
+// workers accept messages of 64 MiB (worker.cc), operators' queries of 4 MiB.
+inline constexpr size_t kMaxDecisionBytes = 1 << 20;
+
+// The request on its own: names, sizes, ranks, the manifest's shape, policy values, the
+// lookahead. INVALID_ARGUMENT or RESOURCE_EXHAUSTED (a limit, named with its flag).
+absl::Status ValidateRegisterRequest(const v1::RegisterRequest& req, const CoordinatorLimits& lim,
+                                     int max_lookahead);
+
+// A rank's request against the first registration of its group (`ref`, from `ref_rank`):
+// same policy, fallback, wrap_outer_model and manifest. FAILED_PRECONDITION naming both
+// ranks and the first difference; `where` says which job and group.
+absl::Status CheckSameAsReference(const v1::RegisterRequest& ref, int ref_rank,
+                                  const v1::RegisterRequest& req, const std::string& where);
+
+// The first difference between two manifests, or "" when they are the same.
+std::string DescribeManifestDifference(const v1::RegisterRequest& a, int rank_a,
+                                       const v1::RegisterRequest& b, int rank_b);
+
+}  // namespace shardcoord::coordinator

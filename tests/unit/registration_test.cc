@@ -1,0 +1,120 @@
+// Unit tests of the registration checks (coordinator/registration.h): pure functions of the
+// request, the limits and the group's first registration. CoreTest covers them through the
+// core; these pin the messages and the order of the checks.
+#include "registration.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <string>
+
+namespace {
+
+using namespace shardcoord;
+using shardcoord::coordinator::CheckSameAsReference;
+using shardcoord::coordinator::CoordinatorLimits;
+using shardcoord::coordinator::DescribeManifestDifference;
+using shardcoord::coordinator::ValidateRegisterRequest;
+using ::testing::HasSubstr;
+
+v1::RegisterRequest Request(int rank) {
+  v1::RegisterRequest r;
+  r.set_job_id("job");
+  r.set_rank(rank);
+  r.set_world_size(4);
+  r.set_group_size(2);
+  r.set_policy(v1::POLICY_AUTO);
+  r.set_fallback(v1::FALLBACK_ROOT);
+  r.set_wrap_outer_model(true);
+  r.set_lookahead(4);
+  auto* m = r.add_modules();
+  m->set_name("visual");
+  m->set_param_bytes(200);
+  for (const char* unit : {"blocks.0", "blocks.1"}) {
+    auto* u = m->add_units();
+    u->set_name(unit);
+    u->set_param_bytes(100);
+  }
+  return r;
+}
+
+TEST(RegistrationTest, AWellFormedRequestPasses) {
+  EXPECT_TRUE(ValidateRegisterRequest(Request(1), CoordinatorLimits{}, 64).ok());
+}
+
+TEST(RegistrationTest, EachBadFieldIsNamed) {
+  struct Case {
+    void (*mutate)(v1::RegisterRequest&);
+    absl::StatusCode code;
+    std::string says;
+  };
+  const Case cases[] = {
+      {[](auto& r) { r.clear_job_id(); }, absl::StatusCode::kInvalidArgument, "job_id is empty"},
+      {[](auto& r) { r.set_world_size(0); }, absl::StatusCode::kInvalidArgument, "world_size 0 must be >= 1"},
+      {[](auto& r) { r.set_group_size(3); }, absl::StatusCode::kInvalidArgument, "group_size 3 must be >= 1 and divide"},
+      {[](auto& r) { r.set_rank(4); }, absl::StatusCode::kInvalidArgument, "unknown rank 4: job 'job' has ranks 0..3"},
+      {[](auto& r) { r.set_memory_budget_bytes(-5); }, absl::StatusCode::kInvalidArgument, "memory_budget_bytes -5"},
+      {[](auto& r) { r.mutable_modules(0)->set_name(""); }, absl::StatusCode::kInvalidArgument, "empty name"},
+      {[](auto& r) { *r.add_modules() = r.modules(0); }, absl::StatusCode::kInvalidArgument, "module 'visual' twice"},
+      {[](auto& r) { r.mutable_modules(0)->mutable_units(1)->set_name("blocks.0"); },
+       absl::StatusCode::kInvalidArgument, "layer unit 'blocks.0' twice"},
+      {[](auto& r) { r.mutable_modules(0)->mutable_units(0)->set_name(""); }, absl::StatusCode::kInvalidArgument,
+       "layer unit 0 has an empty name (the whole module) but the module has 2 units"},
+      {[](auto& r) { r.mutable_modules(0)->set_param_bytes(-1); }, absl::StatusCode::kInvalidArgument,
+       "negative param_bytes -1"},
+      {[](auto& r) { r.set_policy(static_cast<v1::Policy>(99)); }, absl::StatusCode::kInvalidArgument,
+       "unknown policy or fallback"},
+      {[](auto& r) { r.set_lookahead(65); }, absl::StatusCode::kInvalidArgument, "lookahead 65 of rank 1 is outside 1..64"},
+      {[](auto& r) { r.set_world_size(1 << 30); r.set_group_size(1); }, absl::StatusCode::kResourceExhausted,
+       "max_world_size"},
+  };
+  for (const Case& c : cases) {
+    v1::RegisterRequest r = Request(1);
+    c.mutate(r);
+    absl::Status s = ValidateRegisterRequest(r, CoordinatorLimits{}, 64);
+    EXPECT_EQ(s.code(), c.code) << c.says << ": " << s;
+    EXPECT_THAT(s.message(), HasSubstr(c.says));
+  }
+}
+
+TEST(RegistrationTest, LimitsAreNamedWithTheirFlags) {
+  CoordinatorLimits lim;
+  lim.max_modules = 1;
+  lim.max_units_per_module = 1;
+  lim.max_name_bytes = 4;
+  v1::RegisterRequest r = Request(0);
+  *r.add_modules() = r.modules(0);
+  r.mutable_modules(1)->set_name("audio");
+  EXPECT_THAT(ValidateRegisterRequest(r, lim, 64).message(), HasSubstr("over the coordinator's max_modules (1)"));
+  lim.max_modules = 8;
+  EXPECT_THAT(ValidateRegisterRequest(Request(0), lim, 64).message(), HasSubstr("raise --max-name-bytes"));
+  lim.max_name_bytes = 64;
+  EXPECT_THAT(ValidateRegisterRequest(Request(0), lim, 64).message(), HasSubstr("raise --max-units-per-module"));
+}
+
+TEST(RegistrationTest, TheFirstDifferenceFromTheGroupsReferenceIsNamed) {
+  const v1::RegisterRequest ref = Request(0);
+  EXPECT_TRUE(CheckSameAsReference(ref, 0, Request(1), " (job 'job', group 0)").ok());
+  EXPECT_EQ(DescribeManifestDifference(ref, 0, Request(1), 1), "");
+
+  v1::RegisterRequest policy = Request(1);
+  policy.set_policy(v1::POLICY_PER_LAYER);
+  absl::Status s = CheckSameAsReference(ref, 0, policy, " (job 'job', group 0)");
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(s.message(), HasSubstr("rank 1 registered policy per_layer but rank 0 registered auto (job 'job', "
+                                     "group 0)"));
+
+  v1::RegisterRequest unit = Request(1);
+  unit.mutable_modules(0)->mutable_units(1)->set_param_bytes(101);
+  s = CheckSameAsReference(ref, 0, unit, " (job 'job', group 0)");
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(s.message(), HasSubstr("module 'visual': layer unit 1 is 'blocks.1' (101 bytes) on rank 1 vs "
+                                     "'blocks.1' (100 bytes) on rank 0"));
+
+  v1::RegisterRequest more = Request(1);
+  more.add_modules()->set_name("audio");
+  EXPECT_THAT(DescribeManifestDifference(ref, 0, more, 1),
+              HasSubstr("rank 1 registered modules [visual, audio] but rank 0 registered [visual]"));
+}
+
+}  // namespace
