@@ -104,113 +104,117 @@ void CoordinatorCore::EvictEndedJobs(absl::Time now) {
 
 absl::Status CoordinatorCore::Register(uint64_t session_id, const v1::RegisterRequest& in,
                                        std::shared_ptr<RankSink> sink) {
-  v1::RegisterRequest req = in;
-  if (req.policy() == v1::POLICY_UNSPECIFIED) req.set_policy(ToProto(options_.default_policy));
-  if (req.fallback() == v1::FALLBACK_UNSPECIFIED) {
-    req.set_fallback(ToProto(options_.default_fallback));
-  }
-  if (req.lookahead() == 0) req.set_lookahead(std::min(kDefaultLookahead, options_.max_lookahead));
+  const v1::RegisterRequest req = WithRegisterDefaults(in, options_);
   // Stateless checks first: a malformed request changes nothing.
   if (absl::Status s = ValidateRegisterRequest(req, options_.limits, options_.max_lookahead); !s.ok()) return s;
-  const Policy policy = FromProto(req.policy());
-  const Fallback fallback = FromProto(req.fallback());
-  const bool uses_root = policy == Policy::kRoot ||
-                         ((policy == Policy::kAuto || policy == Policy::kPerLayer) &&
-                          fallback == Fallback::kRoot);
-  if (uses_root && !req.wrap_outer_model()) {
-    std::vector<std::string> outside;
-    for (const auto& m : req.modules()) {
-      if (m.outside_inner_root()) outside.push_back(m.name());
-    }
-    if (!outside.empty()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "register: ", policy == Policy::kRoot ? "policy root" : "fallback root",
-          " is impossible for rank ", req.rank(), ": wrap_outer_model is false and modules [",
-          NameList(outside),
-          "] lie outside the inner FSDP root, so no always-run unit can own them. Ways out: "
-          "enable wrap_outer_model, use fallback replicate, or use policy replicate"));
-    }
-  }
+  if (absl::Status s = CheckRootIsPossible(req); !s.ok()) return s;
 
   absl::MutexLock lock(&mu_);
   if (shut_down_) return absl::UnavailableError("coordinator is shutting down");
-  auto it = jobs_.find(req.job_id());
-  Job* job = it == jobs_.end() ? nullptr : it->second.get();
-  if (job != nullptr && job->ended != absl::InfinitePast()) {
-    // Every rank of the job left or died: this registration is a rerun or a restart from a
-    // checkpoint. With another size the job starts afresh; with the same size it keeps its
-    // history (communicator epochs, events, counts), and each group takes the manifest and
-    // policy of its first rank to register again.
-    if (job->world_size != req.world_size() || job->group_size != req.group_size()) {
-      Event("info", "job_replaced", job->id, req.rank(), -1,
-            absl::StrCat("no rank was live: the job starts afresh with world_size ", req.world_size(),
-                         " and group_size ", req.group_size()));
-      for (const Member& m : job->members) sessions_.erase(m.session);
-      jobs_.erase(it);
-      job = nullptr;
-    } else {
-      for (Group& g : job->groups) g.has_reference = false;
-    }
-  }
+  Job* job = ReuseOrForgetEndedJob(req);
   if (job == nullptr) {
     if (absl::Status s = AdmitJob(req.job_id(), req.world_size()); !s.ok()) return s;
-  }
-  if (job != nullptr) {
-    if (job->world_size != req.world_size()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "register: world size mismatch: job '", job->id, "' has world_size ", job->world_size,
-          " but rank ", req.rank(), " registered with ", req.world_size(),
-          "; every rank of a job must pass the same world size"));
-    }
-    if (job->group_size != req.group_size()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "register: group size mismatch: job '", job->id, "' has group_size ", job->group_size,
-          " but rank ", req.rank(), " registered with ", req.group_size()));
-    }
-  }
-  if (job != nullptr) {
-    const Member& existing = job->members[req.rank()];
-    if (existing.state == v1::RANK_STATE_LIVE) {
-      return absl::AlreadyExistsError(absl::StrCat(
-          "register: duplicate rank ", req.rank(), " of job '", job->id,
-          "': it is already live (host ", existing.host, ", pid ", existing.pid,
-          "). If that process is gone, it is declared dead after the heartbeat timeout (",
-          absl::ToInt64Milliseconds(options_.heartbeat_timeout),
-          " ms); register again then"));
-    }
-    const Group& g = job->groups[existing.group];
-    if (g.has_reference) {
-      absl::Status s = CheckSameAsReference(g.reference, g.reference_rank, req,
-                                            absl::StrCat(" (job '", job->id, "', group ", g.index, ")"));
-      if (!s.ok()) return s;
-    }
+  } else if (absl::Status s = CheckJobAccepts(*job, req); !s.ok()) {
+    return s;
   }
 
   // Accepted: from here on state changes.
-  if (job == nullptr) {
-    auto created = std::make_unique<Job>();
-    created->id = req.job_id();
-    created->world_size = req.world_size();
-    created->group_size = req.group_size();
-    created->members.resize(req.world_size());
-    created->groups.resize(req.world_size() / req.group_size());
-    for (int r = 0; r < req.world_size(); ++r) {
-      created->members[r].rank = r;
-      created->members[r].group = r / req.group_size();
-      created->groups[r / req.group_size()].ranks.push_back(r);
-    }
-    for (size_t g = 0; g < created->groups.size(); ++g) created->groups[g].index = static_cast<int>(g);
-    job = created.get();
-    jobs_[req.job_id()] = std::move(created);
-    Event("info", "job_created", job->id, -1, -1,
-          absl::StrCat("world_size=", job->world_size, " group_size=", job->group_size,
-                       " groups=", job->groups.size()));
-  }
+  if (job == nullptr) job = &CreateJob(req);
   Member& m = job->members[req.rank()];
   Group& group = job->groups[m.group];
   if (!group.has_reference) SetReference(group, req);
-
   const bool rejoin = m.state == v1::RANK_STATE_DEAD || m.state == v1::RANK_STATE_LEFT;
+  SetLive(*job, m, session_id, std::move(sink), req);
+
+  v1::CoordinatorMessage msg = Registered(group, req);
+  const Policy policy = FromProto(req.policy());
+  Event("info", rejoin ? "rank_rejoined" : "rank_registered", job->id, req.rank(), group.index,
+        absl::StrCat("host=", req.host(), " pid=", req.pid(), " policy=", PolicyName(policy),
+                     " fallback=", FallbackName(FromProto(req.fallback())), " modules=", req.modules_size(),
+                     " lookahead=", req.lookahead()));
+  if (policy == Policy::kPerLayer) {
+    Event("warning", "per_layer_requested", job->id, req.rank(), group.index, msg.registered().warnings(0));
+  }
+
+  const int64_t epoch_before = group.epoch;
+  UpdateGroupState(*job, group);
+  msg.mutable_registered()->set_epoch(group.epoch);
+  SendTo(m, msg);  // The RegisterResponse precedes anything else this rank is sent.
+  OnMemberBack(*job, req.rank());
+  if (group.epoch != epoch_before) AnnounceReformed(*job, group, req.rank());
+  return absl::OkStatus();
+}
+
+CoordinatorCore::Job* CoordinatorCore::ReuseOrForgetEndedJob(const v1::RegisterRequest& req) {
+  auto it = jobs_.find(req.job_id());
+  if (it == jobs_.end()) return nullptr;
+  Job* job = it->second.get();
+  if (job->ended == absl::InfinitePast()) return job;
+  // Every rank of the job left or died: this registration is a rerun or a restart from a
+  // checkpoint. With another size the job starts afresh; with the same size it keeps its
+  // history (communicator epochs, events, counts), and each group takes the manifest and
+  // policy of its first rank to register again.
+  if (job->world_size != req.world_size() || job->group_size != req.group_size()) {
+    Event("info", "job_replaced", job->id, req.rank(), -1,
+          absl::StrCat("no rank was live: the job starts afresh with world_size ", req.world_size(),
+                       " and group_size ", req.group_size()));
+    for (const Member& m : job->members) sessions_.erase(m.session);
+    jobs_.erase(it);
+    return nullptr;
+  }
+  for (Group& g : job->groups) g.has_reference = false;
+  return job;
+}
+
+absl::Status CoordinatorCore::CheckJobAccepts(const Job& job, const v1::RegisterRequest& req) const {
+  if (job.world_size != req.world_size()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "register: world size mismatch: job '", job.id, "' has world_size ", job.world_size,
+        " but rank ", req.rank(), " registered with ", req.world_size(),
+        "; every rank of a job must pass the same world size"));
+  }
+  if (job.group_size != req.group_size()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "register: group size mismatch: job '", job.id, "' has group_size ", job.group_size,
+        " but rank ", req.rank(), " registered with ", req.group_size()));
+  }
+  const Member& existing = job.members[req.rank()];
+  if (existing.state == v1::RANK_STATE_LIVE) {
+    return absl::AlreadyExistsError(absl::StrCat(
+        "register: duplicate rank ", req.rank(), " of job '", job.id,
+        "': it is already live (host ", existing.host, ", pid ", existing.pid,
+        "). If that process is gone, it is declared dead after the heartbeat timeout (",
+        absl::ToInt64Milliseconds(options_.heartbeat_timeout),
+        " ms); register again then"));
+  }
+  const Group& g = job.groups[existing.group];
+  if (!g.has_reference) return absl::OkStatus();
+  return CheckSameAsReference(g.reference, g.reference_rank, req,
+                              absl::StrCat(" (job '", job.id, "', group ", g.index, ")"));
+}
+
+CoordinatorCore::Job& CoordinatorCore::CreateJob(const v1::RegisterRequest& req) {
+  auto created = std::make_unique<Job>();
+  created->id = req.job_id();
+  created->world_size = req.world_size();
+  created->group_size = req.group_size();
+  created->members.resize(req.world_size());
+  created->groups.resize(req.world_size() / req.group_size());
+  for (int r = 0; r < req.world_size(); ++r) {
+    created->members[r].rank = r;
+    created->members[r].group = r / req.group_size();
+    created->groups[r / req.group_size()].ranks.push_back(r);
+  }
+  for (size_t g = 0; g < created->groups.size(); ++g) created->groups[g].index = static_cast<int>(g);
+  Job& job = *created;
+  jobs_[req.job_id()] = std::move(created);
+  Event("info", "job_created", job.id, -1, -1,
+        absl::StrCat("world_size=", job.world_size, " group_size=", job.group_size, " groups=", job.groups.size()));
+  return job;
+}
+
+void CoordinatorCore::SetLive(Job& job, Member& m, uint64_t session_id, std::shared_ptr<RankSink> sink,
+                              const v1::RegisterRequest& req) {
   if (m.session != 0) sessions_.erase(m.session);
   m.state = v1::RANK_STATE_LIVE;
   m.session = session_id;
@@ -225,9 +229,11 @@ absl::Status CoordinatorCore::Register(uint64_t session_id, const v1::RegisterRe
   m.lookahead = req.lookahead();
   m.memory_budget = req.memory_budget_bytes();
   m.outbox_overflow = false;
-  job->ended = absl::InfinitePast();
-  sessions_[session_id] = SessionRef{job, req.rank()};
+  job.ended = absl::InfinitePast();
+  sessions_[session_id] = SessionRef{&job, req.rank()};
+}
 
+v1::CoordinatorMessage CoordinatorCore::Registered(const Group& group, const v1::RegisterRequest& req) const {
   v1::CoordinatorMessage msg;
   v1::RegisterResponse* resp = msg.mutable_registered();
   resp->set_group(group.index);
@@ -237,41 +243,25 @@ absl::Status CoordinatorCore::Register(uint64_t session_id, const v1::RegisterRe
   resp->set_policy(req.policy());
   resp->set_fallback(req.fallback());
   resp->set_lookahead(req.lookahead());
-  if (policy == Policy::kPerLayer) {
-    resp->add_warnings(
-        "policy per_layer: microbatches where ranks of the group diverge fall back to " +
-        std::string(FallbackName(fallback)) + "; only uniform or all-skip microbatches shard per layer");
+  if (FromProto(req.policy()) == Policy::kPerLayer) {
+    resp->add_warnings("policy per_layer: microbatches where ranks of the group diverge fall back to " +
+                       std::string(FallbackName(FromProto(req.fallback()))) +
+                       "; only uniform or all-skip microbatches shard per layer");
   }
-  if (group.last_decided) {
-    ToProto(*group.last_decided, resp->mutable_last_decided());
-  }
-  Event("info", rejoin ? "rank_rejoined" : "rank_registered", job->id, req.rank(), group.index,
-        absl::StrCat("host=", req.host(), " pid=", req.pid(), " policy=", PolicyName(policy),
-                     " fallback=", FallbackName(fallback), " modules=", req.modules_size(),
-                     " lookahead=", req.lookahead()));
-  if (policy == Policy::kPerLayer) {
-    Event("warning", "per_layer_requested", job->id, req.rank(), group.index,
-          resp->warnings(0));
-  }
+  if (group.last_decided) ToProto(*group.last_decided, resp->mutable_last_decided());
+  return msg;
+}
 
-  const int64_t epoch_before = group.epoch;
-  UpdateGroupState(*job, group);
-  resp->set_epoch(group.epoch);
-  SendTo(m, msg);  // The RegisterResponse precedes anything else this rank is sent.
-  OnMemberBack(*job, req.rank());
-  if (group.epoch != epoch_before) {
-    v1::CoordinatorMessage notice;
-    notice.mutable_notice()->set_kind(v1::Notice::KIND_GROUP_REFORMED);
-    notice.mutable_notice()->set_group(group.index);
-    notice.mutable_notice()->set_epoch(group.epoch);
-    notice.mutable_notice()->set_message(absl::StrCat("group ", group.index, " re-formed at epoch ",
-                                                      group.epoch, " (rank ", req.rank(),
-                                                      " registered again)"));
-    for (int r : group.ranks) {
-      if (r != req.rank()) SendTo(job->members[r], notice);
-    }
+void CoordinatorCore::AnnounceReformed(Job& job, const Group& group, int rank) {
+  v1::CoordinatorMessage notice;
+  notice.mutable_notice()->set_kind(v1::Notice::KIND_GROUP_REFORMED);
+  notice.mutable_notice()->set_group(group.index);
+  notice.mutable_notice()->set_epoch(group.epoch);
+  notice.mutable_notice()->set_message(absl::StrCat("group ", group.index, " re-formed at epoch ", group.epoch,
+                                                    " (rank ", rank, " registered again)"));
+  for (int r : group.ranks) {
+    if (r != rank) SendTo(job.members[r], notice);
   }
-  return absl::OkStatus();
 }
 
 // The group state machine (DESIGN 8): FORMING -> HEALTHY -> FAILED -> FORMING (epoch + 1),

@@ -254,6 +254,16 @@ class CoordinatorCore {
   // Registration checks that need no state: malformed requests and the configured caps.
   // Makes room for a new job (evicting the oldest ended one) or says why there is none.
   absl::Status AdmitJob(const std::string& job_id, int world_size) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Register's steps (DESIGN 3, "Registration"; DESIGN 8 for the group it joins).
+  Job* ReuseOrForgetEndedJob(const v1::RegisterRequest& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status CheckJobAccepts(const Job& job, const v1::RegisterRequest& req) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  Job& CreateJob(const v1::RegisterRequest& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void SetLive(Job& job, Member& m, uint64_t session_id, std::shared_ptr<RankSink> sink,
+               const v1::RegisterRequest& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  v1::CoordinatorMessage Registered(const Group& group, const v1::RegisterRequest& req) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void AnnounceReformed(Job& job, const Group& group, int rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Forgets jobs with no live rank for longer than the retention.
   void EvictEndedJobs(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // RESOURCE_EXHAUSTED when the group holds max_pending_microbatches keys already (a new key).

@@ -1,5 +1,6 @@
 #include "registration.h"
 
+#include <algorithm>
 #include <set>
 #include <vector>
 
@@ -114,6 +115,32 @@ absl::Status ValidateRegisterRequest(const v1::RegisterRequest& req, const Coord
         " (the coordinator's --max-lookahead); lower it or raise the coordinator's limit"));
   }
   return absl::OkStatus();
+}
+
+v1::RegisterRequest WithRegisterDefaults(const v1::RegisterRequest& in, const CoordinatorOptions& options) {
+  v1::RegisterRequest req = in;
+  if (req.policy() == v1::POLICY_UNSPECIFIED) req.set_policy(ToProto(options.default_policy));
+  if (req.fallback() == v1::FALLBACK_UNSPECIFIED) req.set_fallback(ToProto(options.default_fallback));
+  if (req.lookahead() == 0) req.set_lookahead(std::min(kDefaultLookahead, options.max_lookahead));
+  return req;
+}
+
+absl::Status CheckRootIsPossible(const v1::RegisterRequest& req) {
+  const Policy policy = FromProto(req.policy());
+  const bool uses_root = policy == Policy::kRoot ||
+                         ((policy == Policy::kAuto || policy == Policy::kPerLayer) &&
+                          FromProto(req.fallback()) == Fallback::kRoot);
+  if (!uses_root || req.wrap_outer_model()) return absl::OkStatus();
+  std::vector<std::string> outside;
+  for (const auto& m : req.modules()) {
+    if (m.outside_inner_root()) outside.push_back(m.name());
+  }
+  if (outside.empty()) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "register: ", policy == Policy::kRoot ? "policy root" : "fallback root", " is impossible for rank ",
+      req.rank(), ": wrap_outer_model is false and modules [", NameList(outside),
+      "] lie outside the inner FSDP root, so no always-run unit can own them. Ways out: "
+      "enable wrap_outer_model, use fallback replicate, or use policy replicate"));
 }
 
 absl::Status CheckSameAsReference(const v1::RegisterRequest& ref, int ref_rank,

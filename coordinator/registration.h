@@ -26,6 +26,14 @@ absl::Status ValidateRegisterRequest(const v1::RegisterRequest& req, const Coord
 absl::Status CheckSameAsReference(const v1::RegisterRequest& ref, int ref_rank,
                                   const v1::RegisterRequest& req, const std::string& where);
 
+// The request with the coordinator's defaults filled in (policy, fallback, lookahead).
+v1::RegisterRequest WithRegisterDefaults(const v1::RegisterRequest& in, const CoordinatorOptions& options);
+
+// `root` (policy or fallback) needs an always-run unit to own the controlled modules: with
+// wrap_outer_model false, modules outside the inner root make it impossible. INVALID_ARGUMENT
+// naming them and the ways out.
+absl::Status CheckRootIsPossible(const v1::RegisterRequest& req);
+
 // The first difference between two manifests, or "" when they are the same.
 std::string DescribeManifestDifference(const v1::RegisterRequest& a, int rank_a,
                                        const v1::RegisterRequest& b, int rank_b);

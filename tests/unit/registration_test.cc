@@ -118,3 +118,32 @@ TEST(RegistrationTest, TheFirstDifferenceFromTheGroupsReferenceIsNamed) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST(RegistrationTest, DefaultsComeFromTheCoordinatorAndRootNeedsAnOwner) {
+  shardcoord::coordinator::CoordinatorOptions options;
+  options.default_policy = Policy::kPerLayer;
+  options.default_fallback = Fallback::kReplicate;
+  options.max_lookahead = 2;
+  v1::RegisterRequest bare = Request(0);
+  bare.clear_policy();
+  bare.clear_fallback();
+  bare.clear_lookahead();
+  const v1::RegisterRequest req = shardcoord::coordinator::WithRegisterDefaults(bare, options);
+  EXPECT_EQ(req.policy(), v1::POLICY_PER_LAYER);
+  EXPECT_EQ(req.fallback(), v1::FALLBACK_REPLICATE);
+  EXPECT_EQ(req.lookahead(), 2) << "the default lookahead, capped by max_lookahead";
+
+  v1::RegisterRequest outside = Request(0);
+  outside.set_wrap_outer_model(false);
+  outside.mutable_modules(0)->set_outside_inner_root(true);
+  absl::Status s = shardcoord::coordinator::CheckRootIsPossible(outside);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("fallback root is impossible for rank 0"));
+  EXPECT_THAT(s.message(), HasSubstr("[visual]"));
+  outside.set_fallback(v1::FALLBACK_REPLICATE);
+  EXPECT_TRUE(shardcoord::coordinator::CheckRootIsPossible(outside).ok()) << "no root involved";
+}
+
+}  // namespace
