@@ -231,6 +231,13 @@ class CoordinatorCore {
   void SetReference(Group& group, const v1::RegisterRequest& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Handles one plan; returns a non-OK status to reject it (nothing changed then).
+  using PlanCalls = std::vector<std::pair<int, int32_t>>;  // (module index, calls)
+  // The plan's keys and calls checked against the group's manifest.
+  absl::StatusOr<PlanCalls> ParsePlan(const Group& group, const v1::MicrobatchPlan& plan, const MicrobatchKey& key,
+                                      const std::string& who) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Stores an accepted plan in the group's pending microbatch; true when the key is new.
+  bool RecordPlan(Job& job, Group& group, Member& m, const MicrobatchKey& key, int idx, const PlanCalls& calls)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status AcceptPlan(Job& job, Member& member, const v1::MicrobatchPlan& plan)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Decides pending microbatches from the front while every member has reported.
@@ -302,6 +309,12 @@ class CoordinatorCore {
   void MaybeFinishAbort(Job& job, Comm& comm) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A member died or left: end every live epoch it belongs to.
   void OnMemberLost(Job& job, int rank, bool clean, const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // RemoveMember's steps: the job ends when no rank is live; a clean leave fails only what
+  // the leaver never planned; a death fails the group (DESIGN 3, "Failures").
+  void MaybeEndJob(Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void OnLeft(Job& job, Group& group, const Member& m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FailGroup(Job& job, Group& group, const Member& m, const std::string& full)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Tells the live ranks of the job's other groups that `rank` of `group` was declared dead.
   void NotifyRankLost(Job& job, const Group& group, int rank, const std::string& reason)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

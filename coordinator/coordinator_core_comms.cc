@@ -1,4 +1,4 @@
-// CoordinatorCore, part 2: communicators (DESIGN 4). The coordinator is the rendezvous of
+// CoordinatorCore, part 4: communicators (DESIGN 4). The coordinator is the rendezvous of
 // every (job, communicator, epoch) and the authority on its health: it aborts an epoch
 // for every member when one member is lost, and starts the next epoch once every member
 // is live again.

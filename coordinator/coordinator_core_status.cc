@@ -1,4 +1,4 @@
-// CoordinatorCore, part 3: the status views operators query (shardctl status, ranks,
+// CoordinatorCore, part 5: the status views operators query (shardctl status, ranks,
 // groups, decisions). Read-only snapshots taken under the core's lock.
 #include "absl/strings/str_cat.h"
 #include "coordinator_core.h"
