@@ -3,6 +3,7 @@ PlanAhead against a real shardcoordd, and the Executor on a Gloo group of one (g
 the two-rank checks are in test_trainer.py)."""
 
 import copy
+import select
 import subprocess
 import sys
 import threading
@@ -412,7 +413,8 @@ def test_failure_watch_keeps_the_verdict_naming_the_killed_rank(daemon, wait_for
     rank1 = subprocess.Popen([sys.executable, "-c", RANK_ONE, daemon.address], stdout=subprocess.PIPE, text=True)
     try:
         with connect(daemon, 0) as w0:
-            assert rank1.stdout.readline().strip() == "registered"
+            ready, _, _ = select.select([rank1.stdout], [], [], 30)  # Bounded: never wait forever.
+            assert ready and rank1.stdout.readline().strip() == "registered", f"rank 1 exited {rank1.poll()}"
             aborted = []
             watch = sct.FailureWatch(w0, process_groups=["pg"], poll=0.02)
             watch._abort = aborted.append  # The seam: which groups it aborts (torch 1.13 cannot abort Gloo).

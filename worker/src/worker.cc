@@ -1,6 +1,7 @@
 #include "shardcoord/worker.h"
 
 #include "communicator_internal.h"
+#include "decision_queue.h"
 
 #include <grpcpp/grpcpp.h>
 #include <signal.h>
@@ -75,7 +76,7 @@ class Worker::Impl {
   absl::StatusOr<MicrobatchDecision> GetDecision(const MicrobatchKey& key, absl::Duration timeout);
   int UndecidedPlans() const {
     absl::MutexLock lock(&mu_);
-    return undecided_;
+    return queue_.undecided();
   }
   void ReportMemory(const std::vector<ModuleMemoryUsage>& usage) {
     absl::MutexLock lock(&mu_);
@@ -86,7 +87,7 @@ class Worker::Impl {
     absl::MutexLock lock(&mu_);
     if (!session_status_.ok()) return session_status_;
     if (!group_failure_.empty()) return absl::AbortedError(group_failure_);
-    return late_failure_;
+    return queue_.late_failure();
   }
   absl::Status JobHealth() const {
     absl::Status own = Health();
@@ -117,13 +118,6 @@ class Worker::Impl {
   absl::StatusOr<std::shared_ptr<Communicator>> OpenCommunicator(const CommunicatorOptions& options);
 
  private:
-  enum class EntryState { kPending, kDecided, kFailed };
-  struct Entry {
-    EntryState state = EntryState::kPending;
-    MicrobatchDecision decision;
-    absl::Status status;
-  };
-
   void ReaderLoop();
   void WriterLoop();
   // Work Handle leaves for after mu_ is released: aborts to carry out, (communicator,
@@ -133,10 +127,6 @@ class Worker::Impl {
     std::vector<std::pair<std::string, int64_t>> acks;
   };
   void Handle(const v1::CoordinatorMessage& msg, PendingAborts* aborts) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void Resolve(Entry& e, EntryState state) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (e.state == EntryState::kPending) undecided_--;
-    e.state = state;
-  }
   std::string Prefix() const {
     return absl::StrCat("job=", options_.job_id, " rank=", options_.rank);
   }
@@ -162,14 +152,9 @@ class Worker::Impl {
   bool writer_started_ ABSL_GUARDED_BY(mu_) = false;
   std::string group_failure_ ABSL_GUARDED_BY(mu_);     // Non-empty while the group is failed.
   std::string job_failure_ ABSL_GUARDED_BY(mu_);       // Non-empty once a rank of another group died.
-  std::map<MicrobatchKey, Entry> entries_ ABSL_GUARDED_BY(mu_);
+  internal::DecisionQueue queue_ ABSL_GUARDED_BY(mu_);  // The lookahead window.
   // Open communicators by name (the latest epoch of each), for CommAbort.
   std::map<std::string, std::weak_ptr<internal::AbortableCommunicator>> comms_ ABSL_GUARDED_BY(mu_);
-  int undecided_ ABSL_GUARDED_BY(mu_) = 0;
-  std::optional<MicrobatchKey> last_reported_ ABSL_GUARDED_BY(mu_);
-  std::optional<MicrobatchKey> last_taken_ ABSL_GUARDED_BY(mu_);  // Newest key GetDecision returned.
-  // A microbatch failed after its decision was taken: returned by the next GetDecision.
-  absl::Status late_failure_ ABSL_GUARDED_BY(mu_);
   std::deque<v1::MicrobatchPlan> outbox_ ABSL_GUARDED_BY(mu_);
   std::vector<ModuleMemoryUsage> memory_ ABSL_GUARDED_BY(mu_);
   bool memory_dirty_ ABSL_GUARDED_BY(mu_) = false;  // Not sent yet: send without waiting.
@@ -305,12 +290,7 @@ void Worker::Impl::ReaderLoop() {
         closing_ ? "" : "; create a new Worker to register again"));
   }
   // Every pending decision fails now instead of waiting for its deadline.
-  for (auto& [key, e] : entries_) {
-    if (e.state == EntryState::kPending) {
-      e.status = session_status_;
-      Resolve(e, EntryState::kFailed);
-    }
-  }
+  queue_.FailPending(session_status_);
   if (!closing_) log_->error("{} {}", Prefix(), std::string(session_status_.message()));
   // Without a session this rank is out of the job: the coordinator already told the others
   // to abort, so our communicators must not go on waiting for them.
@@ -342,10 +322,7 @@ void Worker::Impl::Handle(const v1::CoordinatorMessage& msg, PendingAborts* abor
     case v1::CoordinatorMessage::kDecisions:
       for (const auto& pd : msg.decisions().decisions()) {
         MicrobatchKey key{pd.step(), pd.microbatch()};
-        auto it = entries_.find(key);
-        if (it == entries_.end() || it->second.state != EntryState::kPending) continue;
-        it->second.decision = FromProto(pd);
-        Resolve(it->second, EntryState::kDecided);
+        queue_.Decide(key, FromProto(pd));  // Ignored unless pending.
       }
       break;
     case v1::CoordinatorMessage::kPlanRejected: {
@@ -358,40 +335,21 @@ void Worker::Impl::Handle(const v1::CoordinatorMessage& msg, PendingAborts* abor
         break;
       }
       log_->warn("{} step={} mb={} plan rejected: {}", Prefix(), key.step, key.microbatch, r.message());
-      auto it = entries_.find(key);
-      if (it == entries_.end() || it->second.state != EntryState::kPending) break;
-      it->second.status = MakeStatus(r.code(), r.message());
-      Resolve(it->second, EntryState::kFailed);
+      queue_.Reject(key, MakeStatus(r.code(), r.message()));
       break;
     }
     case v1::CoordinatorMessage::kMicrobatchFailed: {
       const auto& f = msg.microbatch_failed();
       MicrobatchKey key{f.step(), f.microbatch()};
       log_->error("{} step={} mb={} microbatch failed: {}", Prefix(), key.step, key.microbatch, f.message());
-      auto it = entries_.find(key);
-      if (it != entries_.end() && it->second.state != EntryState::kFailed) {
-        // Pending, or decided and not yet taken (static policies decide before the group has
-        // reported): the trainer must not run it.
-        it->second.status = MakeStatus(f.code(), f.message());
-        Resolve(it->second, EntryState::kFailed);
-      } else if (it == entries_.end() && last_taken_ && !(*last_taken_ < key)) {
-        // Already taken and maybe run (static policies): the next GetDecision says so.
-        late_failure_ = MakeStatus(f.code(), absl::StrCat(f.message(), " (the decision for ", key.ToString(),
-                                                          " was already taken on this rank)"));
-      }
+      queue_.Fail(key, MakeStatus(f.code(), f.message()));  // Also a decision not taken yet.
       break;
     }
     case v1::CoordinatorMessage::kGroupFailure: {
       const auto& g = msg.group_failure();
       group_failure_ = g.reason();
       outbox_.clear();  // Plans for the failed epoch must not reach the next one.
-      int cancelled = 0;
-      for (auto& [key, e] : entries_) {
-        if (e.state != EntryState::kPending) continue;
-        e.status = absl::AbortedError(g.reason());
-        Resolve(e, EntryState::kFailed);
-        cancelled++;
-      }
+      const int cancelled = queue_.FailPending(absl::AbortedError(g.reason()));
       log_->error("{} {} (cancelled {} pending decisions here)", Prefix(), g.reason(), cancelled);
       break;
     }
@@ -410,8 +368,7 @@ void Worker::Impl::Handle(const v1::CoordinatorMessage& msg, PendingAborts* abor
       if (n.kind() == v1::Notice::KIND_GROUP_REFORMED) {
         group_failure_.clear();
         group_.epoch = n.epoch();
-        last_reported_.reset();  // Keys start afresh in the new epoch (the coordinator's rule).
-        last_taken_.reset();
+        queue_.ResetKeys();  // Keys start afresh in the new epoch (the coordinator's rule).
         log_->info("{} {}", Prefix(), n.message());
       } else if (n.kind() == v1::Notice::KIND_RANK_LOST) {
         if (job_failure_.empty()) {  // The first loss is the cause; later ones follow from it.
@@ -524,19 +481,7 @@ absl::Status Worker::Impl::ReportPlan(const MicrobatchPlan& plan) {
     return absl::AbortedError(absl::StrCat(where, " not sent: ", group_failure_,
                                            "; wait for the group to re-form"));
   }
-  if (last_reported_ && plan.key <= *last_reported_) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "out-of-order ", where, ": the previous plan was ", last_reported_->ToString(),
-        "; report plans in increasing (step, microbatch) order"));
-  }
-  if (undecided_ >= group_.lookahead) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        where, " is beyond the lookahead window: ", undecided_, " plans are undecided (window ",
-        group_.lookahead, "); GetDecision the oldest first"));
-  }
-  last_reported_ = plan.key;
-  entries_[plan.key] = Entry{};
-  undecided_++;
+  if (absl::Status s = queue_.Add(plan.key, group_.lookahead, where); !s.ok()) return s;
   v1::MicrobatchPlan pp;
   ToProto(plan, &pp);
   outbox_.push_back(std::move(pp));
@@ -546,45 +491,26 @@ absl::Status Worker::Impl::ReportPlan(const MicrobatchPlan& plan) {
 absl::StatusOr<MicrobatchDecision> Worker::Impl::GetDecision(const MicrobatchKey& key,
                                                              absl::Duration timeout) {
   absl::MutexLock lock(&mu_);
-  auto it = entries_.find(key);
-  if (it == entries_.end()) {
+  if (!queue_.Contains(key)) {
     return absl::FailedPreconditionError(absl::StrCat(
         "no plan was reported for ", key.ToString(), " (", Prefix(),
         "), or its decision was already taken; call ReportPlan before GetDecision"));
   }
-  // Another thread's GetDecision may erase this entry while we wait: look it up each time.
-  auto resolved = [this, &key]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    auto f = entries_.find(key);
-    return f == entries_.end() || f->second.state != EntryState::kPending;
-  };
+  // Another thread's GetDecision may take this entry while we wait: look it up each time.
+  auto resolved = [this, &key]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return queue_.Resolved(key); };
   mu_.AwaitWithTimeout(absl::Condition(&resolved), timeout);
-  it = entries_.find(key);
-  if (it == entries_.end()) {
+  if (!queue_.Contains(key)) {
     return absl::FailedPreconditionError(absl::StrCat(
         "the decision for ", key.ToString(), " (", Prefix(),
         ") was dropped while waiting: another thread took a later microbatch's decision"));
   }
-  Entry& e = it->second;
-  if (e.state == EntryState::kPending) {
+  if (!queue_.Resolved(key)) {
     return absl::DeadlineExceededError(absl::StrCat(
         "no decision for ", key.ToString(), " within ", absl::ToInt64Milliseconds(timeout),
         " ms (", Prefix(), ", group ", group_.group, " ranks ", RanksOf(group_.ranks),
         "): some rank of the group has not reported its plan yet"));
   }
-  absl::StatusOr<MicrobatchDecision> out =
-      e.state == EntryState::kDecided ? absl::StatusOr<MicrobatchDecision>(e.decision)
-                                      : absl::StatusOr<MicrobatchDecision>(e.status);
-  if (!late_failure_.ok() && out.ok()) {
-    out = late_failure_;
-    late_failure_ = absl::OkStatus();
-  }
-  if (!last_taken_ || *last_taken_ < key) last_taken_ = key;
-  // Entries up to this key are done with: the trainer moves forward.
-  for (auto e_it = entries_.begin(); e_it != std::next(it); ++e_it) {
-    if (e_it->second.state == EntryState::kPending) Resolve(e_it->second, EntryState::kFailed);
-  }
-  entries_.erase(entries_.begin(), std::next(it));
-  return out;
+  return queue_.Take(key);  // Entries up to this key are done with: the trainer moves forward.
 }
 
 void Worker::Impl::Close(absl::Duration timeout) {

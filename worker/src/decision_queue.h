@@ -1,0 +1,69 @@
+// The worker's lookahead window (DESIGN 3, "Timing"): one entry per reported plan, in key
+// order, until the trainer takes its decision. Not thread-safe: Worker::Impl guards it with
+// its mutex and waits on Resolved() for a key.
+//
+// Rules:
+// - Add: keys strictly increasing (since the last ResetKeys), at most `window` undecided.
+// - A decision, a rejection or a failure resolves a pending entry; a failure also withdraws
+//   a decision not taken yet (static policies decide before the group has reported), and a
+//   failure of a key already taken is kept for the next Take (the trainer may have run it).
+// - Take(key) returns the entry's outcome and drops every entry up to the key: the trainer
+//   moves forward, so earlier undecided entries are abandoned.
+#pragma once
+
+#include <map>
+#include <optional>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "shardcoord/types.h"
+
+namespace shardcoord::internal {
+
+class DecisionQueue {
+ public:
+  // Adds the plan of `key`; `where` names it in errors. FAILED_PRECONDITION out of order,
+  // RESOURCE_EXHAUSTED beyond the window.
+  absl::Status Add(const MicrobatchKey& key, int window, const std::string& where);
+
+  // The coordinator's decision for `key` (ignored unless pending).
+  void Decide(const MicrobatchKey& key, MicrobatchDecision decision);
+  // The coordinator refused the plan of `key` (ignored unless pending).
+  void Reject(const MicrobatchKey& key, absl::Status why);
+  // `key` can never run (a rank skipped it, the plan timeout passed).
+  void Fail(const MicrobatchKey& key, absl::Status why);
+  // Every pending entry fails with `why` (group failure, session lost); returns how many.
+  int FailPending(const absl::Status& why);
+  // A new epoch: keys start afresh.
+  void ResetKeys();
+
+  bool Contains(const MicrobatchKey& key) const { return entries_.count(key) > 0; }
+  // Absent (taken by another thread) or no longer pending: a waiter may stop waiting.
+  bool Resolved(const MicrobatchKey& key) const;
+  bool Pending(const MicrobatchKey& key) const { return Contains(key) && !Resolved(key); }
+  int undecided() const { return undecided_; }
+  // A failure of a key already taken, until the next Take reports it.
+  const absl::Status& late_failure() const { return late_failure_; }
+
+  // The outcome of a resolved `key` (the pending late failure first, if any) and drops
+  // every entry up to it. Precondition: Contains(key) && Resolved(key).
+  absl::StatusOr<MicrobatchDecision> Take(const MicrobatchKey& key);
+
+ private:
+  enum class State { kPending, kDecided, kFailed };
+  struct Entry {
+    State state = State::kPending;
+    MicrobatchDecision decision;
+    absl::Status status;
+  };
+  void Resolve(Entry& e, State state);
+
+  std::map<MicrobatchKey, Entry> entries_;
+  int undecided_ = 0;
+  std::optional<MicrobatchKey> last_reported_;
+  std::optional<MicrobatchKey> last_taken_;  // Newest key Take returned.
+  absl::Status late_failure_;                // A key failed after it was taken.
+};
+
+}  // namespace shardcoord::internal
