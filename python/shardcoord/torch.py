@@ -310,6 +310,7 @@ def abort_process_group(pg: Any = None) -> bool:
     """Aborts a ``torch.distributed`` process group (``None``: the default one) so that collectives
     blocked in it return (NCCL kernels watch the communicator's abort flag). Returns False when this
     torch or backend cannot abort (torch 1.13, Gloo: a dead peer's closed sockets fail those)."""
+    import torch
     import torch.distributed as dist
 
     c10d = dist.distributed_c10d
@@ -320,7 +321,7 @@ def abort_process_group(pg: Any = None) -> bool:
     group = pg if pg is not None else c10d._get_default_group()
     for device in ("cuda", "cpu"):
         try:
-            backend = group._get_backend(__import__("torch").device(device))
+            backend = group._get_backend(torch.device(device))
         except Exception:
             continue
         if hasattr(backend, "abort"):
