@@ -5,6 +5,7 @@
 #include "coordinator_core.h"
 #include "shardcoord/decide.h"
 #include "shardcoord/internal/logging.h"
+#include "shardcoord/plan_check.h"
 #include "shardcoord/proto/convert.h"
 #include "text.h"
 
@@ -109,26 +110,20 @@ absl::StatusOr<CoordinatorCore::PlanCalls> CoordinatorCore::ParsePlan(const Grou
                                                                       const v1::MicrobatchPlan& plan,
                                                                       const MicrobatchKey& key,
                                                                       const std::string& who) const {
-  if (plan.step() < 0 || plan.microbatch() < 0) {
-    return absl::InvalidArgumentError(absl::StrCat("plan ", key.ToString(), " from ", who,
-                                                   ": step and microbatch must be >= 0"));
-  }
+  auto bad = [&](const std::string& what) {
+    return absl::InvalidArgumentError(absl::StrCat("plan ", key.ToString(), " from ", who, ": ", what));
+  };
+  if (std::string e = CheckPlanKey(key); !e.empty()) return bad(e);
   PlanCalls calls;
   calls.reserve(plan.calls_size());
   for (const auto& [name, count] : plan.calls()) {
     auto mi = group.module_index.find(name);
-    if (mi == group.module_index.end()) {
-      std::vector<std::string> known;
-      for (const auto& spec : group.modules) known.push_back(spec.name);
-      return absl::InvalidArgumentError(absl::StrCat(
-          "plan ", key.ToString(), " from ", who, " names unknown module '", name,
-          "'; the registered controlled modules are [", NameList(known), "]"));
+    const bool known = mi != group.module_index.end();
+    std::vector<std::string> registered;
+    if (!known) {
+      for (const auto& spec : group.modules) registered.push_back(spec.name);
     }
-    if (count < 0) {
-      return absl::InvalidArgumentError(absl::StrCat("plan ", key.ToString(), " from ", who,
-                                                     ": module '", name, "' has ", count,
-                                                     " calls; calls must be >= 0"));
-    }
+    if (std::string e = CheckPlanCall(name, count, known, registered); !e.empty()) return bad(e);
     calls.emplace_back(mi->second, count);
   }
   return calls;

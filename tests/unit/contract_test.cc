@@ -11,6 +11,7 @@
 
 #include "shardcoord/classify.h"
 #include "shardcoord/decide.h"
+#include "shardcoord/plan_check.h"
 #include "shardcoord/types.h"
 
 namespace {
@@ -509,6 +510,27 @@ TEST(MicrobatchDecisionTest, FindReturnsModuleOrNull) {
   EXPECT_EQ(m->reason, DecisionReason::kDivergent);
   EXPECT_EQ(d.Find("model.audio"), nullptr);
   EXPECT_EQ(d.Find(""), nullptr);
+}
+
+}  // namespace
+
+namespace {
+
+TEST(PlanCheckTest, KeysAndCallsAreCheckedTheSameWayOnBothSides) {
+  using shardcoord::CheckPlanCall;
+  using shardcoord::CheckPlanKey;
+  EXPECT_EQ(CheckPlanKey({0, 0}), "");
+  EXPECT_EQ(CheckPlanKey({-1, 0}), "step and microbatch must be >= 0");
+  EXPECT_EQ(CheckPlanKey({0, -2}), "step and microbatch must be >= 0");
+  EXPECT_EQ(CheckPlanCall("visual", 2, true, {}), "");
+  EXPECT_EQ(CheckPlanCall("visual", -3, true, {}), "module 'visual' has -3 calls; calls must be >= 0");
+  EXPECT_EQ(CheckPlanCall("vison", 1, false, {"visual", "audio_tower"}),
+            "names unknown module 'vison'; the registered controlled modules are [visual, audio_tower]");
+  std::vector<std::string> many;
+  for (int i = 0; i < 20; ++i) many.push_back("m" + std::to_string(i));
+  const std::string long_list = CheckPlanCall("x", 1, false, many);
+  EXPECT_NE(long_list.find("m15, ... (4 more)]"), std::string::npos) << long_list;
+  EXPECT_EQ(long_list.find("m16"), std::string::npos) << "at most 16 named";
 }
 
 }  // namespace

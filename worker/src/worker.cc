@@ -2,6 +2,7 @@
 
 #include "communicator_internal.h"
 #include "decision_queue.h"
+#include "shardcoord/plan_check.h"
 
 #include <grpcpp/grpcpp.h>
 #include <signal.h>
@@ -66,7 +67,10 @@ class Worker::Impl {
  public:
   explicit Impl(WorkerOptions options) : options_(std::move(options)) {
     log_ = logging::Get("worker");
-    for (const auto& m : options_.modules) module_names_.insert(m.name);
+    for (const auto& m : options_.modules) {
+      module_names_.insert(m.name);
+      module_list_.push_back(m.name);  // Registration order, for messages.
+    }
   }
 
   ~Impl() { Close(kDefaultCloseTimeout); }
@@ -134,6 +138,7 @@ class Worker::Impl {
   const WorkerOptions options_;
   std::shared_ptr<spdlog::logger> log_;
   std::set<std::string> module_names_;
+  std::vector<std::string> module_list_;
   std::string address_;
 
   std::shared_ptr<grpc::Channel> channel_;
@@ -461,18 +466,14 @@ void Worker::Impl::WriterLoop() {
 
 absl::Status Worker::Impl::ReportPlan(const MicrobatchPlan& plan) {
   const std::string where = absl::StrCat("plan ", plan.key.ToString(), " (", Prefix(), ")");
-  if (plan.key.step < 0 || plan.key.microbatch < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(where, ": step and microbatch must be >= 0"));
-  }
+  // The same checks as the coordinator's (contract/plan_check.h), before anything is sent.
+  auto bad = [&](const std::string& what) { return absl::InvalidArgumentError(absl::StrCat(where, ": ", what)); };
+  if (std::string e = CheckPlanKey(plan.key); !e.empty()) return bad(e);
   for (const auto& [name, calls] : plan.calls) {
-    if (!module_names_.count(name)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          where, " names unknown module '", name, "'; the registered controlled modules are [",
-          absl::StrJoin(module_names_, ", "), "]"));
-    }
-    if (calls < 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(where, ": module '", name, "' has ", calls, " calls; must be >= 0"));
+    const bool known = module_names_.count(name) > 0;
+    if (std::string e = CheckPlanCall(name, calls, known, known ? std::vector<std::string>{} : module_list_);
+        !e.empty()) {
+      return bad(e);
     }
   }
   absl::MutexLock lock(&mu_);

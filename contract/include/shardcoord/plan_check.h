@@ -1,0 +1,27 @@
+// What makes a plan well formed (DESIGN 3, "Bad input"), checked the same way by the worker
+// (before it sends) and by the coordinator (when it receives). Each function returns "" when
+// the part is well formed, else what is wrong; callers say which plan and rank it is and
+// answer INVALID_ARGUMENT.
+#ifndef SHARDCOORD_PLAN_CHECK_H_
+#define SHARDCOORD_PLAN_CHECK_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "shardcoord/export.h"
+#include "shardcoord/types.h"
+
+namespace shardcoord {
+
+// Keys are (step, microbatch), both >= 0.
+SHARDCOORD_EXPORT std::string CheckPlanKey(const MicrobatchKey& key);
+
+// One entry of a plan: `module` must be registered (`known`; `registered` lists them for the
+// message, at most 16 named) and `calls` >= 0.
+SHARDCOORD_EXPORT std::string CheckPlanCall(const std::string& module, int64_t calls, bool known,
+                                            const std::vector<std::string>& registered);
+
+}  // namespace shardcoord
+
+#endif  // SHARDCOORD_PLAN_CHECK_H_
