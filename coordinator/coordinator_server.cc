@@ -349,7 +349,8 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   size_t colon = listen.rfind(':');
   server->address_ = absl::StrCat(listen.substr(0, colon), ":", server->port_);
   server->core_->SetBoundAddress(server->address_);
-  server->ticker_ = std::thread([s = server.get()] { s->TickLoop(); });
+  server->ticker_ = std::make_unique<Ticker>(server->core_.get());
+  server->ticker_->Start();
   server->on_listener_lost_ = std::move(on_listener_lost);
   if (options.limits.self_check_interval > absl::ZeroDuration()) {
     server->self_check_ = std::thread([s = server.get()] { s->SelfCheckLoop(); });
@@ -359,27 +360,6 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
 }
 
 CoordinatorServer::~CoordinatorServer() { Shutdown(absl::Milliseconds(200)); }
-
-void CoordinatorServer::TickLoop() {
-  const CoordinatorOptions& o = core_->options();
-  const absl::Duration period =
-      std::max(absl::Milliseconds(5), std::min(absl::Milliseconds(100), o.heartbeat_interval / 2));
-  // A gap between ticks this much longer than the heartbeat timeout allows means the daemon
-  // itself was not running (see CoordinatorCore::OnPaused).
-  const absl::Duration pause = o.heartbeat_timeout / 2;
-  absl::Time last = absl::Now();
-  absl::MutexLock lock(&mu_);
-  while (!stopping_) {
-    mu_.AwaitWithTimeout(absl::Condition(&stopping_), period);
-    if (stopping_) break;
-    mu_.Unlock();
-    const absl::Time now = absl::Now();
-    if (now - last > pause || now < last) core_->OnPaused(now - last);
-    last = now;
-    core_->Tick();
-    mu_.Lock();
-  }
-}
 
 namespace {
 
@@ -439,7 +419,7 @@ void CoordinatorServer::Shutdown(absl::Duration grace) {
     shut_down_ = true;
     stopping_ = true;
   }
-  if (ticker_.joinable()) ticker_.join();
+  if (ticker_) ticker_->Stop();
   if (self_check_.joinable()) self_check_.join();
   if (!server_) return;  // Never started serving.
   core_->Shutdown();

@@ -16,6 +16,7 @@
 #include "absl/synchronization/mutex.h"
 #include "clock.h"
 #include "coordinator_core.h"
+#include "ticker.h"
 #include "options.h"
 
 namespace grpc {
@@ -50,7 +51,6 @@ class CoordinatorServer {
 
  private:
   CoordinatorServer() = default;
-  void TickLoop();
   // Every self_check_interval: one query over a new connection to our own address. Three
   // failures in a row mean the listener is gone (gRPC 1.51 stops accepting for good after
   // accept() fails with EMFILE): says so with the descriptor count, calls on_listener_lost_.
@@ -61,7 +61,7 @@ class CoordinatorServer {
   std::unique_ptr<grpc::Server> server_;
   std::string address_;
   int port_ = 0;
-  std::thread ticker_;
+  std::unique_ptr<Ticker> ticker_;  // The core's deadlines and pause detection.
   std::thread self_check_;
   std::function<void(const std::string&)> on_listener_lost_;
   absl::Mutex mu_;
