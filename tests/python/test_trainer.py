@@ -194,6 +194,21 @@ def test_four_ranks_in_two_groups_with_skewed_media(trainer_daemon, tmp_path):
     assert decisions[0] != decisions[2], "the two groups decide independently (skewed media)"
 
 
+def start_long_run(daemon, tmp_path, job, world, group, procs, until_step, deadline_s):
+    """Starts `world` ranks of a long run into `procs` and returns once rank 0 printed
+    `until_step` (bounded by `deadline_s`; fails if a rank stops early)."""
+    for r in range(world):
+        argv = rank_argv(daemon, tmp_path, job, r, world, group, ["--media", "mixed", "--steps", "2000",
+                                                                  "--interval-ms", "10", "--collective-timeout", "60"])
+        procs.append(start(tmp_path, f"{job}-{r}", argv, {"SHARDCOORD_LOG_LEVEL": "error"}))
+    deadline = time.monotonic() + deadline_s
+    while f"step {until_step} " not in (tmp_path / f"{job}-0.out").read_text():
+        assert time.monotonic() < deadline, f"rank 0 did not reach step {until_step} in {deadline_s} s: " + \
+            (tmp_path / f"{job}-0.err").read_text()
+        assert all(p.poll() is None for p in procs), "a rank stopped early"
+        time.sleep(0.05)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["kill-9", "sigstop"])
 def test_a_lost_rank_stops_the_other_naming_it(daemon, tmp_path, sig):
     """kill -9: the session ends at once. SIGSTOP: the rank hangs with its sockets open, so only the
@@ -202,16 +217,7 @@ def test_a_lost_rank_stops_the_other_naming_it(daemon, tmp_path, sig):
     heartbeat_timeout = 1.5  # The `daemon` fixture's.
     procs = []
     try:
-        for r in range(2):
-            argv = rank_argv(daemon, tmp_path, "lost", r, 2, 2, ["--media", "mixed", "--steps", "2000",
-                                                                  "--interval-ms", "10", "--collective-timeout", "60"])
-            procs.append(start(tmp_path, f"lost-{r}", argv, {"SHARDCOORD_LOG_LEVEL": "error"}))
-        deadline = time.monotonic() + 60
-        while "step 20 " not in (tmp_path / "lost-0.out").read_text():
-            assert time.monotonic() < deadline, "rank 0 did not reach step 20 in 60 s: " + \
-                (tmp_path / "lost-0.err").read_text()
-            assert all(p.poll() is None for p in procs), "a rank stopped early"
-            time.sleep(0.05)
+        start_long_run(daemon, tmp_path, "lost", 2, 2, procs, until_step=20, deadline_s=60)
         procs[1].send_signal(sig)
         lost = time.monotonic()
         code = wait_code(procs[0], lost + heartbeat_timeout + 15)
@@ -233,16 +239,7 @@ def test_a_rank_hung_in_another_group_stops_the_whole_job_naming_it(daemon, tmp_
     heartbeat_timeout = 1.5  # The `daemon` fixture's.
     procs = []
     try:
-        for r in range(4):
-            argv = rank_argv(daemon, tmp_path, "lost4", r, 4, 2, ["--media", "mixed", "--steps", "2000",
-                                                                   "--interval-ms", "10", "--collective-timeout", "60"])
-            procs.append(start(tmp_path, f"lost4-{r}", argv, {"SHARDCOORD_LOG_LEVEL": "error"}))
-        deadline = time.monotonic() + 90
-        while "step 10 " not in (tmp_path / "lost4-0.out").read_text():
-            assert time.monotonic() < deadline, "rank 0 did not reach step 10 in 90 s: " + \
-                (tmp_path / "lost4-0.err").read_text()
-            assert all(p.poll() is None for p in procs), "a rank stopped early"
-            time.sleep(0.05)
+        start_long_run(daemon, tmp_path, "lost4", 4, 2, procs, until_step=10, deadline_s=90)
         procs[3].send_signal(signal.SIGSTOP)
         lost = time.monotonic()
         codes = [wait_code(p, lost + heartbeat_timeout + 20) for p in procs[:3]]
