@@ -10,13 +10,17 @@
 
 namespace shardcoord::coordinator {
 
-absl::Status ValidateRegisterRequest(const v1::RegisterRequest& req, const CoordinatorLimits& lim,
-                                     int max_lookahead) {
-  auto too_long = [&](const std::string& what, const std::string& value) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "register: ", what, " is ", value.size(), " bytes, over the coordinator's max_name_bytes (",
-        lim.max_name_bytes, "): '", value.substr(0, 32), "...'; use a shorter name or raise --max-name-bytes"));
-  };
+namespace {
+
+absl::Status TooLong(const CoordinatorLimits& lim, const std::string& what, const std::string& value) {
+  return absl::InvalidArgumentError(absl::StrCat(
+      "register: ", what, " is ", value.size(), " bytes, over the coordinator's max_name_bytes (",
+      lim.max_name_bytes, "): '", value.substr(0, 32), "...'; use a shorter name or raise --max-name-bytes"));
+}
+
+// Who is registering: job, host, world and group sizes, rank, memory budget.
+absl::Status ValidateIdentity(const v1::RegisterRequest& req, const CoordinatorLimits& lim) {
+  auto too_long = [&](const std::string& what, const std::string& value) { return TooLong(lim, what, value); };
   if (req.job_id().empty()) {
     return absl::InvalidArgumentError("register: job_id is empty; every rank of a job must "
                                       "send the same non-empty job id");
@@ -47,6 +51,12 @@ absl::Status ValidateRegisterRequest(const v1::RegisterRequest& req, const Coord
     return absl::InvalidArgumentError(absl::StrCat("register: rank ", req.rank(), " sent memory_budget_bytes ",
                                                    req.memory_budget_bytes(), "; it must be >= 0 (0: no budget)"));
   }
+  return absl::OkStatus();
+}
+
+// The controlled modules and their layer units.
+absl::Status ValidateManifest(const v1::RegisterRequest& req, const CoordinatorLimits& lim) {
+  auto too_long = [&](const std::string& what, const std::string& value) { return TooLong(lim, what, value); };
   if (req.modules_size() > lim.max_modules) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "register: rank ", req.rank(), " lists ", req.modules_size(),
@@ -96,6 +106,15 @@ absl::Status ValidateRegisterRequest(const v1::RegisterRequest& req, const Coord
       }
     }
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status ValidateRegisterRequest(const v1::RegisterRequest& req, const CoordinatorLimits& lim,
+                                     int max_lookahead) {
+  if (absl::Status s = ValidateIdentity(req, lim); !s.ok()) return s;
+  if (absl::Status s = ValidateManifest(req, lim); !s.ok()) return s;
   // One decision names every module and cannot be split: it must fit a worker's message.
   size_t decision_bytes = 64;
   for (const auto& m : req.modules()) decision_bytes += m.name().size() + 8;

@@ -131,6 +131,9 @@ class Worker::Impl {
     std::vector<std::pair<std::string, int64_t>> acks;
   };
   void Handle(const v1::CoordinatorMessage& msg, PendingAborts* aborts) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void OnRegistered(const v1::RegisterResponse& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void OnPlanRejected(const v1::PlanRejected& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void OnNotice(const v1::Notice& n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::string Prefix() const {
     return absl::StrCat("job=", options_.job_id, " rank=", options_.rank);
   }
@@ -311,38 +314,17 @@ void Worker::Impl::ReaderLoop() {
 
 void Worker::Impl::Handle(const v1::CoordinatorMessage& msg, PendingAborts* aborts) {
   switch (msg.kind_case()) {
-    case v1::CoordinatorMessage::kRegistered: {
-      const auto& r = msg.registered();
-      group_.group = r.group();
-      group_.ranks.assign(r.group_ranks().begin(), r.group_ranks().end());
-      group_.epoch = r.epoch();
-      group_.policy = FromProto(r.policy());
-      group_.fallback = FromProto(r.fallback());
-      group_.lookahead = r.lookahead();
-      group_.heartbeat_interval = absl::Milliseconds(r.heartbeat_interval_ms());
-      group_.warnings.assign(r.warnings().begin(), r.warnings().end());
-      registered_ = true;
+    case v1::CoordinatorMessage::kRegistered:
+      OnRegistered(msg.registered());
       break;
-    }
     case v1::CoordinatorMessage::kDecisions:
       for (const auto& pd : msg.decisions().decisions()) {
-        MicrobatchKey key{pd.step(), pd.microbatch()};
-        queue_.Decide(key, FromProto(pd));  // Ignored unless pending.
+        queue_.Decide({pd.step(), pd.microbatch()}, FromProto(pd));  // Ignored unless pending.
       }
       break;
-    case v1::CoordinatorMessage::kPlanRejected: {
-      const auto& r = msg.plan_rejected();
-      MicrobatchKey key{r.step(), r.microbatch()};
-      if (r.epoch() != group_.epoch) {
-        // Sent before the group failed, rejected after it re-formed: not about this epoch's plan.
-        log_->debug("{} step={} mb={} epoch {} plan rejected after re-forming: {}", Prefix(), key.step,
-                    key.microbatch, r.epoch(), r.message());
-        break;
-      }
-      log_->warn("{} step={} mb={} plan rejected: {}", Prefix(), key.step, key.microbatch, r.message());
-      queue_.Reject(key, MakeStatus(r.code(), r.message()));
+    case v1::CoordinatorMessage::kPlanRejected:
+      OnPlanRejected(msg.plan_rejected());
       break;
-    }
     case v1::CoordinatorMessage::kMicrobatchFailed: {
       const auto& f = msg.microbatch_failed();
       MicrobatchKey key{f.step(), f.microbatch()};
@@ -368,28 +350,53 @@ void Worker::Impl::Handle(const v1::CoordinatorMessage& msg, PendingAborts* abor
       aborts->acks.push_back({a.name(), a.epoch()});
       break;
     }
-    case v1::CoordinatorMessage::kNotice: {
-      const auto& n = msg.notice();
-      if (n.kind() == v1::Notice::KIND_GROUP_REFORMED) {
-        group_failure_.clear();
-        group_.epoch = n.epoch();
-        queue_.ResetKeys();  // Keys start afresh in the new epoch (the coordinator's rule).
-        log_->info("{} {}", Prefix(), n.message());
-      } else if (n.kind() == v1::Notice::KIND_RANK_LOST) {
-        if (job_failure_.empty()) {  // The first loss is the cause; later ones follow from it.
-          job_failure_ = absl::StrCat("rank ", n.rank(), " of another shard group of this job was lost: ",
-                                      n.message());
-        }
-        log_->error("{} {}", Prefix(), job_failure_);
-      } else if (n.kind() == v1::Notice::KIND_SHUTDOWN) {
-        session_status_ = absl::UnavailableError(absl::StrCat(
-            "coordinator at ", address_, " is shutting down (", Prefix(), ")"));
-        log_->warn("{} {}", Prefix(), n.message());
-      }
+    case v1::CoordinatorMessage::kNotice:
+      OnNotice(msg.notice());
       break;
-    }
     default:
       break;
+  }
+}
+
+void Worker::Impl::OnRegistered(const v1::RegisterResponse& r) {
+  group_.group = r.group();
+  group_.ranks.assign(r.group_ranks().begin(), r.group_ranks().end());
+  group_.epoch = r.epoch();
+  group_.policy = FromProto(r.policy());
+  group_.fallback = FromProto(r.fallback());
+  group_.lookahead = r.lookahead();
+  group_.heartbeat_interval = absl::Milliseconds(r.heartbeat_interval_ms());
+  group_.warnings.assign(r.warnings().begin(), r.warnings().end());
+  registered_ = true;
+}
+
+void Worker::Impl::OnPlanRejected(const v1::PlanRejected& r) {
+  MicrobatchKey key{r.step(), r.microbatch()};
+  if (r.epoch() != group_.epoch) {
+    // Sent before the group failed, rejected after it re-formed: not about this epoch's plan.
+    log_->debug("{} step={} mb={} epoch {} plan rejected after re-forming: {}", Prefix(), key.step,
+                key.microbatch, r.epoch(), r.message());
+    return;
+  }
+  log_->warn("{} step={} mb={} plan rejected: {}", Prefix(), key.step, key.microbatch, r.message());
+  queue_.Reject(key, MakeStatus(r.code(), r.message()));
+}
+
+void Worker::Impl::OnNotice(const v1::Notice& n) {
+  if (n.kind() == v1::Notice::KIND_GROUP_REFORMED) {
+    group_failure_.clear();
+    group_.epoch = n.epoch();
+    queue_.ResetKeys();  // Keys start afresh in the new epoch (the coordinator's rule).
+    log_->info("{} {}", Prefix(), n.message());
+  } else if (n.kind() == v1::Notice::KIND_RANK_LOST) {
+    if (job_failure_.empty()) {  // The first loss is the cause; later ones follow from it.
+      job_failure_ = absl::StrCat("rank ", n.rank(), " of another shard group of this job was lost: ", n.message());
+    }
+    log_->error("{} {}", Prefix(), job_failure_);
+  } else if (n.kind() == v1::Notice::KIND_SHUTDOWN) {
+    session_status_ =
+        absl::UnavailableError(absl::StrCat("coordinator at ", address_, " is shutting down (", Prefix(), ")"));
+    log_->warn("{} {}", Prefix(), n.message());
   }
 }
 
