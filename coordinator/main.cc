@@ -52,111 +52,94 @@ void RaiseFileLimit() {
              lim.rlim_cur > 64 ? lim.rlim_cur - 64 : 0);
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  CLI::App app{"shardcoordd: coordinator for frozen multimodal FSDP sharding decisions"};
+// Command-line flags; an unset one keeps the config file's (or the built-in) value.
+struct Flags {
   std::string config_file;
   std::string listen, policy, fallback, log_level, address_file;
-  // Unset flags keep the config file's (or the built-in) value.
   std::optional<int64_t> hb_interval_ms, hb_timeout_ms, plan_timeout_ms, behind_threshold_ms;
   std::optional<int> max_lookahead, promote_window, promote_threshold, demote_threshold, event_capacity,
       decision_history, max_world_size, max_total_ranks, max_jobs, max_modules, max_units, max_name_bytes, max_pending;
   std::optional<int64_t> max_outbox_bytes, job_retention_ms, handshake_timeout_ms, self_check_ms;
-  app.add_option("--config", config_file,
+};
+
+void AddFlags(CLI::App& app, Flags& f) {
+  app.add_option("--config", f.config_file,
                  "YAML config file (keys as in README 'shardcoordd configuration' and deploy/config)")
       ->check(CLI::ExistingFile);
-  app.add_option("--listen", listen, "address to serve on, HOST:PORT (port 0 picks a free port)")
+  app.add_option("--listen", f.listen, "address to serve on, HOST:PORT (port 0 picks a free port)")
       ->envname("SHARDCOORD_LISTEN");
-  app.add_option("--default-policy", policy, "policy for ranks that send none")
+  app.add_option("--default-policy", f.policy, "policy for ranks that send none")
       ->check(CLI::IsMember({"auto", "per_layer", "root", "replicate"}));
-  app.add_option("--default-fallback", fallback, "fallback for ranks that send none")
+  app.add_option("--default-fallback", f.fallback, "fallback for ranks that send none")
       ->check(CLI::IsMember({"root", "replicate"}));
-  app.add_option("--heartbeat-interval-ms", hb_interval_ms, "heartbeat interval told to workers");
-  app.add_option("--heartbeat-timeout-ms", hb_timeout_ms, "silence after which a rank is dead");
-  app.add_option("--plan-timeout-ms", plan_timeout_ms,
+  app.add_option("--heartbeat-interval-ms", f.hb_interval_ms, "heartbeat interval told to workers");
+  app.add_option("--heartbeat-timeout-ms", f.hb_timeout_ms, "silence after which a rank is dead");
+  app.add_option("--plan-timeout-ms", f.plan_timeout_ms,
                  "how long a microbatch may wait for the plans of missing ranks");
-  app.add_option("--max-lookahead", max_lookahead, "largest lookahead a rank may register");
-  app.add_option("--behind-threshold-ms", behind_threshold_ms,
+  app.add_option("--max-lookahead", f.max_lookahead, "largest lookahead a rank may register");
+  app.add_option("--behind-threshold-ms", f.behind_threshold_ms,
                  "name a rank as behind once others waited this long in a collective it has not issued");
-  app.add_option("--promote-window", promote_window, "auto promotion: microbatches considered");
-  app.add_option("--promote-threshold", promote_threshold,
+  app.add_option("--promote-window", f.promote_window, "auto promotion: microbatches considered");
+  app.add_option("--promote-threshold", f.promote_threshold,
                  "auto promotion: microbatches in the window that gather the module, to promote");
-  app.add_option("--demote-threshold", demote_threshold,
+  app.add_option("--demote-threshold", f.demote_threshold,
                  "auto promotion: at most this many gathering microbatches in a full window demotes");
-  app.add_option("--event-capacity", event_capacity, "events kept for shardctl events");
-  app.add_option("--decision-history", decision_history, "decisions kept per group for shardctl decisions");
-  app.add_option("--max-world-size", max_world_size, "most ranks one job may have");
-  app.add_option("--max-total-ranks", max_total_ranks, "most ranks of all jobs held at once");
-  app.add_option("--max-jobs", max_jobs, "most jobs held at once (finished ones until evicted)");
-  app.add_option("--max-modules", max_modules, "most controlled modules in a manifest");
-  app.add_option("--max-units-per-module", max_units, "most layer units of one module");
-  app.add_option("--max-name-bytes", max_name_bytes, "longest job id, module, unit or host name");
-  app.add_option("--max-pending-microbatches", max_pending,
+  app.add_option("--event-capacity", f.event_capacity, "events kept for shardctl events");
+  app.add_option("--decision-history", f.decision_history, "decisions kept per group for shardctl decisions");
+  app.add_option("--max-world-size", f.max_world_size, "most ranks one job may have");
+  app.add_option("--max-total-ranks", f.max_total_ranks, "most ranks of all jobs held at once");
+  app.add_option("--max-jobs", f.max_jobs, "most jobs held at once (finished ones until evicted)");
+  app.add_option("--max-modules", f.max_modules, "most controlled modules in a manifest");
+  app.add_option("--max-units-per-module", f.max_units, "most layer units of one module");
+  app.add_option("--max-name-bytes", f.max_name_bytes, "longest job id, module, unit or host name");
+  app.add_option("--max-pending-microbatches", f.max_pending,
                  "per group: most microbatches reported by some ranks and not yet by all");
-  app.add_option("--max-outbox-bytes", max_outbox_bytes,
+  app.add_option("--max-outbox-bytes", f.max_outbox_bytes,
                  "per rank: most bytes queued for a rank that does not read; over it the rank is failed");
-  app.add_option("--job-retention-ms", job_retention_ms, "forget a job this long after its last rank ended");
-  app.add_option("--handshake-timeout-ms", handshake_timeout_ms,
+  app.add_option("--job-retention-ms", f.job_retention_ms, "forget a job this long after its last rank ended");
+  app.add_option("--handshake-timeout-ms", f.handshake_timeout_ms,
                  "close connections that have not completed the HTTP/2 handshake by then");
-  app.add_option("--self-check-interval-ms", self_check_ms,
+  app.add_option("--self-check-interval-ms", f.self_check_ms,
                  "check this often that the listener still accepts connections (0: never)");
-  app.add_option("--log-level", log_level, "trace, debug, info, warn, error")
+  app.add_option("--log-level", f.log_level, "trace, debug, info, warn, error")
       ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "off"}));
-  app.add_option("--address-file", address_file,
+  app.add_option("--address-file", f.address_file,
                  "write the bound HOST:PORT here once serving (for --listen ...:0)");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    // --help and --version exit 0; every usage error exits 2, as documented.
-    return app.exit(e) == 0 ? 0 : 2;
-  }
+}
 
-  CoordinatorOptions options;
-  if (!config_file.empty()) {
-    auto loaded = shardcoord::coordinator::LoadConfigFile(config_file, options);
-    if (!loaded.ok()) {
-      std::cerr << "shardcoordd: " << loaded.status().message() << "\n";
-      return 2;
-    }
-    options = *loaded;
-  }
-  if (!listen.empty()) options.listen_address = listen;
-  if (!policy.empty()) options.default_policy = *shardcoord::ParsePolicy(policy);
-  if (!fallback.empty()) options.default_fallback = *shardcoord::ParseFallback(fallback);
-  if (hb_interval_ms) options.heartbeat_interval = absl::Milliseconds(*hb_interval_ms);
-  if (hb_timeout_ms) options.heartbeat_timeout = absl::Milliseconds(*hb_timeout_ms);
-  if (plan_timeout_ms) options.plan_timeout = absl::Milliseconds(*plan_timeout_ms);
-  if (max_lookahead) options.max_lookahead = *max_lookahead;
-  if (behind_threshold_ms) options.behind_threshold = absl::Milliseconds(*behind_threshold_ms);
-  if (promote_window) options.promotion.window = *promote_window;
-  if (promote_threshold) options.promotion.promote_threshold = *promote_threshold;
-  if (demote_threshold) options.promotion.demote_threshold = *demote_threshold;
-  if (event_capacity) options.event_capacity = *event_capacity;
-  if (decision_history) options.decision_history = *decision_history;
-  if (max_world_size) options.limits.max_world_size = *max_world_size;
-  if (max_jobs) options.limits.max_jobs = *max_jobs;
-  if (max_total_ranks) options.limits.max_total_ranks = *max_total_ranks;
-  if (max_modules) options.limits.max_modules = *max_modules;
-  if (max_units) options.limits.max_units_per_module = *max_units;
-  if (max_name_bytes) options.limits.max_name_bytes = *max_name_bytes;
-  if (max_pending) options.limits.max_pending_microbatches = *max_pending;
-  if (max_outbox_bytes) options.limits.max_outbox_bytes = *max_outbox_bytes;
-  if (job_retention_ms) options.limits.job_retention = absl::Milliseconds(*job_retention_ms);
-  if (handshake_timeout_ms) options.limits.handshake_timeout = absl::Milliseconds(*handshake_timeout_ms);
-  if (self_check_ms) options.limits.self_check_interval = absl::Milliseconds(*self_check_ms);
-  if (!log_level.empty()) options.log_level = log_level;
-  if (!address_file.empty()) options.address_file = address_file;
-  if (!shardcoord::logging::SetLevel(options.log_level)) {
-    std::cerr << "shardcoordd: unknown log level '" << options.log_level
-              << "'; use trace, debug, info, warn, error or off\n";
-    return 2;
-  }
-  if (absl::Status s = shardcoord::coordinator::ValidateOptions(options); !s.ok()) {
-    std::cerr << "shardcoordd: " << s.message() << "\n";
-    return 2;
-  }
+// Flags win over the config file.
+void ApplyFlags(const Flags& f, CoordinatorOptions& options) {
+  if (!f.listen.empty()) options.listen_address = f.listen;
+  if (!f.policy.empty()) options.default_policy = *shardcoord::ParsePolicy(f.policy);
+  if (!f.fallback.empty()) options.default_fallback = *shardcoord::ParseFallback(f.fallback);
+  if (f.hb_interval_ms) options.heartbeat_interval = absl::Milliseconds(*f.hb_interval_ms);
+  if (f.hb_timeout_ms) options.heartbeat_timeout = absl::Milliseconds(*f.hb_timeout_ms);
+  if (f.plan_timeout_ms) options.plan_timeout = absl::Milliseconds(*f.plan_timeout_ms);
+  if (f.max_lookahead) options.max_lookahead = *f.max_lookahead;
+  if (f.behind_threshold_ms) options.behind_threshold = absl::Milliseconds(*f.behind_threshold_ms);
+  if (f.promote_window) options.promotion.window = *f.promote_window;
+  if (f.promote_threshold) options.promotion.promote_threshold = *f.promote_threshold;
+  if (f.demote_threshold) options.promotion.demote_threshold = *f.demote_threshold;
+  if (f.event_capacity) options.event_capacity = *f.event_capacity;
+  if (f.decision_history) options.decision_history = *f.decision_history;
+  if (f.max_world_size) options.limits.max_world_size = *f.max_world_size;
+  if (f.max_jobs) options.limits.max_jobs = *f.max_jobs;
+  if (f.max_total_ranks) options.limits.max_total_ranks = *f.max_total_ranks;
+  if (f.max_modules) options.limits.max_modules = *f.max_modules;
+  if (f.max_units) options.limits.max_units_per_module = *f.max_units;
+  if (f.max_name_bytes) options.limits.max_name_bytes = *f.max_name_bytes;
+  if (f.max_pending) options.limits.max_pending_microbatches = *f.max_pending;
+  if (f.max_outbox_bytes) options.limits.max_outbox_bytes = *f.max_outbox_bytes;
+  if (f.job_retention_ms) options.limits.job_retention = absl::Milliseconds(*f.job_retention_ms);
+  if (f.handshake_timeout_ms) options.limits.handshake_timeout = absl::Milliseconds(*f.handshake_timeout_ms);
+  if (f.self_check_ms) options.limits.self_check_interval = absl::Milliseconds(*f.self_check_ms);
+  if (!f.log_level.empty()) options.log_level = f.log_level;
+  if (!f.address_file.empty()) options.address_file = f.address_file;
+}
 
+// Serves until SIGTERM or SIGINT. Exit codes: 0 stopped, 1 cannot write the address file,
+// 2 cannot listen.
+int Serve(const CoordinatorOptions& options) {
   RaiseFileLimit();
 
   // Abseil's deadlock detector (on in Debian's build) costs a graph update per lock.
@@ -198,4 +181,39 @@ int main(int argc, char** argv) {
   log->info("signal={} shutting down", sig == SIGTERM ? "SIGTERM" : "SIGINT");
   (*server)->Shutdown();
   return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"shardcoordd: coordinator for frozen multimodal FSDP sharding decisions"};
+  Flags f;
+  AddFlags(app, f);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    // --help and --version exit 0; every usage error exits 2, as documented.
+    return app.exit(e) == 0 ? 0 : 2;
+  }
+
+  CoordinatorOptions options;
+  if (!f.config_file.empty()) {
+    auto loaded = shardcoord::coordinator::LoadConfigFile(f.config_file, options);
+    if (!loaded.ok()) {
+      std::cerr << "shardcoordd: " << loaded.status().message() << "\n";
+      return 2;
+    }
+    options = *loaded;
+  }
+  ApplyFlags(f, options);
+  if (!shardcoord::logging::SetLevel(options.log_level)) {
+    std::cerr << "shardcoordd: unknown log level '" << options.log_level
+              << "'; use trace, debug, info, warn, error or off\n";
+    return 2;
+  }
+  if (absl::Status s = shardcoord::coordinator::ValidateOptions(options); !s.ok()) {
+    std::cerr << "shardcoordd: " << s.message() << "\n";
+    return 2;
+  }
+  return Serve(options);
 }
