@@ -16,7 +16,6 @@ MicrobatchDecision DecisionEngine::Decide(const MicrobatchKey& key, int64_t epoc
   d.seq = next_seq_++;
   d.epoch = epoch;
   d.modules.reserve(config_.modules.size());
-  const PromotionOptions& promo = config_.promotion;
   for (size_t m = 0; m < config_.modules.size(); ++m) {
     const ModuleSpec& spec = config_.modules[m];
     ModuleState& st = state_[m];
@@ -42,47 +41,53 @@ MicrobatchDecision DecisionEngine::Decide(const MicrobatchKey& key, int64_t epoc
     }
     d.modules.push_back(std::move(md));
 
-    // The history counts microbatches in which the contract would gather the module
-    // (per_layer or root: some rank runs it), whatever was decided. A replica saves the whole
-    // gather in each of them, not only in divergent ones: on 2 x H200 with a 0.63 B tower,
-    // replicate was 15 % faster than per_layer even when every rank had images
-    // (docs/GPU.md, the policy matrix).
-    const bool gathers = rule.decision == Decision::kPerLayer || rule.decision == Decision::kRoot;
-    st.recent_gathers.push_back(gathers);
-    st.gathers_in_window += gathers ? 1 : 0;
-    if (static_cast<int>(st.recent_gathers.size()) > promo.window) {
-      st.gathers_in_window -= st.recent_gathers.front() ? 1 : 0;
-      st.recent_gathers.pop_front();
-    }
-
-    const bool can_promote = config_.policy == Policy::kAuto && !st.sticky_replicate &&
-                             config_.min_memory_budget_bytes > 0 &&
-                             spec.param_bytes <= config_.min_memory_budget_bytes;
-    if (can_promote && !st.promoted && st.gathers_in_window >= promo.promote_threshold) {
-      st.promoted = true;
-      if (transitions) {
-        transitions->push_back(
-            {spec.name, "promoted",
-             absl::StrCat(st.gathers_in_window, " of the last ", st.recent_gathers.size(),
-                          " microbatches gathered it (threshold ", promo.promote_threshold,
-                          "); replicated from the microbatch after ", key.ToString(), " (",
-                          spec.param_bytes, " bytes fit every rank's budget of ",
-                          config_.min_memory_budget_bytes, ")")});
-      }
-    } else if (st.promoted && static_cast<int>(st.recent_gathers.size()) == promo.window &&
-               st.gathers_in_window <= promo.demote_threshold) {
-      st.promoted = false;
-      if (transitions) {
-        transitions->push_back(
-            {spec.name, "demoted",
-             absl::StrCat(st.gathers_in_window, " of the last ", promo.window,
-                          " microbatches gathered it; decided per microbatch again after ",
-                          key.ToString())});
-      }
-    }
+    UpdatePromotion(spec, st, rule.decision, key, transitions);
   }
   d.digest = DecisionDigest(d);
   return d;
+}
+
+void DecisionEngine::UpdatePromotion(const ModuleSpec& spec, ModuleState& st, Decision rule_decision,
+                                     const MicrobatchKey& key, std::vector<EngineTransition>* transitions) {
+  const PromotionOptions& promo = config_.promotion;
+  // The history counts microbatches in which the contract would gather the module
+  // (per_layer or root: some rank runs it), whatever was decided. A replica saves the whole
+  // gather in each of them, not only in divergent ones: on 2 x H200 with a 0.63 B tower,
+  // replicate was 15 % faster than per_layer even when every rank had images
+  // (docs/GPU.md, the policy matrix).
+  const bool gathers = rule_decision == Decision::kPerLayer || rule_decision == Decision::kRoot;
+  st.recent_gathers.push_back(gathers);
+  st.gathers_in_window += gathers ? 1 : 0;
+  if (static_cast<int>(st.recent_gathers.size()) > promo.window) {
+    st.gathers_in_window -= st.recent_gathers.front() ? 1 : 0;
+    st.recent_gathers.pop_front();
+  }
+
+  const bool can_promote = config_.policy == Policy::kAuto && !st.sticky_replicate &&
+                           config_.min_memory_budget_bytes > 0 &&
+                           spec.param_bytes <= config_.min_memory_budget_bytes;
+  if (can_promote && !st.promoted && st.gathers_in_window >= promo.promote_threshold) {
+    st.promoted = true;
+    if (transitions) {
+      transitions->push_back(
+          {spec.name, "promoted",
+           absl::StrCat(st.gathers_in_window, " of the last ", st.recent_gathers.size(),
+                        " microbatches gathered it (threshold ", promo.promote_threshold,
+                        "); replicated from the microbatch after ", key.ToString(), " (",
+                        spec.param_bytes, " bytes fit every rank's budget of ",
+                        config_.min_memory_budget_bytes, ")")});
+    }
+  } else if (st.promoted && static_cast<int>(st.recent_gathers.size()) == promo.window &&
+             st.gathers_in_window <= promo.demote_threshold) {
+    st.promoted = false;
+    if (transitions) {
+      transitions->push_back(
+          {spec.name, "demoted",
+           absl::StrCat(st.gathers_in_window, " of the last ", promo.window,
+                        " microbatches gathered it; decided per microbatch again after ",
+                        key.ToString())});
+    }
+  }
 }
 
 MicrobatchDecision DecisionEngine::DecideStatic(const MicrobatchKey& key, int64_t epoch,

@@ -70,6 +70,11 @@ class DecisionEngine {
     int gathers_in_window = 0;
   };
 
+  // `auto` promotion (DESIGN 3): counts the microbatches the contract would gather and
+  // promotes or demotes the module, recording the transition.
+  void UpdatePromotion(const ModuleSpec& spec, ModuleState& st, Decision rule_decision, const MicrobatchKey& key,
+                       std::vector<EngineTransition>* transitions);
+
   EngineConfig config_;
   std::vector<ModuleState> state_;  // Parallel to config_.modules.
   uint64_t next_seq_ = 0;
