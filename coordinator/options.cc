@@ -12,7 +12,9 @@
 
 namespace shardcoord::coordinator {
 
-absl::Status ValidateOptions(const CoordinatorOptions& o) {
+namespace {
+
+absl::Status ValidateListen(const CoordinatorOptions& o) {
   {
     const std::string& a = o.listen_address;
     const size_t colon = a.rfind(':');
@@ -26,12 +28,12 @@ absl::Status ValidateOptions(const CoordinatorOptions& o) {
           "0.0.0.0:7871, [::]:7871; port 0 picks a free one)"));
     }
   }
-  if (o.default_policy == Policy::kUnspecified) {
-    return absl::InvalidArgumentError("default policy must be auto, per_layer, root or replicate");
-  }
-  if (o.default_fallback == Fallback::kUnspecified) {
-    return absl::InvalidArgumentError("default fallback must be root or replicate");
-  }
+  return absl::OkStatus();
+}
+
+// Every duration at most 24 h and > 0 where zero makes no sense; the heartbeat timeout at
+// least twice the interval.
+absl::Status ValidateDurations(const CoordinatorOptions& o) {
   for (const auto& [name, d] : std::vector<std::pair<const char*, absl::Duration>>{
            {"heartbeat interval", o.heartbeat_interval},
            {"heartbeat timeout", o.heartbeat_timeout},
@@ -57,10 +59,15 @@ absl::Status ValidateOptions(const CoordinatorOptions& o) {
   if (o.plan_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("plan timeout must be > 0 ms");
   }
-  if (o.max_lookahead < 1) return absl::InvalidArgumentError("max lookahead must be >= 1");
   if (o.behind_threshold <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("behind threshold must be > 0 ms");
   }
+  return absl::OkStatus();
+}
+
+// Counts and limits: each >= 1, the promotion thresholds consistent.
+absl::Status ValidateCounts(const CoordinatorOptions& o) {
+  if (o.max_lookahead < 1) return absl::InvalidArgumentError("max lookahead must be >= 1");
   if (o.promotion.window < 1 || o.promotion.promote_threshold < 1 ||
       o.promotion.promote_threshold > o.promotion.window ||
       o.promotion.demote_threshold < 0 ||
@@ -95,6 +102,76 @@ absl::Status ValidateOptions(const CoordinatorOptions& o) {
   }
   return absl::OkStatus();
 }
+
+}  // namespace
+
+absl::Status ValidateOptions(const CoordinatorOptions& o) {
+  if (absl::Status s = ValidateListen(o); !s.ok()) return s;
+  if (o.default_policy == Policy::kUnspecified) {
+    return absl::InvalidArgumentError("default policy must be auto, per_layer, root or replicate");
+  }
+  if (o.default_fallback == Fallback::kUnspecified) {
+    return absl::InvalidArgumentError("default fallback must be root or replicate");
+  }
+  if (absl::Status s = ValidateDurations(o); !s.ok()) return s;
+  return ValidateCounts(o);
+}
+
+namespace {
+
+// One key of the config file into the options (the key is known). Throws YAML::Exception on
+// a value of the wrong type.
+absl::Status ApplyConfigKey(const std::string& path, const std::string& key, const YAML::Node& v,
+                            CoordinatorOptions& o) {
+  if (key == "listen") o.listen_address = v.as<std::string>();
+  if (key == "default_policy") {
+    auto p = ParsePolicy(v.as<std::string>());
+    if (!p) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "config file ", path, ": default_policy '", v.as<std::string>(),
+          "' is not one of auto, per_layer, root, replicate"));
+    }
+    o.default_policy = *p;
+  }
+  if (key == "default_fallback") {
+    auto f = ParseFallback(v.as<std::string>());
+    if (!f) {
+      return absl::InvalidArgumentError(absl::StrCat("config file ", path,
+                                                     ": default_fallback '",
+                                                     v.as<std::string>(),
+                                                     "' is not one of root, replicate"));
+    }
+    o.default_fallback = *f;
+  }
+  if (key == "heartbeat_interval_ms") o.heartbeat_interval = absl::Milliseconds(v.as<int64_t>());
+  if (key == "heartbeat_timeout_ms") o.heartbeat_timeout = absl::Milliseconds(v.as<int64_t>());
+  if (key == "plan_timeout_ms") o.plan_timeout = absl::Milliseconds(v.as<int64_t>());
+  if (key == "max_lookahead") o.max_lookahead = v.as<int>();
+  if (key == "behind_threshold_ms") o.behind_threshold = absl::Milliseconds(v.as<int64_t>());
+  if (key == "promote_window") o.promotion.window = v.as<int>();
+  if (key == "promote_threshold") o.promotion.promote_threshold = v.as<int>();
+  if (key == "demote_threshold") o.promotion.demote_threshold = v.as<int>();
+  if (key == "event_capacity") o.event_capacity = v.as<int>();
+  if (key == "decision_history") o.decision_history = v.as<int>();
+  if (key == "log_level") o.log_level = v.as<std::string>();
+  if (key == "address_file") o.address_file = v.as<std::string>();
+  if (key == "max_world_size") o.limits.max_world_size = v.as<int>();
+  if (key == "max_jobs") o.limits.max_jobs = v.as<int>();
+  if (key == "max_total_ranks") o.limits.max_total_ranks = v.as<int>();
+  if (key == "max_modules") o.limits.max_modules = v.as<int>();
+  if (key == "max_units_per_module") o.limits.max_units_per_module = v.as<int>();
+  if (key == "max_name_bytes") o.limits.max_name_bytes = v.as<int>();
+  if (key == "max_pending_microbatches") o.limits.max_pending_microbatches = v.as<int>();
+  if (key == "max_outbox_bytes") o.limits.max_outbox_bytes = v.as<int64_t>();
+  if (key == "job_retention_ms") o.limits.job_retention = absl::Milliseconds(v.as<int64_t>());
+  if (key == "handshake_timeout_ms") o.limits.handshake_timeout = absl::Milliseconds(v.as<int64_t>());
+  if (key == "self_check_interval_ms") {
+    o.limits.self_check_interval = absl::Milliseconds(v.as<int64_t>());
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
 
 absl::StatusOr<CoordinatorOptions> LoadConfigFile(const std::string& path,
                                                   CoordinatorOptions o) {
@@ -132,53 +209,8 @@ absl::StatusOr<CoordinatorOptions> LoadConfigFile(const std::string& path,
                                                      "'; accepted keys: ",
                                                      absl::StrJoin(kKeys, ", ")));
     }
-    const YAML::Node& v = kv.second;
     try {
-      if (key == "listen") o.listen_address = v.as<std::string>();
-      if (key == "default_policy") {
-        auto p = ParsePolicy(v.as<std::string>());
-        if (!p) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              "config file ", path, ": default_policy '", v.as<std::string>(),
-              "' is not one of auto, per_layer, root, replicate"));
-        }
-        o.default_policy = *p;
-      }
-      if (key == "default_fallback") {
-        auto f = ParseFallback(v.as<std::string>());
-        if (!f) {
-          return absl::InvalidArgumentError(absl::StrCat("config file ", path,
-                                                         ": default_fallback '",
-                                                         v.as<std::string>(),
-                                                         "' is not one of root, replicate"));
-        }
-        o.default_fallback = *f;
-      }
-      if (key == "heartbeat_interval_ms") o.heartbeat_interval = absl::Milliseconds(v.as<int64_t>());
-      if (key == "heartbeat_timeout_ms") o.heartbeat_timeout = absl::Milliseconds(v.as<int64_t>());
-      if (key == "plan_timeout_ms") o.plan_timeout = absl::Milliseconds(v.as<int64_t>());
-      if (key == "max_lookahead") o.max_lookahead = v.as<int>();
-      if (key == "behind_threshold_ms") o.behind_threshold = absl::Milliseconds(v.as<int64_t>());
-      if (key == "promote_window") o.promotion.window = v.as<int>();
-      if (key == "promote_threshold") o.promotion.promote_threshold = v.as<int>();
-      if (key == "demote_threshold") o.promotion.demote_threshold = v.as<int>();
-      if (key == "event_capacity") o.event_capacity = v.as<int>();
-      if (key == "decision_history") o.decision_history = v.as<int>();
-      if (key == "log_level") o.log_level = v.as<std::string>();
-      if (key == "address_file") o.address_file = v.as<std::string>();
-      if (key == "max_world_size") o.limits.max_world_size = v.as<int>();
-      if (key == "max_jobs") o.limits.max_jobs = v.as<int>();
-      if (key == "max_total_ranks") o.limits.max_total_ranks = v.as<int>();
-      if (key == "max_modules") o.limits.max_modules = v.as<int>();
-      if (key == "max_units_per_module") o.limits.max_units_per_module = v.as<int>();
-      if (key == "max_name_bytes") o.limits.max_name_bytes = v.as<int>();
-      if (key == "max_pending_microbatches") o.limits.max_pending_microbatches = v.as<int>();
-      if (key == "max_outbox_bytes") o.limits.max_outbox_bytes = v.as<int64_t>();
-      if (key == "job_retention_ms") o.limits.job_retention = absl::Milliseconds(v.as<int64_t>());
-      if (key == "handshake_timeout_ms") o.limits.handshake_timeout = absl::Milliseconds(v.as<int64_t>());
-      if (key == "self_check_interval_ms") {
-        o.limits.self_check_interval = absl::Milliseconds(v.as<int64_t>());
-      }
+      if (absl::Status s = ApplyConfigKey(path, key, kv.second, o); !s.ok()) return s;
     } catch (const YAML::Exception& e) {
       return absl::InvalidArgumentError(absl::StrCat("config file ", path, ": key '", key,
                                                      "' has a value of the wrong type (", e.what(),
