@@ -76,6 +76,10 @@ class Worker::Impl {
   ~Impl() { Close(kDefaultCloseTimeout); }
 
   absl::Status Start();
+  // Start's steps: the channel and the session stream; the registration; its answer.
+  absl::Status Connect(absl::Time deadline);
+  v1::WorkerMessage RegisterMessage() const;
+  absl::Status AwaitRegistered(absl::Time deadline);
   absl::Status ReportPlan(const MicrobatchPlan& plan);
   absl::StatusOr<MicrobatchDecision> GetDecision(const MicrobatchKey& key, absl::Duration timeout);
   int UndecidedPlans() const {
@@ -192,6 +196,19 @@ absl::Status Worker::Impl::Start() {
         "; all four are required"));
   }
   IgnoreSigpipeOnce();
+  const absl::Time deadline = absl::Now() + options_.connect_timeout;
+  if (absl::Status s = Connect(deadline); !s.ok()) return s;
+  if (!stream_->Write(RegisterMessage())) {
+    ctx_.TryCancel();
+    stream_->Finish();
+    return absl::UnavailableError(absl::StrCat("coordinator at ", address_,
+                                               " closed the session before registration"));
+  }
+  reader_ = std::thread([this] { ReaderLoop(); });
+  return AwaitRegistered(deadline);
+}
+
+absl::Status Worker::Impl::Connect(absl::Time deadline) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(kWorkerMaxReceiveBytes);
   args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, kKeepaliveTimeMs);
@@ -200,7 +217,6 @@ absl::Status Worker::Impl::Start() {
   // A fresh channel per worker: a reconnecting trainer must not reuse a broken one.
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   channel_ = grpc::CreateCustomChannel(address_, grpc::InsecureChannelCredentials(), args);
-  const absl::Time deadline = absl::Now() + options_.connect_timeout;
   if (!channel_->WaitForConnected(absl::ToChronoTime(deadline))) {
     return absl::UnavailableError(absl::StrCat(
         "cannot reach coordinator at ", address_, " within ",
@@ -209,7 +225,10 @@ absl::Status Worker::Impl::Start() {
   }
   stub_ = std::shared_ptr<v1::Coordinator::Stub>(v1::Coordinator::NewStub(channel_));
   stream_ = stub_->Session(&ctx_);
+  return absl::OkStatus();
+}
 
+v1::WorkerMessage Worker::Impl::RegisterMessage() const {
   v1::WorkerMessage reg_msg;
   v1::RegisterRequest* reg = reg_msg.mutable_register_();
   reg->set_job_id(options_.job_id);
@@ -224,14 +243,10 @@ absl::Status Worker::Impl::Start() {
   reg->set_memory_budget_bytes(options_.memory_budget_bytes);
   reg->set_host(HostName());
   reg->set_pid(getpid());
-  if (!stream_->Write(reg_msg)) {
-    ctx_.TryCancel();
-    stream_->Finish();
-    return absl::UnavailableError(absl::StrCat("coordinator at ", address_,
-                                               " closed the session before registration"));
-  }
-  reader_ = std::thread([this] { ReaderLoop(); });
+  return reg_msg;
+}
 
+absl::Status Worker::Impl::AwaitRegistered(absl::Time deadline) {
   absl::MutexLock lock(&mu_);
   auto done = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return registered_ || reader_done_; };
   mu_.AwaitWithDeadline(absl::Condition(&done), deadline);
