@@ -1,0 +1,225 @@
+// Worker::Impl, the session stream: the reader thread applies what the coordinator sends
+// (decisions, rejections, failures, communicator aborts, notices); the writer thread sends
+// plans, heartbeats and the goodbye. See worker_impl.h.
+#include "worker_impl.h"
+
+namespace shardcoord {
+
+using internal::RanksOf;
+
+void Worker::Impl::ReaderLoop() {
+  v1::CoordinatorMessage msg;
+  while (stream_->Read(&msg)) {
+    PendingAborts aborts;
+    {
+      absl::MutexLock lock(&mu_);
+      Handle(msg, &aborts);
+    }
+    for (auto& [comm, reason] : aborts.aborts) comm->Abort(reason);
+    if (!aborts.acks.empty()) {
+      absl::MutexLock lock(&mu_);
+      ready_acks_.insert(ready_acks_.end(), aborts.acks.begin(), aborts.acks.end());
+    }
+  }
+  {
+    // Finish may only run once the writer no longer writes: stop it first. Its Write
+    // fails fast on an ended stream.
+    absl::MutexLock lock(&mu_);
+    read_ended_ = true;
+    auto writer_stopped = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return !writer_started_ || writer_done_;
+    };
+    mu_.Await(absl::Condition(&writer_stopped));
+  }
+  grpc::Status st = stream_->Finish();
+  absl::MutexLock lock(&mu_);
+  reader_done_ = true;
+  if (!registered_) {
+    // Registration refused: the coordinator's status says why.
+    session_status_ = st.ok() ? absl::UnavailableError(absl::StrCat(
+                                    "coordinator at ", address_, " ended the session before "
+                                    "answering the registration"))
+                              : FromGrpcStatus(st);
+    return;
+  }
+  if (session_status_.ok()) {
+    session_status_ = absl::UnavailableError(absl::StrCat(
+        "session with coordinator at ", address_, " lost (", Prefix(), "): ",
+        st.ok() ? std::string("stream closed") : st.error_message(),
+        closing_ ? "" : "; create a new Worker to register again"));
+  }
+  // Every pending decision fails now instead of waiting for its deadline.
+  queue_.FailPending(session_status_);
+  if (!closing_) log_->error("{} {}", Prefix(), std::string(session_status_.message()));
+  // Without a session this rank is out of the job: the coordinator already told the others
+  // to abort, so our communicators must not go on waiting for them.
+  std::vector<std::shared_ptr<internal::AbortableCommunicator>> open;
+  for (auto& [name, weak] : comms_) {
+    if (auto c = weak.lock()) open.push_back(std::move(c));
+  }
+  const std::string why(session_status_.message());
+  mu_.Unlock();
+  for (auto& c : open) c->Abort(why);
+  mu_.Lock();
+}
+
+void Worker::Impl::Handle(const v1::CoordinatorMessage& msg, PendingAborts* aborts) {
+  switch (msg.kind_case()) {
+    case v1::CoordinatorMessage::kRegistered:
+      OnRegistered(msg.registered());
+      break;
+    case v1::CoordinatorMessage::kDecisions:
+      for (const auto& pd : msg.decisions().decisions()) {
+        queue_.Decide({pd.step(), pd.microbatch()}, FromProto(pd));  // Ignored unless pending.
+      }
+      break;
+    case v1::CoordinatorMessage::kPlanRejected:
+      OnPlanRejected(msg.plan_rejected());
+      break;
+    case v1::CoordinatorMessage::kMicrobatchFailed: {
+      const auto& f = msg.microbatch_failed();
+      MicrobatchKey key{f.step(), f.microbatch()};
+      log_->error("{} step={} mb={} microbatch failed: {}", Prefix(), key.step, key.microbatch, f.message());
+      queue_.Fail(key, MakeStatus(f.code(), f.message()));  // Also a decision not taken yet.
+      break;
+    }
+    case v1::CoordinatorMessage::kGroupFailure: {
+      const auto& g = msg.group_failure();
+      group_failure_ = g.reason();
+      outbox_.clear();  // Plans for the failed epoch must not reach the next one.
+      const int cancelled = queue_.FailPending(absl::AbortedError(g.reason()));
+      log_->error("{} {} (cancelled {} pending decisions here)", Prefix(), g.reason(), cancelled);
+      break;
+    }
+    case v1::CoordinatorMessage::kCommAbort: {
+      const auto& a = msg.comm_abort();
+      auto it = comms_.find(a.name());
+      auto comm = it == comms_.end() ? nullptr : it->second.lock();
+      if (comm && comm->epoch() == a.epoch()) aborts->aborts.emplace_back(comm, a.reason());
+      // Acknowledged once aborted (the reader does it right after, see ReaderLoop): the
+      // coordinator starts the next epoch only when every live member has.
+      aborts->acks.push_back({a.name(), a.epoch()});
+      break;
+    }
+    case v1::CoordinatorMessage::kNotice:
+      OnNotice(msg.notice());
+      break;
+    default:
+      break;
+  }
+}
+
+void Worker::Impl::OnRegistered(const v1::RegisterResponse& r) {
+  group_.group = r.group();
+  group_.ranks.assign(r.group_ranks().begin(), r.group_ranks().end());
+  group_.epoch = r.epoch();
+  group_.policy = FromProto(r.policy());
+  group_.fallback = FromProto(r.fallback());
+  group_.lookahead = r.lookahead();
+  group_.heartbeat_interval = absl::Milliseconds(r.heartbeat_interval_ms());
+  group_.warnings.assign(r.warnings().begin(), r.warnings().end());
+  registered_ = true;
+}
+
+void Worker::Impl::OnPlanRejected(const v1::PlanRejected& r) {
+  MicrobatchKey key{r.step(), r.microbatch()};
+  if (r.epoch() != group_.epoch) {
+    // Sent before the group failed, rejected after it re-formed: not about this epoch's plan.
+    log_->debug("{} step={} mb={} epoch {} plan rejected after re-forming: {}", Prefix(), key.step,
+                key.microbatch, r.epoch(), r.message());
+    return;
+  }
+  log_->warn("{} step={} mb={} plan rejected: {}", Prefix(), key.step, key.microbatch, r.message());
+  queue_.Reject(key, MakeStatus(r.code(), r.message()));
+}
+
+void Worker::Impl::OnNotice(const v1::Notice& n) {
+  if (n.kind() == v1::Notice::KIND_GROUP_REFORMED) {
+    group_failure_.clear();
+    group_.epoch = n.epoch();
+    queue_.ResetKeys();  // Keys start afresh in the new epoch (the coordinator's rule).
+    log_->info("{} {}", Prefix(), n.message());
+  } else if (n.kind() == v1::Notice::KIND_RANK_LOST) {
+    if (job_failure_.empty()) {  // The first loss is the cause; later ones follow from it.
+      job_failure_ = absl::StrCat("rank ", n.rank(), " of another shard group of this job was lost: ", n.message());
+    }
+    log_->error("{} {}", Prefix(), job_failure_);
+  } else if (n.kind() == v1::Notice::KIND_SHUTDOWN) {
+    session_status_ =
+        absl::UnavailableError(absl::StrCat("coordinator at ", address_, " is shutting down (", Prefix(), ")"));
+    log_->warn("{} {}", Prefix(), n.message());
+  }
+}
+
+void Worker::Impl::WriterLoop() {
+  absl::Duration interval;
+  {
+    absl::MutexLock lock(&mu_);
+    interval = group_.heartbeat_interval > absl::ZeroDuration() ? group_.heartbeat_interval
+                                                                : absl::Milliseconds(500);
+  }
+  absl::Time last_heartbeat = absl::Now();
+  while (true) {
+    v1::WorkerMessage msg;
+    bool goodbye = false;
+    {
+      absl::MutexLock lock(&mu_);
+      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return !outbox_.empty() || !ready_acks_.empty() || memory_dirty_ || closing_ || read_ended_;
+      };
+      mu_.AwaitWithDeadline(absl::Condition(&ready), last_heartbeat + interval);
+      if (read_ended_) break;
+      if (absl::Now() >= last_heartbeat + interval || (memory_dirty_ && outbox_.empty())) {
+        // Heartbeats go out on time even while plans flow: they carry collective progress.
+        auto* hb = msg.mutable_heartbeat();
+        hb->set_sent_unix_ms(absl::ToUnixMillis(absl::Now()));
+        for (const auto& [name, weak] : comms_) {
+          auto comm = weak.lock();
+          if (!comm) continue;
+          auto* p = hb->add_comms();
+          p->set_name(name);
+          p->set_epoch(comm->epoch());
+          int64_t issued = 0, completed = 0;
+          comm->Progress(&issued, &completed);
+          p->set_issued(issued);
+          p->set_completed(completed);
+        }
+        for (const auto& m : memory_) {
+          auto* pm = hb->add_memory();
+          pm->set_module(m.module);
+          pm->set_resident_bytes(m.resident_bytes);
+          pm->set_peak_bytes(m.peak_bytes);
+          pm->set_gathered_bytes(m.gathered_bytes);
+        }
+        memory_dirty_ = false;
+        last_heartbeat = absl::Now();
+      } else if (!ready_acks_.empty()) {
+        auto* ack = msg.mutable_comm_aborted();
+        ack->set_name(ready_acks_.front().first);
+        ack->set_epoch(ready_acks_.front().second);
+        ready_acks_.erase(ready_acks_.begin());
+      } else if (!outbox_.empty()) {
+        auto* batch = msg.mutable_plans();
+        batch->set_epoch(group_.epoch);
+        while (!outbox_.empty()) {
+          *batch->add_plans() = std::move(outbox_.front());
+          outbox_.pop_front();
+        }
+      } else if (closing_) {
+        msg.mutable_goodbye()->set_reason("worker closed");
+        goodbye = true;
+      } else {
+        continue;  // Woken early with nothing to send.
+      }
+    }
+    if (!stream_->Write(msg)) break;  // The reader sees the end and records why.
+    if (goodbye) {
+      stream_->WritesDone();
+      break;
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  writer_done_ = true;
+}
+
+}  // namespace shardcoord
