@@ -9,69 +9,15 @@
 #include <functional>
 
 #include "absl/synchronization/mutex.h"
+#include "support/core_fakes.h"
 
 namespace shardcoord::coordinator {
 namespace {
 
 using ::testing::HasSubstr;
 
-class FakeClock final : public Clock {
- public:
-  absl::Time Now() const override {
-    absl::MutexLock lock(&mu_);
-    return now_;
-  }
-  void Advance(absl::Duration d) {
-    absl::MutexLock lock(&mu_);
-    now_ += d;
-  }
-
- private:
-  mutable absl::Mutex mu_;
-  absl::Time now_ = absl::FromUnixSeconds(1'700'000'000);
-};
-
-// Records what the core sends to one rank.
-class RecordingSink final : public RankSink {
- public:
-  bool Send(const v1::CoordinatorMessage& msg) override {
-    if (refuse) return false;
-    messages.push_back(msg);
-    return true;
-  }
-  bool refuse = false;  // Acts as a rank that stopped reading: its queue is full.
-  void Close(const absl::Status& status) override {
-    closed = true;
-    close_status = status;
-  }
-
-  std::vector<v1::MicrobatchDecision> Decisions() const {
-    std::vector<v1::MicrobatchDecision> out;
-    for (const auto& m : messages) {
-      if (m.has_decisions()) out.insert(out.end(), m.decisions().decisions().begin(), m.decisions().decisions().end());
-    }
-    return out;
-  }
-  template <typename Pred>
-  std::vector<v1::CoordinatorMessage> Where(Pred pred) const {
-    std::vector<v1::CoordinatorMessage> out;
-    for (const auto& m : messages) {
-      if (pred(m)) out.push_back(m);
-    }
-    return out;
-  }
-  std::vector<v1::PlanRejected> Rejections() const {
-    std::vector<v1::PlanRejected> out;
-    for (const auto& m : messages) {
-      if (m.has_plan_rejected()) out.push_back(m.plan_rejected());
-    }
-    return out;
-  }
-
-  std::vector<v1::CoordinatorMessage> messages;
-  bool closed = false;
-  absl::Status close_status;
-};
+using shardcoord::testing::FakeClock;
+using shardcoord::testing::RecordingSink;
 
 class CoreTest : public ::testing::Test {
  protected:

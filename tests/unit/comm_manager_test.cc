@@ -1,0 +1,199 @@
+// Unit tests of the coordinator's communicator management (coordinator_core_comms.cc, DESIGN 4
+// and 8): rendezvous, the epoch store, abort and acknowledgement, the next epoch, deadlines.
+// Driven through CoordinatorCore with recording sinks and a fake clock: no sockets, no threads.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <optional>
+
+#include "coordinator_core.h"
+#include "support/core_fakes.h"
+
+namespace shardcoord::coordinator {
+namespace {
+
+using shardcoord::testing::FakeClock;
+using shardcoord::testing::RecordingSink;
+using ::testing::HasSubstr;
+
+class CommManagerTest : public ::testing::Test {
+ protected:
+  CommManagerTest() {
+    options_.heartbeat_interval = absl::Milliseconds(100);
+    options_.heartbeat_timeout = absl::Milliseconds(1000);
+    clock_ = std::make_shared<FakeClock>();
+    core_ = std::make_unique<CoordinatorCore>(options_, clock_);
+  }
+  void SetUp() override {
+    for (int r = 0; r < 2; ++r) ASSERT_TRUE(Register(r).ok());
+  }
+
+  absl::Status Register(int rank) {
+    v1::RegisterRequest req;
+    req.set_job_id("job");
+    req.set_rank(rank);
+    req.set_world_size(2);
+    req.set_group_size(2);
+    req.set_policy(v1::POLICY_AUTO);
+    req.set_fallback(v1::FALLBACK_ROOT);
+    req.set_wrap_outer_model(true);
+    auto* m = req.add_modules();
+    m->set_name("visual");
+    m->set_param_bytes(100);
+    sinks_[rank] = std::make_shared<RecordingSink>();
+    sessions_[rank] = next_session_++;
+    return core_->Register(sessions_[rank], req, sinks_[rank]);
+  }
+
+  // Joins "world"; the answer lands in *out when the core gives it.
+  void Join(int rank, std::optional<absl::StatusOr<v1::CommJoinResponse>>* out, int timeout_ms = 5000) {
+    v1::CommJoinRequest req;
+    req.set_job_id("job");
+    req.set_rank(rank);
+    req.set_name("world");
+    req.set_timeout_ms(timeout_ms);
+    core_->CommJoin(req, [out](absl::StatusOr<v1::CommJoinResponse> r) { *out = std::move(r); });
+  }
+
+  absl::Status Report(int rank, int64_t epoch, v1::CommReportRequest::Kind kind, const std::string& error = "") {
+    v1::CommReportRequest req;
+    req.set_job_id("job");
+    req.set_rank(rank);
+    req.set_name("world");
+    req.set_epoch(epoch);
+    req.set_kind(kind);
+    req.set_error(error);
+    return core_->CommReport(req);
+  }
+
+  v1::CommStatus World() {
+    const v1::ListCommsResponse all = core_->Comms("job");  // Kept alive while iterating.
+    for (const auto& c : all.comms()) {
+      if (c.name() == "world") return c;
+    }
+    return {};
+  }
+
+  // Both ranks join and report ready: epoch `epoch` is READY.
+  void FormEpoch(int64_t epoch) {
+    std::optional<absl::StatusOr<v1::CommJoinResponse>> j0, j1;
+    Join(0, &j0);
+    Join(1, &j1);
+    ASSERT_TRUE(j0 && j0->ok() && j1 && j1->ok());
+    ASSERT_EQ((*j0)->epoch(), epoch);
+    ASSERT_TRUE(Report(0, epoch, v1::CommReportRequest::KIND_READY).ok());
+    ASSERT_TRUE(Report(1, epoch, v1::CommReportRequest::KIND_READY).ok());
+    ASSERT_EQ(World().state(), v1::COMM_STATE_READY);
+  }
+
+  CoordinatorOptions options_;
+  std::shared_ptr<FakeClock> clock_;
+  std::unique_ptr<CoordinatorCore> core_;
+  std::map<int, std::shared_ptr<RecordingSink>> sinks_;
+  std::map<int, uint64_t> sessions_;
+  uint64_t next_session_ = 1;
+};
+
+TEST_F(CommManagerTest, AnEpochStartsOnceEveryMemberIsLiveAndIsReadyOnceEveryMemberConnected) {
+  std::optional<absl::StatusOr<v1::CommJoinResponse>> j0, j1;
+  Join(0, &j0);  // Both ranks are live: epoch 1 starts at once.
+  ASSERT_TRUE(j0 && j0->ok());
+  EXPECT_EQ((*j0)->epoch(), 1);
+  EXPECT_THAT(std::vector<int>((*j0)->ranks().begin(), (*j0)->ranks().end()), ::testing::ElementsAre(0, 1));
+  Join(1, &j1);
+  ASSERT_TRUE(j1 && j1->ok());
+  EXPECT_EQ((*j1)->epoch(), 1) << "joins the current epoch";
+  EXPECT_EQ(World().state(), v1::COMM_STATE_FORMING);
+  ASSERT_TRUE(Report(0, 1, v1::CommReportRequest::KIND_READY).ok());
+  EXPECT_EQ(World().state(), v1::COMM_STATE_FORMING) << "until every member is ready";
+  ASSERT_TRUE(Report(1, 1, v1::CommReportRequest::KIND_READY).ok());
+  EXPECT_EQ(World().state(), v1::COMM_STATE_READY);
+  EXPECT_EQ(Report(1, 2, v1::CommReportRequest::KIND_READY).code(), absl::StatusCode::kFailedPrecondition)
+      << "a report for an epoch that does not exist";
+  absl::Status old_ack = Report(0, 1, static_cast<v1::CommReportRequest::Kind>(3));
+  EXPECT_EQ(old_ack.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(old_ack.message(), HasSubstr("acknowledged on the session stream"));
+}
+
+TEST_F(CommManagerTest, TheEpochStoreAnswersOnceTheKeyIsSet) {
+  FormEpoch(1);
+  std::optional<absl::StatusOr<v1::StoreGetResponse>> got;
+  v1::StoreGetRequest get;
+  get.set_job_id("job");
+  get.set_rank(1);
+  get.set_name("world");
+  get.set_epoch(1);
+  get.add_keys("nccl_id");
+  get.set_timeout_ms(5000);
+  core_->StoreGet(get, [&](absl::StatusOr<v1::StoreGetResponse> r) { got = std::move(r); });
+  EXPECT_FALSE(got.has_value());
+  v1::StoreSetRequest set;
+  set.set_job_id("job");
+  set.set_rank(0);
+  set.set_name("world");
+  set.set_epoch(1);
+  set.set_key("nccl_id");
+  set.set_value("bytes");
+  ASSERT_TRUE(core_->StoreSet(set).ok());
+  ASSERT_TRUE(got && got->ok());
+  ASSERT_EQ((*got)->values_size(), 1);
+  EXPECT_EQ((*got)->values(0), "bytes");
+  EXPECT_EQ(core_->StoreSet(set).code(), absl::StatusCode::kAlreadyExists) << "a key is published once";
+}
+
+TEST_F(CommManagerTest, ADeathAbortsTheEpochAndTheNextFormsAfterEveryAckAndReturn) {
+  FormEpoch(1);
+  core_->OnSessionClosed(sessions_[1], "killed");
+  auto aborts = sinks_[0]->Where([](const auto& m) { return m.has_comm_abort(); });
+  ASSERT_EQ(aborts.size(), 1u);
+  EXPECT_EQ(aborts[0].comm_abort().epoch(), 1);
+  EXPECT_THAT(aborts[0].comm_abort().reason(), HasSubstr("rank 1"));
+  EXPECT_THAT(std::vector<int>(aborts[0].comm_abort().lost_ranks().begin(), aborts[0].comm_abort().lost_ranks().end()),
+              ::testing::ElementsAre(1));
+  EXPECT_EQ(World().state(), v1::COMM_STATE_ABORTING);
+  v1::CommAborted ack;
+  ack.set_name("world");
+  ack.set_epoch(1);
+  core_->OnCommAborted(sessions_[0], ack);
+  EXPECT_EQ(World().state(), v1::COMM_STATE_ABORTED);
+  EXPECT_EQ(World().epochs_aborted(), 1);
+
+  std::optional<absl::StatusOr<v1::CommJoinResponse>> j0, j1;
+  Join(0, &j0);
+  EXPECT_FALSE(j0.has_value()) << "rank 1 is not live: no epoch 2 yet";
+  ASSERT_TRUE(Register(1).ok());
+  Join(1, &j1);
+  ASSERT_TRUE(j0 && j0->ok()) << (j0 ? j0->status().ToString() : "no answer");
+  EXPECT_EQ((*j0)->epoch(), 2);
+  EXPECT_THAT((*j0)->previous_abort_reason(), HasSubstr("rank 1"));
+}
+
+TEST_F(CommManagerTest, AReportedErrorAbortsEveryMember) {
+  FormEpoch(1);
+  ASSERT_TRUE(Report(1, 1, v1::CommReportRequest::KIND_ERROR, "ncclAllReduce: unhandled cuda error").ok());
+  for (int r : {0, 1}) {
+    auto aborts = sinks_[r]->Where([](const auto& m) { return m.has_comm_abort(); });
+    ASSERT_EQ(aborts.size(), 1u) << "rank " << r;
+    EXPECT_THAT(aborts[0].comm_abort().reason(), HasSubstr("rank 1 reported a communicator error: ncclAllReduce"));
+  }
+  EXPECT_EQ(Report(0, 1, v1::CommReportRequest::KIND_READY).code(), absl::StatusCode::kAborted)
+      << "the epoch is over: reports for it are refused, naming why";
+}
+
+TEST_F(CommManagerTest, AJoinThatCannotCompleteFailsAtItsDeadlineNamingTheMissingRank) {
+  core_->OnSessionClosed(sessions_[1], "killed");
+  std::optional<absl::StatusOr<v1::CommJoinResponse>> j0;
+  Join(0, &j0, /*timeout_ms=*/200);
+  core_->Tick();
+  EXPECT_FALSE(j0.has_value());
+  clock_->Advance(absl::Milliseconds(250));
+  core_->OnHeartbeat(sessions_[0]);
+  core_->Tick();
+  ASSERT_TRUE(j0.has_value());
+  EXPECT_EQ(j0->status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_THAT(j0->status().message(), HasSubstr("ranks 1 are not live"));
+}
+
+}  // namespace
+}  // namespace shardcoord::coordinator
