@@ -26,7 +26,7 @@
 
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
-#include "coordinator_server.h"
+#include "coordinator/coordinator_server.h"
 #include "shardcoord/internal/logging.h"
 #include "shardcoord/worker.h"
 

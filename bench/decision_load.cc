@@ -28,7 +28,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
-#include "coordinator_server.h"
+#include "coordinator/coordinator_server.h"
 #include "shardcoord/internal/logging.h"
 #include "shardcoord/v1/coordinator.grpc.pb.h"
 

@@ -14,7 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "coordinator_server.h"
+#include "coordinator/coordinator_server.h"
 #include "shardcoord/plan_ahead.h"
 #include "shardcoord/worker.h"
 

@@ -1,7 +1,7 @@
 // CoordinatorCore, part 1: registration and the group state machine (DESIGN 3, 8). The other
 // parts: _plans.cc (plans and decisions), _liveness.cc (deaths, leaves, the tick), _comms.cc
 // (communicators), _status.cc (the views operators query).
-#include "coordinator_core.h"
+#include "coordinator/coordinator_core.h"
 
 #include <algorithm>
 
@@ -10,8 +10,8 @@
 #include "shardcoord/decide.h"
 #include "shardcoord/internal/logging.h"
 #include "shardcoord/proto/convert.h"
-#include "registration.h"
-#include "text.h"
+#include "coordinator/registration.h"
+#include "coordinator/text.h"
 
 namespace shardcoord::coordinator {
 namespace {

@@ -27,10 +27,10 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
-#include "clock.h"
-#include "decision_engine.h"
-#include "event_journal.h"
-#include "options.h"
+#include "coordinator/clock.h"
+#include "coordinator/decision_engine.h"
+#include "coordinator/event_journal.h"
+#include "coordinator/options.h"
 #include "shardcoord/v1/coordinator.pb.h"
 
 namespace shardcoord::coordinator {

@@ -7,7 +7,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "coordinator_core.h"
+#include "coordinator/coordinator_core.h"
 
 namespace shardcoord::coordinator {
 namespace {

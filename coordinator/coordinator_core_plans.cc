@@ -2,12 +2,12 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
-#include "coordinator_core.h"
+#include "coordinator/coordinator_core.h"
 #include "shardcoord/decide.h"
 #include "shardcoord/internal/logging.h"
 #include "shardcoord/plan_check.h"
 #include "shardcoord/proto/convert.h"
-#include "text.h"
+#include "coordinator/text.h"
 
 namespace shardcoord::coordinator {
 

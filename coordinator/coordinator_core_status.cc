@@ -1,9 +1,9 @@
 // CoordinatorCore, part 5: the status views operators query (shardctl status, ranks,
 // groups, decisions). Read-only snapshots taken under the core's lock.
 #include "absl/strings/str_cat.h"
-#include "coordinator_core.h"
+#include "coordinator/coordinator_core.h"
 #include "shardcoord/proto/convert.h"
-#include "text.h"
+#include "coordinator/text.h"
 
 namespace shardcoord::coordinator {
 namespace {

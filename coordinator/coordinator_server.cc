@@ -1,6 +1,6 @@
 // The gRPC side of the daemon: one SessionReactor per rank stream feeding CoordinatorCore, a
 // bounded outbox per session, the tick and self-check threads (threads and locks: DESIGN 9).
-#include "coordinator_server.h"
+#include "coordinator/coordinator_server.h"
 
 #include <dirent.h>
 #include <grpcpp/grpcpp.h>

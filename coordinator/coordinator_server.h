@@ -14,10 +14,10 @@
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
-#include "clock.h"
-#include "coordinator_core.h"
-#include "ticker.h"
-#include "options.h"
+#include "coordinator/clock.h"
+#include "coordinator/coordinator_core.h"
+#include "coordinator/ticker.h"
+#include "coordinator/options.h"
 
 namespace grpc {
 class Server;

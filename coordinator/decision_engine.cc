@@ -1,4 +1,4 @@
-#include "decision_engine.h"
+#include "coordinator/decision_engine.h"
 
 #include "absl/strings/str_cat.h"
 

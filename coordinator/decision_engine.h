@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "options.h"
+#include "coordinator/options.h"
 #include "shardcoord/decide.h"
 #include "shardcoord/types.h"
 

@@ -1,4 +1,4 @@
-#include "event_journal.h"
+#include "coordinator/event_journal.h"
 
 #include <algorithm>
 

@@ -15,8 +15,8 @@
 #include <optional>
 
 #include "absl/synchronization/mutex.h"
-#include "coordinator_server.h"
-#include "options.h"
+#include "coordinator/coordinator_server.h"
+#include "coordinator/options.h"
 #include "shardcoord/internal/logging.h"
 
 namespace {

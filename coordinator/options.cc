@@ -1,4 +1,4 @@
-#include "options.h"
+#include "coordinator/options.h"
 
 #include <yaml-cpp/yaml.h>
 

@@ -1,4 +1,4 @@
-#include "registration.h"
+#include "coordinator/registration.h"
 
 #include <algorithm>
 #include <set>
@@ -6,7 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "shardcoord/proto/convert.h"
-#include "text.h"
+#include "coordinator/text.h"
 
 namespace shardcoord::coordinator {
 

@@ -6,7 +6,7 @@
 #include <string>
 
 #include "absl/status/status.h"
-#include "options.h"
+#include "coordinator/options.h"
 #include "shardcoord/v1/coordinator.pb.h"
 
 namespace shardcoord::coordinator {

@@ -1,4 +1,4 @@
-#include "ticker.h"
+#include "coordinator/ticker.h"
 
 #include <algorithm>
 

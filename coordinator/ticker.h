@@ -9,7 +9,7 @@
 
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "coordinator_core.h"
+#include "coordinator/coordinator_core.h"
 
 namespace shardcoord::coordinator {
 

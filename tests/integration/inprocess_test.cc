@@ -12,7 +12,7 @@
 #include <random>
 #include <thread>
 
-#include "coordinator_server.h"
+#include "coordinator/coordinator_server.h"
 #include "shardcoord/decide.h"
 #include "shardcoord/proto/convert.h"
 #include "shardcoord/v1/coordinator.grpc.pb.h"

@@ -8,8 +8,8 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "clock.h"
-#include "coordinator_core.h"
+#include "coordinator/clock.h"
+#include "coordinator/coordinator_core.h"
 #include "shardcoord/v1/coordinator.pb.h"
 
 namespace shardcoord::testing {

@@ -7,7 +7,7 @@
 #include <memory>
 #include <optional>
 
-#include "coordinator_core.h"
+#include "coordinator/coordinator_core.h"
 #include "support/core_fakes.h"
 
 namespace shardcoord::coordinator {

@@ -1,6 +1,6 @@
 // Unit tests of CoordinatorCore: registration validation, plan validation, decisions,
 // failure detection and queries, driven through a recording RankSink and a fake clock.
-#include "coordinator_core.h"
+#include "coordinator/coordinator_core.h"
 
 #include <gmock/gmock.h>
 #include <algorithm>

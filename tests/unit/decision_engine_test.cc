@@ -1,7 +1,7 @@
 // Unit tests of the coordinator's DecisionEngine: sequence numbers and digests, the pure
 // rule per module, sticky replication after a divergence with fallback replicate, and
 // `auto` promotion / demotion (coordinator/options.h PromotionOptions).
-#include "decision_engine.h"
+#include "coordinator/decision_engine.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>

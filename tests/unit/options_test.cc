@@ -1,6 +1,6 @@
 // Unit tests of coordinator options: the YAML config file (LoadConfigFile) and the range
 // and relation checks (ValidateOptions).
-#include "options.h"
+#include "coordinator/options.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
