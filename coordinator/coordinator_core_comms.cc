@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "coordinator/coordinator_core.h"
+#include "coordinator/text.h"
 
 namespace shardcoord::coordinator {
 namespace {
@@ -19,8 +20,6 @@ absl::Duration WaitFor(int32_t timeout_ms) {
   if (timeout_ms <= 0) return kDefaultCommWait;
   return std::min(absl::Milliseconds(timeout_ms), kMaxCommWait);
 }
-
-std::string RankText(const std::vector<int>& r) { return absl::StrJoin(r, ","); }
 
 }  // namespace
 
@@ -62,18 +61,18 @@ absl::StatusOr<CoordinatorCore::Comm*> CoordinatorCore::ResolveComm(const std::s
     if (!std::is_sorted(members.begin(), members.end()) ||
         std::adjacent_find(members.begin(), members.end()) != members.end() || members.front() < 0 ||
         members.back() >= job.world_size) {
-      return absl::InvalidArgumentError(absl::StrCat("communicator '", name, "': ranks [", RankText(members),
+      return absl::InvalidArgumentError(absl::StrCat("communicator '", name, "': ranks [", RankList(members),
                                                      "] must be ascending, distinct and in 0..",
                                                      job.world_size - 1));
     }
   }
   if (!ranks.empty() && ranks != members) {
-    return absl::FailedPreconditionError(absl::StrCat("communicator '", name, "' has ranks [", RankText(members),
-                                                      "] but rank ", rank, " asked for [", RankText(ranks), "]"));
+    return absl::FailedPreconditionError(absl::StrCat("communicator '", name, "' has ranks [", RankList(members),
+                                                      "] but rank ", rank, " asked for [", RankList(ranks), "]"));
   }
   if (!std::binary_search(members.begin(), members.end(), rank)) {
     return absl::FailedPreconditionError(absl::StrCat("rank ", rank, " is not a member of communicator '", name,
-                                                      "' (ranks ", RankText(members), ")"));
+                                                      "' (ranks ", RankList(members), ")"));
   }
   Comm& comm = job.comms[name];
   if (comm.name.empty()) {
@@ -81,8 +80,8 @@ absl::StatusOr<CoordinatorCore::Comm*> CoordinatorCore::ResolveComm(const std::s
     comm.ranks = members;
     for (int r : members) comm.member_state[r] = "absent";
   } else if (comm.ranks != members) {
-    return absl::FailedPreconditionError(absl::StrCat("communicator '", name, "' has ranks [", RankText(comm.ranks),
-                                                      "] but rank ", rank, " asked for [", RankText(members), "]"));
+    return absl::FailedPreconditionError(absl::StrCat("communicator '", name, "' has ranks [", RankList(comm.ranks),
+                                                      "] but rank ", rank, " asked for [", RankList(members), "]"));
   }
   *job_out = &job;
   return &comm;
@@ -119,7 +118,7 @@ void CoordinatorCore::MaybeStartEpoch(Job& job, Comm& comm) {
     comm.behind.clear();
     for (int r : comm.ranks) comm.member_state[r] = "absent";
     Event("info", "comm_forming", job.id, -1, -1,
-          absl::StrCat("communicator '", comm.name, "' epoch ", comm.epoch, " ranks ", RankText(comm.ranks)));
+          absl::StrCat("communicator '", comm.name, "' epoch ", comm.epoch, " ranks ", RankList(comm.ranks)));
   }
   auto waiters = std::move(comm.join_waiters);
   comm.join_waiters.clear();
@@ -218,7 +217,7 @@ absl::Status CoordinatorCore::CommReport(const v1::CommReportRequest& req) {
     if (all && c.state == v1::COMM_STATE_FORMING) {
       c.state = v1::COMM_STATE_READY;
       Event("info", "comm_ready", job->id, -1, -1,
-            absl::StrCat("communicator '", c.name, "' epoch ", c.epoch, " ready on ranks ", RankText(c.ranks)));
+            absl::StrCat("communicator '", c.name, "' epoch ", c.epoch, " ready on ranks ", RankList(c.ranks)));
     }
     return absl::OkStatus();
   }
@@ -342,8 +341,8 @@ void CoordinatorCore::ExpireCommWaiters(Job& job, absl::Time now) {
         }
       }
       std::string why = !missing.empty()
-                            ? absl::StrCat("ranks ", RankText(missing), " are not live")
-                            : absl::StrCat("ranks ", RankText(unacked), " have not aborted epoch ", comm.epoch, " yet");
+                            ? absl::StrCat("ranks ", RankList(missing), " are not live")
+                            : absl::StrCat("ranks ", RankList(unacked), " have not aborted epoch ", comm.epoch, " yet");
       w.done(absl::DeadlineExceededError(absl::StrCat(
           "communicator '", comm.name, "' cannot start epoch ", comm.epoch + 1, ": ", why,
           comm.abort_reason.empty() ? "" : absl::StrCat(" (last epoch aborted: ", comm.abort_reason, ")"))));
@@ -417,7 +416,7 @@ void CoordinatorCore::DetectBehind(Job& job, absl::Time now) {
         }
         if (!laggards.empty()) {
           behind = absl::StrCat(comm.name, " epoch ", comm.epoch, ": ", absl::StrJoin(laggards, ", "), ", ranks ",
-                                RankText(waiting.rbegin()->second), " waiting at ", at, " for ",
+                                RankList(waiting.rbegin()->second), " waiting at ", at, " for ",
                                 absl::ToInt64Seconds(longest), " s");
         }
       }

@@ -116,11 +116,6 @@ class Fsdp2Control:
             c.replica = None
             c.decision = "skip"
 
-    @property
-    def replicated(self) -> List[str]:
-        """Controlled modules holding a full replica now."""
-        return [name for name, c in self._controlled.items() if c.replica is not None]
-
 
 def _materialize(c: _Controlled) -> nn.Module:
     """A full, unsharded copy of the module (same order of all-gathers on every rank)."""

@@ -251,21 +251,16 @@ def collective_failure(worker: Optional[Worker], what: str, cause: BaseException
     (GroupFailed: "... rank 1 declared dead ..."), or GroupFailed with the collective's own error
     when none comes."""
     if worker is not None:
-        check = _job_health(worker)
         deadline = time.monotonic() + wait
         while True:
             try:
-                check()
+                worker.job_health()
             except Error as verdict:
                 return verdict
             if time.monotonic() >= deadline:
                 break
             time.sleep(0.02)
     return GroupFailed(f"{what} failed: {cause}")
-
-
-def _job_health(worker: Any) -> Callable[[], None]:
-    return getattr(worker, "job_health", None) or worker.health
 
 
 @contextlib.contextmanager
@@ -303,7 +298,7 @@ def wait_collective(work: Any, worker: Optional[Worker], what: str, *, poll: flo
         except RuntimeError as e:  # "Operation timed out!" (the poll) or the collective's failure.
             if work.is_completed():
                 raise collective_failure(worker, what, e, verdict_wait) from e
-        _job_health(worker)()  # Raises the coordinator's verdict (GroupFailed names the rank).
+        worker.job_health()  # Raises the coordinator's verdict (GroupFailed names the rank).
 
 
 def abort_process_group(pg: Any = None) -> bool:
@@ -358,7 +353,7 @@ class FailureWatch:
         self._worker = worker
         self._groups = list(process_groups)
         self._poll = poll
-        self._check = _job_health(worker) if job_wide else worker.health
+        self._check = worker.job_health if job_wide else worker.health
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._abort = abort_process_group  # A seam for tests (torch 1.13 cannot abort Gloo).

@@ -372,6 +372,8 @@ class FakeWorker:
         if self.fails_at is not None and time.monotonic() >= self.fails_at:
             raise shardcoord.GroupFailed("group 0 of job 'j' failed at epoch 0: rank 1 declared dead: session lost")
 
+    job_health = health  # No other groups here.
+
 
 def test_a_failed_collective_raises_the_coordinators_verdict():
     # The verdict arrives shortly after the socket error: it is what the trainer sees.

@@ -41,7 +41,6 @@ class DecisionQueue {
   bool Contains(const MicrobatchKey& key) const { return entries_.count(key) > 0; }
   // Absent (taken by another thread) or no longer pending: a waiter may stop waiting.
   bool Resolved(const MicrobatchKey& key) const;
-  bool Pending(const MicrobatchKey& key) const { return Contains(key) && !Resolved(key); }
   int undecided() const { return undecided_; }
   // A failure of a key already taken, until the next Take reports it.
   const absl::Status& late_failure() const { return late_failure_; }

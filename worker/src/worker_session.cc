@@ -5,8 +5,6 @@
 
 namespace shardcoord {
 
-using internal::RanksOf;
-
 void Worker::Impl::ReaderLoop() {
   v1::CoordinatorMessage msg;
   while (stream_->Read(&msg)) {

@@ -14,11 +14,17 @@
 
 namespace shardcoord {
 
+// Error messages and log lines name at most this many modules (a manifest may hold a thousand).
+inline constexpr size_t kNamesInMessages = 16;
+
+// "a, b, c", or the first kNamesInMessages and "... (N more)".
+SHARDCOORD_EXPORT std::string NamesForMessage(const std::vector<std::string>& names);
+
 // Keys are (step, microbatch), both >= 0.
 SHARDCOORD_EXPORT std::string CheckPlanKey(const MicrobatchKey& key);
 
 // One entry of a plan: `module` must be registered (`known`; `registered` lists them for the
-// message, at most 16 named) and `calls` >= 0.
+// message, at most kNamesInMessages named) and `calls` >= 0.
 SHARDCOORD_EXPORT std::string CheckPlanCall(const std::string& module, int64_t calls, bool known,
                                             const std::vector<std::string>& registered);
 
