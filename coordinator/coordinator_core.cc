@@ -31,6 +31,13 @@ void CoordinatorCore::Event(const std::string& severity, const std::string& kind
                             const std::string& job, int rank, int group,
                             const std::string& message) {
   journal_.Add(clock_->Now(), severity, kind, job, rank, group, message);
+  const auto level = severity == "error"     ? spdlog::level::err
+                     : severity == "warning" ? spdlog::level::warn
+                                             : spdlog::level::info;
+  Defer([level, line = absl::StrCat("event=", kind, " job=", job, " rank=", rank, " group=", group, " ", message)] {
+    static const auto log = logging::Get("coordinator");
+    log->log(level, "{}", line);
+  });
 }
 
 // ----------------------------------------------------------------------------------------
@@ -109,7 +116,7 @@ absl::Status CoordinatorCore::Register(uint64_t session_id, const v1::RegisterRe
   if (absl::Status s = ValidateRegisterRequest(req, options_.limits, options_.max_lookahead); !s.ok()) return s;
   if (absl::Status s = CheckRootIsPossible(req); !s.ok()) return s;
 
-  absl::MutexLock lock(&mu_);
+  Locked lock(this);
   if (shut_down_) return absl::UnavailableError("coordinator is shutting down");
   Job* job = ReuseOrForgetEndedJob(req);
   if (job == nullptr) {

@@ -7,9 +7,12 @@
 // each session a RankSink through which the core sends messages.
 //
 // Thread-safety: every public method may be called from any thread. All state is
-// guarded by one mutex; RankSink::Send is called with it held, which is why a sink must
-// only queue (never block, never call back). Messages to one rank are therefore sent in
-// the order the core produced them.
+// guarded by one mutex (DESIGN 8). What may block or call back runs after it is released:
+// log lines and the completions of waiting communicator calls are collected under the
+// mutex and carried out by `Locked` on the way out. RankSink::Send is the exception, on
+// purpose: it is called with the mutex held, so that messages to one rank leave in the
+// order the core produced them; that is why a sink must only queue (never block, never
+// call back).
 #ifndef SHARDCOORD_COORDINATOR_COORDINATOR_CORE_H_
 #define SHARDCOORD_COORDINATOR_COORDINATOR_CORE_H_
 
@@ -98,8 +101,8 @@ class CoordinatorCore {
 
   // --- Communicators (DESIGN 4). Callers must be live ranks of the job and members of
   // the communicator. Waiting calls complete through `done` exactly once, possibly later
-  // and from another thread, with the core's mutex held (so `done` must only hand the
-  // result to gRPC). Errors: NOT_FOUND (no such job), FAILED_PRECONDITION (rank not live,
+  // and from another thread, always after the core's mutex was released (so `done` may
+  // call back into the core). Errors: NOT_FOUND (no such job), FAILED_PRECONDITION (rank not live,
   // not a member, wrong epoch, ranks differ from the communicator's), ALREADY_EXISTS (a key
   // published twice), ABORTED (the epoch was aborted: the message says why),
   // DEADLINE_EXCEEDED (members or keys still missing at the deadline, named).
@@ -326,8 +329,37 @@ class CoordinatorCore {
   void DetectBehind(Job& job, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FailAllCommWaiters(const absl::Status& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
+  // Records an event in the journal; its log line is written after the mutex is released.
   void Event(const std::string& severity, const std::string& kind, const std::string& job,
-             int rank, int group, const std::string& message);
+             int rank, int group, const std::string& message) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // Holds mu_ for a public method; on release, carries out the work deferred meanwhile
+  // (in the order it was deferred), after unlocking.
+  class ABSL_SCOPED_LOCKABLE Locked {
+   public:
+    explicit Locked(CoordinatorCore* core) ABSL_EXCLUSIVE_LOCK_FUNCTION(core->mu_) : core_(core) {
+      core_->mu_.Lock();
+    }
+    ~Locked() ABSL_UNLOCK_FUNCTION() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+      std::vector<std::function<void()>> work;
+      work.swap(core_->deferred_);
+      core_->mu_.Unlock();
+      for (auto& f : work) f();
+    }
+    Locked(const Locked&) = delete;
+    Locked& operator=(const Locked&) = delete;
+
+   private:
+    CoordinatorCore* const core_;
+  };
+  // Work for after the mutex is released (see Locked): logging, completions.
+  void Defer(std::function<void()> f) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { deferred_.push_back(std::move(f)); }
+  void Complete(JoinDone& done, absl::StatusOr<v1::CommJoinResponse> result) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    Defer([done = std::move(done), result = std::move(result)] { done(result); });
+  }
+  void Complete(GetDone& done, absl::StatusOr<v1::StoreGetResponse> result) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    Defer([done = std::move(done), result = std::move(result)] { done(result); });
+  }
 
   const CoordinatorOptions options_;
   const std::shared_ptr<const Clock> clock_;
@@ -338,6 +370,7 @@ class CoordinatorCore {
   std::map<std::string, std::unique_ptr<Job>> jobs_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uint64_t, SessionRef> sessions_ ABSL_GUARDED_BY(mu_);
   bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<std::function<void()>> deferred_ ABSL_GUARDED_BY(mu_);
   std::string bound_address_ ABSL_GUARDED_BY(mu_);
 };
 

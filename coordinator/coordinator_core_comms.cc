@@ -128,21 +128,21 @@ void CoordinatorCore::MaybeStartEpoch(Job& job, Comm& comm) {
     for (int r : comm.ranks) resp.add_ranks(r);
     resp.set_previous_abort_reason(comm.abort_reason);
     comm.member_state[w.rank] = "joined";
-    w.done(resp);
+    Complete(w.done, resp);
   }
 }
 
 void CoordinatorCore::CommJoin(const v1::CommJoinRequest& req, JoinDone done) {
-  absl::MutexLock lock(&mu_);
+  Locked lock(this);
   if (shut_down_) {
-    done(absl::UnavailableError("coordinator is shutting down"));
+    Complete(done, absl::UnavailableError("coordinator is shutting down"));
     return;
   }
   Job* job = nullptr;
   auto comm = ResolveComm(req.job_id(), req.rank(), req.name(),
                           std::vector<int>(req.ranks().begin(), req.ranks().end()), &job);
   if (!comm.ok()) {
-    done(comm.status());
+    Complete(done, comm.status());
     return;
   }
   (*comm)->join_waiters.push_back({req.rank(), clock_->Now() + WaitFor(req.timeout_ms()), std::move(done)});
@@ -150,7 +150,7 @@ void CoordinatorCore::CommJoin(const v1::CommJoinRequest& req, JoinDone done) {
 }
 
 absl::Status CoordinatorCore::StoreSet(const v1::StoreSetRequest& req) {
-  absl::MutexLock lock(&mu_);
+  Locked lock(this);
   Job* job = nullptr;
   auto comm = ResolveComm(req.job_id(), req.rank(), req.name(), {}, &job);
   if (!comm.ok()) return comm.status();
@@ -172,40 +172,40 @@ absl::Status CoordinatorCore::StoreSet(const v1::StoreSetRequest& req) {
     }
     v1::StoreGetResponse resp;
     for (const auto& k : w.keys) resp.add_values(c.store[k]);
-    w.done(resp);
+    Complete(w.done, resp);
   }
   return absl::OkStatus();
 }
 
 void CoordinatorCore::StoreGet(const v1::StoreGetRequest& req, GetDone done) {
-  absl::MutexLock lock(&mu_);
+  Locked lock(this);
   if (shut_down_) {  // No ticker will expire a waiter any more.
-    done(absl::UnavailableError("coordinator is shutting down"));
+    Complete(done, absl::UnavailableError("coordinator is shutting down"));
     return;
   }
   Job* job = nullptr;
   auto comm = ResolveComm(req.job_id(), req.rank(), req.name(), {}, &job);
   if (!comm.ok()) {
-    done(comm.status());
+    Complete(done, comm.status());
     return;
   }
   Comm& c = **comm;
   if (absl::Status s = CheckEpoch(c, req.epoch()); !s.ok()) {
-    done(s);
+    Complete(done, s);
     return;
   }
   std::vector<std::string> keys(req.keys().begin(), req.keys().end());
   if (std::all_of(keys.begin(), keys.end(), [&](const std::string& k) { return c.store.count(k); })) {
     v1::StoreGetResponse resp;
     for (const auto& k : keys) resp.add_values(c.store[k]);
-    done(resp);
+    Complete(done, resp);
     return;
   }
   c.get_waiters.push_back({c.epoch, std::move(keys), clock_->Now() + WaitFor(req.timeout_ms()), std::move(done)});
 }
 
 absl::Status CoordinatorCore::CommReport(const v1::CommReportRequest& req) {
-  absl::MutexLock lock(&mu_);
+  Locked lock(this);
   Job* job = nullptr;
   auto comm = ResolveComm(req.job_id(), req.rank(), req.name(), {}, &job);
   if (!comm.ok()) return comm.status();
@@ -245,7 +245,7 @@ void CoordinatorCore::AbortComm(Job& job, Comm& comm, const std::string& reason,
       absl::StrCat("communicator '", comm.name, "' epoch ", comm.epoch, " was aborted: ", reason));
   auto waiters = std::move(comm.get_waiters);
   comm.get_waiters.clear();
-  for (auto& w : waiters) w.done(why);
+  for (auto& w : waiters) Complete(w.done, why);
   v1::CoordinatorMessage msg;
   auto* a = msg.mutable_comm_abort();
   a->set_name(comm.name);
@@ -303,7 +303,7 @@ void CoordinatorCore::OnMemberLost(Job& job, int rank, bool clean, const std::st
 }
 
 void CoordinatorCore::OnCommAborted(uint64_t session_id, const v1::CommAborted& ack) {
-  absl::MutexLock lock(&mu_);
+  Locked lock(this);
   Job* job = nullptr;
   Member* m = LiveMember(session_id, &job);
   if (m == nullptr) return;
@@ -343,7 +343,7 @@ void CoordinatorCore::ExpireCommWaiters(Job& job, absl::Time now) {
       std::string why = !missing.empty()
                             ? absl::StrCat("ranks ", RankList(missing), " are not live")
                             : absl::StrCat("ranks ", RankList(unacked), " have not aborted epoch ", comm.epoch, " yet");
-      w.done(absl::DeadlineExceededError(absl::StrCat(
+      Complete(w.done, absl::DeadlineExceededError(absl::StrCat(
           "communicator '", comm.name, "' cannot start epoch ", comm.epoch + 1, ": ", why,
           comm.abort_reason.empty() ? "" : absl::StrCat(" (last epoch aborted: ", comm.abort_reason, ")"))));
     }
@@ -358,7 +358,7 @@ void CoordinatorCore::ExpireCommWaiters(Job& job, absl::Time now) {
       for (const auto& k : w.keys) {
         if (!comm.store.count(k)) missing.push_back(k);
       }
-      w.done(absl::DeadlineExceededError(absl::StrCat("communicator '", comm.name, "' epoch ", w.epoch,
+      Complete(w.done, absl::DeadlineExceededError(absl::StrCat("communicator '", comm.name, "' epoch ", w.epoch,
                                                       ": keys [", absl::StrJoin(missing, ", "),
                                                       "] were not published in time")));
     }
@@ -369,8 +369,8 @@ void CoordinatorCore::ExpireCommWaiters(Job& job, absl::Time now) {
 void CoordinatorCore::FailAllCommWaiters(const absl::Status& why) {
   for (auto& [id, job] : jobs_) {
     for (auto& [name, comm] : job->comms) {
-      for (auto& w : comm.join_waiters) w.done(why);
-      for (auto& w : comm.get_waiters) w.done(why);
+      for (auto& w : comm.join_waiters) Complete(w.done, why);
+      for (auto& w : comm.get_waiters) Complete(w.done, why);
       comm.join_waiters.clear();
       comm.get_waiters.clear();
     }

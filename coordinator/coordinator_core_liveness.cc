@@ -18,7 +18,7 @@ constexpr size_t kEndedJobHistory = 16;
 }  // namespace
 
 void CoordinatorCore::OnHeartbeat(uint64_t session_id, const v1::Heartbeat& heartbeat) {
-  absl::MutexLock lock(&mu_);
+  Locked lock(this);
   Job* job = nullptr;
   Member* m = LiveMember(session_id, &job);
   if (m == nullptr) return;
@@ -28,7 +28,7 @@ void CoordinatorCore::OnHeartbeat(uint64_t session_id, const v1::Heartbeat& hear
 }
 
 void CoordinatorCore::OnGoodbye(uint64_t session_id, const std::string& reason) {
-  absl::MutexLock lock(&mu_);
+  Locked lock(this);
   Job* job = nullptr;
   Member* m = LiveMember(session_id, &job);
   if (m == nullptr) return;
@@ -37,7 +37,7 @@ void CoordinatorCore::OnGoodbye(uint64_t session_id, const std::string& reason) 
 }
 
 void CoordinatorCore::OnSessionClosed(uint64_t session_id, const std::string& why) {
-  absl::MutexLock lock(&mu_);
+  Locked lock(this);
   if (shut_down_) return;  // Our own shutdown closed it: no rank died.
   Job* job = nullptr;
   Member* m = LiveMember(session_id, &job);
@@ -144,7 +144,7 @@ void CoordinatorCore::NotifyRankLost(Job& job, const Group& group, int rank, con
 }
 
 void CoordinatorCore::Tick() {
-  absl::MutexLock lock(&mu_);
+  Locked lock(this);
   const absl::Time now = clock_->Now();
   EvictEndedJobs(now);
   for (auto& [id, job] : jobs_) {
@@ -190,7 +190,7 @@ void CoordinatorCore::Tick() {
 }
 
 void CoordinatorCore::OnPaused(absl::Duration gap) {
-  absl::MutexLock lock(&mu_);
+  Locked lock(this);
   const absl::Time now = clock_->Now();
   int extended = 0;
   for (auto& [id, job] : jobs_) {
@@ -203,12 +203,11 @@ void CoordinatorCore::OnPaused(absl::Duration gap) {
   const std::string what = absl::StrCat("the coordinator did not run for ", absl::ToInt64Milliseconds(gap),
                                         " ms (paused, starved or the clock jumped); heartbeat deadlines of ",
                                         extended, " live ranks restarted instead of declaring them dead");
-  logging::Get("coordinator")->warn("{}", what);
   Event("warning", "coordinator_paused", "", -1, -1, what);
 }
 
 void CoordinatorCore::Shutdown() {
-  absl::MutexLock lock(&mu_);
+  Locked lock(this);
   shut_down_ = true;
   FailAllCommWaiters(absl::UnavailableError("coordinator is shutting down"));
   v1::CoordinatorMessage notice;

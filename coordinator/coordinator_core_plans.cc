@@ -26,7 +26,7 @@ bool CoordinatorCore::WillNeverReport(const Member& m, const MicrobatchKey& key)
 }
 
 void CoordinatorCore::OnPlans(uint64_t session_id, const v1::PlanBatch& batch) {
-  absl::MutexLock lock(&mu_);
+  Locked lock(this);
   Job* job = nullptr;
   Member* m = LiveMember(session_id, &job);
   if (m == nullptr) return;  // A stale session; its rank re-registered or was declared dead.
@@ -48,13 +48,17 @@ void CoordinatorCore::OnPlans(uint64_t session_id, const v1::PlanBatch& batch) {
       rej->set_code(static_cast<int>(s.code()));
       rej->set_message(std::string(s.message()));
       rej->set_epoch(batch.epoch());
-      static const auto log = logging::Get("coordinator");
       static logging::RateLimit limit(10);  // A client sending 10^5 bad plans gets 10 lines a second.
       int64_t suppressed = 0;
       if (limit.Allow(&suppressed)) {
-        log->warn("plan_rejected job={} rank={} step={} mb={} code={} {}{}", job->id, m->rank, plan.step(),
-                  plan.microbatch(), absl::StatusCodeToString(s.code()), std::string(s.message()),
-                  suppressed > 0 ? absl::StrCat(" (", suppressed, " more plan rejections not logged)") : "");
+        Defer([line = absl::StrCat("plan_rejected job=", job->id, " rank=", m->rank, " step=", plan.step(),
+                                   " mb=", plan.microbatch(), " code=", absl::StatusCodeToString(s.code()), " ",
+                                   s.message(),
+                                   suppressed > 0 ? absl::StrCat(" (", suppressed, " more plan rejections not logged)")
+                                                  : "")] {
+          static const auto log = logging::Get("coordinator");
+          log->warn("{}", line);
+        });
       }
       SendTo(*m, msg);
     }

@@ -2,19 +2,12 @@
 
 #include <algorithm>
 
-#include "shardcoord/internal/logging.h"
 
 namespace shardcoord::coordinator {
 
 void EventJournal::Add(absl::Time when, const std::string& severity, const std::string& kind,
                        const std::string& job_id, int rank, int group,
                        const std::string& message) {
-  static const auto log = logging::Get("coordinator");
-  auto level = severity == "error"     ? spdlog::level::err
-               : severity == "warning" ? spdlog::level::warn
-                                       : spdlog::level::info;
-  log->log(level, "event={} job={} rank={} group={} {}", kind, job_id, rank, group, message);
-
   absl::MutexLock lock(&mu_);
   v1::Event e;
   e.set_id(next_id_++);

@@ -1,5 +1,6 @@
 // EventJournal: a bounded, in-memory journal of what happened (registrations, deaths,
-// group failures, promotions), served by `shardctl events` and mirrored to the log.
+// group failures, promotions), served by `shardctl events`
+// (the core writes each event's log line itself, outside its lock).
 // Thread-safe.
 #ifndef SHARDCOORD_COORDINATOR_EVENT_JOURNAL_H_
 #define SHARDCOORD_COORDINATOR_EVENT_JOURNAL_H_

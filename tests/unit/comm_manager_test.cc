@@ -4,6 +4,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <future>
 #include <memory>
 #include <optional>
 
@@ -193,6 +195,24 @@ TEST_F(CommManagerTest, AJoinThatCannotCompleteFailsAtItsDeadlineNamingTheMissin
   ASSERT_TRUE(j0.has_value());
   EXPECT_EQ(j0->status().code(), absl::StatusCode::kDeadlineExceeded);
   EXPECT_THAT(j0->status().message(), HasSubstr("ranks 1 are not live"));
+}
+
+TEST_F(CommManagerTest, CompletionsRunAfterTheCoreLockIsReleased) {
+  // A completion that calls back into the core (as gRPC's may, on another thread) must not
+  // find the core's mutex held: the core defers completions until it unlocks (DESIGN 8).
+  // The call back runs on its own thread with a deadline, so a regression fails, not hangs.
+  bool reentered = false;
+  v1::CommJoinRequest req;
+  req.set_job_id("job");
+  req.set_rank(0);
+  req.set_name("world");
+  req.set_timeout_ms(5000);
+  core_->CommJoin(req, [&](absl::StatusOr<v1::CommJoinResponse> r) {
+    ASSERT_TRUE(r.ok()) << r.status();
+    auto status = std::async(std::launch::async, [&] { return core_->Comms("job"); });
+    reentered = status.wait_for(std::chrono::seconds(10)) == std::future_status::ready;
+  });
+  EXPECT_TRUE(reentered) << "the join's completion ran with the core's mutex held";
 }
 
 }  // namespace
