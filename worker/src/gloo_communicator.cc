@@ -7,7 +7,6 @@
 #include <gloo/rendezvous/context.h>
 #include <gloo/rendezvous/store.h>
 #include <gloo/transport/tcp/device.h>
-#include <grpcpp/grpcpp.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -21,30 +20,26 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
-#include "communicator_internal.h"
-#include "shardcoord/internal/logging.h"
-#include "shardcoord/proto/convert.h"
+#include "comm_base.h"
 
 namespace shardcoord {
 
 namespace internal {
 namespace {
 
-// Extra time a unary RPC gets beyond the wait it asks the coordinator for.
 constexpr char kGlooHostEnv[] = "SHARDCOORD_GLOO_HOST";
 // How long a failed collective waits for the coordinator's abort (which names the lost
 // rank) before reporting the failure itself.
 constexpr absl::Duration kPeerVerdictWait = absl::Seconds(1);
 
-// Gloo's rendezvous store, backed by the coordinator's per-(communicator, epoch) store.
+// Gloo's rendezvous store, backed by the epoch's store (at the coordinator).
 // Gloo expects exceptions; the last failure is kept as a status for the caller.
-class CoordinatorStore final : public gloo::rendezvous::Store {
+class EpochStore final : public gloo::rendezvous::Store {
  public:
-  CoordinatorStore(const CommEndpoint& ep, std::string name, int64_t epoch, absl::Duration timeout)
-      : ep_(ep), name_(std::move(name)), epoch_(epoch), timeout_(timeout) {}
+  EpochStore(EpochRendezvous& rendezvous, absl::Duration timeout) : rendezvous_(rendezvous), timeout_(timeout) {}
 
   void set(const std::string& key, const std::vector<char>& data) override {
-    Check(StorePublish(ep_, name_, epoch_, key, std::string(data.begin(), data.end())));
+    Check(rendezvous_.Publish(key, std::string(data.begin(), data.end())));
   }
 
   std::vector<char> get(const std::string& key) override {
@@ -61,7 +56,7 @@ class CoordinatorStore final : public gloo::rendezvous::Store {
 
  private:
   std::vector<std::string> Get(const std::vector<std::string>& keys, absl::Duration timeout) {
-    auto values = StoreFetch(ep_, name_, epoch_, keys, timeout);
+    auto values = rendezvous_.Fetch(keys, timeout);
     Check(values.status());
     return *std::move(values);
   }
@@ -72,9 +67,7 @@ class CoordinatorStore final : public gloo::rendezvous::Store {
     throw gloo::IoException(std::string(s.message()));
   }
 
-  const CommEndpoint ep_;
-  const std::string name_;
-  const int64_t epoch_;
+  EpochRendezvous& rendezvous_;
   const absl::Duration timeout_;
   absl::Status last_status_;
 };
@@ -183,11 +176,10 @@ Bytes CopyOf(const void* data, size_t n) {
   return b;
 }
 
-class GlooCommunicator final : public AbortableCommunicator {
+class GlooCommunicator final : public CommunicatorBase {
  public:
-  GlooCommunicator(const CommEndpoint& ep, const std::string& name, int64_t epoch, std::vector<int> ranks,
-                   int index, const CommunicatorOptions& options)
-      : AbortableCommunicator(name, epoch, index, std::move(ranks)), ep_(ep), options_(options) {}
+  GlooCommunicator(std::shared_ptr<EpochRendezvous> rendezvous, CommSpec spec)
+      : CommunicatorBase(std::move(rendezvous), std::move(spec)) {}
 
   absl::Status Connect() override {
     try {
@@ -201,8 +193,8 @@ class GlooCommunicator final : public AbortableCommunicator {
       }
       device_ = gloo::transport::tcp::CreateDevice(attr);
       auto ctx = std::make_shared<gloo::rendezvous::Context>(rank(), size());
-      ctx->setTimeout(absl::ToChronoMilliseconds(options_.join_timeout));
-      CoordinatorStore store(ep_, name(), epoch(), options_.join_timeout);
+      ctx->setTimeout(absl::ToChronoMilliseconds(options().join_timeout));
+      EpochStore store(rendezvous(), options().join_timeout);
       try {
         ctx->connectFullMesh(store, device_);
       } catch (const std::exception& e) {
@@ -211,26 +203,22 @@ class GlooCommunicator final : public AbortableCommunicator {
         return absl::UnavailableError(absl::StrCat("communicator '", name(), "' epoch ", epoch(),
                                                    ": connecting to the other members failed: ", e.what()));
       }
-      ctx->setTimeout(absl::ToChronoMilliseconds(options_.op_timeout));
+      ctx->setTimeout(absl::ToChronoMilliseconds(options().op_timeout));
       absl::MutexLock lock(&mu_);
-      if (!abort_reason_.empty()) return AbortedStatusLocked();
+      if (AbortedLocked()) return AbortedStatusLocked();
       ctx_ = std::move(ctx);
     } catch (const std::exception& e) {
       return absl::UnavailableError(absl::StrCat("communicator '", name(), "': cannot set up Gloo: ", e.what()));
     }
-    return ReportComm(ep_, name(), epoch(), v1::CommReportRequest::KIND_READY, "");
+    return rendezvous().ReportReady();
   }
 
-  void Abort(const std::string& reason) override {
+  void AbortBackend() override {
     std::shared_ptr<gloo::rendezvous::Context> ctx;
     {
       absl::MutexLock lock(&mu_);
-      if (!abort_reason_.empty()) return;
-      abort_reason_ = reason;
       ctx = ctx_;
     }
-    logging::Get("worker")->warn("job={} rank={} comm={} epoch={} aborting: {}", ep_.job_id, ep_.job_rank, name(),
-                                 epoch(), reason);
     // An operation in flight returns ABORTED to its caller now; it ends in the background,
     // and its end closes the connections (see Run). Without one, close them now: peers
     // blocked on us see EOF at once.
@@ -244,24 +232,14 @@ class GlooCommunicator final : public AbortableCommunicator {
     if (ctx && !running) ctx->closeConnections();
   }
 
-  void Progress(int64_t* issued, int64_t* completed) const override {
-    *issued = issued_.load(std::memory_order_relaxed);
-    *completed = completed_.load(std::memory_order_relaxed);
-  }
-
-  absl::Status Health() const override {
-    absl::MutexLock lock(&mu_);
-    if (!abort_reason_.empty()) return AbortedStatusLocked();
-    if (!ctx_) return absl::FailedPreconditionError("communicator is not connected");
-    return absl::OkStatus();
-  }
+  bool ConnectedLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) override { return ctx_ != nullptr; }
 
   absl::Status AllGather(const void* in, void* out, size_t count, DataType type) override {
     const size_t n = count * DataTypeSize(type);
     Bytes in_copy = CopyOf(in, n);
     Bytes out_copy = std::make_shared<std::vector<char>>(n * size());
     const int members = size();
-    const auto timeout = absl::ToChronoMilliseconds(options_.op_timeout);
+    const auto timeout = absl::ToChronoMilliseconds(options().op_timeout);
     absl::Status s = Run("all_gather", [=](const std::shared_ptr<gloo::Context>& ctx) {
       Dispatch(type, [&](auto t) {
         using T = decltype(t);
@@ -278,7 +256,7 @@ class GlooCommunicator final : public AbortableCommunicator {
 
   absl::Status AllReduce(void* data, size_t count, DataType type, ReduceOp op) override {
     Bytes buf = CopyOf(data, count * DataTypeSize(type));
-    const auto timeout = absl::ToChronoMilliseconds(options_.op_timeout);
+    const auto timeout = absl::ToChronoMilliseconds(options().op_timeout);
     absl::Status s = Run("all_reduce", [=](const std::shared_ptr<gloo::Context>& ctx) {
       Dispatch(type, [&](auto t) {
         using T = decltype(t);
@@ -298,7 +276,7 @@ class GlooCommunicator final : public AbortableCommunicator {
       return absl::InvalidArgumentError(absl::StrCat("broadcast root ", root, " outside 0..", size() - 1));
     }
     Bytes buf = CopyOf(data, count * DataTypeSize(type));
-    const auto timeout = absl::ToChronoMilliseconds(options_.op_timeout);
+    const auto timeout = absl::ToChronoMilliseconds(options().op_timeout);
     absl::Status s = Run("broadcast", [=](const std::shared_ptr<gloo::Context>& ctx) {
       Dispatch(type, [&](auto t) {
         using T = decltype(t);
@@ -314,7 +292,7 @@ class GlooCommunicator final : public AbortableCommunicator {
   }
 
   absl::Status Barrier() override {
-    const auto timeout = absl::ToChronoMilliseconds(options_.op_timeout);
+    const auto timeout = absl::ToChronoMilliseconds(options().op_timeout);
     return Run("barrier", [=](const std::shared_ptr<gloo::Context>& ctx) {
       gloo::BarrierOptions opts(ctx);
       opts.setTimeout(timeout);
@@ -323,24 +301,17 @@ class GlooCommunicator final : public AbortableCommunicator {
   }
 
  private:
-  absl::Status AbortedStatusLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return absl::AbortedError(absl::StrCat("communicator '", name(), "' epoch ", epoch(),
-                                           " was aborted: ", abort_reason_,
-                                           "; open it again to join the next epoch"));
-  }
-
   // Runs `f` (which may only use what it owns: it can outlive this call) on the op thread.
   absl::Status Run(const char* what, std::function<void(const std::shared_ptr<gloo::Context>&)> f) {
     std::shared_ptr<gloo::rendezvous::Context> ctx;
     {
       absl::MutexLock lock(&mu_);
-      if (!abort_reason_.empty()) return AbortedStatusLocked();
-      if (!ctx_) return absl::FailedPreconditionError("communicator is not connected");
+      if (absl::Status s = UsableLocked(); !s.ok()) return s;
       ctx = ctx_;
       absl::MutexLock end_lock(&op_end_->mu);
       op_end_->running = true;
     }
-    issued_.fetch_add(1, std::memory_order_relaxed);
+    CountIssued();
     // The operation's end, on the op thread: if an abort came meanwhile, close the
     // connections now that nothing waits on them (peers blocked on us then see EOF). Exactly
     // one of Abort and this end closes them (op_end_ decides, under its lock).
@@ -361,21 +332,16 @@ class GlooCommunicator final : public AbortableCommunicator {
       f(ctx);
     };
     std::optional<std::exception_ptr> result = ops_.Run(std::move(op));
-    completed_.fetch_add(1, std::memory_order_relaxed);
+    CountCompleted();
     bool aborted;
     {
       absl::MutexLock lock(&mu_);
-      aborted = !abort_reason_.empty();
+      aborted = AbortedLocked();
     }
-    if (!result.has_value()) {  // Abandoned by Abort: the operation ends in the background.
-      absl::MutexLock lock(&mu_);
-      return AbortedStatusLocked();
-    }
+    // Abandoned by Abort: the operation ends in the background.
+    if (!result.has_value()) return AbortedStatus();
     if (*result == nullptr) return absl::OkStatus();  // Completed: valid even if an abort came meanwhile.
-    if (aborted) {
-      absl::MutexLock lock(&mu_);
-      return AbortedStatusLocked();
-    }
+    if (aborted) return AbortedStatus();
     std::string error;
     try {
       std::rethrow_exception(*result);
@@ -386,26 +352,13 @@ class GlooCommunicator final : public AbortableCommunicator {
     }
     // A peer's socket closing usually means the peer died; the coordinator sees its stream
     // end at the same moment and its abort names the rank. Give that verdict a moment.
-    {
-      absl::MutexLock lock(&mu_);
-      auto verdict = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !abort_reason_.empty(); };
-      mu_.AwaitWithTimeout(absl::Condition(&verdict), kPeerVerdictWait);
-      if (!abort_reason_.empty()) return AbortedStatusLocked();
-    }
-    // Our own failure (a peer vanished, a timeout): the coordinator aborts the epoch for
-    // everyone. If it already did (it saw the peer die), its answer names the cause.
-    absl::Status report = ReportComm(ep_, name(), epoch(), v1::CommReportRequest::KIND_ERROR, error);
-    Abort(report.code() == absl::StatusCode::kAborted ? std::string(report.message()) : error);
-    absl::MutexLock lock(&mu_);
-    return AbortedStatusLocked();
+    if (AwaitAbort(kPeerVerdictWait)) return AbortedStatus();
+    // Our own failure (a peer vanished, a timeout): the coordinator aborts the epoch for everyone.
+    return FailEpoch(error);
   }
 
-  const CommEndpoint ep_;
-  const CommunicatorOptions options_;
   std::shared_ptr<gloo::transport::Device> device_;
-  mutable absl::Mutex mu_;
   std::shared_ptr<gloo::rendezvous::Context> ctx_ ABSL_GUARDED_BY(mu_);
-  std::string abort_reason_ ABSL_GUARDED_BY(mu_);
   // Shared with the operation in flight, which may end after this communicator is gone.
   struct OpEnd {
     absl::Mutex mu;
@@ -414,17 +367,13 @@ class GlooCommunicator final : public AbortableCommunicator {
   };
   std::shared_ptr<OpEnd> op_end_ = std::make_shared<OpEnd>();
   OpThread ops_;
-  std::atomic<int64_t> issued_{0};
-  std::atomic<int64_t> completed_{0};
 };
 
 }  // namespace
 
-std::shared_ptr<AbortableCommunicator> MakeGlooCommunicator(const CommEndpoint& endpoint, const std::string& name,
-                                                            int64_t epoch, std::vector<int> ranks,
-                                                            const CommunicatorOptions& options) {
-  const int index = static_cast<int>(std::lower_bound(ranks.begin(), ranks.end(), endpoint.job_rank) - ranks.begin());
-  return std::make_shared<GlooCommunicator>(endpoint, name, epoch, std::move(ranks), index, options);
+std::shared_ptr<AbortableCommunicator> MakeGlooCommunicator(std::shared_ptr<EpochRendezvous> rendezvous,
+                                                            CommSpec spec) {
+  return std::make_shared<GlooCommunicator>(std::move(rendezvous), std::move(spec));
 }
 
 }  // namespace internal

@@ -6,7 +6,6 @@
 // waited on. On an abort (the coordinator's, or our own failure) the communicator is
 // aborted with ncclCommAbort, never destroyed while failed; the next epoch is a new one.
 #include <cuda_runtime.h>
-#include <grpcpp/grpcpp.h>
 #include <nccl.h>
 
 #include <atomic>
@@ -16,9 +15,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
-#include "communicator_internal.h"
-#include "shardcoord/internal/logging.h"
-#include "shardcoord/proto/convert.h"
+#include "comm_base.h"
 
 // Every NCCL / CUDA call is checked; the status names the call, the file and the line.
 #define SHARDCOORD_NCCL_CHECK(call)                                                                  \
@@ -64,17 +61,16 @@ ncclRedOp_t ToNccl(ReduceOp op) {
   return ncclSum;
 }
 
-class NcclCommunicator final : public AbortableCommunicator {
+class NcclCommunicator final : public CommunicatorBase {
  public:
-  NcclCommunicator(const CommEndpoint& ep, const std::string& name, int64_t epoch, std::vector<int> ranks, int index,
-                   const CommunicatorOptions& options)
-      : AbortableCommunicator(name, epoch, index, std::move(ranks)), ep_(ep), options_(options) {}
+  NcclCommunicator(std::shared_ptr<EpochRendezvous> rendezvous, CommSpec spec)
+      : CommunicatorBase(std::move(rendezvous), std::move(spec)) {}
 
   ~NcclCommunicator() override {
     absl::MutexLock lock(&mu_);
     if (comm_ == nullptr) return;
     // A failed or aborted communicator is aborted, never destroyed (NCCL's rule).
-    if (!abort_reason_.empty() || failed_) {
+    if (AbortedLocked() || failed_) {
       if (!aborted_) ncclCommAbort(comm_);
     } else {
       ncclCommDestroy(comm_);
@@ -85,7 +81,7 @@ class NcclCommunicator final : public AbortableCommunicator {
   }
 
   absl::Status Connect() override {
-    SHARDCOORD_CUDA_CHECK(cudaSetDevice(options_.cuda_device));
+    SHARDCOORD_CUDA_CHECK(cudaSetDevice(options().cuda_device));
     SHARDCOORD_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     SHARDCOORD_CUDA_CHECK(cudaMalloc(&scratch_, sizeof(int32_t)));
     SHARDCOORD_CUDA_CHECK(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming));
@@ -93,11 +89,10 @@ class NcclCommunicator final : public AbortableCommunicator {
     if (rank() == 0) {
       // The group's lowest rank creates the id and publishes it through the coordinator.
       SHARDCOORD_NCCL_CHECK(ncclGetUniqueId(&id));
-      absl::Status s = StorePublish(ep_, name(), epoch(), kUniqueIdKey,
-                                    std::string(reinterpret_cast<const char*>(&id), sizeof(id)));
+      absl::Status s = rendezvous().Publish(kUniqueIdKey, std::string(reinterpret_cast<const char*>(&id), sizeof(id)));
       if (!s.ok()) return s;
     } else {
-      auto values = StoreFetch(ep_, name(), epoch(), {kUniqueIdKey}, options_.join_timeout);
+      auto values = rendezvous().Fetch({kUniqueIdKey}, options().join_timeout);
       if (!values.ok()) return values.status();
       if ((*values)[0].size() != sizeof(id)) {
         return absl::DataLossError(absl::StrCat("communicator '", name(), "': the published NCCL unique id has ",
@@ -113,17 +108,14 @@ class NcclCommunicator final : public AbortableCommunicator {
       absl::MutexLock lock(&mu_);
       comm_ = comm;
     }
-    absl::Status s = WaitComm(comm, absl::Now() + options_.join_timeout, "ncclCommInitRankConfig");
+    absl::Status s = WaitComm(comm, absl::Now() + options().join_timeout, "ncclCommInitRankConfig");
     if (!s.ok()) return s;
-    return ReportComm(ep_, name(), epoch(), v1::CommReportRequest::KIND_READY, "");
+    return rendezvous().ReportReady();
   }
 
-  void Abort(const std::string& reason) override {
+  // ncclCommAbort runs under mu_: it must not race an operation's own abort (Run).
+  void AbortBackend() override {
     absl::MutexLock lock(&mu_);
-    if (!abort_reason_.empty()) return;
-    abort_reason_ = reason;
-    logging::Get("worker")->warn("job={} rank={} comm={} epoch={} aborting NCCL communicator: {}", ep_.job_id,
-                                 ep_.job_rank, name(), epoch(), reason);
     // With an operation in flight, its polling loop aborts (it owns the communicator then).
     if (!in_flight_ && comm_ != nullptr && !aborted_) {
       ncclCommAbort(comm_);
@@ -131,17 +123,7 @@ class NcclCommunicator final : public AbortableCommunicator {
     }
   }
 
-  void Progress(int64_t* issued, int64_t* completed) const override {
-    *issued = issued_.load(std::memory_order_relaxed);
-    *completed = completed_.load(std::memory_order_relaxed);
-  }
-
-  absl::Status Health() const override {
-    absl::MutexLock lock(&mu_);
-    if (!abort_reason_.empty()) return AbortedLocked();
-    if (comm_ == nullptr) return absl::FailedPreconditionError("communicator is not connected");
-    return absl::OkStatus();
-  }
+  bool ConnectedLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) override { return comm_ != nullptr; }
 
   absl::Status AllGather(const void* in, void* out, size_t count, DataType type) override {
     return Run("ncclAllGather",
@@ -164,11 +146,6 @@ class NcclCommunicator final : public AbortableCommunicator {
   }
 
  private:
-  absl::Status AbortedLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return absl::AbortedError(absl::StrCat("communicator '", name(), "' epoch ", epoch(), " was aborted: ",
-                                           abort_reason_, "; open it again to join the next epoch"));
-  }
-
   // Polls the communicator's async state until it leaves ncclInProgress, the deadline
   // passes or an abort arrives; aborts the communicator in the last two cases. `comm` is
   // comm_, read under mu_ by the caller: it is set once, before any operation, and only the
@@ -186,30 +163,31 @@ class NcclCommunicator final : public AbortableCommunicator {
 
   absl::Status CheckAbortOrDeadline(absl::Time deadline, const char* what) {
     absl::MutexLock lock(&mu_);
-    if (!abort_reason_.empty()) {
+    if (AbortedLocked()) {
       if (!aborted_) {
         ncclCommAbort(comm_);
         aborted_ = true;
       }
-      return AbortedLocked();
+      return AbortedStatusLocked();
     }
     if (absl::Now() > deadline) {
       failed_ = true;
       return absl::DeadlineExceededError(absl::StrCat(what, " on communicator '", name(), "' did not finish within ",
-                                                      absl::ToInt64Milliseconds(options_.op_timeout), " ms"));
+                                                      absl::ToInt64Milliseconds(options().op_timeout), " ms"));
     }
     return absl::OkStatus();
   }
 
+  // Our own failure: reported, the epoch aborted, and the communicator with it (an
+  // operation in flight owns it, so AbortBackend left it to us).
   absl::Status Fail(const std::string& error) {
-    absl::Status report = ReportComm(ep_, name(), epoch(), v1::CommReportRequest::KIND_ERROR, error);
-    Abort(report.code() == absl::StatusCode::kAborted ? std::string(report.message()) : error);
+    absl::Status aborted = FailEpoch(error);
     absl::MutexLock lock(&mu_);
     if (!aborted_ && comm_ != nullptr) {
       ncclCommAbort(comm_);
       aborted_ = true;
     }
-    return AbortedLocked();
+    return aborted;
   }
 
   template <typename F>
@@ -217,17 +195,16 @@ class NcclCommunicator final : public AbortableCommunicator {
     ncclComm_t comm = nullptr;
     {
       absl::MutexLock lock(&mu_);
-      if (!abort_reason_.empty()) return AbortedLocked();
-      if (comm_ == nullptr) return absl::FailedPreconditionError("communicator is not connected");
+      if (absl::Status s = UsableLocked(); !s.ok()) return s;
       in_flight_ = true;  // This thread owns the communicator until in_flight_ is false again.
       comm = comm_;
     }
-    issued_.fetch_add(1, std::memory_order_relaxed);
+    CountIssued();
     absl::Status s = RunInFlight(what, comm, launch);
-    completed_.fetch_add(1, std::memory_order_relaxed);
+    CountCompleted();
     absl::MutexLock lock(&mu_);
     in_flight_ = false;
-    if (!abort_reason_.empty() && !aborted_ && comm_ != nullptr) {
+    if (AbortedLocked() && !aborted_ && comm_ != nullptr) {
       ncclCommAbort(comm_);
       aborted_ = true;
     }
@@ -236,7 +213,7 @@ class NcclCommunicator final : public AbortableCommunicator {
 
   template <typename F>
   absl::Status RunInFlight(const char* what, ncclComm_t comm, F&& launch) {
-    const absl::Time deadline = absl::Now() + options_.op_timeout;
+    const absl::Time deadline = absl::Now() + options().op_timeout;
     // Order after the work the caller queued on the default stream (e.g. LibTorch filling
     // the input), without blocking the host.
     if (cudaEventRecord(ready_, cudaStreamLegacy) != cudaSuccess ||
@@ -264,28 +241,20 @@ class NcclCommunicator final : public AbortableCommunicator {
     }
   }
 
-  const CommEndpoint ep_;
-  const CommunicatorOptions options_;
   cudaStream_t stream_ = nullptr;
   int32_t* scratch_ = nullptr;
   cudaEvent_t ready_ = nullptr;
-  mutable absl::Mutex mu_;
   ncclComm_t comm_ ABSL_GUARDED_BY(mu_) = nullptr;
-  std::string abort_reason_ ABSL_GUARDED_BY(mu_);
   bool in_flight_ ABSL_GUARDED_BY(mu_) = false;
   bool aborted_ ABSL_GUARDED_BY(mu_) = false;  // ncclCommAbort was called.
   bool failed_ ABSL_GUARDED_BY(mu_) = false;
-  std::atomic<int64_t> issued_{0};
-  std::atomic<int64_t> completed_{0};
 };
 
 }  // namespace
 
-std::shared_ptr<AbortableCommunicator> MakeNcclCommunicator(const CommEndpoint& endpoint, const std::string& name,
-                                                            int64_t epoch, std::vector<int> ranks,
-                                                            const CommunicatorOptions& options) {
-  const int index = static_cast<int>(std::lower_bound(ranks.begin(), ranks.end(), endpoint.job_rank) - ranks.begin());
-  return std::make_shared<NcclCommunicator>(endpoint, name, epoch, std::move(ranks), index, options);
+std::shared_ptr<AbortableCommunicator> MakeNcclCommunicator(std::shared_ptr<EpochRendezvous> rendezvous,
+                                                            CommSpec spec) {
+  return std::make_shared<NcclCommunicator>(std::move(rendezvous), std::move(spec));
 }
 
 }  // namespace shardcoord::internal

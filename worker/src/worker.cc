@@ -254,20 +254,18 @@ absl::StatusOr<std::shared_ptr<Communicator>> Worker::Impl::OpenCommunicator(con
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + options.join_timeout + absl::Seconds(5)));
   grpc::Status st = stub_->CommJoin(&ctx, req, &resp);
   if (!st.ok()) return FromGrpcStatus(st);
-  internal::CommEndpoint ep{stub_, address_, options_.job_id, options_.rank};
-  std::vector<int> ranks(resp.ranks().begin(), resp.ranks().end());
+  internal::CommSpec spec{options_.job_id, options_.rank, name, resp.epoch(),
+                          std::vector<int>(resp.ranks().begin(), resp.ranks().end()), options};
+  auto rendezvous = internal::MakeCoordinatorRendezvous({stub_, options_.job_id, options_.rank}, name, resp.epoch());
   std::shared_ptr<internal::AbortableCommunicator> comm;
   if (options.backend == Backend::kNccl) {
 #ifdef SHARDCOORD_HAVE_NCCL
-    comm = internal::MakeNcclCommunicator(ep, name, resp.epoch(), std::move(ranks), options);
+    comm = internal::MakeNcclCommunicator(std::move(rendezvous), std::move(spec));
 #endif
   } else {
-    comm = internal::MakeGlooCommunicator(ep, name, resp.epoch(), std::move(ranks), options);
+    comm = internal::MakeGlooCommunicator(std::move(rendezvous), std::move(spec));
   }
-  {
-    absl::MutexLock lock(&mu_);
-    comms_[name] = comm;  // Before connecting: an abort during the rendezvous must reach it.
-  }
+  comms_.Add(comm);  // Before connecting: an abort during the rendezvous must reach it.
   log_->info("{} comm={} epoch={} joining ranks={}{}", Prefix(), name, resp.epoch(), absl::StrJoin(resp.ranks(), ","),
              resp.previous_abort_reason().empty() ? "" : " (previous epoch aborted: " + resp.previous_abort_reason() + ")");
   if (absl::Status s = comm->Connect(); !s.ok()) return s;

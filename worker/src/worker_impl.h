@@ -9,7 +9,8 @@
 
 #include "shardcoord/worker.h"
 
-#include "communicator_internal.h"
+#include "comm_registry.h"
+#include "coordinator_rendezvous.h"
 #include "decision_queue.h"
 #include "shardcoord/plan_check.h"
 
@@ -149,8 +150,7 @@ class Worker::Impl {
   std::string group_failure_ ABSL_GUARDED_BY(mu_);     // Non-empty while the group is failed.
   std::string job_failure_ ABSL_GUARDED_BY(mu_);       // Non-empty once a rank of another group died.
   internal::DecisionQueue queue_ ABSL_GUARDED_BY(mu_);  // The lookahead window.
-  // Open communicators by name (the latest epoch of each), for CommAbort.
-  std::map<std::string, std::weak_ptr<internal::AbortableCommunicator>> comms_ ABSL_GUARDED_BY(mu_);
+  internal::CommRegistry comms_;  // Thread-safe; its lock is a leaf (may be taken under mu_).
   std::deque<v1::MicrobatchPlan> outbox_ ABSL_GUARDED_BY(mu_);
   std::vector<ModuleMemoryUsage> memory_ ABSL_GUARDED_BY(mu_);
   bool memory_dirty_ ABSL_GUARDED_BY(mu_) = false;  // Not sent yet: send without waiting.

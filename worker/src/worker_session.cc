@@ -51,10 +51,7 @@ void Worker::Impl::ReaderLoop() {
   if (!closing_) log_->error("{} {}", Prefix(), std::string(session_status_.message()));
   // Without a session this rank is out of the job: the coordinator already told the others
   // to abort, so our communicators must not go on waiting for them.
-  std::vector<std::shared_ptr<internal::AbortableCommunicator>> open;
-  for (auto& [name, weak] : comms_) {
-    if (auto c = weak.lock()) open.push_back(std::move(c));
-  }
+  std::vector<std::shared_ptr<internal::AbortableCommunicator>> open = comms_.Open();
   const std::string why(session_status_.message());
   mu_.Unlock();
   for (auto& c : open) c->Abort(why);
@@ -91,9 +88,7 @@ void Worker::Impl::Handle(const v1::CoordinatorMessage& msg, PendingAborts* abor
     }
     case v1::CoordinatorMessage::kCommAbort: {
       const auto& a = msg.comm_abort();
-      auto it = comms_.find(a.name());
-      auto comm = it == comms_.end() ? nullptr : it->second.lock();
-      if (comm && comm->epoch() == a.epoch()) aborts->aborts.emplace_back(comm, a.reason());
+      if (auto comm = comms_.Find(a.name(), a.epoch())) aborts->aborts.emplace_back(comm, a.reason());
       // Acknowledged once aborted (the reader does it right after, see ReaderLoop): the
       // coordinator starts the next epoch only when every live member has.
       aborts->acks.push_back({a.name(), a.epoch()});
@@ -171,16 +166,12 @@ void Worker::Impl::WriterLoop() {
         // Heartbeats go out on time even while plans flow: they carry collective progress.
         auto* hb = msg.mutable_heartbeat();
         hb->set_sent_unix_ms(absl::ToUnixMillis(absl::Now()));
-        for (const auto& [name, weak] : comms_) {
-          auto comm = weak.lock();
-          if (!comm) continue;
+        for (const auto& progress : comms_.Snapshot()) {
           auto* p = hb->add_comms();
-          p->set_name(name);
-          p->set_epoch(comm->epoch());
-          int64_t issued = 0, completed = 0;
-          comm->Progress(&issued, &completed);
-          p->set_issued(issued);
-          p->set_completed(completed);
+          p->set_name(progress.name);
+          p->set_epoch(progress.epoch);
+          p->set_issued(progress.issued);
+          p->set_completed(progress.completed);
         }
         for (const auto& m : memory_) {
           auto* pm = hb->add_memory();

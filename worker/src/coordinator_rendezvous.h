@@ -1,0 +1,27 @@
+// Internal to the worker library: EpochRendezvous (rendezvous.h) at the coordinator, over
+// gRPC. Every call has a deadline.
+#ifndef SHARDCOORD_WORKER_SRC_COORDINATOR_RENDEZVOUS_H_
+#define SHARDCOORD_WORKER_SRC_COORDINATOR_RENDEZVOUS_H_
+
+#include <memory>
+#include <string>
+
+#include "rendezvous.h"
+#include "shardcoord/v1/coordinator.grpc.pb.h"
+
+namespace shardcoord::internal {
+
+// Where a worker's rendezvous calls go.
+struct CommEndpoint {
+  std::shared_ptr<v1::Coordinator::Stub> stub;  // Shared: a communicator may outlive its Worker.
+  std::string job_id;
+  int job_rank = 0;
+};
+
+// The coordinator's store and reports for communicator `name` at `epoch`.
+std::shared_ptr<EpochRendezvous> MakeCoordinatorRendezvous(const CommEndpoint& endpoint, const std::string& name,
+                                                           int64_t epoch);
+
+}  // namespace shardcoord::internal
+
+#endif  // SHARDCOORD_WORKER_SRC_COORDINATOR_RENDEZVOUS_H_
