@@ -298,6 +298,10 @@ class CoordinatorCore {
   absl::StatusOr<Comm*> ResolveComm(const std::string& job_id, int rank, const std::string& name,
                                     const std::vector<int>& ranks, Job** job)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The members of communicator `name`: the world, a shard group, or a custom list (the
+  // caller's `ranks`, else those of the communicator already created). Checks the list.
+  static absl::StatusOr<std::vector<int>> CommMembers(const Job& job, const std::string& name,
+                                                      const std::vector<int>& ranks);
   absl::Status CheckEpoch(const Comm& comm, int64_t epoch) const;
   // Starts a new epoch if the last one was aborted (or none exists) and every member is
   // live; then completes the join waiters.

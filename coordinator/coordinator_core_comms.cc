@@ -23,20 +23,9 @@ absl::Duration WaitFor(int32_t timeout_ms) {
 
 }  // namespace
 
-absl::StatusOr<CoordinatorCore::Comm*> CoordinatorCore::ResolveComm(const std::string& job_id, int rank,
-                                                                    const std::string& name,
-                                                                    const std::vector<int>& ranks,
-                                                                    Job** job_out) {
-  auto it = jobs_.find(job_id);
-  if (it == jobs_.end()) {
-    return absl::NotFoundError(absl::StrCat("no job '", job_id, "': register the rank first"));
-  }
-  Job& job = *it->second;
-  if (rank < 0 || rank >= job.world_size || job.members[rank].state != v1::RANK_STATE_LIVE) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "rank ", rank, " of job '", job_id, "' is not a live registered rank; register it before "
-        "using communicators"));
-  }
+absl::StatusOr<std::vector<int>> CoordinatorCore::CommMembers(const Job& job, const std::string& name,
+                                                             const std::vector<int>& ranks) {
+  const std::string& job_id = job.id;
   if (name.empty()) return absl::InvalidArgumentError("communicator name is empty");
   std::vector<int> members;
   if (name == "world") {
@@ -66,6 +55,26 @@ absl::StatusOr<CoordinatorCore::Comm*> CoordinatorCore::ResolveComm(const std::s
                                                      job.world_size - 1));
     }
   }
+  return members;
+}
+
+absl::StatusOr<CoordinatorCore::Comm*> CoordinatorCore::ResolveComm(const std::string& job_id, int rank,
+                                                                    const std::string& name,
+                                                                    const std::vector<int>& ranks,
+                                                                    Job** job_out) {
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) {
+    return absl::NotFoundError(absl::StrCat("no job '", job_id, "': register the rank first"));
+  }
+  Job& job = *it->second;
+  if (rank < 0 || rank >= job.world_size || job.members[rank].state != v1::RANK_STATE_LIVE) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "rank ", rank, " of job '", job_id, "' is not a live registered rank; register it before "
+        "using communicators"));
+  }
+  auto resolved = CommMembers(job, name, ranks);
+  if (!resolved.ok()) return resolved.status();
+  const std::vector<int>& members = *resolved;
   if (!ranks.empty() && ranks != members) {
     return absl::FailedPreconditionError(absl::StrCat("communicator '", name, "' has ranks [", RankList(members),
                                                       "] but rank ", rank, " asked for [", RankList(ranks), "]"));

@@ -144,6 +144,24 @@ void Worker::Impl::OnNotice(const v1::Notice& n) {
   }
 }
 
+void Worker::Impl::FillHeartbeat(v1::Heartbeat* hb) {
+  hb->set_sent_unix_ms(absl::ToUnixMillis(absl::Now()));
+  for (const auto& progress : comms_.Snapshot()) {
+    auto* p = hb->add_comms();
+    p->set_name(progress.name);
+    p->set_epoch(progress.epoch);
+    p->set_issued(progress.issued);
+    p->set_completed(progress.completed);
+  }
+  for (const auto& m : memory_) {
+    auto* pm = hb->add_memory();
+    pm->set_module(m.module);
+    pm->set_resident_bytes(m.resident_bytes);
+    pm->set_peak_bytes(m.peak_bytes);
+    pm->set_gathered_bytes(m.gathered_bytes);
+  }
+}
+
 void Worker::Impl::WriterLoop() {
   absl::Duration interval;
   {
@@ -164,22 +182,7 @@ void Worker::Impl::WriterLoop() {
       if (read_ended_) break;
       if (absl::Now() >= last_heartbeat + interval || (memory_dirty_ && outbox_.empty())) {
         // Heartbeats go out on time even while plans flow: they carry collective progress.
-        auto* hb = msg.mutable_heartbeat();
-        hb->set_sent_unix_ms(absl::ToUnixMillis(absl::Now()));
-        for (const auto& progress : comms_.Snapshot()) {
-          auto* p = hb->add_comms();
-          p->set_name(progress.name);
-          p->set_epoch(progress.epoch);
-          p->set_issued(progress.issued);
-          p->set_completed(progress.completed);
-        }
-        for (const auto& m : memory_) {
-          auto* pm = hb->add_memory();
-          pm->set_module(m.module);
-          pm->set_resident_bytes(m.resident_bytes);
-          pm->set_peak_bytes(m.peak_bytes);
-          pm->set_gathered_bytes(m.gathered_bytes);
-        }
+        FillHeartbeat(msg.mutable_heartbeat());
         memory_dirty_ = false;
         last_heartbeat = absl::Now();
       } else if (!ready_acks_.empty()) {

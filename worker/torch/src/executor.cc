@@ -71,12 +71,45 @@ std::vector<ModuleSpec> BuildManifest(torch::nn::Module& model, const ManifestOp
   return out;
 }
 
+absl::StatusOr<FrozenShardExecutor::Unit> FrozenShardExecutor::ShardUnit(const std::string& module,
+                                                                         const std::string& unit_name,
+                                                                         torch::nn::Module& unit_module) {
+  const int64_t g = group_->size();
+  const int64_t me = group_->rank();
+  Unit u;
+  std::vector<torch::Tensor> flat;
+  int64_t offset = 0;
+  torch::Tensor first;
+  for (auto& p : unit_module.parameters(/*recurse=*/true)) {
+    if (p.requires_grad()) {
+      return absl::InvalidArgumentError(absl::StrCat("module '", module, "' has a trainable parameter in unit '",
+                                                     unit_name, "': only fully frozen modules are controlled"));
+    }
+    if (!first.defined()) first = p;
+    if (p.scalar_type() != first.scalar_type() || p.device() != first.device()) {
+      return absl::InvalidArgumentError(absl::StrCat("unit '", unit_name, "' of '", module,
+                                                     "' mixes dtypes or devices"));
+    }
+    if (auto dt = ToDataType(p); !dt.ok()) return dt.status();
+    Param param{p, p.sizes().vec(), offset, p.numel()};
+    flat.push_back(p.detach().reshape({-1}));
+    offset += p.numel();
+    u.params.push_back(std::move(param));
+  }
+  if (u.params.empty()) return u;
+  const int64_t chunk = (offset + g - 1) / g;
+  u.padded = chunk * g;
+  torch::Tensor full = torch::zeros({u.padded}, first.options());
+  full.narrow(0, 0, offset).copy_(torch::cat(flat));
+  u.shard = full.narrow(0, me * chunk, chunk).clone();
+  for (auto& param : u.params) param.param.set_data(torch::empty({0}, first.options()));
+  return u;
+}
+
 absl::StatusOr<std::unique_ptr<FrozenShardExecutor>> FrozenShardExecutor::Create(torch::nn::Module& model,
                                                                                  std::vector<ModuleSpec> manifest,
                                                                                  std::shared_ptr<Communicator> group) {
   std::unique_ptr<FrozenShardExecutor> ex(new FrozenShardExecutor(std::move(group)));
-  const int64_t g = ex->group_->size();
-  const int64_t me = ex->group_->rank();
   auto modules = ModulesByPath(model);
   torch::NoGradGuard no_grad;
   for (auto& spec : manifest) {
@@ -100,35 +133,11 @@ absl::StatusOr<std::unique_ptr<FrozenShardExecutor>> FrozenShardExecutor::Create
           "': put every parameter in a layer (or use no layer list) so each belongs to one unit"));
     }
     for (auto& [unit_name, unit_module] : units) {
-      Unit u;
-      std::vector<torch::Tensor> flat;
-      int64_t offset = 0;
-      torch::Tensor first;
-      for (auto& p : unit_module->parameters(/*recurse=*/true)) {
-        if (p.requires_grad()) {
-          return absl::InvalidArgumentError(absl::StrCat("module '", spec.name, "' has a trainable parameter in unit '",
-                                                         unit_name, "': only fully frozen modules are controlled"));
-        }
-        if (!first.defined()) first = p;
-        if (p.scalar_type() != first.scalar_type() || p.device() != first.device()) {
-          return absl::InvalidArgumentError(absl::StrCat("unit '", unit_name, "' of '", spec.name,
-                                                         "' mixes dtypes or devices"));
-        }
-        if (auto dt = ToDataType(p); !dt.ok()) return dt.status();
-        Param param{p, p.sizes().vec(), offset, p.numel()};
-        flat.push_back(p.detach().reshape({-1}));
-        offset += p.numel();
-        u.params.push_back(std::move(param));
-      }
-      if (u.params.empty()) continue;
-      const int64_t chunk = (offset + g - 1) / g;
-      u.padded = chunk * g;
-      torch::Tensor full = torch::zeros({u.padded}, first.options());
-      full.narrow(0, 0, offset).copy_(torch::cat(flat));
-      u.shard = full.narrow(0, me * chunk, chunk).clone();
-      for (auto& param : u.params) param.param.set_data(torch::empty({0}, first.options()));
-      mod.units.push_back(std::move(u));
-      const int64_t shard_bytes = chunk * static_cast<int64_t>(first.element_size());
+      auto unit = ex->ShardUnit(spec.name, unit_name, *unit_module);
+      if (!unit.ok()) return unit.status();
+      if (unit->params.empty()) continue;
+      const int64_t shard_bytes = unit->shard.numel() * static_cast<int64_t>(unit->shard.element_size());
+      mod.units.push_back(*std::move(unit));
       ex->bytes_[spec.name].shard += shard_bytes;
       ex->Account(mod, shard_bytes);
     }
@@ -227,20 +236,6 @@ absl::Status FrozenShardExecutor::EndForward() {
     }
   }
   return absl::OkStatus();
-}
-
-Decision FrozenShardExecutor::current(const std::string& module) const {
-  for (const auto& m : modules_) {
-    if (m.spec.name == module) return m.decision;
-  }
-  return Decision::kUnspecified;
-}
-
-int FrozenShardExecutor::unit_count(const std::string& module) const {
-  for (const auto& m : modules_) {
-    if (m.spec.name == module) return static_cast<int>(m.units.size());
-  }
-  return 0;
 }
 
 }  // namespace shardcoord::torchx

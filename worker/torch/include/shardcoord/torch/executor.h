@@ -69,8 +69,6 @@ class FrozenShardExecutor {
   // After the forward of the microbatch: `root` modules are released.
   absl::Status EndForward();
 
-  // Whether `module` may run now (all its units materialized or per_layer hooks in use).
-  Decision current(const std::string& module) const;
   const std::map<std::string, ModuleBytes>& bytes() const { return bytes_; }
   int64_t peak_total_bytes() const { return peak_total_; }
   // The counts above in the form Worker::ReportMemory takes.
@@ -79,7 +77,6 @@ class FrozenShardExecutor {
     for (const auto& [name, b] : bytes_) out.push_back({name, b.resident, b.peak, b.gathered});
     return out;
   }
-  int unit_count(const std::string& module) const;
 
  private:
   struct Param {
@@ -102,6 +99,9 @@ class FrozenShardExecutor {
   };
 
   FrozenShardExecutor(std::shared_ptr<Communicator> group) : group_(std::move(group)) {}
+  // Flattens the unit's parameters, keeps this rank's slice and frees the rest.
+  absl::StatusOr<Unit> ShardUnit(const std::string& module, const std::string& unit_name,
+                                 torch::nn::Module& unit_module);
   absl::Status Materialize(Module& m, Unit& u);
   void Release(Module& m, Unit& u);
   void Account(Module& m, int64_t delta_bytes);
