@@ -1,8 +1,11 @@
-// Fakes for unit tests of CoordinatorCore: a clock the test moves, and a sink that records
-// what the core sends to one rank (or refuses, as a rank that stopped reading).
+// Fakes for unit tests of CoordinatorCore: a clock the test moves, a sink that records
+// what the core sends to one rank (or refuses, as a rank that stopped reading), and the
+// harness the core's test fixtures share (a core on the fake clock, a sink per rank).
 #ifndef SHARDCOORD_TESTS_SUPPORT_CORE_FAKES_H_
 #define SHARDCOORD_TESTS_SUPPORT_CORE_FAKES_H_
 
+#include <map>
+#include <memory>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -73,6 +76,43 @@ class RecordingSink final : public RankSink {
   std::vector<v1::CoordinatorMessage> messages;
   bool closed = false;
   absl::Status close_status;
+};
+
+// A CoordinatorCore on a FakeClock; each registered rank gets a RecordingSink and a session.
+class CoreHarness {
+ public:
+  explicit CoreHarness(coordinator::CoordinatorOptions options)
+      : options_(std::move(options)),
+        clock_(std::make_shared<FakeClock>()),
+        core_(std::make_unique<coordinator::CoordinatorCore>(options_, clock_)) {}
+
+  // A new core with `options` (same clock); ranks must register again.
+  void Reset(const coordinator::CoordinatorOptions& options) {
+    options_ = options;
+    core_ = std::make_unique<coordinator::CoordinatorCore>(options_, clock_);
+    sinks_.clear();
+    sessions_.clear();
+  }
+
+  // Registers `r.rank()` on a new session with a new sink; kept only when accepted.
+  absl::Status Register(const v1::RegisterRequest& r) {
+    auto sink = std::make_shared<RecordingSink>();
+    absl::Status s = core_->Register(next_session_, r, sink);
+    if (s.ok()) {
+      sinks_[r.rank()] = sink;
+      sessions_[r.rank()] = next_session_;
+    }
+    next_session_++;
+    return s;
+  }
+
+ protected:
+  coordinator::CoordinatorOptions options_;
+  std::shared_ptr<FakeClock> clock_;
+  std::unique_ptr<coordinator::CoordinatorCore> core_;
+  std::map<int, std::shared_ptr<RecordingSink>> sinks_;
+  std::map<int, uint64_t> sessions_;
+  uint64_t next_session_ = 1;
 };
 
 }  // namespace shardcoord::testing

@@ -19,14 +19,16 @@ using shardcoord::testing::FakeClock;
 using shardcoord::testing::RecordingSink;
 using ::testing::HasSubstr;
 
-class CommManagerTest : public ::testing::Test {
+CoordinatorOptions CommTestOptions() {
+  CoordinatorOptions o;
+  o.heartbeat_interval = absl::Milliseconds(100);
+  o.heartbeat_timeout = absl::Milliseconds(1000);
+  return o;
+}
+
+class CommManagerTest : public ::testing::Test, protected shardcoord::testing::CoreHarness {
  protected:
-  CommManagerTest() {
-    options_.heartbeat_interval = absl::Milliseconds(100);
-    options_.heartbeat_timeout = absl::Milliseconds(1000);
-    clock_ = std::make_shared<FakeClock>();
-    core_ = std::make_unique<CoordinatorCore>(options_, clock_);
-  }
+  CommManagerTest() : CoreHarness(CommTestOptions()) {}
   void SetUp() override {
     for (int r = 0; r < 2; ++r) ASSERT_TRUE(Register(r).ok());
   }
@@ -43,9 +45,7 @@ class CommManagerTest : public ::testing::Test {
     auto* m = req.add_modules();
     m->set_name("visual");
     m->set_param_bytes(100);
-    sinks_[rank] = std::make_shared<RecordingSink>();
-    sessions_[rank] = next_session_++;
-    return core_->Register(sessions_[rank], req, sinks_[rank]);
+    return CoreHarness::Register(req);
   }
 
   // Joins "world"; the answer lands in *out when the core gives it.
@@ -89,12 +89,6 @@ class CommManagerTest : public ::testing::Test {
     ASSERT_EQ(World().state(), v1::COMM_STATE_READY);
   }
 
-  CoordinatorOptions options_;
-  std::shared_ptr<FakeClock> clock_;
-  std::unique_ptr<CoordinatorCore> core_;
-  std::map<int, std::shared_ptr<RecordingSink>> sinks_;
-  std::map<int, uint64_t> sessions_;
-  uint64_t next_session_ = 1;
 };
 
 TEST_F(CommManagerTest, AnEpochStartsOnceEveryMemberIsLiveAndIsReadyOnceEveryMemberConnected) {

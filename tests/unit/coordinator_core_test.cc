@@ -19,23 +19,18 @@ using ::testing::HasSubstr;
 using shardcoord::testing::FakeClock;
 using shardcoord::testing::RecordingSink;
 
-class CoreTest : public ::testing::Test {
- protected:
-  CoreTest() {
-    options_.heartbeat_interval = absl::Milliseconds(100);
-    options_.heartbeat_timeout = absl::Milliseconds(1000);
-    options_.plan_timeout = absl::Seconds(10);
-    options_.max_lookahead = 8;
-    clock_ = std::make_shared<FakeClock>();
-    core_ = std::make_unique<CoordinatorCore>(options_, clock_);
-  }
+CoordinatorOptions CoreTestOptions() {
+  CoordinatorOptions o;
+  o.heartbeat_interval = absl::Milliseconds(100);
+  o.heartbeat_timeout = absl::Milliseconds(1000);
+  o.plan_timeout = absl::Seconds(10);
+  o.max_lookahead = 8;
+  return o;
+}
 
-  void Reset(const CoordinatorOptions& o) {
-    options_ = o;
-    core_ = std::make_unique<CoordinatorCore>(options_, clock_);
-    sinks_.clear();
-    sessions_.clear();
-  }
+class CoreTest : public ::testing::Test, protected shardcoord::testing::CoreHarness {
+ protected:
+  CoreTest() : CoreHarness(CoreTestOptions()) {}
 
   static v1::RegisterRequest Request(int rank, int world = 4, int group_size = 2,
                                      v1::Policy policy = v1::POLICY_AUTO) {
@@ -56,17 +51,7 @@ class CoreTest : public ::testing::Test {
     return r;
   }
 
-  // Registers `rank` on session rank+1 with a fresh sink.
-  absl::Status Register(const v1::RegisterRequest& r) {
-    auto sink = std::make_shared<RecordingSink>();
-    absl::Status s = core_->Register(next_session_, r, sink);
-    if (s.ok()) {
-      sinks_[r.rank()] = sink;
-      sessions_[r.rank()] = next_session_;
-    }
-    next_session_++;
-    return s;
-  }
+  using CoreHarness::Register;
 
   void RegisterAll(int world = 4, int group_size = 2, v1::Policy policy = v1::POLICY_AUTO) {
     for (int r = 0; r < world; ++r) ASSERT_TRUE(Register(Request(r, world, group_size, policy)).ok());
@@ -94,12 +79,6 @@ class CoreTest : public ::testing::Test {
     return {};
   }
 
-  CoordinatorOptions options_;
-  std::shared_ptr<FakeClock> clock_;
-  std::unique_ptr<CoordinatorCore> core_;
-  std::map<int, std::shared_ptr<RecordingSink>> sinks_;
-  std::map<int, uint64_t> sessions_;
-  uint64_t next_session_ = 1;
 };
 
 // ---------------------------------------------------------------------------------------
