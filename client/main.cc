@@ -169,16 +169,20 @@ int CmdStatus(Client& c, const std::string& job, bool json) {
     std::cout << ToJson(resp) << "\n";
     return kExitOk;
   }
-  std::cout << absl::StrFormat("coordinator %s  version %s  up %.1f s  jobs %d\n", c.address,
-                               resp.version(), resp.uptime_ms() / 1000.0, resp.jobs_size());
+  std::cout << absl::StrFormat("coordinator %s  version %s  up %.1f s  incarnation %d  jobs %d%s\n", c.address,
+                               resp.version(), resp.uptime_ms() / 1000.0, resp.incarnation(), resp.jobs_size(),
+                               resp.recovering_groups() > 0
+                                   ? absl::StrFormat("  RECOVERING: %d groups wait for ranks to resume",
+                                                     resp.recovering_groups())
+                                   : "");
   for (const auto& j : resp.jobs()) {
     std::cout << absl::StrFormat("job %s  world %d  group size %d  modules [%s]\n", j.job_id(),
                                  j.world_size(), j.group_size(), absl::StrJoin(j.modules(), ", "));
     std::cout << absl::StrFormat("  ranks: %d live, %d dead, %d left, %d unregistered\n",
                                  j.ranks_live(), j.ranks_dead(), j.ranks_left(), j.ranks_unregistered());
-    std::cout << absl::StrFormat("  groups: %d healthy, %d failed, %d forming, %d finished\n",
+    std::cout << absl::StrFormat("  groups: %d healthy, %d failed, %d forming, %d finished, %d recovering\n",
                                  j.groups_healthy(), j.groups_failed(), j.groups_forming(),
-                                 j.groups_finished());
+                                 j.groups_finished(), j.groups_recovering());
     std::cout << absl::StrFormat("  plans received %d, microbatches decided %d\n", j.plans_received(),
                                  j.microbatches_decided());
     PrintCounts(j.counts());
@@ -369,6 +373,10 @@ int main(int argc, char** argv) {
   replay->add_option("--group-size", ro.group_size, "shard group size (default: world size)")
       ->check(CLI::Range(1, shardcoord::client::kMaxReplayWorldSize));
   int connect_timeout_ms = 10000;
+  int reconnect_window_ms = static_cast<int>(absl::ToInt64Milliseconds(shardcoord::kDefaultReconnectWindow));
+  replay->add_option("--reconnect-window-ms", reconnect_window_ms,
+                     "after losing the coordinator, how long each rank reconnects and resumes before failing (0: fail at once)")
+      ->check(CLI::NonNegativeNumber);
   replay->add_option("--connect-timeout-ms", connect_timeout_ms, "deadline to reach the coordinator and register")
       ->check(CLI::Range(1, kMaxTimeoutMs));
   replay->add_option("--policy", policy, "auto, per_layer, root or replicate (default: the coordinator's)")
@@ -446,6 +454,7 @@ int main(int argc, char** argv) {
     ro.interval = absl::Milliseconds(interval_ms);
     ro.decision_timeout = absl::Milliseconds(decision_timeout_ms);
     ro.connect_timeout = absl::Milliseconds(connect_timeout_ms);
+    ro.reconnect_window = absl::Milliseconds(reconnect_window_ms);
     if (!ranks_arg.empty()) {
       for (absl::string_view part : absl::StrSplit(ranks_arg, ',', absl::SkipEmpty())) {
         int r;

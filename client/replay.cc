@@ -104,6 +104,7 @@ void PlayRank(const Trace& trace, const ReplayOptions& o, const std::string& add
   wo.lookahead = o.lookahead;
   wo.memory_budget_bytes = o.memory_budget_bytes;
   wo.connect_timeout = o.connect_timeout;
+  wo.reconnect_window = o.reconnect_window;
   auto worker = Worker::Connect(wo);
   if (!worker.ok()) {
     run->failed = true;

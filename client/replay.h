@@ -10,6 +10,7 @@
 
 #include "absl/time/time.h"
 #include "shardcoord/types.h"
+#include "shardcoord/worker.h"
 #include "trace.h"
 
 namespace shardcoord::client {
@@ -29,6 +30,7 @@ struct ReplayOptions {
   absl::Duration interval = absl::ZeroDuration();  // Pause between a rank's microbatches.
   absl::Duration decision_timeout = absl::Seconds(60);
   absl::Duration connect_timeout = absl::Seconds(30);
+  absl::Duration reconnect_window = kDefaultReconnectWindow;  // See WorkerOptions.
   bool per_rank = false;
 };
 

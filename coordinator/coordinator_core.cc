@@ -23,6 +23,8 @@ CoordinatorCore::CoordinatorCore(CoordinatorOptions options, std::shared_ptr<con
     : options_(std::move(options)),
       clock_(std::move(clock)),
       started_(clock_->Now()),
+      incarnation_(options_.incarnation != 0 ? options_.incarnation : 1),
+      config_digest_(DecisionConfigDigest(options_)),
       journal_(options_.event_capacity) {}
 
 CoordinatorCore::~CoordinatorCore() = default;
@@ -115,6 +117,12 @@ absl::Status CoordinatorCore::Register(uint64_t session_id, const v1::RegisterRe
   // Stateless checks first: a malformed request changes nothing.
   if (absl::Status s = ValidateRegisterRequest(req, options_.limits, options_.max_lookahead); !s.ok()) return s;
   if (absl::Status s = CheckRootIsPossible(req); !s.ok()) return s;
+  // A rank of an earlier coordinator process resumes (DESIGN 12); one of this process that
+  // lost its stream registers again as usual.
+  const bool resuming = req.has_resume() && req.resume().incarnation() != incarnation_;
+  if (resuming) {
+    if (absl::Status s = CheckResume(req, incarnation_, config_digest_); !s.ok()) return s;
+  }
 
   Locked lock(this);
   if (shut_down_) return absl::UnavailableError("coordinator is shutting down");
@@ -126,10 +134,17 @@ absl::Status CoordinatorCore::Register(uint64_t session_id, const v1::RegisterRe
   }
 
   // Accepted: from here on state changes.
-  if (job == nullptr) job = &CreateJob(req);
+  if (job == nullptr) {
+    job = &CreateJob(req);
+    if (resuming) StartRecovery(*job);
+  }
   Member& m = job->members[req.rank()];
   Group& group = job->groups[m.group];
   if (!group.has_reference) SetReference(group, req);
+  if (group.state == v1::GROUP_STATE_RECOVERING) {
+    ResumeMember(*job, group, m, session_id, std::move(sink), req);
+    return absl::OkStatus();
+  }
   const bool rejoin = m.state == v1::RANK_STATE_DEAD || m.state == v1::RANK_STATE_LEFT;
   SetLive(*job, m, session_id, std::move(sink), req);
 
@@ -256,6 +271,8 @@ v1::CoordinatorMessage CoordinatorCore::Registered(const Group& group, const v1:
                        "; only uniform or all-skip microbatches shard per layer");
   }
   if (group.last_decided) ToProto(*group.last_decided, resp->mutable_last_decided());
+  resp->set_incarnation(incarnation_);
+  resp->set_config_digest(config_digest_);
   return msg;
 }
 
@@ -285,6 +302,8 @@ void CoordinatorCore::UpdateGroupState(Job& job, Group& group) {
   }
   const int size = static_cast<int>(group.ranks.size());
   const v1::GroupState before = group.state;
+  // Recovering after a restart: FinishRecovery or ExpireRecovery ends it, or a death.
+  if (before == v1::GROUP_STATE_RECOVERING && dead == 0) return;
   const bool reforming = before == v1::GROUP_STATE_FAILED || before == v1::GROUP_STATE_FINISHED;
   if (dead > 0) {
     group.state = v1::GROUP_STATE_FAILED;

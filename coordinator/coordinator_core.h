@@ -59,6 +59,11 @@ class CoordinatorCore {
   CoordinatorCore& operator=(const CoordinatorCore&) = delete;
 
   const CoordinatorOptions& options() const { return options_; }
+  // This process's incarnation (DESIGN 12): options().incarnation, or 1 when unset.
+  uint64_t incarnation() const { return incarnation_; }
+  // Digest of the settings that change decisions; a resuming rank must have registered
+  // under the same (RegisterResponse.config_digest).
+  uint64_t config_digest() const { return config_digest_; }
   // The address actually bound (port 0 resolved), for status.
   void SetBoundAddress(const std::string& address) {
     absl::MutexLock lock(&mu_);
@@ -146,6 +151,8 @@ class CoordinatorCore {
     int64_t memory_budget = 0;
     bool outbox_overflow = false;  // A Send was refused: the rank does not read its stream.
     std::vector<v1::ModuleMemory> memory;  // As last reported.
+    // What the rank held when it resumed after a restart, until its group recovered.
+    std::optional<v1::ResumeState> resume;
     v1::CoordinatorMessage outgoing;  // Decisions batched during one call; see Flush.
   };
 
@@ -177,6 +184,10 @@ class CoordinatorCore {
     uint64_t static_seq = 0;  // Next seq for static policies, per key (restarts per epoch).
     v1::DecisionCounts counts;
     std::string failure_reason;
+    // GROUP_STATE_RECOVERING (DESIGN 12): fails its missing members at this deadline;
+    // plans resumed members send meanwhile wait here, in arrival order.
+    absl::Time recovery_deadline = absl::InfiniteFuture();
+    std::vector<std::pair<int, v1::MicrobatchPlan>> deferred_plans;
   };
 
   struct Comm {
@@ -210,6 +221,9 @@ class CoordinatorCore {
     };
     std::vector<JoinWaiter> join_waiters;
     std::vector<GetWaiter> get_waiters;
+    // After a restart: the epoch each member resumed with, until every member is back.
+    std::map<int, int64_t> resumed_epochs;
+    bool recovering = false;
   };
 
   struct Job {
@@ -333,6 +347,27 @@ class CoordinatorCore {
   void DetectBehind(Job& job, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FailAllCommWaiters(const absl::Status& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
+  // Recovery after a restart (coordinator_core_recovery.cc, DESIGN 12).
+  // Every group of a job created by a resuming rank waits for its members.
+  void StartRecovery(Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A rank (resuming, or registering for the first time) joins a recovering group.
+  void ResumeMember(Job& job, Group& group, Member& m, uint64_t session_id, std::shared_ptr<RankSink> sink,
+                    const v1::RegisterRequest& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Every member is back: applies the recovery rule, or fails the group.
+  void FinishRecovery(Job& job, Group& group) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FailRecovery(Job& job, Group& group, const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Static policies: binding keys some member has not reported yet stay pending with
+  // their decision, for that member to receive when it does.
+  void KeepStaticBinding(Job& job, Group& group, const MicrobatchKey& key, const v1::MicrobatchDecision& d)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Replays plans (resumed, then deferred) through the ordinary intake.
+  void ReplayPlans(Job& job, Group& group, const std::vector<std::pair<int, v1::MicrobatchPlan>>& plans)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ResumeComms(Job& job, int rank, const v1::ResumeState& state) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void MaybeFinishCommRecovery(Job& job, Comm& comm) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Fails the missing members of groups whose recovery window passed.
+  void ExpireRecovery(Job& job, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   // Records an event in the journal; its log line is written after the mutex is released.
   void Event(const std::string& severity, const std::string& kind, const std::string& job,
              int rank, int group, const std::string& message) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -368,6 +403,8 @@ class CoordinatorCore {
   const CoordinatorOptions options_;
   const std::shared_ptr<const Clock> clock_;
   const absl::Time started_;
+  const uint64_t incarnation_;
+  const uint64_t config_digest_;
   EventJournal journal_;
 
   mutable absl::Mutex mu_;

@@ -148,6 +148,7 @@ void CoordinatorCore::Tick() {
   const absl::Time now = clock_->Now();
   EvictEndedJobs(now);
   for (auto& [id, job] : jobs_) {
+    ExpireRecovery(*job, now);
     for (Member& m : job->members) {
       if (m.state != v1::RANK_STATE_LIVE) continue;
       if (m.outbox_overflow) {

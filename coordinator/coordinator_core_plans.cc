@@ -32,6 +32,26 @@ void CoordinatorCore::OnPlans(uint64_t session_id, const v1::PlanBatch& batch) {
   if (m == nullptr) return;  // A stale session; its rank re-registered or was declared dead.
   m->last_seen = clock_->Now();
   Group& group = job->groups[m->group];
+  if (group.state == v1::GROUP_STATE_RECOVERING) {
+    // Decided once every member has resumed (a static decision made now could contradict
+    // one a member not back yet holds). Bounded like the pending microbatches.
+    for (const auto& plan : batch.plans()) {
+      if (static_cast<int>(group.deferred_plans.size()) >= options_.limits.max_pending_microbatches) {
+        v1::CoordinatorMessage msg;
+        auto* rej = msg.mutable_plan_rejected();
+        rej->set_step(plan.step());
+        rej->set_microbatch(plan.microbatch());
+        rej->set_code(static_cast<int>(absl::StatusCode::kResourceExhausted));
+        rej->set_message(absl::StrCat("group ", group.index, " is recovering after a coordinator restart and already "
+                                      "holds max_pending_microbatches plans; plan again once it recovered"));
+        rej->set_epoch(batch.epoch());
+        SendTo(*m, msg);
+        continue;
+      }
+      group.deferred_plans.emplace_back(m->rank, plan);
+    }
+    return;
+  }
   for (const auto& plan : batch.plans()) {
     absl::Status s = batch.epoch() == group.epoch
                          ? AcceptPlan(*job, *m, plan)

@@ -22,6 +22,7 @@ v1::StatusResponse CoordinatorCore::Status(const std::string& job_id) const {
   out.set_listen_address(bound_address_.empty() ? options_.listen_address : bound_address_);
   out.set_started_unix_ms(absl::ToUnixMillis(started_));
   out.set_uptime_ms(absl::ToInt64Milliseconds(now - started_));
+  out.set_incarnation(incarnation_);
   for (const auto& [id, job] : jobs_) {
     if (!job_id.empty() && id != job_id) continue;
     v1::JobStatus* js = out.add_jobs();
@@ -44,6 +45,10 @@ v1::StatusResponse CoordinatorCore::Status(const std::string& job_id) const {
         case v1::GROUP_STATE_HEALTHY: js->set_groups_healthy(js->groups_healthy() + 1); break;
         case v1::GROUP_STATE_FAILED: js->set_groups_failed(js->groups_failed() + 1); break;
         case v1::GROUP_STATE_FINISHED: js->set_groups_finished(js->groups_finished() + 1); break;
+        case v1::GROUP_STATE_RECOVERING:
+          js->set_groups_recovering(js->groups_recovering() + 1);
+          out.set_recovering_groups(out.recovering_groups() + 1);
+          break;
         default: js->set_groups_forming(js->groups_forming() + 1); break;
       }
       c->set_per_layer(c->per_layer() + g.counts.per_layer());

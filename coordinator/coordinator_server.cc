@@ -31,7 +31,8 @@ class SessionReactor;
 // it after the stream is gone; it then drops messages. Thread-safe.
 class SessionSink final : public RankSink {
  public:
-  SessionSink(SessionReactor* reactor, int64_t max_bytes) : reactor_(reactor), max_bytes_(max_bytes) {}
+  SessionSink(SessionReactor* reactor, int64_t max_bytes, uint64_t incarnation)
+      : reactor_(reactor), max_bytes_(max_bytes), incarnation_(incarnation) {}
 
   // Refuses (false) once more than max_bytes are queued: the rank does not read.
   bool Send(const v1::CoordinatorMessage& msg) override;
@@ -50,6 +51,7 @@ class SessionSink final : public RankSink {
   absl::Mutex mu_;
   SessionReactor* reactor_ ABSL_GUARDED_BY(mu_);
   const int64_t max_bytes_;
+  const uint64_t incarnation_;  // Stamped on every message (DESIGN 12).
   std::deque<std::pair<v1::CoordinatorMessage, size_t>> queue_ ABSL_GUARDED_BY(mu_);  // (message, size)
   int64_t queued_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   bool overflowed_ ABSL_GUARDED_BY(mu_) = false;  // A Send was refused.
@@ -66,7 +68,7 @@ class SessionReactor final
       : core_(core),
         id_(id),
         peer_(std::move(peer)),
-        sink_(std::make_shared<SessionSink>(this, core->options().limits.max_outbox_bytes)) {
+        sink_(std::make_shared<SessionSink>(this, core->options().limits.max_outbox_bytes, core->incarnation())) {
     StartRead(&in_);
   }
 
@@ -89,6 +91,14 @@ class SessionReactor final
       }
       registered_ = true;
       StartRead(&in_);
+      return;
+    }
+    if (in_.incarnation() != 0 && in_.incarnation() != core_->incarnation()) {
+      const std::string why = absl::StrCat("message meant for coordinator incarnation ", in_.incarnation(),
+                                           ", but this is incarnation ", core_->incarnation(),
+                                           ": the coordinator restarted; the worker must resume");
+      sink_->Close(absl::FailedPreconditionError(why));
+      core_->OnSessionClosed(id_, why);
       return;
     }
     switch (in_.kind_case()) {
@@ -150,6 +160,7 @@ bool SessionSink::Send(const v1::CoordinatorMessage& msg) {
     return false;
   }
   queue_.emplace_back(msg, size);
+  queue_.back().first.set_incarnation(incarnation_);
   queued_bytes_ += static_cast<int64_t>(size);
   if (writing_) {
     mu_.Unlock();

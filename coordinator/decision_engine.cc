@@ -1,5 +1,7 @@
 #include "coordinator/decision_engine.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 
 namespace shardcoord::coordinator {
@@ -112,6 +114,15 @@ std::vector<std::string> DecisionEngine::ReplicatedModules() const {
     if (state_[m].sticky_replicate || state_[m].promoted) out.push_back(config_.modules[m].name);
   }
   return out;
+}
+
+void DecisionEngine::Restore(uint64_t next_seq, const std::set<std::string>& promoted,
+                             const std::set<std::string>& sticky) {
+  next_seq_ = std::max(next_seq_, next_seq);
+  for (size_t i = 0; i < config_.modules.size(); ++i) {
+    state_[i].promoted = promoted.count(config_.modules[i].name) > 0;
+    state_[i].sticky_replicate = sticky.count(config_.modules[i].name) > 0;
+  }
 }
 
 }  // namespace shardcoord::coordinator

@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -59,6 +60,10 @@ class DecisionEngine {
   MicrobatchDecision DecideStatic(const MicrobatchKey& key, int64_t epoch, uint64_t seq) const;
 
   uint64_t next_seq() const { return next_seq_; }
+  // After a coordinator restart (DESIGN 12): seq goes on from `next_seq`, and the modules
+  // the last decision replicated by promotion or sticky fallback stay so. Promotion's
+  // window of recent microbatches starts empty.
+  void Restore(uint64_t next_seq, const std::set<std::string>& promoted, const std::set<std::string>& sticky);
   // Modules currently replicated by promotion or sticky fallback.
   std::vector<std::string> ReplicatedModules() const;
 

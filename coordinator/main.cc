@@ -17,6 +17,7 @@
 #include "absl/synchronization/mutex.h"
 #include "coordinator/coordinator_server.h"
 #include "coordinator/options.h"
+#include "coordinator/state_file.h"
 #include "shardcoord/internal/logging.h"
 
 namespace {
@@ -55,8 +56,8 @@ void RaiseFileLimit() {
 // Command-line flags; an unset one keeps the config file's (or the built-in) value.
 struct Flags {
   std::string config_file;
-  std::string listen, policy, fallback, log_level, address_file;
-  std::optional<int64_t> hb_interval_ms, hb_timeout_ms, plan_timeout_ms, behind_threshold_ms;
+  std::string listen, policy, fallback, log_level, address_file, state_file;
+  std::optional<int64_t> hb_interval_ms, hb_timeout_ms, plan_timeout_ms, behind_threshold_ms, recovery_window_ms;
   std::optional<int> max_lookahead, promote_window, promote_threshold, demote_threshold, event_capacity,
       decision_history, max_world_size, max_total_ranks, max_jobs, max_modules, max_units, max_name_bytes, max_pending;
   std::optional<int64_t> max_outbox_bytes, job_retention_ms, handshake_timeout_ms, self_check_ms;
@@ -105,6 +106,10 @@ void AddFlags(CLI::App& app, Flags& f) {
       ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "off"}));
   app.add_option("--address-file", f.address_file,
                  "write the bound HOST:PORT here once serving (for --listen ...:0)");
+  app.add_option("--state-file", f.state_file,
+                 "keep the incarnation here across restarts (optional: recovery works without it)");
+  app.add_option("--recovery-window-ms", f.recovery_window_ms,
+                 "after a restart, how long groups wait for their ranks to resume before failing them");
 }
 
 // Flags win over the config file.
@@ -135,12 +140,15 @@ void ApplyFlags(const Flags& f, CoordinatorOptions& options) {
   if (f.self_check_ms) options.limits.self_check_interval = absl::Milliseconds(*f.self_check_ms);
   if (!f.log_level.empty()) options.log_level = f.log_level;
   if (!f.address_file.empty()) options.address_file = f.address_file;
+  if (!f.state_file.empty()) options.state_file = f.state_file;
+  if (f.recovery_window_ms) options.recovery_window = absl::Milliseconds(*f.recovery_window_ms);
 }
 
 // Serves until SIGTERM or SIGINT. Exit codes: 0 stopped, 1 cannot write the address file,
 // 2 cannot listen.
-int Serve(const CoordinatorOptions& options) {
+int Serve(CoordinatorOptions options) {
   RaiseFileLimit();
+  options.incarnation = shardcoord::coordinator::NextIncarnation(options.state_file, absl::Now());
 
   // Abseil's deadlock detector (on in Debian's build) costs a graph update per lock.
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
@@ -169,12 +177,12 @@ int Serve(const CoordinatorOptions& options) {
     return 1;
   }
   log->info("ready address={} default_policy={} default_fallback={} heartbeat_interval_ms={} "
-            "heartbeat_timeout_ms={} plan_timeout_ms={} max_lookahead={}",
+            "heartbeat_timeout_ms={} plan_timeout_ms={} max_lookahead={} incarnation={}",
             (*server)->address(), shardcoord::PolicyName(options.default_policy),
             shardcoord::FallbackName(options.default_fallback),
             absl::ToInt64Milliseconds(options.heartbeat_interval),
             absl::ToInt64Milliseconds(options.heartbeat_timeout),
-            absl::ToInt64Milliseconds(options.plan_timeout), options.max_lookahead);
+            absl::ToInt64Milliseconds(options.plan_timeout), options.max_lookahead, options.incarnation);
 
   int sig = 0;
   sigwait(&stop_signals, &sig);

@@ -39,6 +39,7 @@ absl::Status ValidateDurations(const CoordinatorOptions& o) {
            {"heartbeat timeout", o.heartbeat_timeout},
            {"plan timeout", o.plan_timeout},
            {"behind threshold", o.behind_threshold},
+           {"recovery window", o.recovery_window},
            {"job retention", o.limits.job_retention},
            {"handshake timeout", o.limits.handshake_timeout},
            {"self-check interval", o.limits.self_check_interval}}) {
@@ -61,6 +62,9 @@ absl::Status ValidateDurations(const CoordinatorOptions& o) {
   }
   if (o.behind_threshold <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("behind threshold must be > 0 ms");
+  }
+  if (o.recovery_window <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("recovery window must be > 0 ms");
   }
   return absl::OkStatus();
 }
@@ -155,6 +159,8 @@ absl::Status ApplyConfigKey(const std::string& path, const std::string& key, con
   if (key == "decision_history") o.decision_history = v.as<int>();
   if (key == "log_level") o.log_level = v.as<std::string>();
   if (key == "address_file") o.address_file = v.as<std::string>();
+  if (key == "state_file") o.state_file = v.as<std::string>();
+  if (key == "recovery_window_ms") o.recovery_window = absl::Milliseconds(v.as<int64_t>());
   if (key == "max_world_size") o.limits.max_world_size = v.as<int>();
   if (key == "max_jobs") o.limits.max_jobs = v.as<int>();
   if (key == "max_total_ranks") o.limits.max_total_ranks = v.as<int>();
@@ -196,7 +202,7 @@ absl::StatusOr<CoordinatorOptions> LoadConfigFile(const std::string& path,
       "log_level",        "address_file",      "behind_threshold_ms", "max_world_size", "max_total_ranks",
       "max_jobs",         "max_modules",       "max_units_per_module", "max_name_bytes",
       "max_pending_microbatches", "max_outbox_bytes", "job_retention_ms", "handshake_timeout_ms",
-      "self_check_interval_ms"};
+      "self_check_interval_ms", "state_file", "recovery_window_ms"};
   for (const auto& kv : root) {
     if (!kv.first.IsScalar()) {
       return absl::InvalidArgumentError(

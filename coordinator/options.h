@@ -24,6 +24,8 @@ inline constexpr int kDefaultDemoteThreshold = 0;
 inline constexpr int kDefaultEventCapacity = 10000;
 inline constexpr int kDefaultDecisionHistory = 256;
 inline constexpr absl::Duration kDefaultBehindThreshold = absl::Seconds(10);
+// After a restart, how long a group waits for its members to resume (DESIGN 12).
+inline constexpr absl::Duration kDefaultRecoveryWindow = absl::Seconds(60);
 // Longest duration any *_ms setting may have: durations travel to workers as int32 ms.
 inline constexpr absl::Duration kMaxDuration = absl::Hours(24);
 
@@ -85,6 +87,13 @@ struct CoordinatorOptions {
   std::string log_level = "info";
   // When set, the bound address is written here once serving (for --listen ...:0).
   std::string address_file;
+  // After a restart, a group whose members have not all resumed within this window fails,
+  // naming the missing ones (DESIGN 12).
+  absl::Duration recovery_window = kDefaultRecoveryWindow;
+  // Optional file keeping the incarnation across restarts (never needed for correctness).
+  std::string state_file;
+  // This process's incarnation: set by the daemon at start (state.h); 0 in tests means 1.
+  uint64_t incarnation = 0;
 };
 
 // Checks ranges and relations (timeout > interval, ...). The message names the field.

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "shardcoord/proto/convert.h"
 #include "coordinator/text.h"
 
@@ -231,6 +232,50 @@ std::string DescribeManifestDifference(const v1::RegisterRequest& a, int rank_a,
     }
   }
   return "";
+}
+
+uint64_t DecisionConfigDigest(const CoordinatorOptions& options) {
+  const std::string text = absl::StrCat("promote_window=", options.promotion.window,
+                                        " promote_threshold=", options.promotion.promote_threshold,
+                                        " demote_threshold=", options.promotion.demote_threshold);
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : text) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+absl::Status CheckResume(const v1::RegisterRequest& req, uint64_t incarnation, uint64_t config_digest) {
+  const v1::ResumeState& r = req.resume();
+  if (r.incarnation() >= incarnation) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "register: rank ", req.rank(), " of job '", req.job_id(), "' resumes from coordinator incarnation ",
+        r.incarnation(), ", which is not older than this coordinator's (", incarnation,
+        "): the clock of this host stepped back; start shardcoordd with --state-file so incarnations keep "
+        "increasing, or restart the job"));
+  }
+  const v1::RegisterResponse& prev = r.previous();
+  std::vector<std::string> diffs;
+  const int group = req.group_size() > 0 ? req.rank() / req.group_size() : 0;
+  if (prev.group() != group) diffs.push_back(absl::StrCat("group ", prev.group(), " -> ", group));
+  if (prev.policy() != req.policy()) {
+    diffs.push_back(absl::StrCat("policy ", PolicyName(FromProto(prev.policy())), " -> ",
+                                 PolicyName(FromProto(req.policy()))));
+  }
+  if (prev.fallback() != req.fallback()) {
+    diffs.push_back(absl::StrCat("fallback ", FallbackName(FromProto(prev.fallback())), " -> ",
+                                 FallbackName(FromProto(req.fallback()))));
+  }
+  if (prev.lookahead() != req.lookahead()) {
+    diffs.push_back(absl::StrCat("lookahead ", prev.lookahead(), " -> ", req.lookahead()));
+  }
+  if (prev.config_digest() != config_digest) diffs.push_back("auto promotion settings (promote/demote window and thresholds)");
+  if (diffs.empty()) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "register: rank ", req.rank(), " of job '", req.job_id(), "' cannot resume: the coordinator restarted with "
+      "settings that change its decisions (", absl::StrJoin(diffs, "; "), "); restart shardcoordd with the settings "
+      "the job started under, or restart the job"));
 }
 
 }  // namespace shardcoord::coordinator

@@ -38,4 +38,15 @@ absl::Status CheckRootIsPossible(const v1::RegisterRequest& req);
 std::string DescribeManifestDifference(const v1::RegisterRequest& a, int rank_a,
                                        const v1::RegisterRequest& b, int rank_b);
 
+// Digest of the coordinator settings that change decisions beyond the registration's own
+// (auto promotion), sent in RegisterResponse.config_digest.
+uint64_t DecisionConfigDigest(const CoordinatorOptions& options);
+
+// A rank resuming after a coordinator restart (`req` with defaults filled in, so its
+// effective policy is this coordinator's): its previous coordinator must be an older
+// incarnation, and what it registered under (group, policy, fallback, lookahead, the
+// decision settings) must be what this coordinator gives. FAILED_PRECONDITION naming every
+// difference and what to do.
+absl::Status CheckResume(const v1::RegisterRequest& req, uint64_t incarnation, uint64_t config_digest);
+
 }  // namespace shardcoord::coordinator

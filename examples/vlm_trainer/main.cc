@@ -120,6 +120,7 @@ int main(int argc, char** argv) {
   int interval_ms = 0;
   std::string device_name = "cpu";
   int64_t memory_budget = 0;
+  int reconnect_window_ms = static_cast<int>(absl::ToInt64Milliseconds(shardcoord::kDefaultReconnectWindow));
   app.add_option("--coordinator", address, "shardcoordd HOST:PORT (default $SHARDCOORD_ADDR)")->envname("SHARDCOORD_ADDR");
   app.add_option("--job", job);
   app.add_option("--rank", rank)->required();
@@ -141,6 +142,8 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--interval-ms", interval_ms, "pause after each step (demos: to watch live status)");
   app.add_flag("--no-shard", no_shard, "reference run: frozen parameters whole on every rank");
+  app.add_option("--reconnect-window-ms", reconnect_window_ms,
+                 "after losing the coordinator, how long to reconnect and resume before failing (0: fail at once)");
   CLI11_PARSE(app, argc, argv);
   torch::set_num_threads(1);  // Deterministic, and 2 cores are shared by all ranks.
 
@@ -168,6 +171,7 @@ int main(int argc, char** argv) {
   wo.lookahead = lookahead;
   wo.memory_budget_bytes = memory_budget;
   wo.connect_timeout = absl::Seconds(30);
+  wo.reconnect_window = absl::Milliseconds(reconnect_window_ms);
   auto worker = shardcoord::Worker::Connect(wo);
   if (!worker.ok()) Fail("connect", worker.status());
   shardcoord::CommunicatorOptions world_opts;

@@ -420,8 +420,10 @@ TEST_F(InProcessTest, ARankLostInAnotherGroupShowsInJobHealthOnly) {
   EXPECT_EQ(d->Find("vision_tower")->decision, Decision::kPerLayer);
 }
 
-TEST_F(InProcessTest, CoordinatorLossFailsPendingCallsQuickly) {
-  auto w0 = Connect(Options(0, 2, 2));
+TEST_F(InProcessTest, WithoutReconnectCoordinatorLossFailsPendingCallsQuickly) {
+  WorkerOptions o = Options(0, 2, 2);
+  o.reconnect_window = absl::ZeroDuration();
+  auto w0 = Connect(o);
   ASSERT_TRUE(w0);
   ASSERT_TRUE(w0->ReportPlan(PlanOf(0, 0, 1)).ok());
   std::thread stopper([&] { server_->Shutdown(absl::Milliseconds(100)); });
@@ -431,6 +433,24 @@ TEST_F(InProcessTest, CoordinatorLossFailsPendingCallsQuickly) {
   EXPECT_LT(absl::Now() - start, testing::kLoadSlack);
   ASSERT_FALSE(d.ok());
   EXPECT_EQ(d.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(d.status().message(), HasSubstr(server_->address()));
+  EXPECT_EQ(w0->ReportPlan(PlanOf(0, 1, 1)).code(), absl::StatusCode::kUnavailable);
+}
+
+TEST_F(InProcessTest, ACoordinatorThatDoesNotComeBackFailsPendingCallsAtTheEndOfTheReconnectWindow) {
+  WorkerOptions o = Options(0, 2, 2);
+  o.reconnect_window = absl::Milliseconds(800);
+  auto w0 = Connect(o);
+  ASSERT_TRUE(w0);
+  ASSERT_TRUE(w0->ReportPlan(PlanOf(0, 0, 1)).ok());
+  std::thread stopper([&] { server_->Shutdown(absl::Milliseconds(100)); });
+  const absl::Time start = absl::Now();
+  auto d = w0->GetDecision({0, 0}, kDecisionTimeout);
+  stopper.join();
+  EXPECT_LT(absl::Now() - start, o.reconnect_window + testing::kLoadSlack);
+  ASSERT_FALSE(d.ok());
+  EXPECT_EQ(d.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(d.status().message(), HasSubstr("did not come back within the reconnect window (800 ms"));
   EXPECT_THAT(d.status().message(), HasSubstr(server_->address()));
   EXPECT_EQ(w0->ReportPlan(PlanOf(0, 1, 1)).code(), absl::StatusCode::kUnavailable);
 }

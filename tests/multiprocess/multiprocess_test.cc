@@ -61,13 +61,14 @@ class MultiProcessTest : public ::testing::Test {
     stub_ = v1::Coordinator::NewStub(grpc::CreateChannel(address_, grpc::InsecureChannelCredentials()));
   }
 
-  std::unique_ptr<Subprocess> StartRank(int rank, const std::string& trace, int interval_ms) {
+  std::unique_ptr<Subprocess> StartRank(int rank, const std::string& trace, int interval_ms,
+                                        int reconnect_window_ms = 30000) {
     return std::make_unique<Subprocess>(
         std::vector<std::string>{SHARDCTL_PATH, "replay", trace, "--coordinator", address_, "--job-id", "mp",
                                  "--world-size", "8", "--group-size", "4", "--ranks", std::to_string(rank),
                                  "--interval-ms", std::to_string(interval_ms), "--per-rank", "--output",
                                  dir_.File(absl::StrCat("rank", rank, ".jsonl")), "--decision-timeout-ms",
-                                 "30000"},
+                                 "30000", "--reconnect-window-ms", std::to_string(reconnect_window_ms)},
         dir_.File(absl::StrCat("rank", rank, ".out")), dir_.File(absl::StrCat("rank", rank, ".err")));
   }
 
@@ -235,18 +236,22 @@ TEST_F(MultiProcessTest, ShardctlFailsFastOnAnUnreachableCoordinator) {
 TEST_F(MultiProcessTest, DaemonStopsCleanlyOnSigtermAndSigint) {
   for (int sig : {SIGTERM, SIGINT}) {
     StartDaemon();
-    ranks_.push_back(StartRank(0, std::string(SHARDCOORD_SOURCE_DIR) + "/examples/traces/mixed_8ranks.jsonl", 0));
+    ranks_.push_back(StartRank(0, std::string(SHARDCOORD_SOURCE_DIR) + "/examples/traces/mixed_8ranks.jsonl", 0,
+                               /*reconnect_window_ms=*/1000));
     ASSERT_TRUE(WaitUntil([&] { return CountInState(v1::RANK_STATE_LIVE) == 1; }, kStartTimeout));
     daemon_->process().Signal(sig);
     auto code = daemon_->process().Wait(absl::Seconds(10));
     ASSERT_TRUE(code.has_value());
     EXPECT_EQ(*code, 0) << daemon_->Stderr();
     EXPECT_THAT(daemon_->Stderr(), HasSubstr("shutting down"));
-    // The waiting rank learns that the coordinator went away, instead of hanging.
-    auto rank_code = ranks_.back()->Wait(absl::Seconds(10));
+    // The waiting rank learns that the coordinator went away; it reconnects for its window
+    // (1 s here), then fails saying so, instead of hanging.
+    auto rank_code = ranks_.back()->Wait(absl::Seconds(15));
     ASSERT_TRUE(rank_code.has_value());
     EXPECT_EQ(*rank_code, 1);
-    EXPECT_THAT(ReadFile(ranks_.back()->stderr_path()), HasSubstr("shutting down"));
+    const std::string err = ReadFile(ranks_.back()->stderr_path());
+    EXPECT_THAT(err, HasSubstr("shutting down"));
+    EXPECT_THAT(err, HasSubstr("did not come back within the reconnect window (1000 ms"));
   }
 }
 

@@ -7,7 +7,8 @@
 
 namespace shardcoord::internal {
 
-absl::Status DecisionQueue::Add(const MicrobatchKey& key, int window, const std::string& where) {
+absl::Status DecisionQueue::Add(const MicrobatchKey& key, int window, const std::string& where,
+                                MicrobatchPlan plan) {
   if (last_reported_ && key <= *last_reported_) {
     return absl::FailedPreconditionError(absl::StrCat(
         "out-of-order ", where, ": the previous plan was ", last_reported_->ToString(),
@@ -19,7 +20,10 @@ absl::Status DecisionQueue::Add(const MicrobatchKey& key, int window, const std:
                                                      "); GetDecision the oldest first"));
   }
   last_reported_ = key;
-  entries_[key] = Entry{};
+  Entry e;
+  plan.key = key;
+  e.plan = std::move(plan);
+  entries_[key] = std::move(e);
   undecided_++;
   return absl::OkStatus();
 }
@@ -70,6 +74,23 @@ int DecisionQueue::FailPending(const absl::Status& why) {
 void DecisionQueue::ResetKeys() {
   last_reported_.reset();
   last_taken_.reset();
+  taken_.clear();
+}
+
+std::vector<MicrobatchDecision> DecisionQueue::Held() const {
+  std::vector<MicrobatchDecision> out(taken_.begin(), taken_.end());
+  for (const auto& [key, e] : entries_) {
+    if (e.state == State::kDecided) out.push_back(e.decision);
+  }
+  return out;
+}
+
+std::vector<MicrobatchPlan> DecisionQueue::Undecided() const {
+  std::vector<MicrobatchPlan> out;
+  for (const auto& [key, e] : entries_) {
+    if (e.state == State::kPending) out.push_back(e.plan);
+  }
+  return out;
 }
 
 bool DecisionQueue::Resolved(const MicrobatchKey& key) const {
@@ -87,6 +108,10 @@ absl::StatusOr<MicrobatchDecision> DecisionQueue::Take(const MicrobatchKey& key)
     late_failure_ = absl::OkStatus();
   }
   if (!last_taken_ || *last_taken_ < key) last_taken_ = key;
+  if (it->second.state == State::kDecided) {
+    taken_.push_back(it->second.decision);
+    while (taken_.size() > kHeldHistory) taken_.pop_front();
+  }
   for (auto e = entries_.begin(); e != std::next(it); ++e) {
     if (e->second.state == State::kPending) Resolve(e->second, State::kFailed);
   }

@@ -71,7 +71,10 @@ absl::Status Worker::Impl::Start() {
   const absl::Time deadline = absl::Now() + options_.connect_timeout;
   if (absl::Status s = Connect(deadline); !s.ok()) return s;
   if (!stream_->Write(RegisterMessage())) {
-    ctx_.TryCancel();
+    {
+      absl::MutexLock lock(&mu_);
+      ctx_->TryCancel();
+    }
     stream_->Finish();
     return absl::UnavailableError(absl::StrCat("coordinator at ", address_,
                                                " closed the session before registration"));
@@ -88,15 +91,20 @@ absl::Status Worker::Impl::Connect(absl::Time deadline) {
   args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
   // A fresh channel per worker: a reconnecting trainer must not reuse a broken one.
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  channel_ = grpc::CreateCustomChannel(address_, grpc::InsecureChannelCredentials(), args);
-  if (!channel_->WaitForConnected(absl::ToChronoTime(deadline))) {
+  auto channel = grpc::CreateCustomChannel(address_, grpc::InsecureChannelCredentials(), args);
+  if (!channel->WaitForConnected(absl::ToChronoTime(deadline))) {
     return absl::UnavailableError(absl::StrCat(
         "cannot reach coordinator at ", address_, " within ",
         absl::ToInt64Milliseconds(options_.connect_timeout),
         " ms; is shardcoordd running there? (", Prefix(), ")"));
   }
-  stub_ = std::shared_ptr<v1::Coordinator::Stub>(v1::Coordinator::NewStub(channel_));
-  stream_ = stub_->Session(&ctx_);
+  auto stub = std::shared_ptr<v1::Coordinator::Stub>(v1::Coordinator::NewStub(channel));
+  absl::MutexLock lock(&mu_);
+  if (closing_) return absl::CancelledError(absl::StrCat("worker closed (", Prefix(), ")"));
+  channel_ = std::move(channel);
+  stub_ = std::move(stub);
+  ctx_ = std::make_unique<grpc::ClientContext>();
+  stream_ = stub_->Session(ctx_.get());
   return absl::OkStatus();
 }
 
@@ -127,15 +135,14 @@ absl::Status Worker::Impl::AwaitRegistered(absl::Time deadline) {
                                   : absl::DeadlineExceededError(absl::StrCat(
                                         "registration with ", address_, " not answered within ",
                                         absl::ToInt64Milliseconds(options_.connect_timeout), " ms"));
+    ctx_->TryCancel();
     mu_.Unlock();
-    ctx_.TryCancel();
     reader_.join();
     mu_.Lock();
     closed_ = true;
     return s;
   }
-  writer_started_ = true;
-  writer_ = std::thread([this] { WriterLoop(); });
+  StartWriterLocked();
   log_->info("{} registered coordinator={} group={} ranks={} epoch={} policy={} fallback={} lookahead={}",
              Prefix(), address_, group_.group, RanksOf(group_.ranks), group_.epoch,
              PolicyName(group_.policy), FallbackName(group_.fallback), group_.lookahead);
@@ -162,7 +169,7 @@ absl::Status Worker::Impl::ReportPlan(const MicrobatchPlan& plan) {
     return absl::AbortedError(absl::StrCat(where, " not sent: ", group_failure_,
                                            "; wait for the group to re-form"));
   }
-  if (absl::Status s = queue_.Add(plan.key, group_.lookahead, where); !s.ok()) return s;
+  if (absl::Status s = queue_.Add(plan.key, group_.lookahead, where, plan); !s.ok()) return s;
   v1::MicrobatchPlan pp;
   ToProto(plan, &pp);
   outbox_.push_back(std::move(pp));
@@ -204,8 +211,8 @@ void Worker::Impl::Close(absl::Duration timeout) {
     closing_ = true;
     if (!writer_started_) {
       // Never registered: there is no session to leave.
+      if (ctx_) ctx_->TryCancel();
       mu_.Unlock();
-      ctx_.TryCancel();
       if (reader_.joinable()) reader_.join();
       mu_.Lock();
       return;
@@ -218,8 +225,8 @@ void Worker::Impl::Close(absl::Duration timeout) {
       log_->warn("{} coordinator did not end the session within {} ms; cancelling", Prefix(),
                  absl::ToInt64Milliseconds(timeout));
     }
+    ctx_->TryCancel();  // Also ends a resume in progress (it checks closing_ too).
   }
-  ctx_.TryCancel();
   if (writer_.joinable()) writer_.join();
   if (reader_.joinable()) reader_.join();
 }
@@ -238,10 +245,12 @@ absl::StatusOr<std::shared_ptr<Communicator>> Worker::Impl::OpenCommunicator(con
         "this build of the shardcoord worker has no NCCL backend: rebuild with -DSHARDCOORD_WITH_NCCL=ON");
   }
   std::string name = options.name;
+  std::shared_ptr<v1::Coordinator::Stub> stub;
   {
     absl::MutexLock lock(&mu_);
     if (!session_status_.ok()) return session_status_;
     if (name == "group") name = absl::StrCat("group/", group_.group);
+    stub = stub_;
   }
   v1::CommJoinRequest req;
   req.set_job_id(options_.job_id);
@@ -252,11 +261,11 @@ absl::StatusOr<std::shared_ptr<Communicator>> Worker::Impl::OpenCommunicator(con
   v1::CommJoinResponse resp;
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + options.join_timeout + absl::Seconds(5)));
-  grpc::Status st = stub_->CommJoin(&ctx, req, &resp);
+  grpc::Status st = stub->CommJoin(&ctx, req, &resp);
   if (!st.ok()) return FromGrpcStatus(st);
   internal::CommSpec spec{options_.job_id, options_.rank, name, resp.epoch(),
                           std::vector<int>(resp.ranks().begin(), resp.ranks().end()), options};
-  auto rendezvous = internal::MakeCoordinatorRendezvous({stub_, options_.job_id, options_.rank}, name, resp.epoch());
+  auto rendezvous = internal::MakeCoordinatorRendezvous({stub, options_.job_id, options_.rank}, name, resp.epoch());
   std::shared_ptr<internal::AbortableCommunicator> comm;
   if (options.backend == Backend::kNccl) {
 #ifdef SHARDCOORD_HAVE_NCCL

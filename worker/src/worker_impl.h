@@ -111,7 +111,22 @@ class Worker::Impl {
   absl::StatusOr<std::shared_ptr<Communicator>> OpenCommunicator(const CommunicatorOptions& options);
 
  private:
+  // The reader thread: reads each session's stream; when one is lost, resumes (Resume)
+  // or ends the session (EndSession).
   void ReaderLoop();
+  void ReadStream();
+  // Stops the writer and finishes the stream; returns the stream's status.
+  grpc::Status FinishStream();
+  // Whether a lost session may be resumed: registered, not closing, reconnect enabled, and
+  // the stream ended because the coordinator went away (not because it refused us).
+  bool CanResume(const grpc::Status& st) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Reconnects and resumes within the reconnect window (DESIGN 12); the error says why not.
+  absl::Status Resume();
+  absl::Status TryResume(absl::Time window_end);
+  v1::ResumeState ResumeStateLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void StartWriterLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The session is over for good: pending calls fail with `why`, communicators abort.
+  void EndSession(absl::Status why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void WriterLoop();
   // The heartbeat's content: collective progress of the open communicators, module memory.
   void FillHeartbeat(v1::Heartbeat* hb) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -123,6 +138,8 @@ class Worker::Impl {
   };
   void Handle(const v1::CoordinatorMessage& msg, PendingAborts* aborts) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void OnRegistered(const v1::RegisterResponse& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The answer to a resume: checks it, then the session goes on with the new process.
+  absl::Status OnResumed(const v1::RegisterResponse& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void OnPlanRejected(const v1::PlanRejected& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void OnNotice(const v1::Notice& n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::string Prefix() const {
@@ -135,9 +152,12 @@ class Worker::Impl {
   std::vector<std::string> module_list_;
   std::string address_;
 
+  // The current session's channel, stub and stream: replaced by the reader thread when it
+  // resumes (under mu_, while the writer is stopped). The stub is shared with
+  // communicators, which may outlive us; the stream is used by the reader and writer only.
   std::shared_ptr<grpc::Channel> channel_;
-  std::shared_ptr<v1::Coordinator::Stub> stub_;  // Shared with communicators, which may outlive us.
-  grpc::ClientContext ctx_;
+  std::shared_ptr<v1::Coordinator::Stub> stub_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<grpc::ClientContext> ctx_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<grpc::ClientReaderWriter<v1::WorkerMessage, v1::CoordinatorMessage>> stream_;
   std::thread reader_;
   std::thread writer_;
@@ -160,6 +180,13 @@ class Worker::Impl {
   std::vector<std::pair<std::string, int64_t>> ready_acks_ ABSL_GUARDED_BY(mu_);
   bool closing_ ABSL_GUARDED_BY(mu_) = false;
   bool writer_done_ ABSL_GUARDED_BY(mu_) = false;
+  // Resume (DESIGN 12): the coordinator process we are registered with, what it answered,
+  // and whether we are reconnecting now.
+  uint64_t incarnation_ ABSL_GUARDED_BY(mu_) = 0;
+  v1::RegisterResponse previous_ ABSL_GUARDED_BY(mu_);
+  bool resuming_ ABSL_GUARDED_BY(mu_) = false;
+  bool resume_answered_ ABSL_GUARDED_BY(mu_) = false;  // This attempt's first read returned.
+  int64_t resumes_ ABSL_GUARDED_BY(mu_) = 0;
   bool closed_ = false;  // Touched only by Close, which callers serialize via close_mu_.
   absl::Mutex close_mu_;
 };

@@ -6,6 +6,44 @@
 namespace shardcoord {
 
 void Worker::Impl::ReaderLoop() {
+  while (true) {
+    ReadStream();
+    const grpc::Status st = FinishStream();
+    absl::MutexLock lock(&mu_);
+    if (!registered_) {
+      // Registration refused: the coordinator's status says why.
+      session_status_ = st.ok() ? absl::UnavailableError(absl::StrCat(
+                                      "coordinator at ", address_, " ended the session before "
+                                      "answering the registration"))
+                                : FromGrpcStatus(st);
+      reader_done_ = true;
+      return;
+    }
+    if (!CanResume(st)) {
+      EndSession(absl::UnavailableError(absl::StrCat(
+          "session with coordinator at ", address_, " lost (", Prefix(), "): ",
+          st.ok() ? std::string("stream closed") : st.error_message(),
+          closing_ ? "" : "; create a new Worker to register again")));
+      reader_done_ = true;
+      return;
+    }
+    resuming_ = true;
+    log_->warn("{} session with coordinator at {} lost ({}): reconnecting for up to {} ms; decisions already "
+               "received stay usable, communicators stay open", Prefix(), address_, st.error_message(),
+               absl::ToInt64Milliseconds(options_.reconnect_window));
+    mu_.Unlock();
+    absl::Status resumed = Resume();
+    mu_.Lock();
+    resuming_ = false;
+    if (!resumed.ok()) {
+      EndSession(resumed);
+      reader_done_ = true;
+      return;
+    }
+  }
+}
+
+void Worker::Impl::ReadStream() {
   v1::CoordinatorMessage msg;
   while (stream_->Read(&msg)) {
     PendingAborts aborts;
@@ -19,6 +57,9 @@ void Worker::Impl::ReaderLoop() {
       ready_acks_.insert(ready_acks_.end(), aborts.acks.begin(), aborts.acks.end());
     }
   }
+}
+
+grpc::Status Worker::Impl::FinishStream() {
   {
     // Finish may only run once the writer no longer writes: stop it first. Its Write
     // fails fast on an ended stream.
@@ -29,36 +70,161 @@ void Worker::Impl::ReaderLoop() {
     };
     mu_.Await(absl::Condition(&writer_stopped));
   }
-  grpc::Status st = stream_->Finish();
-  absl::MutexLock lock(&mu_);
-  reader_done_ = true;
-  if (!registered_) {
-    // Registration refused: the coordinator's status says why.
-    session_status_ = st.ok() ? absl::UnavailableError(absl::StrCat(
-                                    "coordinator at ", address_, " ended the session before "
-                                    "answering the registration"))
-                              : FromGrpcStatus(st);
-    return;
-  }
-  if (session_status_.ok()) {
-    session_status_ = absl::UnavailableError(absl::StrCat(
-        "session with coordinator at ", address_, " lost (", Prefix(), "): ",
-        st.ok() ? std::string("stream closed") : st.error_message(),
-        closing_ ? "" : "; create a new Worker to register again"));
-  }
+  return stream_->Finish();
+}
+
+bool Worker::Impl::CanResume(const grpc::Status& st) const {
+  // UNAVAILABLE: the coordinator went away (killed, restarting, unreachable). Any other
+  // end is its verdict (declared dead, refused) or our own close.
+  return !closing_ && options_.reconnect_window > absl::ZeroDuration() && session_status_.ok() &&
+         st.error_code() == grpc::StatusCode::UNAVAILABLE;
+}
+
+void Worker::Impl::EndSession(absl::Status why) {
+  if (session_status_.ok()) session_status_ = std::move(why);
   // Every pending decision fails now instead of waiting for its deadline.
   queue_.FailPending(session_status_);
   if (!closing_) log_->error("{} {}", Prefix(), std::string(session_status_.message()));
   // Without a session this rank is out of the job: the coordinator already told the others
   // to abort, so our communicators must not go on waiting for them.
   std::vector<std::shared_ptr<internal::AbortableCommunicator>> open = comms_.Open();
-  const std::string why(session_status_.message());
+  const std::string reason(session_status_.message());
   mu_.Unlock();
-  for (auto& c : open) c->Abort(why);
+  for (auto& c : open) c->Abort(reason);
   mu_.Lock();
 }
 
+absl::Status Worker::Impl::Resume() {
+  const absl::Time window_end = absl::Now() + options_.reconnect_window;
+  absl::Duration backoff = absl::Milliseconds(50);
+  while (true) {
+    absl::Status s = TryResume(window_end);
+    if (s.ok()) return s;
+    absl::MutexLock lock(&mu_);
+    if (closing_) return absl::CancelledError(absl::StrCat("worker closed while reconnecting (", Prefix(), ")"));
+    if (s.code() == absl::StatusCode::kFailedPrecondition || s.code() == absl::StatusCode::kInvalidArgument) {
+      return absl::Status(s.code(), absl::StrCat("cannot resume with coordinator at ", address_, " (", Prefix(),
+                                                 "): ", s.message()));
+    }
+    if (absl::Now() + backoff >= window_end) {
+      return absl::UnavailableError(absl::StrCat(
+          "coordinator at ", address_, " did not come back within the reconnect window (",
+          absl::ToInt64Milliseconds(options_.reconnect_window), " ms, WorkerOptions::reconnect_window; ", Prefix(),
+          "); last attempt: ", s.message(), "; pending calls fail, create a new Worker to register again"));
+    }
+    log_->debug("{} resume attempt failed: {}; retrying in {} ms", Prefix(), std::string(s.message()),
+                absl::ToInt64Milliseconds(backoff));
+    auto closing = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return closing_; };
+    mu_.AwaitWithTimeout(absl::Condition(&closing), backoff);
+    backoff = std::min(2 * backoff, absl::Seconds(1));
+  }
+}
+
+absl::Status Worker::Impl::TryResume(absl::Time window_end) {
+  const absl::Time attempt_end = std::min(window_end, absl::Now() + absl::Seconds(2));
+  if (absl::Status s = Connect(attempt_end); !s.ok()) return s;
+  v1::WorkerMessage reg = RegisterMessage();
+  {
+    absl::MutexLock lock(&mu_);
+    *reg.mutable_register_()->mutable_resume() = ResumeStateLocked();
+    resume_answered_ = false;
+  }
+  v1::CoordinatorMessage first;
+  bool got = false;
+  if (stream_->Write(reg)) {
+    // The answer must come by the attempt's end: a coordinator that accepts connections but
+    // does not answer (paused) must not hold us past the window.
+    std::thread watchdog([this, attempt_end] {
+      absl::MutexLock lock(&mu_);
+      auto done = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return resume_answered_ || closing_; };
+      mu_.AwaitWithDeadline(absl::Condition(&done), attempt_end + absl::Seconds(1));
+      if (!resume_answered_) ctx_->TryCancel();
+    });
+    got = stream_->Read(&first);
+    {
+      absl::MutexLock lock(&mu_);
+      resume_answered_ = true;
+    }
+    watchdog.join();
+  }
+  if (!got || !first.has_registered()) {
+    {
+      absl::MutexLock lock(&mu_);
+      ctx_->TryCancel();
+    }
+    const grpc::Status st = stream_->Finish();
+    return st.ok() ? absl::UnavailableError("the coordinator ended the stream before answering") : FromGrpcStatus(st);
+  }
+  absl::MutexLock lock(&mu_);
+  if (absl::Status s = OnResumed(first.registered()); !s.ok()) {
+    ctx_->TryCancel();
+    mu_.Unlock();
+    stream_->Finish();
+    mu_.Lock();
+    return s;
+  }
+  read_ended_ = false;
+  StartWriterLocked();
+  return absl::OkStatus();
+}
+
+v1::ResumeState Worker::Impl::ResumeStateLocked() const {
+  v1::ResumeState r;
+  r.set_incarnation(incarnation_);
+  r.set_group_epoch(group_.epoch);
+  for (const auto& d : queue_.Held()) ToProto(d, r.add_held());
+  for (const auto& p : queue_.Undecided()) ToProto(p, r.add_undecided());
+  for (const auto& comm : comms_.Open()) {
+    auto* c = r.add_comms();
+    c->set_name(comm->name());
+    c->set_epoch(comm->epoch());
+    for (int rank : comm->ranks()) c->add_ranks(rank);
+  }
+  *r.mutable_previous() = previous_;
+  return r;
+}
+
+absl::Status Worker::Impl::OnResumed(const v1::RegisterResponse& r) {
+  if (r.incarnation() < incarnation_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "it answered as coordinator incarnation ", r.incarnation(), ", older than incarnation ", incarnation_,
+        " this rank was registered with: a stale coordinator process serves that address"));
+  }
+  const bool restarted = r.incarnation() != incarnation_;
+  incarnation_ = r.incarnation();
+  previous_ = r;
+  outbox_.clear();       // Every plan not decided yet went with the resume.
+  ready_acks_.clear();   // Acknowledgements of the old process's aborts.
+  resumes_++;
+  if (r.epoch() != group_.epoch) {
+    // The group re-formed meanwhile (it failed while we were away): keys start afresh.
+    const int cancelled = queue_.FailPending(absl::AbortedError(absl::StrCat(
+        "group ", group_.group, " re-formed at epoch ", r.epoch(), " while rank ", options_.rank,
+        " was reconnecting; plan again")));
+    queue_.ResetKeys();
+    group_.epoch = r.epoch();
+    group_failure_.clear();
+    log_->warn("{} group re-formed at epoch {} while reconnecting ({} pending decisions cancelled)", Prefix(),
+               r.epoch(), cancelled);
+  }
+  log_->info("{} resumed with coordinator at {} ({} incarnation {}), group {} epoch {}", Prefix(), address_,
+             restarted ? "restarted, new" : "same", incarnation_, group_.group, group_.epoch);
+  return absl::OkStatus();
+}
+
+void Worker::Impl::StartWriterLocked() {
+  if (writer_.joinable()) writer_.join();  // The last session's writer has ended (writer_done_).
+  writer_started_ = true;
+  writer_done_ = false;
+  writer_ = std::thread([this] { WriterLoop(); });
+}
+
 void Worker::Impl::Handle(const v1::CoordinatorMessage& msg, PendingAborts* aborts) {
+  if (msg.incarnation() != 0 && incarnation_ != 0 && msg.incarnation() != incarnation_ && !msg.has_registered()) {
+    log_->warn("{} ignored a message of coordinator incarnation {} (registered with {})", Prefix(), msg.incarnation(),
+               incarnation_);
+    return;
+  }
   switch (msg.kind_case()) {
     case v1::CoordinatorMessage::kRegistered:
       OnRegistered(msg.registered());
@@ -103,6 +269,8 @@ void Worker::Impl::Handle(const v1::CoordinatorMessage& msg, PendingAborts* abor
 }
 
 void Worker::Impl::OnRegistered(const v1::RegisterResponse& r) {
+  incarnation_ = r.incarnation();
+  previous_ = r;
   group_.group = r.group();
   group_.ranks.assign(r.group_ranks().begin(), r.group_ranks().end());
   group_.epoch = r.epoch();
@@ -138,9 +306,13 @@ void Worker::Impl::OnNotice(const v1::Notice& n) {
     }
     log_->error("{} {}", Prefix(), job_failure_);
   } else if (n.kind() == v1::Notice::KIND_SHUTDOWN) {
-    session_status_ =
-        absl::UnavailableError(absl::StrCat("coordinator at ", address_, " is shutting down (", Prefix(), ")"));
-    log_->warn("{} {}", Prefix(), n.message());
+    if (options_.reconnect_window > absl::ZeroDuration()) {
+      log_->warn("{} {}: will reconnect when it is back", Prefix(), n.message());
+    } else {
+      session_status_ =
+          absl::UnavailableError(absl::StrCat("coordinator at ", address_, " is shutting down (", Prefix(), ")"));
+      log_->warn("{} {}", Prefix(), n.message());
+    }
   }
 }
 
@@ -180,6 +352,7 @@ void Worker::Impl::WriterLoop() {
       };
       mu_.AwaitWithDeadline(absl::Condition(&ready), last_heartbeat + interval);
       if (read_ended_) break;
+      msg.set_incarnation(incarnation_);
       if (absl::Now() >= last_heartbeat + interval || (memory_dirty_ && outbox_.empty())) {
         // Heartbeats go out on time even while plans flow: they carry collective progress.
         FillHeartbeat(msg.mutable_heartbeat());

@@ -52,6 +52,7 @@ namespace shardcoord {
 // Environment variable consulted when WorkerOptions::coordinator_address is empty.
 inline constexpr char kCoordinatorAddressEnv[] = "SHARDCOORD_ADDR";
 inline constexpr absl::Duration kDefaultConnectTimeout = absl::Seconds(30);
+inline constexpr absl::Duration kDefaultReconnectWindow = absl::Seconds(30);
 // How long Close waits for the coordinator to end the session after the goodbye. Normally
 // milliseconds; the bound matters when the coordinator is paused: a session cancelled before
 // the coordinator read the goodbye counts as a death (its group fails), so it is generous.
@@ -70,6 +71,11 @@ struct WorkerOptions {
   int lookahead = 0;                // Undecided plans allowed in flight; 0: default (4).
   int64_t memory_budget_bytes = 0;  // For `auto` promotion; 0: unknown (no promotion).
   absl::Duration connect_timeout = kDefaultConnectTimeout;
+  // When the session with the coordinator is lost (the daemon died or restarts), the
+  // worker reconnects with backoff for this long and resumes (DESIGN 12): decisions it
+  // holds stay usable meanwhile, communicators are not aborted. Only when the window
+  // passes do pending calls fail, saying so. Zero: fail at once, as before.
+  absl::Duration reconnect_window = kDefaultReconnectWindow;
 };
 
 // What registration established.

@@ -1,0 +1,232 @@
+// CoordinatorCore: recovery after a coordinator restart (DESIGN 12). A job the new process
+// first hears of from a resuming rank starts with every group RECOVERING; each group waits
+// until every member has resumed and reported what it holds, then applies the rule of
+// recovery.h: held decisions are binding and re-sent unchanged, contradictions fail the
+// group, keys nobody holds are decided afresh once every member reported them.
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "coordinator/coordinator_core.h"
+#include "coordinator/recovery.h"
+#include "coordinator/text.h"
+#include "shardcoord/proto/convert.h"
+
+namespace shardcoord::coordinator {
+namespace {
+
+MicrobatchKey KeyOf(const v1::MicrobatchDecision& d) { return {d.step(), d.microbatch()}; }
+
+}  // namespace
+
+void CoordinatorCore::StartRecovery(Job& job) {
+  const absl::Time deadline = clock_->Now() + options_.recovery_window;
+  for (Group& g : job.groups) {
+    g.state = v1::GROUP_STATE_RECOVERING;
+    g.recovery_deadline = deadline;
+  }
+  Event("warning", "job_recovering", job.id, -1, -1,
+        absl::StrCat("a rank resumed after a coordinator restart: each group waits up to ",
+                     absl::ToInt64Milliseconds(options_.recovery_window),
+                     " ms for its members to report what they hold"));
+}
+
+void CoordinatorCore::ResumeMember(Job& job, Group& group, Member& m, uint64_t session_id,
+                                   std::shared_ptr<RankSink> sink, const v1::RegisterRequest& req) {
+  SetLive(job, m, session_id, std::move(sink), req);
+  // A rank that never registered before the restart holds nothing.
+  m.resume = req.has_resume() ? req.resume() : v1::ResumeState{};
+  v1::CoordinatorMessage msg = Registered(group, req);
+  msg.mutable_registered()->set_epoch(m.resume->group_epoch());
+  Event("info", "rank_resumed", job.id, m.rank, group.index,
+        absl::StrCat("from incarnation ", m.resume->incarnation(), " at epoch ", m.resume->group_epoch(), ", holding ",
+                     m.resume->held_size(), " decisions and ", m.resume->undecided_size(), " undecided plans"));
+  SendTo(m, msg);
+  if (req.has_resume()) ResumeComms(job, m.rank, req.resume());
+  const bool all_back = std::all_of(group.ranks.begin(), group.ranks.end(), [&](int r) {
+    return job.members[r].state == v1::RANK_STATE_LIVE && job.members[r].resume.has_value();
+  });
+  if (all_back) FinishRecovery(job, group);
+}
+
+void CoordinatorCore::FinishRecovery(Job& job, Group& group) {
+  std::vector<MemberResume> reports;
+  for (int r : group.ranks) {
+    reports.push_back({r, *job.members[r].resume});
+    job.members[r].resume.reset();
+  }
+  GroupRecovery rec = PlanGroupRecovery(group.index, reports);
+  group.recovery_deadline = absl::InfiniteFuture();
+  if (!rec.status.ok()) {
+    group.epoch = rec.epoch;
+    FailRecovery(job, group, std::string(rec.status.message()));
+    return;
+  }
+  group.epoch = rec.epoch;
+  group.state = v1::GROUP_STATE_HEALTHY;
+  SetPromotionBudget(job, group);  // A new engine: restore its state after.
+  group.engine->Restore(rec.next_seq, rec.promoted, rec.sticky);
+  group.static_seq = rec.next_seq;
+  for (auto& [key, d] : rec.binding) RecordDecision(job, group, d);
+  if (!rec.binding.empty()) group.last_resolved = rec.binding.rbegin()->first;
+  for (int r : group.ranks) {  // Out-of-order checks go on from what each rank received.
+    Member& m = job.members[r];
+    for (auto& [key, holders] : rec.holders) {
+      if (holders.count(r) && (!m.last_planned || *m.last_planned < key)) m.last_planned = key;
+    }
+  }
+  for (const auto& [rank, d] : rec.resend) {
+    Member& m = job.members[rank];
+    if (!m.last_planned || *m.last_planned < KeyOf(d)) m.last_planned = KeyOf(d);
+    QueueDecision(m, d);
+  }
+  if (group.engine->is_static()) {
+    for (const auto& [key, d] : rec.binding) KeepStaticBinding(job, group, key, d);
+  }
+  for (const auto& [rank, key] : rec.lost) {
+    v1::CoordinatorMessage msg;
+    auto* f = msg.mutable_microbatch_failed();
+    f->set_group(group.index);
+    f->set_step(key.step);
+    f->set_microbatch(key.microbatch);
+    f->set_code(static_cast<int>(absl::StatusCode::kAborted));
+    f->set_message(absl::StrCat("microbatch ", key.ToString(), " of group ", group.index,
+                                ": its decision was lost in the coordinator restart (no member holds it any more)"));
+    SendTo(job.members[rank], msg);
+  }
+  Event("info", "group_recovered", job.id, -1, group.index,
+        absl::StrCat("epoch ", group.epoch, ": ", rec.binding.size(), " held decisions kept, ", rec.resend.size(),
+                     " re-sent, ", rec.undecided.size(), " plans to decide, ", rec.lost.size(), " lost; seq goes on from ",
+                     rec.next_seq, rec.promoted.empty() ? "" : absl::StrCat("; promoted: ", NameList(std::vector<std::string>(rec.promoted.begin(), rec.promoted.end())))));
+  ReplayPlans(job, group, rec.undecided);
+  auto deferred = std::move(group.deferred_plans);
+  group.deferred_plans.clear();
+  ReplayPlans(job, group, deferred);
+}
+
+void CoordinatorCore::KeepStaticBinding(Job& job, Group& group, const MicrobatchKey& key,
+                                        const v1::MicrobatchDecision& d) {
+  const int size = static_cast<int>(group.ranks.size());
+  PendingMicrobatch p;
+  p.reported.assign(size, false);
+  p.first_report = clock_->Now();
+  p.decided = d;
+  for (int i = 0; i < size; ++i) {
+    const Member& m = job.members[group.ranks[i]];
+    if (m.last_planned && key <= *m.last_planned) {
+      p.reported[i] = true;
+      p.num_reported++;
+    }
+  }
+  if (p.num_reported == size) return;  // Every member has it: nothing left to hand out.
+  for (int i = 0; i < size; ++i) {
+    if (p.reported[i]) job.members[group.ranks[i]].pending++;
+  }
+  group.pending[key] = std::move(p);
+}
+
+void CoordinatorCore::ReplayPlans(Job& job, Group& group, const std::vector<std::pair<int, v1::MicrobatchPlan>>& plans) {
+  for (const auto& [rank, plan] : plans) {
+    Member& m = job.members[rank];
+    if (m.state != v1::RANK_STATE_LIVE) continue;
+    absl::Status s = AcceptPlan(job, m, plan);
+    if (s.ok()) continue;
+    v1::CoordinatorMessage msg;
+    auto* rej = msg.mutable_plan_rejected();
+    rej->set_step(plan.step());
+    rej->set_microbatch(plan.microbatch());
+    rej->set_code(static_cast<int>(s.code()));
+    rej->set_message(std::string(s.message()));
+    rej->set_epoch(group.epoch);
+    SendTo(m, msg);
+  }
+  Flush(job, group);
+}
+
+void CoordinatorCore::FailRecovery(Job& job, Group& group, const std::string& why) {
+  group.state = v1::GROUP_STATE_FAILED;
+  group.failure_reason = why;
+  group.pending.clear();
+  group.deferred_plans.clear();
+  v1::CoordinatorMessage msg;
+  auto* gf = msg.mutable_group_failure();
+  gf->set_group(group.index);
+  gf->set_epoch(group.epoch);
+  gf->set_reason(absl::StrCat("group ", group.index, " of job '", job.id, "' failed at epoch ", group.epoch, ": ", why));
+  for (int r : group.ranks) {
+    job.members[r].pending = 0;
+    SendTo(job.members[r], msg);
+  }
+  Event("error", "group_recovery_failed", job.id, -1, group.index, why);
+  // Every member is live: the group re-forms at once in a new epoch, keys start afresh.
+  UpdateGroupState(job, group);
+  v1::CoordinatorMessage notice;
+  notice.mutable_notice()->set_kind(v1::Notice::KIND_GROUP_REFORMED);
+  notice.mutable_notice()->set_group(group.index);
+  notice.mutable_notice()->set_epoch(group.epoch);
+  notice.mutable_notice()->set_message(
+      absl::StrCat("group ", group.index, " re-formed at epoch ", group.epoch, " after its recovery failed"));
+  for (int r : group.ranks) SendTo(job.members[r], notice);
+}
+
+void CoordinatorCore::ResumeComms(Job& job, int rank, const v1::ResumeState& state) {
+  for (const auto& ce : state.comms()) {
+    auto members = CommMembers(job, ce.name(), std::vector<int>(ce.ranks().begin(), ce.ranks().end()));
+    if (!members.ok() || !std::binary_search(members->begin(), members->end(), rank)) continue;
+    Comm& comm = job.comms[ce.name()];
+    if (comm.name.empty()) {
+      comm.name = ce.name();
+      comm.ranks = *members;
+      for (int r : *members) comm.member_state[r] = "absent";
+      comm.recovering = true;
+    }
+    if (!comm.recovering || comm.ranks != *members) continue;
+    comm.resumed_epochs[rank] = ce.epoch();
+    comm.epoch = std::max(comm.epoch, ce.epoch());
+    MaybeFinishCommRecovery(job, comm);
+  }
+}
+
+void CoordinatorCore::MaybeFinishCommRecovery(Job& job, Comm& comm) {
+  for (int r : comm.ranks) {
+    if (!comm.resumed_epochs.count(r)) return;  // Not back yet (the window fails it).
+  }
+  comm.recovering = false;
+  const bool same = std::all_of(comm.ranks.begin(), comm.ranks.end(),
+                                [&](int r) { return comm.resumed_epochs[r] == comm.epoch; });
+  comm.resumed_epochs.clear();
+  comm.state = v1::COMM_STATE_READY;
+  for (int r : comm.ranks) comm.member_state[r] = "ready";
+  if (same) {
+    Event("info", "comm_recovered", job.id, -1, -1,
+          absl::StrCat("communicator '", comm.name, "' epoch ", comm.epoch, " kept: every member is back"));
+    return;
+  }
+  AbortComm(job, comm, "its members held different epochs when they resumed after the coordinator restart", {});
+}
+
+void CoordinatorCore::ExpireRecovery(Job& job, absl::Time now) {
+  for (Group& group : job.groups) {
+    if (group.state != v1::GROUP_STATE_RECOVERING || now < group.recovery_deadline) continue;
+    std::vector<int> missing;
+    for (int r : group.ranks) {
+      if (job.members[r].state != v1::RANK_STATE_LIVE) missing.push_back(r);
+    }
+    const std::string why = absl::StrCat(
+        "ranks ", RankList(missing), " did not resume within the recovery window (",
+        absl::ToInt64Milliseconds(options_.recovery_window), " ms, --recovery-window-ms) after the coordinator restarted");
+    group.state = v1::GROUP_STATE_FAILED;
+    group.recovery_deadline = absl::InfiniteFuture();
+    group.deferred_plans.clear();
+    for (int r : group.ranks) job.members[r].resume.reset();
+    for (int r : missing) {
+      Member& m = job.members[r];
+      m.state = v1::RANK_STATE_DEAD;
+      m.dead_reason = why;
+      Event("error", "rank_dead", job.id, r, group.index, why);
+      OnMemberLost(job, r, /*clean=*/false, why);
+    }
+    if (!missing.empty()) FailGroup(job, group, job.members[missing.front()], why);
+  }
+}
+
+}  // namespace shardcoord::coordinator

@@ -1,0 +1,240 @@
+// Unit tests of coordinator recovery after a restart (DESIGN 12): the pure rule
+// (coordinator/recovery.h) and CoordinatorCore rebuilding groups from resuming ranks, with
+// recording sinks and a fake clock.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "coordinator/coordinator_core.h"
+#include "coordinator/recovery.h"
+#include "coordinator/registration.h"
+#include "support/core_fakes.h"
+
+namespace shardcoord::coordinator {
+namespace {
+
+using ::testing::HasSubstr;
+
+v1::MicrobatchDecision Decision(int64_t step, int mb, uint64_t seq, v1::Decision d,
+                                v1::DecisionReason reason = v1::REASON_UNIFORM) {
+  v1::MicrobatchDecision out;
+  out.set_group(0);
+  out.set_step(step);
+  out.set_microbatch(mb);
+  out.set_seq(seq);
+  out.set_epoch(0);
+  auto* m = out.add_modules();
+  m->set_module("vision");
+  m->set_decision(d);
+  m->set_reason(reason);
+  out.set_digest(seq * 31 + static_cast<uint64_t>(d));
+  return out;
+}
+
+v1::MicrobatchPlan Plan(int64_t step, int mb, int calls) {
+  v1::MicrobatchPlan p;
+  p.set_step(step);
+  p.set_microbatch(mb);
+  (*p.mutable_calls())["vision"] = calls;
+  return p;
+}
+
+TEST(PlanGroupRecoveryTest, HeldDecisionsAreBindingAndGoToMembersThatPlannedButLackThem) {
+  MemberResume a{0, {}}, b{1, {}};
+  *a.state.add_held() = Decision(0, 0, 0, v1::DECISION_PER_LAYER);
+  *a.state.add_held() = Decision(0, 1, 1, v1::DECISION_SKIP);
+  *b.state.add_held() = Decision(0, 0, 0, v1::DECISION_PER_LAYER);
+  *b.state.add_undecided() = Plan(0, 1, 0);  // Rank 1 never received (0,1).
+  *a.state.add_undecided() = Plan(0, 2, 1);
+  *b.state.add_undecided() = Plan(0, 2, 1);
+  GroupRecovery r = PlanGroupRecovery(0, {a, b});
+  ASSERT_TRUE(r.status.ok()) << r.status;
+  EXPECT_EQ(r.binding.size(), 2u);
+  ASSERT_EQ(r.resend.size(), 1u);
+  EXPECT_EQ(r.resend[0].first, 1);
+  EXPECT_EQ(r.resend[0].second.seq(), 1u) << "re-sent unchanged";
+  ASSERT_EQ(r.undecided.size(), 2u) << "(0,2) is held by nobody: decided afresh from both plans";
+  EXPECT_EQ(r.next_seq, 2u);
+  EXPECT_TRUE(r.lost.empty());
+}
+
+TEST(PlanGroupRecoveryTest, TwoDifferentHeldDecisionsForOneKeyAreDetectedNamingTheRanks) {
+  MemberResume a{4, {}}, b{5, {}}, c{6, {}};
+  *a.state.add_held() = Decision(3, 1, 7, v1::DECISION_PER_LAYER);
+  *b.state.add_held() = Decision(3, 1, 7, v1::DECISION_PER_LAYER);
+  *c.state.add_held() = Decision(3, 1, 7, v1::DECISION_ROOT, v1::REASON_DIVERGENT);
+  GroupRecovery r = PlanGroupRecovery(1, {a, b, c});
+  ASSERT_EQ(r.status.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(r.status.message(), HasSubstr("contradictory decisions for microbatch (3,1)"));
+  EXPECT_THAT(r.status.message(), HasSubstr("ranks 4,5 hold"));
+  EXPECT_THAT(r.status.message(), HasSubstr("rank 6 holds"));
+  EXPECT_THAT(r.status.message(), HasSubstr("vision=DECISION_ROOT"));
+}
+
+TEST(PlanGroupRecoveryTest, MembersInDifferentEpochsCannotResume) {
+  MemberResume a{0, {}}, b{1, {}};
+  a.state.set_group_epoch(2);
+  b.state.set_group_epoch(1);
+  GroupRecovery r = PlanGroupRecovery(0, {a, b});
+  EXPECT_EQ(r.status.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(r.status.message(), HasSubstr("ranks 1 at epoch 1; ranks 0 at epoch 2"));
+}
+
+TEST(PlanGroupRecoveryTest, PromotionsAreRebuiltFromTheNewestDecisionAndLostKeysNamed) {
+  MemberResume a{0, {}}, b{1, {}};
+  *a.state.add_held() = Decision(0, 0, 4, v1::DECISION_PER_LAYER);
+  *a.state.add_held() = Decision(0, 3, 7, v1::DECISION_REPLICATE, v1::REASON_PROMOTED);
+  *b.state.add_held() = Decision(0, 3, 7, v1::DECISION_REPLICATE, v1::REASON_PROMOTED);
+  *b.state.add_undecided() = Plan(0, 1, 1);  // Older than the newest held key, held by nobody.
+  GroupRecovery r = PlanGroupRecovery(0, {a, b});
+  ASSERT_TRUE(r.status.ok()) << r.status;
+  EXPECT_THAT(r.promoted, ::testing::ElementsAre("vision"));
+  EXPECT_EQ(r.next_seq, 8u);
+  ASSERT_EQ(r.lost.size(), 1u);
+  EXPECT_EQ(r.lost[0].first, 1);
+}
+
+// ---------------------------------------------------------------------------------------
+// Through the core
+
+CoordinatorOptions RecoveryOptions() {
+  CoordinatorOptions o;
+  o.heartbeat_interval = absl::Milliseconds(100);
+  o.heartbeat_timeout = absl::Seconds(10);
+  o.recovery_window = absl::Seconds(5);
+  o.incarnation = 1000;
+  return o;
+}
+
+class CoreRecoveryTest : public ::testing::Test, protected shardcoord::testing::CoreHarness {
+ protected:
+  CoreRecoveryTest() : CoreHarness(RecoveryOptions()) {}
+
+  v1::RegisterRequest Request(int rank, v1::Policy policy = v1::POLICY_AUTO) {
+    v1::RegisterRequest r;
+    r.set_job_id("job");
+    r.set_rank(rank);
+    r.set_world_size(2);
+    r.set_group_size(2);
+    r.set_policy(policy);
+    r.set_fallback(v1::FALLBACK_ROOT);
+    r.set_wrap_outer_model(true);
+    r.set_lookahead(4);
+    auto* m = r.add_modules();
+    m->set_name("vision");
+    m->set_param_bytes(100);
+    return r;
+  }
+
+  // A resume from incarnation 900, registered under the same settings this core gives.
+  v1::RegisterRequest Resume(int rank, v1::Policy policy = v1::POLICY_AUTO) {
+    v1::RegisterRequest r = Request(rank, policy);
+    v1::ResumeState* s = r.mutable_resume();
+    s->set_incarnation(900);
+    s->set_group_epoch(0);
+    v1::RegisterResponse* prev = s->mutable_previous();
+    prev->set_group(0);
+    prev->set_policy(policy);
+    prev->set_fallback(v1::FALLBACK_ROOT);
+    prev->set_lookahead(4);
+    prev->set_config_digest(core_->config_digest());
+    return r;
+  }
+
+  void SendPlan(int rank, int64_t step, int mb, int calls) {
+    v1::PlanBatch batch;
+    *batch.add_plans() = Plan(step, mb, calls);
+    core_->OnPlans(sessions_[rank], batch);
+  }
+};
+
+TEST_F(CoreRecoveryTest, AHeldDecisionIsResentUnchangedAndNewKeysWaitForEveryMember) {
+  v1::RegisterRequest r0 = Resume(0), r1 = Resume(1);
+  *r0.mutable_resume()->add_held() = Decision(5, 0, 9, v1::DECISION_PER_LAYER);
+  *r1.mutable_resume()->add_undecided() = Plan(5, 0, 1);  // Lost in the crash.
+  *r0.mutable_resume()->add_undecided() = Plan(5, 1, 1);
+  ASSERT_TRUE(Register(r0).ok());
+  EXPECT_EQ(core_->Groups("job").groups(0).state(), v1::GROUP_STATE_RECOVERING);
+  EXPECT_EQ(core_->Status("").recovering_groups(), 1);
+  SendPlan(0, 5, 2, 1);  // Planned after resuming: waits too.
+  EXPECT_TRUE(sinks_[0]->Decisions().empty()) << "nothing is decided while a member is missing";
+  ASSERT_TRUE(Register(r1).ok());
+  EXPECT_EQ(core_->Groups("job").groups(0).state(), v1::GROUP_STATE_HEALTHY);
+  auto d1 = sinks_[1]->Decisions();
+  ASSERT_GE(d1.size(), 1u);
+  EXPECT_EQ(d1[0].step(), 5);
+  EXPECT_EQ(d1[0].seq(), 9u);
+  EXPECT_EQ(d1[0].digest(), Decision(5, 0, 9, v1::DECISION_PER_LAYER).digest()) << "the held decision, unchanged";
+  // (5,1) and (5,2): rank 1 has not planned them; once it does, both are decided with seq 10, 11.
+  SendPlan(1, 5, 1, 1);
+  SendPlan(1, 5, 2, 1);
+  auto d0 = sinks_[0]->Decisions();
+  ASSERT_EQ(d0.size(), 2u);
+  EXPECT_EQ(d0[0].seq(), 10u) << "seq goes on after the highest held one";
+  EXPECT_EQ(d0[1].seq(), 11u);
+  EXPECT_EQ(sinks_[1]->Decisions().back().digest(), d0[1].digest());
+  EXPECT_GT(core_->Status("").incarnation(), 0u);
+}
+
+TEST_F(CoreRecoveryTest, ContradictoryHeldDecisionsFailTheGroupNamingTheRanks) {
+  v1::RegisterRequest r0 = Resume(0), r1 = Resume(1);
+  *r0.mutable_resume()->add_held() = Decision(1, 0, 3, v1::DECISION_PER_LAYER);
+  *r1.mutable_resume()->add_held() = Decision(1, 0, 3, v1::DECISION_SKIP);
+  ASSERT_TRUE(Register(r0).ok());
+  ASSERT_TRUE(Register(r1).ok());
+  for (int r : {0, 1}) {
+    auto failures = sinks_[r]->Where([](const auto& m) { return m.has_group_failure(); });
+    ASSERT_EQ(failures.size(), 1u) << "rank " << r;
+    EXPECT_THAT(failures[0].group_failure().reason(), HasSubstr("contradictory decisions for microbatch (1,0)"));
+    EXPECT_THAT(failures[0].group_failure().reason(), HasSubstr("rank 1 holds"));
+  }
+  EXPECT_EQ(core_->Groups("job").groups(0).epoch(), 1) << "re-formed in a new epoch";
+}
+
+TEST_F(CoreRecoveryTest, AMemberThatDoesNotResumeWithinTheWindowIsDeclaredDeadByName) {
+  ASSERT_TRUE(Register(Resume(0)).ok());
+  clock_->Advance(absl::Seconds(4));
+  core_->OnHeartbeat(sessions_[0]);
+  core_->Tick();
+  EXPECT_EQ(core_->Groups("job").groups(0).state(), v1::GROUP_STATE_RECOVERING);
+  clock_->Advance(absl::Seconds(2));
+  core_->OnHeartbeat(sessions_[0]);
+  core_->Tick();
+  EXPECT_EQ(core_->Groups("job").groups(0).state(), v1::GROUP_STATE_FAILED);
+  auto failures = sinks_[0]->Where([](const auto& m) { return m.has_group_failure(); });
+  ASSERT_EQ(failures.size(), 1u);
+  EXPECT_THAT(failures[0].group_failure().reason(), HasSubstr("ranks 1 did not resume within the recovery window"));
+}
+
+TEST_F(CoreRecoveryTest, ChangedSettingsOrAnOlderIncarnationAreRefused) {
+  v1::RegisterRequest changed = Resume(0);
+  changed.mutable_resume()->mutable_previous()->set_policy(v1::POLICY_PER_LAYER);
+  changed.mutable_resume()->mutable_previous()->set_config_digest(1);
+  absl::Status s = Register(changed);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(s.message(), HasSubstr("policy per_layer -> auto"));
+  EXPECT_THAT(s.message(), HasSubstr("auto promotion settings"));
+  EXPECT_THAT(s.message(), HasSubstr("restart shardcoordd with the settings the job started under"));
+  v1::RegisterRequest newer = Resume(0);
+  newer.mutable_resume()->set_incarnation(5000);
+  s = Register(newer);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(s.message(), HasSubstr("not older than this coordinator's"));
+  EXPECT_TRUE(core_->Groups("job").groups().empty()) << "a refused resume changes nothing";
+}
+
+TEST_F(CoreRecoveryTest, StaticPoliciesHandOutTheHeldDecisionToAMemberThatReportsItLater) {
+  v1::RegisterRequest r0 = Resume(0, v1::POLICY_ROOT), r1 = Resume(1, v1::POLICY_ROOT);
+  *r0.mutable_resume()->add_held() = Decision(2, 0, 6, v1::DECISION_ROOT, v1::REASON_STATIC_POLICY);
+  ASSERT_TRUE(Register(r0).ok());
+  ASSERT_TRUE(Register(r1).ok());
+  SendPlan(1, 2, 0, 1);  // Rank 1 was behind: it reports (2,0) only now.
+  auto d1 = sinks_[1]->Decisions();
+  ASSERT_EQ(d1.size(), 1u);
+  EXPECT_EQ(d1[0].seq(), 6u);
+  EXPECT_EQ(d1[0].digest(), Decision(2, 0, 6, v1::DECISION_ROOT, v1::REASON_STATIC_POLICY).digest());
+  SendPlan(1, 2, 1, 1);
+  EXPECT_EQ(sinks_[1]->Decisions().back().seq(), 7u);
+}
+
+}  // namespace
+}  // namespace shardcoord::coordinator
