@@ -9,6 +9,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include <fstream>
@@ -252,6 +253,75 @@ TEST_F(MultiProcessTest, DaemonStopsCleanlyOnSigtermAndSigint) {
     const std::string err = ReadFile(ranks_.back()->stderr_path());
     EXPECT_THAT(err, HasSubstr("shutting down"));
     EXPECT_THAT(err, HasSubstr("did not come back within the reconnect window (1000 ms"));
+  }
+}
+
+// Coordinator restart (DESIGN 12): the daemon is killed mid-job and a new one starts on the
+// same address. Every rank reconnects, resumes with what it holds, and finishes; the ranks of
+// each group agree on every decision.
+TEST_F(MultiProcessTest, ADaemonKilledMidJobAndRestartedOnTheSameAddressCostsOnlyThePause) {
+  StartDaemon();
+  const std::string trace = dir_.File("trace.jsonl");
+  WriteTrace(trace, 8, 240);  // ~6 s of work per rank at 25 ms
+  StartJob(trace, 25);
+  for (int kill = 0; kill < 2; ++kill) {
+    daemon_->process().Signal(SIGKILL);
+    ASSERT_TRUE(daemon_->process().Wait(absl::Seconds(10)).has_value());
+    auto d = testing::Daemon::Start(dir_.path(),
+                                    {"--heartbeat-interval-ms", "100", "--heartbeat-timeout-ms",
+                                     std::to_string(kHeartbeatTimeoutMs)},
+                                    address_, absl::StrCat("daemon", kill + 2));
+    ASSERT_TRUE(d.ok()) << d.status();
+    daemon_ = std::move(*d);
+    stub_ = v1::Coordinator::NewStub(grpc::CreateChannel(address_, grpc::InsecureChannelCredentials()));
+    // Every rank is back and the groups decide again before the next kill.
+    ASSERT_TRUE(WaitUntil(
+        [&] {
+          grpc::ClientContext ctx;
+          ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+          v1::StatusResponse st;
+          if (!stub_->GetStatus(&ctx, v1::StatusRequest(), &st).ok() || st.jobs_size() != 1) return false;
+          return st.recovering_groups() == 0 && st.jobs(0).ranks_live() == 8 && st.jobs(0).microbatches_decided() > 8;
+        },
+        absl::Seconds(60)))
+        << daemon_->Stderr();
+  }
+  std::vector<std::string> outputs = {SHARDCTL_PATH, "verify"};
+  for (int r = 0; r < 8; ++r) {
+    auto code = ranks_[r]->Wait(absl::Seconds(90));
+    ASSERT_TRUE(code.has_value()) << "rank " << r << " hangs";
+    ASSERT_EQ(*code, 0) << ReadFile(ranks_[r]->stderr_path());
+    const std::string out = ReadFile(dir_.File(absl::StrCat("rank", r, ".jsonl")));
+    EXPECT_EQ(std::count(out.begin(), out.end(), '\n'), 2 * 240) << "rank " << r << ": a decision per module and microbatch";
+    EXPECT_THAT(ReadFile(ranks_[r]->stderr_path()), HasSubstr("resumed with coordinator"));
+    outputs.push_back(dir_.File(absl::StrCat("rank", r, ".jsonl")));
+  }
+  auto verify = RunCommand(outputs, absl::Seconds(30));
+  EXPECT_EQ(verify.exit_code, 0) << verify.err;
+  EXPECT_THAT(verify.out, HasSubstr("all ranks of each group agree"));
+  EXPECT_THAT(daemon_->Stderr(), HasSubstr("event=group_recovered"));
+}
+
+TEST_F(MultiProcessTest, RanksRefuseToResumeWithADaemonRestartedUnderOtherSettings) {
+  StartDaemon();
+  const std::string trace = dir_.File("trace.jsonl");
+  WriteTrace(trace, 8, 400);
+  StartJob(trace, 25);
+  daemon_->process().Signal(SIGKILL);
+  ASSERT_TRUE(daemon_->process().Wait(absl::Seconds(10)).has_value());
+  auto d = testing::Daemon::Start(dir_.path(),
+                                  {"--heartbeat-interval-ms", "100", "--heartbeat-timeout-ms",
+                                   std::to_string(kHeartbeatTimeoutMs), "--promote-window", "40"},
+                                  address_, "daemon2");
+  ASSERT_TRUE(d.ok()) << d.status();
+  daemon_ = std::move(*d);
+  for (int r = 0; r < 8; ++r) {
+    auto code = ranks_[r]->Wait(absl::Seconds(30));
+    ASSERT_TRUE(code.has_value()) << "rank " << r << " hangs";
+    EXPECT_EQ(*code, 1);
+    const std::string err = ReadFile(ranks_[r]->stderr_path());
+    EXPECT_THAT(err, HasSubstr("cannot resume"));
+    EXPECT_THAT(err, HasSubstr("settings that change its decisions (auto promotion settings"));
   }
 }
 

@@ -6,14 +6,16 @@
 
 namespace shardcoord::testing {
 
-absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const std::string& dir, const std::vector<std::string>& flags) {
+absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const std::string& dir, const std::vector<std::string>& flags,
+                                                       const std::string& listen, const std::string& name) {
   auto d = std::unique_ptr<Daemon>(new Daemon);
   d->dir_ = dir;
-  const std::string addr_file = dir + "/addr";
+  d->name_ = name;
+  const std::string addr_file = dir + "/" + name + ".addr";
   std::remove(addr_file.c_str());
-  std::vector<std::string> argv = {SHARDCOORDD_PATH, "--listen", "127.0.0.1:0", "--address-file", addr_file};
+  std::vector<std::string> argv = {SHARDCOORDD_PATH, "--listen", listen, "--address-file", addr_file};
   argv.insert(argv.end(), flags.begin(), flags.end());
-  d->process_ = std::make_unique<Subprocess>(argv, dir + "/daemon.out", dir + "/daemon.err");
+  d->process_ = std::make_unique<Subprocess>(argv, dir + "/" + name + ".out", dir + "/" + name + ".err");
   const bool up = WaitUntil([&] { return ReadFile(addr_file).find(':') != std::string::npos; }, absl::Seconds(20));
   if (!up) return absl::UnavailableError("shardcoordd did not start: " + d->Stderr());
   d->address_ = ReadFile(addr_file);
@@ -21,6 +23,6 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const std::string& dir, co
   return d;
 }
 
-std::string Daemon::Stderr() const { return ReadFile(dir_ + "/daemon.err"); }
+std::string Daemon::Stderr() const { return ReadFile(dir_ + "/" + name_ + ".err"); }
 
 }  // namespace shardcoord::testing

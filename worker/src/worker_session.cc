@@ -148,11 +148,16 @@ absl::Status Worker::Impl::TryResume(absl::Time window_end) {
     watchdog.join();
   }
   if (!got || !first.has_registered()) {
-    {
+    if (got) {  // Not an answer to a registration: end the stream ourselves.
       absl::MutexLock lock(&mu_);
       ctx_->TryCancel();
     }
+    // The read failed: the stream's status is the coordinator's answer (a refusal says why),
+    // or CANCELLED when our watchdog ended a wait with no answer.
     const grpc::Status st = stream_->Finish();
+    if (st.error_code() == grpc::StatusCode::CANCELLED) {
+      return absl::UnavailableError("the coordinator accepted the connection but did not answer the resume in time");
+    }
     return st.ok() ? absl::UnavailableError("the coordinator ended the stream before answering") : FromGrpcStatus(st);
   }
   absl::MutexLock lock(&mu_);
@@ -207,7 +212,7 @@ absl::Status Worker::Impl::OnResumed(const v1::RegisterResponse& r) {
     log_->warn("{} group re-formed at epoch {} while reconnecting ({} pending decisions cancelled)", Prefix(),
                r.epoch(), cancelled);
   }
-  log_->info("{} resumed with coordinator at {} ({} incarnation {}), group {} epoch {}", Prefix(), address_,
+  log_->warn("{} resumed with coordinator at {} ({} incarnation {}), group {} epoch {}", Prefix(), address_,
              restarted ? "restarted, new" : "same", incarnation_, group_.group, group_.epoch);
   return absl::OkStatus();
 }
