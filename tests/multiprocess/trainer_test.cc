@@ -5,11 +5,15 @@
 
 #include <signal.h>
 
+#include <grpcpp/grpcpp.h>
+
+#include <chrono>
 #include <cmath>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "shardcoord/v1/coordinator.grpc.pb.h"
 #include "support/daemon.h"
 #include "support/subprocess.h"
 #include "support/test_env.h"
@@ -38,24 +42,30 @@ class TrainerTest : public ::testing::Test {
     daemon_ = std::move(*d);
   }
 
-  // Runs a 2-rank, 1-group job and returns what each rank printed.
-  std::vector<RankResult> Train(const std::string& policy, const std::string& media, std::vector<std::string> extra = {},
-                                int world = 2, int group = 2) {
+  // Starts a job's rank processes (2 ranks, 1 group unless told).
+  std::vector<std::unique_ptr<Subprocess>> Launch(const std::string& policy, const std::string& media,
+                                                  std::vector<std::string> extra = {}, int world = 2, int group = 2,
+                                                  int steps = 3) {
     const std::string job = absl::StrCat("job", next_job_++);
     std::vector<std::unique_ptr<Subprocess>> procs;
     for (int r = 0; r < world; ++r) {
       std::vector<std::string> argv = {VLM_TRAINER_PATH, "--coordinator", daemon_->address(), "--job", job,
                                        "--rank", std::to_string(r), "--world-size", std::to_string(world),
                                        "--group-size", std::to_string(group), "--policy", policy, "--media", media,
-                                       "--steps", "3", "--accum", "2"};
+                                       "--steps", std::to_string(steps), "--accum", "2"};
       argv.insert(argv.end(), extra.begin(), extra.end());
       procs.push_back(std::make_unique<Subprocess>(argv, dir_.File(job + "-" + std::to_string(r) + ".out"),
                                                    dir_.File(job + "-" + std::to_string(r) + ".err"),
                                                    std::vector<std::string>{"SHARDCOORD_LOG_LEVEL=warn"}));
     }
-    std::vector<RankResult> out(world);
-    for (int r = 0; r < world; ++r) {
-      auto code = procs[r]->Wait(absl::Seconds(120));
+    return procs;
+  }
+
+  // Waits for every rank (bounded) and returns what each printed.
+  static std::vector<RankResult> Collect(std::vector<std::unique_ptr<Subprocess>>& procs) {
+    std::vector<RankResult> out(procs.size());
+    for (size_t r = 0; r < procs.size(); ++r) {
+      auto code = procs[r]->Wait(absl::Seconds(180));
       out[r].exit_code = code ? *code : -1;  // -1: it hung.
       out[r].err = ReadFile(procs[r]->stderr_path());
       for (absl::string_view line : absl::StrSplit(ReadFile(procs[r]->stdout_path()), '\n')) {
@@ -68,10 +78,16 @@ class TrainerTest : public ::testing::Test {
     return out;
   }
 
-  static void ExpectHealthy(const std::vector<RankResult>& run) {
+  std::vector<RankResult> Train(const std::string& policy, const std::string& media, std::vector<std::string> extra = {},
+                                int world = 2, int group = 2) {
+    auto procs = Launch(policy, media, std::move(extra), world, group);
+    return Collect(procs);
+  }
+
+  static void ExpectHealthy(const std::vector<RankResult>& run, size_t steps = 3) {
     for (size_t r = 0; r < run.size(); ++r) {
       ASSERT_EQ(run[r].exit_code, 0) << "rank " << r << ": " << run[r].err;
-      ASSERT_EQ(run[r].losses.size(), 3u);
+      ASSERT_EQ(run[r].losses.size(), steps);
       for (const auto& l : run[r].losses) EXPECT_TRUE(std::isfinite(std::strtod(l.c_str(), nullptr))) << l;
       EXPECT_EQ(run[r].params_hash, run[0].params_hash) << "ranks disagree on the trained parameters";
     }
@@ -81,6 +97,47 @@ class TrainerTest : public ::testing::Test {
   std::unique_ptr<testing::Daemon> daemon_;
   int next_job_ = 0;
 };
+
+// Coordinator restart (DESIGN 12) under a real Gloo training job, 8 ranks in 2 groups: the
+// daemon is killed mid-training and a new one starts on its address. Every rank resumes
+// (its decisions and communicators intact) and the run ends with exactly the parameters of
+// the same run without the restart.
+TEST_F(TrainerTest, ADaemonKilledMidTrainingAndRestartedChangesNothingButThePause) {
+  const std::vector<std::string> extra = {"--image-fraction", "0.5", "--interval-ms", "150"};
+  auto reference_procs = Launch("auto", "mixed", extra, /*world=*/8, /*group=*/4, /*steps=*/8);
+  auto reference = Collect(reference_procs);
+  ExpectHealthy(reference, 8);
+
+  auto procs = Launch("auto", "mixed", extra, 8, 4, 8);
+  auto stub = v1::Coordinator::NewStub(grpc::CreateChannel(daemon_->address(), grpc::InsecureChannelCredentials()));
+  ASSERT_TRUE(testing::WaitUntil(
+      [&] {
+        grpc::ClientContext ctx;
+        ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+        v1::StatusRequest req;
+        req.set_job_id("job1");
+        v1::StatusResponse st;
+        return stub->GetStatus(&ctx, req, &st).ok() && st.jobs_size() == 1 && st.jobs(0).microbatches_decided() >= 6;
+      },
+      absl::Seconds(120)));
+  const std::string address = daemon_->address();
+  daemon_->process().Signal(SIGKILL);
+  ASSERT_TRUE(daemon_->process().Wait(absl::Seconds(10)).has_value());
+  auto d = testing::Daemon::Start(dir_.path(), {"--heartbeat-interval-ms", "200", "--heartbeat-timeout-ms", "5000"},
+                                  address, "daemon2");
+  ASSERT_TRUE(d.ok()) << d.status();
+  daemon_ = std::move(*d);
+  auto restarted = Collect(procs);
+  ExpectHealthy(restarted, 8);
+  for (int r = 0; r < 8; ++r) {
+    EXPECT_EQ(restarted[r].losses, reference[r].losses) << "rank " << r;
+    EXPECT_THAT(restarted[r].err, HasSubstr("resumed with coordinator")) << "rank " << r;
+  }
+  EXPECT_EQ(restarted[0].params_hash, reference[0].params_hash) << "bitwise, as without the restart";
+  EXPECT_THAT(daemon_->Stderr(), HasSubstr("event=group_recovered"));
+  EXPECT_THAT(daemon_->Stderr(), HasSubstr("event=comm_recovered")) << "communicators kept, not aborted";
+  EXPECT_THAT(daemon_->Stderr(), ::testing::Not(HasSubstr("event=comm_aborted")));
+}
 
 TEST_F(TrainerTest, RootWithMediaOnRankZeroOnlyDoesNotHang) {
   auto run = Train("root", "rank0");
