@@ -134,13 +134,13 @@ absl::Status CoordinatorCore::Register(uint64_t session_id, const v1::RegisterRe
   }
 
   // Accepted: from here on state changes.
-  if (job == nullptr) {
-    job = &CreateJob(req);
-    if (resuming) StartRecovery(*job);
-  }
+  if (job == nullptr) job = &CreateJob(req);
   Member& m = job->members[req.rank()];
   Group& group = job->groups[m.group];
   if (!group.has_reference) SetReference(group, req);
+  // The first rank of a group this process has not seen at work resumes: the group waits
+  // for all its members (another group's fresh rank may have created the job first).
+  if (resuming && IsFreshGroup(*job, group)) StartRecovery(*job, group);
   if (group.state == v1::GROUP_STATE_RECOVERING) {
     ResumeMember(*job, group, m, session_id, std::move(sink), req);
     return absl::OkStatus();

@@ -348,8 +348,10 @@ class CoordinatorCore {
   void FailAllCommWaiters(const absl::Status& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Recovery after a restart (coordinator_core_recovery.cc, DESIGN 12).
-  // Every group of a job created by a resuming rank waits for its members.
-  void StartRecovery(Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // True for a group that has done nothing in this process: forming, no live member.
+  bool IsFreshGroup(const Job& job, const Group& group) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The group waits for every member to resume (or register) before it decides again.
+  void StartRecovery(Job& job, Group& group) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A rank (resuming, or registering for the first time) joins a recovering group.
   void ResumeMember(Job& job, Group& group, Member& m, uint64_t session_id, std::shared_ptr<RankSink> sink,
                     const v1::RegisterRequest& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

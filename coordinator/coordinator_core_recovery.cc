@@ -1,5 +1,5 @@
-// CoordinatorCore: recovery after a coordinator restart (DESIGN 12). A job the new process
-// first hears of from a resuming rank starts with every group RECOVERING; each group waits
+// CoordinatorCore: recovery after a coordinator restart (DESIGN 12). A group the new process
+// first hears of from a resuming rank starts RECOVERING; it waits
 // until every member has resumed and reported what it holds, then applies the rule of
 // recovery.h: held decisions are binding and re-sent unchanged, contradictions fail the
 // group, keys nobody holds are decided afresh once every member reported them.
@@ -18,14 +18,17 @@ MicrobatchKey KeyOf(const v1::MicrobatchDecision& d) { return {d.step(), d.micro
 
 }  // namespace
 
-void CoordinatorCore::StartRecovery(Job& job) {
-  const absl::Time deadline = clock_->Now() + options_.recovery_window;
-  for (Group& g : job.groups) {
-    g.state = v1::GROUP_STATE_RECOVERING;
-    g.recovery_deadline = deadline;
-  }
-  Event("warning", "job_recovering", job.id, -1, -1,
-        absl::StrCat("a rank resumed after a coordinator restart: each group waits up to ",
+bool CoordinatorCore::IsFreshGroup(const Job& job, const Group& group) const {
+  if (group.state != v1::GROUP_STATE_FORMING || group.epoch != 0 || group.last_decided) return false;
+  return std::none_of(group.ranks.begin(), group.ranks.end(),
+                      [&](int r) { return job.members[r].state == v1::RANK_STATE_LIVE; });
+}
+
+void CoordinatorCore::StartRecovery(Job& job, Group& group) {
+  group.state = v1::GROUP_STATE_RECOVERING;
+  group.recovery_deadline = clock_->Now() + options_.recovery_window;
+  Event("warning", "group_recovering", job.id, -1, group.index,
+        absl::StrCat("a rank resumed after a coordinator restart: the group waits up to ",
                      absl::ToInt64Milliseconds(options_.recovery_window),
                      " ms for its members to report what they hold"));
 }

@@ -69,6 +69,24 @@ absl::Status Worker::Impl::Start() {
   }
   IgnoreSigpipeOnce();
   const absl::Time deadline = absl::Now() + options_.connect_timeout;
+  // A coordinator lost before it answered (killed, restarting) is tried again until the
+  // connect timeout; a refusal is final.
+  absl::Duration backoff = absl::Milliseconds(50);
+  while (true) {
+    absl::Status s = RegisterOnce(deadline);
+    if (s.code() != absl::StatusCode::kUnavailable || absl::Now() + backoff >= deadline) return s;
+    log_->warn("{} registration not answered ({}); trying again", Prefix(), std::string(s.message()));
+    absl::SleepFor(backoff);
+    backoff = std::min(2 * backoff, absl::Seconds(1));
+    absl::MutexLock lock(&mu_);
+    reader_done_ = false;
+    read_ended_ = false;
+    session_status_ = absl::OkStatus();
+    closed_ = false;
+  }
+}
+
+absl::Status Worker::Impl::RegisterOnce(absl::Time deadline) {
   if (absl::Status s = Connect(deadline); !s.ok()) return s;
   if (!stream_->Write(RegisterMessage())) {
     {

@@ -63,6 +63,8 @@ class Worker::Impl {
   absl::Status Start();
   // Start's steps: the channel and the session stream; the registration; its answer.
   absl::Status Connect(absl::Time deadline);
+  // One attempt: connect, register, wait for the answer (Start retries UNAVAILABLE).
+  absl::Status RegisterOnce(absl::Time deadline);
   v1::WorkerMessage RegisterMessage() const;
   absl::Status AwaitRegistered(absl::Time deadline);
   absl::Status ReportPlan(const MicrobatchPlan& plan);
