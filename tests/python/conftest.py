@@ -19,18 +19,20 @@ def _wait_for(predicate, timeout, what):
 
 
 class Daemon:
-    def __init__(self, tmp_path, *flags):
+    """`listen` 127.0.0.1:0 picks a port; a restart passes the address of the daemon it replaces."""
+
+    def __init__(self, tmp_path, *flags, listen="127.0.0.1:0", name="daemon"):
         binary = os.environ.get("SHARDCOORDD")
         if not binary:
             pytest.fail("SHARDCOORDD is not set: run these tests through ctest")
-        self.addr_file = tmp_path / "addr"
-        self.err = open(tmp_path / "daemon.err", "w")
-        self.proc = subprocess.Popen([binary, "--listen", "127.0.0.1:0", "--address-file", str(self.addr_file),
+        self.addr_file = tmp_path / (name + ".addr")
+        self.err = open(tmp_path / (name + ".err"), "w")
+        self.proc = subprocess.Popen([binary, "--listen", listen, "--address-file", str(self.addr_file),
                                       *flags], stdout=subprocess.DEVNULL, stderr=self.err)
         _wait_for(lambda: self.addr_file.exists() and ":" in self.addr_file.read_text() or self.proc.poll() is not None,
                   20, "shardcoordd to write its address")
         if self.proc.poll() is not None:
-            raise AssertionError(f"shardcoordd exited: {(tmp_path / 'daemon.err').read_text()}")
+            raise AssertionError(f"shardcoordd exited: {(tmp_path / (name + '.err')).read_text()}")
         self.address = self.addr_file.read_text().strip()
 
     def stop(self):

@@ -109,6 +109,39 @@ def test_an_unreachable_coordinator_fails_connect_within_its_timeout():
     assert time.monotonic() - start < 15
 
 
+def test_a_restarted_coordinator_is_resumed_and_held_decisions_stay(tmp_path):
+    from conftest import Daemon
+    flags = ("--heartbeat-interval-ms", "100", "--heartbeat-timeout-ms", "1500")
+    first = Daemon(tmp_path, *flags)
+    second = None
+    w0 = connect(first, 0, reconnect_window=30)
+    w1 = connect(first, 1, reconnect_window=30)
+    try:
+        w0.report_plan(0, 0, {"model.visual": 1})
+        w1.report_plan(0, 0, {"model.visual": 1})
+        d00 = w0.get_decision(0, 0, timeout=30)
+        w0.report_plan(0, 1, {"model.visual": 0})
+        first.proc.kill()  # kill -9: no goodbye, no shutdown notice
+        first.proc.wait(10)
+        # Held while the coordinator is away: rank 1 still takes (0, 0).
+        assert w1.get_decision(0, 0, timeout=30) == d00
+        second = Daemon(tmp_path, *flags, listen=first.address, name="daemon2")
+        w1.report_plan(0, 1, {"model.visual": 0})
+        d01 = w0.get_decision(0, 1, timeout=30)
+        assert d01 == w1.get_decision(0, 1, timeout=30)
+        assert d01.seq == d00.seq + 1, "seq goes on after the restart"
+        w0.health()
+        w1.health()
+    finally:
+        w0.close()
+        w1.close()
+        first.stop()
+        if second:
+            second.stop()
+    with pytest.raises(shardcoord.InvalidArgument, match="reconnect_window"):
+        shardcoord.Worker("job", MODULES, 1, rank=0, world_size=1, address="127.0.0.1:1", reconnect_window=-1)
+
+
 def test_get_decision_releases_the_gil(daemon):
     with connect(daemon, 0) as w0, connect(daemon, 1) as w1:
         w0.report_plan(0, 0, {"model.visual": 1})

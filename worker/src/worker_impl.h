@@ -42,6 +42,8 @@ inline constexpr int kKeepaliveTimeoutMs = 5000;
 // A decision message lists every module; the coordinator splits batches at 1 MiB, and one
 // decision of a manifest at the coordinator's caps stays below this.
 inline constexpr int kWorkerMaxReceiveBytes = 64 << 20;
+// A resume's registration stays below the coordinator's receive limit (gRPC's 4 MiB).
+inline constexpr size_t kResumeMaxBytes = 3 << 20;
 
 // The group's ranks for a message or a log line: all of a small group, the ends of a big one.
 std::string RanksOf(const std::vector<int>& ranks);

@@ -177,7 +177,6 @@ v1::ResumeState Worker::Impl::ResumeStateLocked() const {
   v1::ResumeState r;
   r.set_incarnation(incarnation_);
   r.set_group_epoch(group_.epoch);
-  for (const auto& d : queue_.Held()) ToProto(d, r.add_held());
   for (const auto& p : queue_.Undecided()) ToProto(p, r.add_undecided());
   for (const auto& comm : comms_.Open()) {
     auto* c = r.add_comms();
@@ -186,6 +185,17 @@ v1::ResumeState Worker::Impl::ResumeStateLocked() const {
     for (int rank : comm->ranks()) c->add_ranks(rank);
   }
   *r.mutable_previous() = previous_;
+  // Held decisions, newest first, as many as fit the coordinator's 4 MiB message limit
+  // (with the registration's manifest): the newest are the ones others may lack.
+  const std::vector<MicrobatchDecision> held = queue_.Held();
+  size_t bytes = r.ByteSizeLong() + RegisterMessage().ByteSizeLong();
+  for (auto it = held.rbegin(); it != held.rend(); ++it) {
+    v1::MicrobatchDecision d;
+    ToProto(*it, &d);
+    bytes += d.ByteSizeLong() + 8;
+    if (bytes > internal::kResumeMaxBytes) break;
+    *r.add_held() = std::move(d);
+  }
   return r;
 }
 
