@@ -11,6 +11,7 @@
 #include "shardcoord/internal/logging.h"
 #include "shardcoord/proto/convert.h"
 #include "coordinator/registration.h"
+#include "coordinator/secrets.h"
 #include "coordinator/text.h"
 
 namespace shardcoord::coordinator {
@@ -149,6 +150,7 @@ absl::Status CoordinatorCore::Register(uint64_t session_id, const v1::RegisterRe
   SetLive(*job, m, session_id, std::move(sink), req);
 
   v1::CoordinatorMessage msg = Registered(group, req);
+  msg.mutable_registered()->set_session_key(m.session_key);
   const Policy policy = FromProto(req.policy());
   Event("info", rejoin ? "rank_rejoined" : "rank_registered", job->id, req.rank(), group.index,
         absl::StrCat("host=", req.host(), " pid=", req.pid(), " policy=", PolicyName(policy),
@@ -251,6 +253,7 @@ void CoordinatorCore::SetLive(Job& job, Member& m, uint64_t session_id, std::sha
   m.lookahead = req.lookahead();
   m.memory_budget = req.memory_budget_bytes();
   m.outbox_overflow = false;
+  m.session_key = NewSessionKey();
   job.ended = absl::InfinitePast();
   sessions_[session_id] = SessionRef{&job, req.rank()};
 }

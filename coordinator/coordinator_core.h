@@ -151,6 +151,7 @@ class CoordinatorCore {
     int64_t memory_budget = 0;
     bool outbox_overflow = false;  // A Send was refused: the rank does not read its stream.
     std::vector<v1::ModuleMemory> memory;  // As last reported.
+    std::string session_key;  // Of the live session (RegisterResponse.session_key).
     // What the rank held when it resumed after a restart, until its group recovered.
     std::optional<v1::ResumeState> resume;
     v1::CoordinatorMessage outgoing;  // Decisions batched during one call; see Flush.
@@ -309,7 +310,9 @@ class CoordinatorCore {
   // Communicator helpers (coordinator_core_comms.cc).
   // Finds the job, checks `rank` is live, and resolves the communicator (creating it on
   // first use). `ranks` is the caller's list for custom names (may be empty for built-in).
-  absl::StatusOr<Comm*> ResolveComm(const std::string& job_id, int rank, const std::string& name,
+  // PERMISSION_DENIED unless `session_key` is the live session's (RegisterResponse.session_key).
+  absl::StatusOr<Comm*> ResolveComm(const std::string& job_id, int rank, const std::string& session_key,
+                                    const std::string& name,
                                     const std::vector<int>& ranks, Job** job)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The members of communicator `name`: the world, a shard group, or a custom list (the

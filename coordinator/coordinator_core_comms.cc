@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "absl/strings/numbers.h"
+#include "coordinator/secrets.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "coordinator/coordinator_core.h"
@@ -27,6 +28,10 @@ absl::StatusOr<std::vector<int>> CoordinatorCore::CommMembers(const Job& job, co
                                                              const std::vector<int>& ranks) {
   const std::string& job_id = job.id;
   if (name.empty()) return absl::InvalidArgumentError("communicator name is empty");
+  if (std::string bad = ControlCharacterIn(name); !bad.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("communicator name '", Printable(name, 64), "' has a control character (",
+                                                   bad, "); names must be printable"));
+  }
   std::vector<int> members;
   if (name == "world") {
     for (int r = 0; r < job.world_size; ++r) members.push_back(r);
@@ -59,6 +64,7 @@ absl::StatusOr<std::vector<int>> CoordinatorCore::CommMembers(const Job& job, co
 }
 
 absl::StatusOr<CoordinatorCore::Comm*> CoordinatorCore::ResolveComm(const std::string& job_id, int rank,
+                                                                    const std::string& session_key,
                                                                     const std::string& name,
                                                                     const std::vector<int>& ranks,
                                                                     Job** job_out) {
@@ -71,6 +77,20 @@ absl::StatusOr<CoordinatorCore::Comm*> CoordinatorCore::ResolveComm(const std::s
     return absl::FailedPreconditionError(absl::StrCat(
         "rank ", rank, " of job '", job_id, "' is not a live registered rank; register it before "
         "using communicators"));
+  }
+  if (!SameSecret(session_key, job.members[rank].session_key)) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "rank ", rank, " of job '", Printable(job_id, 64), "': this call does not come from the rank's live session "
+        "(session_key missing or wrong); communicator calls are accepted only from the worker that registered the rank"));
+  }
+  if (static_cast<int>(name.size()) > options_.limits.max_name_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("communicator name of ", name.size(), " bytes is over max_name_bytes (",
+                                                   options_.limits.max_name_bytes, ")"));
+  }
+  if (!job.comms.count(name) && static_cast<int>(job.comms.size()) >= options_.limits.max_communicators_per_job) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "job '", job_id, "' already has ", job.comms.size(), " communicators (max_communicators_per_job); reuse "
+        "names, or raise --max-communicators-per-job"));
   }
   auto resolved = CommMembers(job, name, ranks);
   if (!resolved.ok()) return resolved.status();
@@ -148,7 +168,7 @@ void CoordinatorCore::CommJoin(const v1::CommJoinRequest& req, JoinDone done) {
     return;
   }
   Job* job = nullptr;
-  auto comm = ResolveComm(req.job_id(), req.rank(), req.name(),
+  auto comm = ResolveComm(req.job_id(), req.rank(), req.session_key(), req.name(),
                           std::vector<int>(req.ranks().begin(), req.ranks().end()), &job);
   if (!comm.ok()) {
     Complete(done, comm.status());
@@ -161,14 +181,27 @@ void CoordinatorCore::CommJoin(const v1::CommJoinRequest& req, JoinDone done) {
 absl::Status CoordinatorCore::StoreSet(const v1::StoreSetRequest& req) {
   Locked lock(this);
   Job* job = nullptr;
-  auto comm = ResolveComm(req.job_id(), req.rank(), req.name(), {}, &job);
+  auto comm = ResolveComm(req.job_id(), req.rank(), req.session_key(), req.name(), {}, &job);
   if (!comm.ok()) return comm.status();
   Comm& c = **comm;
   if (absl::Status s = CheckEpoch(c, req.epoch()); !s.ok()) return s;
   if (req.key().empty()) return absl::InvalidArgumentError("store key is empty");
+  if (static_cast<int>(req.key().size()) > options_.limits.max_name_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("store key of ", req.key().size(), " bytes is over max_name_bytes (",
+                                                   options_.limits.max_name_bytes, ")"));
+  }
+  if (static_cast<int>(req.value().size()) > options_.limits.max_store_value_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "store value of ", req.value().size(), " bytes for key '", Printable(req.key(), 64),
+        "' is over max_store_value_bytes (", options_.limits.max_store_value_bytes, ")"));
+  }
+  if (!c.store.count(req.key()) && c.store.size() >= 2 * c.ranks.size() + 16) {
+    return absl::ResourceExhaustedError(absl::StrCat("communicator '", c.name, "' epoch ", c.epoch, " already holds ",
+                                                     c.store.size(), " keys (at most 2 x members + 16)"));
+  }
   auto [it, inserted] = c.store.try_emplace(req.key(), req.value());
   if (!inserted) {
-    return absl::AlreadyExistsError(absl::StrCat("key '", req.key(), "' of communicator '", c.name, "' epoch ",
+    return absl::AlreadyExistsError(absl::StrCat("key '", Printable(req.key(), 64), "' of communicator '", c.name, "' epoch ",
                                                  c.epoch, " was already published; each key is set once per epoch"));
   }
   auto waiters = std::move(c.get_waiters);
@@ -193,7 +226,7 @@ void CoordinatorCore::StoreGet(const v1::StoreGetRequest& req, GetDone done) {
     return;
   }
   Job* job = nullptr;
-  auto comm = ResolveComm(req.job_id(), req.rank(), req.name(), {}, &job);
+  auto comm = ResolveComm(req.job_id(), req.rank(), req.session_key(), req.name(), {}, &job);
   if (!comm.ok()) {
     Complete(done, comm.status());
     return;
@@ -216,7 +249,7 @@ void CoordinatorCore::StoreGet(const v1::StoreGetRequest& req, GetDone done) {
 absl::Status CoordinatorCore::CommReport(const v1::CommReportRequest& req) {
   Locked lock(this);
   Job* job = nullptr;
-  auto comm = ResolveComm(req.job_id(), req.rank(), req.name(), {}, &job);
+  auto comm = ResolveComm(req.job_id(), req.rank(), req.session_key(), req.name(), {}, &job);
   if (!comm.ok()) return comm.status();
   Comm& c = **comm;
   if (absl::Status s = CheckEpoch(c, req.epoch()); !s.ok()) return s;

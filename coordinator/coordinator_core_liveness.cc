@@ -33,7 +33,7 @@ void CoordinatorCore::OnGoodbye(uint64_t session_id, const std::string& reason) 
   Member* m = LiveMember(session_id, &job);
   if (m == nullptr) return;
   RemoveMember(*job, *m, /*clean=*/true,
-               reason.empty() ? std::string("left cleanly") : absl::StrCat("left cleanly: ", reason));
+               reason.empty() ? std::string("left cleanly") : absl::StrCat("left cleanly: ", Printable(reason)));
 }
 
 void CoordinatorCore::OnSessionClosed(uint64_t session_id, const std::string& why) {
@@ -61,6 +61,7 @@ void CoordinatorCore::RemoveMember(Job& job, Member& m, bool clean, const std::s
   }
   m.sink.reset();
   sessions_.erase(m.session);
+  m.session_key.clear();
   m.state = clean ? v1::RANK_STATE_LEFT : v1::RANK_STATE_DEAD;
   m.dead_reason = reason;
   Event(clean ? "info" : "error", clean ? "rank_left" : "rank_dead", job.id, m.rank, group.index, full);

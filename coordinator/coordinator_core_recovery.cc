@@ -40,6 +40,7 @@ void CoordinatorCore::ResumeMember(Job& job, Group& group, Member& m, uint64_t s
   m.resume = req.has_resume() ? req.resume() : v1::ResumeState{};
   v1::CoordinatorMessage msg = Registered(group, req);
   msg.mutable_registered()->set_epoch(m.resume->group_epoch());
+  msg.mutable_registered()->set_session_key(m.session_key);
   Event("info", "rank_resumed", job.id, m.rank, group.index,
         absl::StrCat("from incarnation ", m.resume->incarnation(), " at epoch ", m.resume->group_epoch(), ", holding ",
                      m.resume->held_size(), " decisions and ", m.resume->undecided_size(), " undecided plans"));

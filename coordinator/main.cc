@@ -61,6 +61,7 @@ struct Flags {
   std::optional<int> max_lookahead, promote_window, promote_threshold, demote_threshold, event_capacity,
       decision_history, max_world_size, max_total_ranks, max_jobs, max_modules, max_units, max_name_bytes, max_pending;
   std::optional<int64_t> max_outbox_bytes, job_retention_ms, handshake_timeout_ms, self_check_ms;
+  std::optional<int> max_comms, max_store_value;
 };
 
 void AddFlags(CLI::App& app, Flags& f) {
@@ -95,6 +96,8 @@ void AddFlags(CLI::App& app, Flags& f) {
   app.add_option("--max-name-bytes", f.max_name_bytes, "longest job id, module, unit or host name");
   app.add_option("--max-pending-microbatches", f.max_pending,
                  "per group: most microbatches reported by some ranks and not yet by all");
+  app.add_option("--max-communicators-per-job", f.max_comms, "named communicators one job may open");
+  app.add_option("--max-store-value-bytes", f.max_store_value, "largest value in a communicator epoch's store");
   app.add_option("--max-outbox-bytes", f.max_outbox_bytes,
                  "per rank: most bytes queued for a rank that does not read; over it the rank is failed");
   app.add_option("--job-retention-ms", f.job_retention_ms, "forget a job this long after its last rank ended");
@@ -135,6 +138,8 @@ void ApplyFlags(const Flags& f, CoordinatorOptions& options) {
   if (f.max_name_bytes) options.limits.max_name_bytes = *f.max_name_bytes;
   if (f.max_pending) options.limits.max_pending_microbatches = *f.max_pending;
   if (f.max_outbox_bytes) options.limits.max_outbox_bytes = *f.max_outbox_bytes;
+  if (f.max_comms) options.limits.max_communicators_per_job = *f.max_comms;
+  if (f.max_store_value) options.limits.max_store_value_bytes = *f.max_store_value;
   if (f.job_retention_ms) options.limits.job_retention = absl::Milliseconds(*f.job_retention_ms);
   if (f.handshake_timeout_ms) options.limits.handshake_timeout = absl::Milliseconds(*f.handshake_timeout_ms);
   if (f.self_check_ms) options.limits.self_check_interval = absl::Milliseconds(*f.self_check_ms);

@@ -92,6 +92,8 @@ absl::Status ValidateCounts(const CoordinatorOptions& o) {
            {"max_units_per_module", l.max_units_per_module},
            {"max_name_bytes", l.max_name_bytes},
            {"max_pending_microbatches", l.max_pending_microbatches},
+           {"max_communicators_per_job", l.max_communicators_per_job},
+           {"max_store_value_bytes", l.max_store_value_bytes},
            {"max_outbox_bytes", l.max_outbox_bytes}}) {
     if (v < 1) return absl::InvalidArgumentError(absl::StrCat(name, " must be >= 1, got ", v));
   }
@@ -169,6 +171,8 @@ absl::Status ApplyConfigKey(const std::string& path, const std::string& key, con
   if (key == "max_name_bytes") o.limits.max_name_bytes = v.as<int>();
   if (key == "max_pending_microbatches") o.limits.max_pending_microbatches = v.as<int>();
   if (key == "max_outbox_bytes") o.limits.max_outbox_bytes = v.as<int64_t>();
+  if (key == "max_communicators_per_job") o.limits.max_communicators_per_job = v.as<int>();
+  if (key == "max_store_value_bytes") o.limits.max_store_value_bytes = v.as<int>();
   if (key == "job_retention_ms") o.limits.job_retention = absl::Milliseconds(v.as<int64_t>());
   if (key == "handshake_timeout_ms") o.limits.handshake_timeout = absl::Milliseconds(v.as<int64_t>());
   if (key == "self_check_interval_ms") {
@@ -202,7 +206,8 @@ absl::StatusOr<CoordinatorOptions> LoadConfigFile(const std::string& path,
       "log_level",        "address_file",      "behind_threshold_ms", "max_world_size", "max_total_ranks",
       "max_jobs",         "max_modules",       "max_units_per_module", "max_name_bytes",
       "max_pending_microbatches", "max_outbox_bytes", "job_retention_ms", "handshake_timeout_ms",
-      "self_check_interval_ms", "state_file", "recovery_window_ms"};
+      "self_check_interval_ms", "state_file", "recovery_window_ms", "max_communicators_per_job",
+      "max_store_value_bytes"};
   for (const auto& kv : root) {
     if (!kv.first.IsScalar()) {
       return absl::InvalidArgumentError(

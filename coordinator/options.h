@@ -43,6 +43,10 @@ struct CoordinatorLimits {
   int max_name_bytes = 256;          // job id, module and unit names, host name
   int max_pending_microbatches = 1024;  // per group: reported by some ranks, not yet by all
   int64_t max_outbox_bytes = 16 << 20;  // per rank: queued, not yet written to its stream
+  int max_communicators_per_job = 1024;  // named communicators one job may open
+  // A communicator epoch's store: each value at most this big (Gloo addresses and NCCL ids
+  // are small); at most 2 x members + 16 keys.
+  int max_store_value_bytes = 64 << 10;
   // A job with no live rank is forgotten this long after its last rank left or died.
   absl::Duration job_retention = absl::Minutes(10);
   // A connection that has not finished the HTTP/2 handshake by then is closed.

@@ -16,7 +16,14 @@ namespace {
 absl::Status TooLong(const CoordinatorLimits& lim, const std::string& what, const std::string& value) {
   return absl::InvalidArgumentError(absl::StrCat(
       "register: ", what, " is ", value.size(), " bytes, over the coordinator's max_name_bytes (",
-      lim.max_name_bytes, "): '", value.substr(0, 32), "...'; use a shorter name or raise --max-name-bytes"));
+      lim.max_name_bytes, "): '", Printable(value, 32), "'; use a shorter name or raise --max-name-bytes"));
+}
+
+absl::Status NoControlCharacters(const std::string& what, const std::string& value) {
+  const std::string bad = ControlCharacterIn(value);
+  if (bad.empty()) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat("register: ", what, " '", Printable(value, 64), "' has a control ",
+                                                 "character (", bad, "); ids and names must be printable"));
 }
 
 // Who is registering: job, host, world and group sizes, rank, memory budget.
@@ -28,6 +35,8 @@ absl::Status ValidateIdentity(const v1::RegisterRequest& req, const CoordinatorL
   }
   if (static_cast<int>(req.job_id().size()) > lim.max_name_bytes) return too_long("job_id", req.job_id());
   if (static_cast<int>(req.host().size()) > lim.max_name_bytes) return too_long("host", req.host());
+  if (absl::Status s = NoControlCharacters("job_id", req.job_id()); !s.ok()) return s;
+  if (absl::Status s = NoControlCharacters("host", req.host()); !s.ok()) return s;
   if (req.world_size() <= 0) {
     return absl::InvalidArgumentError(absl::StrCat("register: world_size ", req.world_size(),
                                                    " must be >= 1 (job '", req.job_id(), "')"));
@@ -71,6 +80,7 @@ absl::Status ValidateManifest(const v1::RegisterRequest& req, const CoordinatorL
           absl::StrCat("register: rank ", req.rank(), " sent a module with an empty name"));
     }
     if (static_cast<int>(m.name().size()) > lim.max_name_bytes) return too_long("a module name", m.name());
+    if (absl::Status s = NoControlCharacters("a module name", m.name()); !s.ok()) return s;
     if (!names.insert(m.name()).second) {
       return absl::InvalidArgumentError(absl::StrCat("register: rank ", req.rank(),
                                                      " lists module '", m.name(), "' twice"));
@@ -100,6 +110,7 @@ absl::Status ValidateManifest(const v1::RegisterRequest& req, const CoordinatorL
                                                        unit.name(), "' twice"));
       }
       if (static_cast<int>(unit.name().size()) > lim.max_name_bytes) return too_long("a unit name", unit.name());
+      if (absl::Status s = NoControlCharacters("a unit name", unit.name()); !s.ok()) return s;
       if (unit.param_bytes() < 0) {
         return absl::InvalidArgumentError(absl::StrCat("register: module '", m.name(), "': layer unit '",
                                                        unit.name(), "' has negative param_bytes ",

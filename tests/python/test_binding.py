@@ -120,6 +120,10 @@ def test_a_restarted_coordinator_is_resumed_and_held_decisions_stay(tmp_path):
         w0.report_plan(0, 0, {"model.visual": 1})
         w1.report_plan(0, 0, {"model.visual": 1})
         d00 = w0.get_decision(0, 0, timeout=30)
+        deadline = time.monotonic() + 30
+        while w1.undecided_plans and time.monotonic() < deadline:  # (0, 0) reached rank 1 too
+            time.sleep(0.01)
+        assert w1.undecided_plans == 0
         w0.report_plan(0, 1, {"model.visual": 0})
         first.proc.kill()  # kill -9: no goodbye, no shutdown notice
         first.proc.wait(10)

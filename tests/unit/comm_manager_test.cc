@@ -48,11 +48,21 @@ class CommManagerTest : public ::testing::Test, protected shardcoord::testing::C
     return CoreHarness::Register(req);
   }
 
+  // The rank's session key (from its RegisterResponse): communicator calls carry it.
+  std::string Key(int rank) {
+    std::string key;
+    for (const auto& m : sinks_[rank]->messages) {
+      if (m.has_registered()) key = m.registered().session_key();
+    }
+    return key;
+  }
+
   // Joins "world"; the answer lands in *out when the core gives it.
   void Join(int rank, std::optional<absl::StatusOr<v1::CommJoinResponse>>* out, int timeout_ms = 5000) {
     v1::CommJoinRequest req;
     req.set_job_id("job");
     req.set_rank(rank);
+    req.set_session_key(Key(rank));
     req.set_name("world");
     req.set_timeout_ms(timeout_ms);
     core_->CommJoin(req, [out](absl::StatusOr<v1::CommJoinResponse> r) { *out = std::move(r); });
@@ -62,6 +72,7 @@ class CommManagerTest : public ::testing::Test, protected shardcoord::testing::C
     v1::CommReportRequest req;
     req.set_job_id("job");
     req.set_rank(rank);
+    req.set_session_key(Key(rank));
     req.set_name("world");
     req.set_epoch(epoch);
     req.set_kind(kind);
@@ -118,6 +129,7 @@ TEST_F(CommManagerTest, TheEpochStoreAnswersOnceTheKeyIsSet) {
   v1::StoreGetRequest get;
   get.set_job_id("job");
   get.set_rank(1);
+  get.set_session_key(Key(1));
   get.set_name("world");
   get.set_epoch(1);
   get.add_keys("nccl_id");
@@ -127,6 +139,7 @@ TEST_F(CommManagerTest, TheEpochStoreAnswersOnceTheKeyIsSet) {
   v1::StoreSetRequest set;
   set.set_job_id("job");
   set.set_rank(0);
+  set.set_session_key(Key(0));
   set.set_name("world");
   set.set_epoch(1);
   set.set_key("nccl_id");
@@ -191,6 +204,123 @@ TEST_F(CommManagerTest, AJoinThatCannotCompleteFailsAtItsDeadlineNamingTheMissin
   EXPECT_THAT(j0->status().message(), HasSubstr("ranks 1 are not live"));
 }
 
+TEST_F(CommManagerTest, BadCallsFromTheRankItselfAreRefusedNamingWhatIsWrong) {
+  CoordinatorOptions o = CommTestOptions();
+  Reset(o);
+  for (int r = 0; r < 2; ++r) ASSERT_TRUE(Register(r).ok());
+  std::optional<absl::StatusOr<v1::CommJoinResponse>> j;
+  v1::CommJoinRequest join;
+  join.set_job_id("job");
+  join.set_rank(0);
+  join.set_session_key(Key(0));
+  join.set_name("group/1");
+  join.set_timeout_ms(100);
+  core_->CommJoin(join, [&](absl::StatusOr<v1::CommJoinResponse> r) { j = std::move(r); });
+  ASSERT_TRUE(j.has_value());
+  EXPECT_EQ(j->status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(j->status().message(), HasSubstr("has groups 0..0"));
+  join.set_name("custom");
+  join.add_ranks(0);
+  join.add_ranks(9);
+  j.reset();
+  core_->CommJoin(join, [&](absl::StatusOr<v1::CommJoinResponse> r) { j = std::move(r); });
+  ASSERT_TRUE(j.has_value());
+  EXPECT_EQ(j->status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(j->status().message(), HasSubstr("in 0..1"));
+  FormEpoch(1);
+  v1::StoreSetRequest set;
+  set.set_job_id("job");
+  set.set_rank(0);
+  set.set_session_key(Key(0));
+  set.set_name("world");
+  set.set_epoch(7);
+  set.set_key("k");
+  set.set_value("v");
+  absl::Status s = core_->StoreSet(set);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(s.message(), HasSubstr("wrong epoch 7"));
+  set.set_epoch(1);
+  ASSERT_TRUE(core_->StoreSet(set).ok());
+  std::optional<absl::StatusOr<v1::StoreGetResponse>> got;
+  v1::StoreGetRequest get;
+  get.set_job_id("job");
+  get.set_rank(1);
+  get.set_session_key(Key(1));
+  get.set_name("world");
+  get.set_epoch(1);
+  get.add_keys("k");
+  get.add_keys("never");
+  get.set_timeout_ms(100);
+  core_->StoreGet(get, [&](absl::StatusOr<v1::StoreGetResponse> r) { got = std::move(r); });
+  EXPECT_FALSE(got.has_value());
+  clock_->Advance(absl::Milliseconds(150));
+  core_->OnHeartbeat(sessions_[0]);
+  core_->OnHeartbeat(sessions_[1]);
+  core_->Tick();
+  ASSERT_TRUE(got.has_value());
+  EXPECT_EQ(got->status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_THAT(got->status().message(), HasSubstr("[never]"));
+  get.set_session_key(Key(0));  // Rank 0's key on rank 1's call.
+  got.reset();
+  core_->StoreGet(get, [&](absl::StatusOr<v1::StoreGetResponse> r) { got = std::move(r); });
+  ASSERT_TRUE(got.has_value());
+  EXPECT_EQ(got->status().code(), absl::StatusCode::kPermissionDenied);
+}
+
+TEST_F(CommManagerTest, NamesKeysAndValuesAreBoundedAndMustBePrintable) {
+  std::optional<absl::StatusOr<v1::CommJoinResponse>> j;
+  v1::CommJoinRequest req;
+  req.set_job_id("job");
+  req.set_rank(0);
+  req.set_session_key(Key(0));
+  req.set_name("evil\x1b[2J");
+  req.add_ranks(0);
+  core_->CommJoin(req, [&](absl::StatusOr<v1::CommJoinResponse> r) { j = std::move(r); });
+  ASSERT_TRUE(j.has_value());
+  EXPECT_EQ(j->status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(j->status().message(), HasSubstr("control character"));
+  EXPECT_THAT(j->status().message(), HasSubstr("evil\\x1b[2J"));
+
+  FormEpoch(1);
+  v1::StoreSetRequest set;
+  set.set_job_id("job");
+  set.set_rank(0);
+  set.set_session_key(Key(0));
+  set.set_name("world");
+  set.set_epoch(1);
+  set.set_key("big");
+  set.set_value(std::string(options_.limits.max_store_value_bytes + 1, 'x'));
+  absl::Status s = core_->StoreSet(set);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(s.message(), HasSubstr("max_store_value_bytes"));
+  set.set_value("v");
+  int accepted = 0;
+  for (int k = 0; k < 100; ++k) {
+    set.set_key("key" + std::to_string(k));
+    if (core_->StoreSet(set).ok()) accepted++;
+  }
+  EXPECT_EQ(accepted, 2 * 2 + 16) << "at most 2 x members + 16 keys per epoch";
+
+  CoordinatorOptions o = CommTestOptions();
+  o.limits.max_communicators_per_job = 2;
+  Reset(o);
+  for (int r = 0; r < 2; ++r) ASSERT_TRUE(Register(r).ok());
+  std::vector<absl::StatusOr<v1::CommJoinResponse>> answers;
+  for (const char* name : {"a", "b", "c"}) {
+    v1::CommJoinRequest c;
+    c.set_job_id("job");
+    c.set_rank(0);
+    c.set_session_key(Key(0));
+    c.set_name(name);
+    c.add_ranks(0);
+    core_->CommJoin(c, [&](absl::StatusOr<v1::CommJoinResponse> r) { answers.push_back(std::move(r)); });
+  }
+  ASSERT_EQ(answers.size(), 3u);
+  EXPECT_TRUE(answers[0].ok() && answers[1].ok());
+  EXPECT_EQ(answers[2].status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(answers[2].status().message(), HasSubstr("max_communicators_per_job"));
+}
+
 TEST_F(CommManagerTest, CompletionsRunAfterTheCoreLockIsReleased) {
   // A completion that calls back into the core (as gRPC's may, on another thread) must not
   // find the core's mutex held: the core defers completions until it unlocks (DESIGN 8).
@@ -199,6 +329,7 @@ TEST_F(CommManagerTest, CompletionsRunAfterTheCoreLockIsReleased) {
   v1::CommJoinRequest req;
   req.set_job_id("job");
   req.set_rank(0);
+  req.set_session_key(Key(0));
   req.set_name("world");
   req.set_timeout_ms(5000);
   core_->CommJoin(req, [&](absl::StatusOr<v1::CommJoinResponse> r) {

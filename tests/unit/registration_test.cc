@@ -77,6 +77,32 @@ TEST(RegistrationTest, EachBadFieldIsNamed) {
   }
 }
 
+TEST(RegistrationTest, ControlCharactersInIdsAndNamesAreRefusedAndNeverEchoedRaw) {
+  const CoordinatorLimits lim;
+  auto refused = [&](const v1::RegisterRequest& r, const std::string& what) {
+    absl::Status s = ValidateRegisterRequest(r, lim, 64);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << what;
+    EXPECT_THAT(s.message(), HasSubstr(what));
+    EXPECT_THAT(s.message(), HasSubstr("control character"));
+    for (char c : s.message()) EXPECT_FALSE(c == '\n' || c == '\x1b') << "raw control character echoed: " << s;
+  };
+  v1::RegisterRequest r = Request(0);
+  r.set_job_id("job\nevent=rank_dead job=other");  // Would forge a log line.
+  refused(r, "job_id 'job\\x0aevent=rank_dead");
+  r = Request(0);
+  r.set_host("\x1b[2Jhost");  // Would clear an operator's terminal.
+  refused(r, "host '\\x1b[2Jhost'");
+  r = Request(0);
+  r.mutable_modules(0)->set_name("vis\rual");
+  refused(r, "a module name");
+  r = Request(0);
+  r.mutable_modules(0)->mutable_units(1)->set_name("blocks.1\x7f");
+  refused(r, "a unit name");
+  r = Request(0);
+  r.set_job_id("tâche-é");  // UTF-8 is fine.
+  EXPECT_TRUE(ValidateRegisterRequest(r, lim, 64).ok());
+}
+
 TEST(RegistrationTest, LimitsAreNamedWithTheirFlags) {
   CoordinatorLimits lim;
   lim.max_modules = 1;

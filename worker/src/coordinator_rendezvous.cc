@@ -54,6 +54,7 @@ class CoordinatorRendezvous final : public EpochRendezvous {
     req->set_rank(ep_.job_rank);
     req->set_name(name_);
     req->set_epoch(epoch_);
+    req->set_session_key(ep_.session_key->Get());
   }
 
   static void SetDeadline(grpc::ClientContext* ctx, absl::Duration d) {

@@ -6,16 +6,37 @@
 #include <memory>
 #include <string>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
 #include "rendezvous.h"
 #include "shardcoord/v1/coordinator.grpc.pb.h"
 
 namespace shardcoord::internal {
+
+// The worker's current session key (RegisterResponse.session_key), which its communicator
+// calls must carry; replaced when the worker resumes with a restarted coordinator.
+class SessionKey {
+ public:
+  std::string Get() const {
+    absl::MutexLock lock(&mu_);
+    return key_;
+  }
+  void Set(std::string key) {
+    absl::MutexLock lock(&mu_);
+    key_ = std::move(key);
+  }
+
+ private:
+  mutable absl::Mutex mu_;
+  std::string key_ ABSL_GUARDED_BY(mu_);
+};
 
 // Where a worker's rendezvous calls go.
 struct CommEndpoint {
   std::shared_ptr<v1::Coordinator::Stub> stub;  // Shared: a communicator may outlive its Worker.
   std::string job_id;
   int job_rank = 0;
+  std::shared_ptr<const SessionKey> session_key;
 };
 
 // The coordinator's store and reports for communicator `name` at `epoch`.

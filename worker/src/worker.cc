@@ -110,10 +110,10 @@ absl::Status Worker::Impl::Connect(absl::Time deadline) {
   // A fresh channel per worker: a reconnecting trainer must not reuse a broken one.
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   auto channel = grpc::CreateCustomChannel(address_, grpc::InsecureChannelCredentials(), args);
+  const absl::Time start = absl::Now();
   if (!channel->WaitForConnected(absl::ToChronoTime(deadline))) {
     return absl::UnavailableError(absl::StrCat(
-        "cannot reach coordinator at ", address_, " within ",
-        absl::ToInt64Milliseconds(options_.connect_timeout),
+        "cannot reach coordinator at ", address_, " within ", absl::ToInt64Milliseconds(deadline - start),
         " ms; is shardcoordd running there? (", Prefix(), ")"));
   }
   auto stub = std::shared_ptr<v1::Coordinator::Stub>(v1::Coordinator::NewStub(channel));
@@ -276,6 +276,7 @@ absl::StatusOr<std::shared_ptr<Communicator>> Worker::Impl::OpenCommunicator(con
   req.set_name(name);
   for (int r : options.ranks) req.add_ranks(r);
   req.set_timeout_ms(static_cast<int32_t>(absl::ToInt64Milliseconds(options.join_timeout)));
+  req.set_session_key(session_key_->Get());
   v1::CommJoinResponse resp;
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + options.join_timeout + absl::Seconds(5)));
@@ -283,7 +284,8 @@ absl::StatusOr<std::shared_ptr<Communicator>> Worker::Impl::OpenCommunicator(con
   if (!st.ok()) return FromGrpcStatus(st);
   internal::CommSpec spec{options_.job_id, options_.rank, name, resp.epoch(),
                           std::vector<int>(resp.ranks().begin(), resp.ranks().end()), options};
-  auto rendezvous = internal::MakeCoordinatorRendezvous({stub, options_.job_id, options_.rank}, name, resp.epoch());
+  auto rendezvous =
+      internal::MakeCoordinatorRendezvous({stub, options_.job_id, options_.rank, session_key_}, name, resp.epoch());
   std::shared_ptr<internal::AbortableCommunicator> comm;
   if (options.backend == Backend::kNccl) {
 #ifdef SHARDCOORD_HAVE_NCCL

@@ -187,6 +187,8 @@ class Worker::Impl {
   // Resume (DESIGN 12): the coordinator process we are registered with, what it answered,
   // and whether we are reconnecting now.
   uint64_t incarnation_ ABSL_GUARDED_BY(mu_) = 0;
+  // Shared with communicators' rendezvous (they may outlive us); set at each registration.
+  const std::shared_ptr<internal::SessionKey> session_key_ = std::make_shared<internal::SessionKey>();
   v1::RegisterResponse previous_ ABSL_GUARDED_BY(mu_);
   bool resuming_ ABSL_GUARDED_BY(mu_) = false;
   bool resume_answered_ ABSL_GUARDED_BY(mu_) = false;  // This attempt's first read returned.

@@ -207,6 +207,7 @@ absl::Status Worker::Impl::OnResumed(const v1::RegisterResponse& r) {
   }
   const bool restarted = r.incarnation() != incarnation_;
   incarnation_ = r.incarnation();
+  session_key_->Set(r.session_key());
   previous_ = r;
   outbox_.clear();       // Every plan not decided yet went with the resume.
   ready_acks_.clear();   // Acknowledgements of the old process's aborts.
@@ -285,6 +286,7 @@ void Worker::Impl::Handle(const v1::CoordinatorMessage& msg, PendingAborts* abor
 
 void Worker::Impl::OnRegistered(const v1::RegisterResponse& r) {
   incarnation_ = r.incarnation();
+  session_key_->Set(r.session_key());
   previous_ = r;
   group_.group = r.group();
   group_.ranks.assign(r.group_ranks().begin(), r.group_ranks().end());

@@ -17,8 +17,15 @@ namespace shardcoord {
 // Error messages and log lines name at most this many modules (a manifest may hold a thousand).
 inline constexpr size_t kNamesInMessages = 16;
 
-// "a, b, c", or the first kNamesInMessages and "... (N more)".
+// "a, b, c", or the first kNamesInMessages and "... (N more)"; each name as Printable.
 SHARDCOORD_EXPORT std::string NamesForMessage(const std::vector<std::string>& names);
+
+// Ids and names may not hold control characters (a newline would forge log and CLI lines, an
+// escape sequence would reach operators' terminals). "" when `name` has none, else which
+// byte is one.
+SHARDCOORD_EXPORT std::string ControlCharacterIn(const std::string& name);
+// `text` safe to print: control characters as \xNN, cut after `max_bytes` ("...").
+SHARDCOORD_EXPORT std::string Printable(const std::string& text, size_t max_bytes = 256);
 
 // Keys are (step, microbatch), both >= 0.
 SHARDCOORD_EXPORT std::string CheckPlanKey(const MicrobatchKey& key);
