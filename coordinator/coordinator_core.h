@@ -248,6 +248,8 @@ class CoordinatorCore {
   Member* LiveMember(uint64_t session_id, Job** job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SetReference(Group& group, const v1::RegisterRequest& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
+  static v1::CoordinatorMessage PlanRejectedMessage(const v1::MicrobatchPlan& plan, const absl::Status& why,
+                                                    int64_t epoch);
   // Handles one plan; returns a non-OK status to reject it (nothing changed then).
   using PlanCalls = std::vector<std::pair<int, int32_t>>;  // (module index, calls)
   // The plan's keys and calls checked against the group's manifest.
@@ -301,6 +303,7 @@ class CoordinatorCore {
   // and `key` itself when other members already moved past it. False if `key` failed.
   bool FailSkipped(Job& job, Group& group, Member& member, const MicrobatchKey& key, int idx, bool inserted)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FillJobStatus(const Job& job, v1::JobStatus* out) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FillGroupStatus(const Job& job, const Group& group, v1::GroupStatus* out) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void UpdateGroupState(Job& job, Group& group) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

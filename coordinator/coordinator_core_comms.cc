@@ -470,35 +470,4 @@ void CoordinatorCore::DetectBehind(Job& job, absl::Time now) {
   }
 }
 
-v1::ListCommsResponse CoordinatorCore::Comms(const std::string& job_id) const {
-  absl::MutexLock lock(&mu_);
-  v1::ListCommsResponse out;
-  for (const auto& [id, job] : jobs_) {
-    if (!job_id.empty() && id != job_id) continue;
-    for (const auto& [name, comm] : job->comms) {
-      auto* c = out.add_comms();
-      c->set_job_id(id);
-      c->set_name(name);
-      c->set_epoch(comm.epoch);
-      for (int r : comm.ranks) c->add_ranks(r);
-      c->set_state(comm.state);
-      for (const auto& [r, st] : comm.member_state) {
-        auto* m = c->add_members();
-        m->set_rank(r);
-        m->set_state(st);
-        auto p = comm.progress.find(r);
-        if (p != comm.progress.end()) {
-          m->set_issued(p->second.issued);
-          m->set_completed(p->second.completed);
-        }
-      }
-      c->set_behind(comm.behind);
-      c->set_abort_reason(comm.abort_reason);
-      for (int r : comm.lost_ranks) c->add_lost_ranks(r);
-      c->set_epochs_aborted(comm.epochs_aborted);
-    }
-  }
-  return out;
-}
-
 }  // namespace shardcoord::coordinator

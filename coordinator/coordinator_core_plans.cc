@@ -25,6 +25,18 @@ bool CoordinatorCore::WillNeverReport(const Member& m, const MicrobatchKey& key)
   return m.last_planned && key < *m.last_planned;
 }
 
+v1::CoordinatorMessage CoordinatorCore::PlanRejectedMessage(const v1::MicrobatchPlan& plan, const absl::Status& why,
+                                                            int64_t epoch) {
+  v1::CoordinatorMessage msg;
+  auto* rej = msg.mutable_plan_rejected();
+  rej->set_step(plan.step());
+  rej->set_microbatch(plan.microbatch());
+  rej->set_code(static_cast<int>(why.code()));
+  rej->set_message(std::string(why.message()));
+  rej->set_epoch(epoch);
+  return msg;
+}
+
 void CoordinatorCore::OnPlans(uint64_t session_id, const v1::PlanBatch& batch) {
   Locked lock(this);
   Job* job = nullptr;
@@ -37,15 +49,11 @@ void CoordinatorCore::OnPlans(uint64_t session_id, const v1::PlanBatch& batch) {
     // one a member not back yet holds). Bounded like the pending microbatches.
     for (const auto& plan : batch.plans()) {
       if (static_cast<int>(group.deferred_plans.size()) >= options_.limits.max_pending_microbatches) {
-        v1::CoordinatorMessage msg;
-        auto* rej = msg.mutable_plan_rejected();
-        rej->set_step(plan.step());
-        rej->set_microbatch(plan.microbatch());
-        rej->set_code(static_cast<int>(absl::StatusCode::kResourceExhausted));
-        rej->set_message(absl::StrCat("group ", group.index, " is recovering after a coordinator restart and already "
-                                      "holds max_pending_microbatches plans; plan again once it recovered"));
-        rej->set_epoch(batch.epoch());
-        SendTo(*m, msg);
+        SendTo(*m, PlanRejectedMessage(plan,
+                                       absl::ResourceExhaustedError(absl::StrCat(
+                                           "group ", group.index, " is recovering after a coordinator restart and "
+                                           "already holds max_pending_microbatches plans; plan again once it recovered")),
+                                       batch.epoch()));
         continue;
       }
       group.deferred_plans.emplace_back(m->rank, plan);
@@ -61,13 +69,7 @@ void CoordinatorCore::OnPlans(uint64_t session_id, const v1::PlanBatch& batch) {
                                group.epoch, ": it was queued before the group failed; plan again"));
     if (!s.ok()) {
       m->plans_rejected++;
-      v1::CoordinatorMessage msg;
-      auto* rej = msg.mutable_plan_rejected();
-      rej->set_step(plan.step());
-      rej->set_microbatch(plan.microbatch());
-      rej->set_code(static_cast<int>(s.code()));
-      rej->set_message(std::string(s.message()));
-      rej->set_epoch(batch.epoch());
+      const v1::CoordinatorMessage msg = PlanRejectedMessage(plan, s, batch.epoch());
       static logging::RateLimit limit(10);  // A client sending 10^5 bad plans gets 10 lines a second.
       int64_t suppressed = 0;
       if (limit.Allow(&suppressed)) {

@@ -133,15 +133,7 @@ void CoordinatorCore::ReplayPlans(Job& job, Group& group, const std::vector<std:
     Member& m = job.members[rank];
     if (m.state != v1::RANK_STATE_LIVE) continue;
     absl::Status s = AcceptPlan(job, m, plan);
-    if (s.ok()) continue;
-    v1::CoordinatorMessage msg;
-    auto* rej = msg.mutable_plan_rejected();
-    rej->set_step(plan.step());
-    rej->set_microbatch(plan.microbatch());
-    rej->set_code(static_cast<int>(s.code()));
-    rej->set_message(std::string(s.message()));
-    rej->set_epoch(group.epoch);
-    SendTo(m, msg);
+    if (!s.ok()) SendTo(m, PlanRejectedMessage(plan, s, group.epoch));
   }
   Flush(job, group);
 }

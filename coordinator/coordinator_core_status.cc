@@ -14,6 +14,57 @@ constexpr size_t kMaxAnswerBytes = 3 << 20;
 
 }  // namespace
 
+void CoordinatorCore::FillJobStatus(const Job& job, v1::JobStatus* js) const {
+  js->set_job_id(job.id);
+  js->set_world_size(job.world_size);
+  js->set_group_size(job.group_size);
+  js->set_plans_received(job.plans_received);
+  js->set_microbatches_decided(job.microbatches_decided);
+  for (const Member& m : job.members) {
+    switch (m.state) {
+      case v1::RANK_STATE_LIVE: js->set_ranks_live(js->ranks_live() + 1); break;
+      case v1::RANK_STATE_DEAD: js->set_ranks_dead(js->ranks_dead() + 1); break;
+      case v1::RANK_STATE_LEFT: js->set_ranks_left(js->ranks_left() + 1); break;
+      default: js->set_ranks_unregistered(js->ranks_unregistered() + 1); break;
+    }
+  }
+  v1::DecisionCounts* c = js->mutable_counts();
+  for (const Group& g : job.groups) {
+    switch (g.state) {
+      case v1::GROUP_STATE_HEALTHY: js->set_groups_healthy(js->groups_healthy() + 1); break;
+      case v1::GROUP_STATE_FAILED: js->set_groups_failed(js->groups_failed() + 1); break;
+      case v1::GROUP_STATE_FINISHED: js->set_groups_finished(js->groups_finished() + 1); break;
+      case v1::GROUP_STATE_RECOVERING: js->set_groups_recovering(js->groups_recovering() + 1); break;
+      default: js->set_groups_forming(js->groups_forming() + 1); break;
+    }
+    c->set_per_layer(c->per_layer() + g.counts.per_layer());
+    c->set_skip(c->skip() + g.counts.skip());
+    c->set_root(c->root() + g.counts.root());
+    c->set_replicate(c->replicate() + g.counts.replicate());
+    c->set_divergent(c->divergent() + g.counts.divergent());
+  }
+  for (const auto& [name, comm] : job.comms) {
+    if (!comm.behind.empty()) js->add_comm_alerts(absl::StrCat("behind: ", comm.behind));
+    if ((comm.state == v1::COMM_STATE_ABORTING || comm.state == v1::COMM_STATE_ABORTED) &&
+        comm.epochs_aborted > 0 && !comm.lost_ranks.empty() &&
+        job.members[comm.lost_ranks.front()].state != v1::RANK_STATE_LEFT) {
+      js->add_comm_alerts(absl::StrCat(name, " epoch ", comm.epoch, " ",
+                                       comm.state == v1::COMM_STATE_ABORTING ? "aborting" : "aborted", ": ",
+                                       comm.abort_reason));
+    }
+  }
+  for (const Group& g : job.groups) {
+    if (g.has_reference) {
+      // A status line, not the manifest: a job may control a thousand modules.
+      for (size_t i = 0; i < g.modules.size() && i < kNamesInMessages; ++i) js->add_modules(g.modules[i].name);
+      if (g.modules.size() > kNamesInMessages) {
+        js->add_modules(absl::StrCat("... (", g.modules.size() - kNamesInMessages, " more)"));
+      }
+      break;
+    }
+  }
+}
+
 v1::StatusResponse CoordinatorCore::Status(const std::string& job_id) const {
   absl::MutexLock lock(&mu_);
   v1::StatusResponse out;
@@ -25,58 +76,8 @@ v1::StatusResponse CoordinatorCore::Status(const std::string& job_id) const {
   out.set_incarnation(incarnation_);
   for (const auto& [id, job] : jobs_) {
     if (!job_id.empty() && id != job_id) continue;
-    v1::JobStatus* js = out.add_jobs();
-    js->set_job_id(id);
-    js->set_world_size(job->world_size);
-    js->set_group_size(job->group_size);
-    js->set_plans_received(job->plans_received);
-    js->set_microbatches_decided(job->microbatches_decided);
-    for (const Member& m : job->members) {
-      switch (m.state) {
-        case v1::RANK_STATE_LIVE: js->set_ranks_live(js->ranks_live() + 1); break;
-        case v1::RANK_STATE_DEAD: js->set_ranks_dead(js->ranks_dead() + 1); break;
-        case v1::RANK_STATE_LEFT: js->set_ranks_left(js->ranks_left() + 1); break;
-        default: js->set_ranks_unregistered(js->ranks_unregistered() + 1); break;
-      }
-    }
-    v1::DecisionCounts* c = js->mutable_counts();
-    for (const Group& g : job->groups) {
-      switch (g.state) {
-        case v1::GROUP_STATE_HEALTHY: js->set_groups_healthy(js->groups_healthy() + 1); break;
-        case v1::GROUP_STATE_FAILED: js->set_groups_failed(js->groups_failed() + 1); break;
-        case v1::GROUP_STATE_FINISHED: js->set_groups_finished(js->groups_finished() + 1); break;
-        case v1::GROUP_STATE_RECOVERING:
-          js->set_groups_recovering(js->groups_recovering() + 1);
-          out.set_recovering_groups(out.recovering_groups() + 1);
-          break;
-        default: js->set_groups_forming(js->groups_forming() + 1); break;
-      }
-      c->set_per_layer(c->per_layer() + g.counts.per_layer());
-      c->set_skip(c->skip() + g.counts.skip());
-      c->set_root(c->root() + g.counts.root());
-      c->set_replicate(c->replicate() + g.counts.replicate());
-      c->set_divergent(c->divergent() + g.counts.divergent());
-    }
-    for (const auto& [name, comm] : job->comms) {
-      if (!comm.behind.empty()) js->add_comm_alerts(absl::StrCat("behind: ", comm.behind));
-      if ((comm.state == v1::COMM_STATE_ABORTING || comm.state == v1::COMM_STATE_ABORTED) &&
-          comm.epochs_aborted > 0 && !comm.lost_ranks.empty() &&
-          job->members[comm.lost_ranks.front()].state != v1::RANK_STATE_LEFT) {
-        js->add_comm_alerts(absl::StrCat(name, " epoch ", comm.epoch, " ",
-                                         comm.state == v1::COMM_STATE_ABORTING ? "aborting" : "aborted", ": ",
-                                         comm.abort_reason));
-      }
-    }
-    for (const Group& g : job->groups) {
-      if (g.has_reference) {
-        // A status line, not the manifest: a job may control a thousand modules.
-        for (size_t i = 0; i < g.modules.size() && i < kNamesInMessages; ++i) js->add_modules(g.modules[i].name);
-        if (g.modules.size() > kNamesInMessages) {
-          js->add_modules(absl::StrCat("... (", g.modules.size() - kNamesInMessages, " more)"));
-        }
-        break;
-      }
-    }
+    FillJobStatus(*job, out.add_jobs());
+    out.set_recovering_groups(out.recovering_groups() + out.jobs(out.jobs_size() - 1).groups_recovering());
   }
   return out;
 }
@@ -165,6 +166,37 @@ v1::ListDecisionsResponse CoordinatorCore::Decisions(const std::string& job_id, 
         e->set_job_id(id);
         *e->mutable_decision() = g.history[i];
       }
+    }
+  }
+  return out;
+}
+
+v1::ListCommsResponse CoordinatorCore::Comms(const std::string& job_id) const {
+  absl::MutexLock lock(&mu_);
+  v1::ListCommsResponse out;
+  for (const auto& [id, job] : jobs_) {
+    if (!job_id.empty() && id != job_id) continue;
+    for (const auto& [name, comm] : job->comms) {
+      auto* c = out.add_comms();
+      c->set_job_id(id);
+      c->set_name(name);
+      c->set_epoch(comm.epoch);
+      for (int r : comm.ranks) c->add_ranks(r);
+      c->set_state(comm.state);
+      for (const auto& [r, st] : comm.member_state) {
+        auto* m = c->add_members();
+        m->set_rank(r);
+        m->set_state(st);
+        auto p = comm.progress.find(r);
+        if (p != comm.progress.end()) {
+          m->set_issued(p->second.issued);
+          m->set_completed(p->second.completed);
+        }
+      }
+      c->set_behind(comm.behind);
+      c->set_abort_reason(comm.abort_reason);
+      for (int r : comm.lost_ranks) c->add_lost_ranks(r);
+      c->set_epochs_aborted(comm.epochs_aborted);
     }
   }
   return out;
