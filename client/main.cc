@@ -107,6 +107,7 @@ std::string FormatTime(int64_t unix_ms) {
 
 struct Client {
   std::string address;
+  std::string token;  // `authorization: Bearer`, when the coordinator requires tokens.
   int timeout_ms = 5000;
   std::unique_ptr<v1::Coordinator::Stub> stub;
 
@@ -122,6 +123,7 @@ struct Client {
   bool Call(const char* what, Fn fn, const Req& req, Resp* resp) {
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms));
+    if (!token.empty()) ctx.AddMetadata("authorization", "Bearer " + token);
     grpc::Status s = (stub.get()->*fn)(&ctx, req, resp);
     if (!s.ok()) {
       if (s.error_code() == grpc::StatusCode::UNAVAILABLE ||
@@ -518,6 +520,12 @@ int main(int argc, char** argv) {
     return shardcoord::client::RunReplay(*trace, ro, std::cout, std::cerr);
   }
 
+  auto token = shardcoord::ResolveToken("");
+  if (!token.ok()) {
+    std::cerr << "shardctl: " << token.status().message() << "\n";
+    return kExitUsage;
+  }
+  client.token = *token;
   client.Connect();
   if (status->parsed()) return CmdStatus(client, job, json);
   if (ranks->parsed()) return CmdRanks(client, job, json);

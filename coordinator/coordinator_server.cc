@@ -2,6 +2,8 @@
 // bounded outbox per session, the tick and self-check threads (threads and locks: DESIGN 9).
 #include "coordinator/coordinator_server.h"
 
+#include "coordinator/auth.h"
+
 #include <dirent.h>
 #include <grpcpp/grpcpp.h>
 #include <sys/resource.h>
@@ -241,42 +243,56 @@ void SessionSink::StartNextLocked() {
 
 }  // namespace
 
-// The gRPC adapter: converts calls into CoordinatorCore calls. No logic of its own.
+// A session stream refused before it starts (no token, or the wrong role).
+class RefusedSession final : public grpc::ServerBidiReactor<v1::WorkerMessage, v1::CoordinatorMessage> {
+ public:
+  explicit RefusedSession(const grpc::Status& why) { Finish(why); }
+  void OnDone() override { delete this; }
+};
+
+// The gRPC adapter: converts calls into CoordinatorCore calls after checking the caller's
+// token (auth.h). No logic of its own.
 class CoordinatorService final : public v1::Coordinator::CallbackService {
  public:
-  explicit CoordinatorService(CoordinatorCore* core) : core_(core) {}
+  CoordinatorService(CoordinatorCore* core, Tokens tokens) : core_(core), tokens_(std::move(tokens)) {}
 
   grpc::ServerBidiReactor<v1::WorkerMessage, v1::CoordinatorMessage>* Session(
       grpc::CallbackServerContext* ctx) override {
+    if (grpc::Status st = Authorize(ctx, Role::kRank, "Session"); !st.ok()) return new RefusedSession(st);
     return new SessionReactor(core_, next_session_.fetch_add(1), ctx->peer());
   }
 
   grpc::ServerUnaryReactor* GetStatus(grpc::CallbackServerContext* ctx, const v1::StatusRequest* req,
                                       v1::StatusResponse* resp) override {
+    if (grpc::Status st = Authorize(ctx, Role::kRead, "GetStatus"); !st.ok()) return Refuse(ctx, st);
     *resp = core_->Status(req->job_id());
     return Done(ctx);
   }
   grpc::ServerUnaryReactor* ListRanks(grpc::CallbackServerContext* ctx,
                                       const v1::ListRanksRequest* req,
                                       v1::ListRanksResponse* resp) override {
+    if (grpc::Status st = Authorize(ctx, Role::kRead, "ListRanks"); !st.ok()) return Refuse(ctx, st);
     *resp = core_->Ranks(req->job_id());
     return Done(ctx);
   }
   grpc::ServerUnaryReactor* ListGroups(grpc::CallbackServerContext* ctx,
                                        const v1::ListGroupsRequest* req,
                                        v1::ListGroupsResponse* resp) override {
+    if (grpc::Status st = Authorize(ctx, Role::kRead, "ListGroups"); !st.ok()) return Refuse(ctx, st);
     *resp = core_->Groups(req->job_id());
     return Done(ctx);
   }
   grpc::ServerUnaryReactor* ListDecisions(grpc::CallbackServerContext* ctx,
                                           const v1::ListDecisionsRequest* req,
                                           v1::ListDecisionsResponse* resp) override {
+    if (grpc::Status st = Authorize(ctx, Role::kRead, "ListDecisions"); !st.ok()) return Refuse(ctx, st);
     *resp = core_->Decisions(req->job_id(), req->group(), req->limit());
     return Done(ctx);
   }
   grpc::ServerUnaryReactor* ListEvents(grpc::CallbackServerContext* ctx,
                                        const v1::ListEventsRequest* req,
                                        v1::ListEventsResponse* resp) override {
+    if (grpc::Status st = Authorize(ctx, Role::kRead, "ListEvents"); !st.ok()) return Refuse(ctx, st);
     for (auto& e : core_->Events(req->job_id(), req->after_id(), req->limit() > 0 ? req->limit() : 100)) {
       *resp->add_events() = std::move(e);
     }
@@ -285,6 +301,7 @@ class CoordinatorService final : public v1::Coordinator::CallbackService {
 
   grpc::ServerUnaryReactor* CommJoin(grpc::CallbackServerContext* ctx, const v1::CommJoinRequest* req,
                                      v1::CommJoinResponse* resp) override {
+    if (grpc::Status st = Authorize(ctx, Role::kRank, "CommJoin"); !st.ok()) return Refuse(ctx, st);
     auto* r = ctx->DefaultReactor();
     core_->CommJoin(*req, [r, resp](absl::StatusOr<v1::CommJoinResponse> result) {
       if (result.ok()) *resp = std::move(*result);
@@ -294,12 +311,14 @@ class CoordinatorService final : public v1::Coordinator::CallbackService {
   }
   grpc::ServerUnaryReactor* StoreSet(grpc::CallbackServerContext* ctx, const v1::StoreSetRequest* req,
                                      v1::StoreSetResponse* resp) override {
+    if (grpc::Status st = Authorize(ctx, Role::kRank, "StoreSet"); !st.ok()) return Refuse(ctx, st);
     auto* r = ctx->DefaultReactor();
     r->Finish(ToGrpcStatus(core_->StoreSet(*req)));
     return r;
   }
   grpc::ServerUnaryReactor* StoreGet(grpc::CallbackServerContext* ctx, const v1::StoreGetRequest* req,
                                      v1::StoreGetResponse* resp) override {
+    if (grpc::Status st = Authorize(ctx, Role::kRank, "StoreGet"); !st.ok()) return Refuse(ctx, st);
     auto* r = ctx->DefaultReactor();
     core_->StoreGet(*req, [r, resp](absl::StatusOr<v1::StoreGetResponse> result) {
       if (result.ok()) *resp = std::move(*result);
@@ -309,12 +328,14 @@ class CoordinatorService final : public v1::Coordinator::CallbackService {
   }
   grpc::ServerUnaryReactor* CommReport(grpc::CallbackServerContext* ctx, const v1::CommReportRequest* req,
                                        v1::CommReportResponse* resp) override {
+    if (grpc::Status st = Authorize(ctx, Role::kRank, "CommReport"); !st.ok()) return Refuse(ctx, st);
     auto* r = ctx->DefaultReactor();
     r->Finish(ToGrpcStatus(core_->CommReport(*req)));
     return r;
   }
   grpc::ServerUnaryReactor* ListComms(grpc::CallbackServerContext* ctx, const v1::ListCommsRequest* req,
                                       v1::ListCommsResponse* resp) override {
+    if (grpc::Status st = Authorize(ctx, Role::kRead, "ListComms"); !st.ok()) return Refuse(ctx, st);
     *resp = core_->Comms(req->job_id());
     return Done(ctx);
   }
@@ -325,8 +346,21 @@ class CoordinatorService final : public v1::Coordinator::CallbackService {
     r->Finish(grpc::Status::OK);
     return r;
   }
+  static grpc::ServerUnaryReactor* Refuse(grpc::CallbackServerContext* ctx, const grpc::Status& why) {
+    auto* r = ctx->DefaultReactor();
+    r->Finish(why);
+    return r;
+  }
+  grpc::Status Authorize(grpc::CallbackServerContext* ctx, Role role, const char* method) const {
+    if (!tokens_.enabled()) return grpc::Status::OK;
+    std::string authorization;
+    auto it = ctx->client_metadata().find("authorization");
+    if (it != ctx->client_metadata().end()) authorization.assign(it->second.data(), it->second.size());
+    return ToGrpcStatus(tokens_.Check(authorization, role, method));
+  }
 
   CoordinatorCore* const core_;
+  const Tokens tokens_;
   std::atomic<uint64_t> next_session_{1};
 };
 
@@ -338,7 +372,13 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   std::unique_ptr<CoordinatorServer> server(new CoordinatorServer);
   const std::string listen = options.listen_address;
   server->core_ = std::make_unique<CoordinatorCore>(options, clock);
-  server->service_ = std::make_unique<CoordinatorService>(server->core_.get());
+  Tokens tokens = Tokens::None();
+  if (!options.token_file.empty()) {
+    auto loaded = Tokens::Load(options.token_file);
+    if (!loaded.ok()) return loaded.status();
+    tokens = *std::move(loaded);
+  }
+  server->service_ = std::make_unique<CoordinatorService>(server->core_.get(), std::move(tokens));
 
   grpc::ServerBuilder builder;
   builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &server->port_);

@@ -18,6 +18,7 @@
 #include "coordinator/coordinator_server.h"
 #include "coordinator/options.h"
 #include "coordinator/state_file.h"
+#include "coordinator/auth.h"
 #include "shardcoord/internal/logging.h"
 
 namespace {
@@ -56,7 +57,8 @@ void RaiseFileLimit() {
 // Command-line flags; an unset one keeps the config file's (or the built-in) value.
 struct Flags {
   std::string config_file;
-  std::string listen, policy, fallback, log_level, address_file, state_file;
+  std::string listen, policy, fallback, log_level, address_file, state_file, token_file;
+  bool insecure = false;
   std::optional<int64_t> hb_interval_ms, hb_timeout_ms, plan_timeout_ms, behind_threshold_ms, recovery_window_ms;
   std::optional<int> max_lookahead, promote_window, promote_threshold, demote_threshold, event_capacity,
       decision_history, max_world_size, max_total_ranks, max_jobs, max_modules, max_units, max_name_bytes, max_pending;
@@ -109,6 +111,10 @@ void AddFlags(CLI::App& app, Flags& f) {
       ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "off"}));
   app.add_option("--address-file", f.address_file,
                  "write the bound HOST:PORT here once serving (for --listen ...:0)");
+  app.add_option("--token-file", f.token_file,
+                 "tokens with roles (lines 'ROLE TOKEN', mode 600); every call must then carry one")
+      ->envname("SHARDCOORDD_TOKEN_FILE");
+  app.add_flag("--insecure", f.insecure, "serve a non-loopback address without tokens (anyone may act for any rank)");
   app.add_option("--state-file", f.state_file,
                  "keep the incarnation here across restarts (optional: recovery works without it)");
   app.add_option("--recovery-window-ms", f.recovery_window_ms,
@@ -146,6 +152,8 @@ void ApplyFlags(const Flags& f, CoordinatorOptions& options) {
   if (!f.log_level.empty()) options.log_level = f.log_level;
   if (!f.address_file.empty()) options.address_file = f.address_file;
   if (!f.state_file.empty()) options.state_file = f.state_file;
+  if (!f.token_file.empty()) options.token_file = f.token_file;
+  if (f.insecure) options.insecure = true;
   if (f.recovery_window_ms) options.recovery_window = absl::Milliseconds(*f.recovery_window_ms);
 }
 
@@ -176,6 +184,10 @@ int Serve(CoordinatorOptions options) {
     return 2;
   }
   auto log = shardcoord::logging::Get("coordinator");
+  if (options.token_file.empty() && !shardcoord::coordinator::IsLoopbackAddress(options.listen_address)) {
+    log->warn("INSECURE: serving {} without tokens (--insecure): anyone who reaches this port can register, "
+              "act for and read every rank; give --token-file instead", options.listen_address);
+  }
   if (!options.address_file.empty() &&
       !WriteAddressFile(options.address_file, (*server)->address())) {
     std::cerr << "shardcoordd: cannot write --address-file " << options.address_file << "\n";

@@ -8,6 +8,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "coordinator/auth.h"
 #include "absl/strings/str_join.h"
 
 namespace shardcoord::coordinator {
@@ -113,6 +114,11 @@ absl::Status ValidateCounts(const CoordinatorOptions& o) {
 
 absl::Status ValidateOptions(const CoordinatorOptions& o) {
   if (absl::Status s = ValidateListen(o); !s.ok()) return s;
+  if (o.token_file.empty() && !o.insecure && !IsLoopbackAddress(o.listen_address)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "listen address ", o.listen_address, " is not loopback, and without a token file anyone who reaches it "
+        "can act for any rank: give --token-file (see README, Security), or --insecure to accept that"));
+  }
   if (o.default_policy == Policy::kUnspecified) {
     return absl::InvalidArgumentError("default policy must be auto, per_layer, root or replicate");
   }
@@ -162,6 +168,8 @@ absl::Status ApplyConfigKey(const std::string& path, const std::string& key, con
   if (key == "log_level") o.log_level = v.as<std::string>();
   if (key == "address_file") o.address_file = v.as<std::string>();
   if (key == "state_file") o.state_file = v.as<std::string>();
+  if (key == "token_file") o.token_file = v.as<std::string>();
+  if (key == "insecure") o.insecure = v.as<bool>();
   if (key == "recovery_window_ms") o.recovery_window = absl::Milliseconds(v.as<int64_t>());
   if (key == "max_world_size") o.limits.max_world_size = v.as<int>();
   if (key == "max_jobs") o.limits.max_jobs = v.as<int>();
@@ -207,7 +215,7 @@ absl::StatusOr<CoordinatorOptions> LoadConfigFile(const std::string& path,
       "max_jobs",         "max_modules",       "max_units_per_module", "max_name_bytes",
       "max_pending_microbatches", "max_outbox_bytes", "job_retention_ms", "handshake_timeout_ms",
       "self_check_interval_ms", "state_file", "recovery_window_ms", "max_communicators_per_job",
-      "max_store_value_bytes"};
+      "max_store_value_bytes", "token_file", "insecure"};
   for (const auto& kv : root) {
     if (!kv.first.IsScalar()) {
       return absl::InvalidArgumentError(

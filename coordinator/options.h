@@ -96,6 +96,9 @@ struct CoordinatorOptions {
   absl::Duration recovery_window = kDefaultRecoveryWindow;
   // Optional file keeping the incarnation across restarts (never needed for correctness).
   std::string state_file;
+  // Tokens with roles (auth.h); empty: no tokens, and then only loopback unless `insecure`.
+  std::string token_file;
+  bool insecure = false;  // Serve other addresses without tokens (a loud warning).
   // This process's incarnation: set by the daemon at start (state.h); 0 in tests means 1.
   uint64_t incarnation = 0;
 };

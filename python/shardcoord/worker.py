@@ -79,7 +79,9 @@ class Worker:
     ``rank`` and ``world_size`` default to torchrun's ``RANK`` and ``WORLD_SIZE``; ``address`` to
     ``$SHARDCOORD_ADDR``. ``group_size`` is the FSDP shard group size (contiguous blocks of ranks).
     If the coordinator goes away (killed, restarted), the worker reconnects for ``reconnect_window``
-    seconds and resumes, keeping the decisions it holds; 0 fails at once instead.
+    seconds and resumes, keeping the decisions it holds; 0 fails at once instead. ``token`` (a ``rank``
+    token, for a coordinator started with ``--token-file``) defaults to ``$SHARDCOORD_TOKEN`` or the
+    file named by ``$SHARDCOORD_TOKEN_FILE``.
     Use as a context manager, or call ``close()`` (a clean leave). Thread-safe: a data-loader thread
     may report plans while the training loop waits for decisions (waits release the GIL).
     """
@@ -87,7 +89,8 @@ class Worker:
     def __init__(self, job_id: str, modules: Sequence[ModuleSpec], group_size: int, *, rank: Optional[int] = None,
                  world_size: Optional[int] = None, address: Optional[str] = None, policy: str = "",
                  fallback: str = "", wrap_outer_model: bool = True, lookahead: int = 0,
-                 memory_budget_bytes: int = 0, connect_timeout: float = 30.0, reconnect_window: float = 30.0):
+                 memory_budget_bytes: int = 0, connect_timeout: float = 30.0, reconnect_window: float = 30.0,
+                 token: str = ""):
         rank = _env_int("RANK", rank)
         world_size = _env_int("WORLD_SIZE", world_size)
         address = address if address is not None else os.environ.get(ADDRESS_ENV, "")
@@ -99,7 +102,7 @@ class Worker:
                                    bool(m.outside_inner_root)))
         self._native = _shardcoord.connect(address, job_id, rank, world_size, group_size, native_modules, policy,
                                            fallback, wrap_outer_model, lookahead, memory_budget_bytes,
-                                           float(connect_timeout), float(reconnect_window))
+                                           float(connect_timeout), float(reconnect_window), token)
         self.rank = rank
         self.world_size = world_size
         self.closed = False

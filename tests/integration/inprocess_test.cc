@@ -3,6 +3,9 @@
 #include <gmock/gmock.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
+
+#include <fstream>
 
 #include <signal.h>
 #include <unistd.h>
@@ -12,6 +15,7 @@
 #include <random>
 #include <thread>
 
+#include "coordinator/auth.h"
 #include "coordinator/coordinator_server.h"
 #include "shardcoord/decide.h"
 #include "shardcoord/proto/convert.h"
@@ -670,6 +674,125 @@ TEST_F(InProcessTest, PlanAheadKeepsTheWindowFullAndReturnsDecisionsInOrder) {
   }
   auto after = a0.Next(kDecisionTimeout);
   EXPECT_EQ(after.status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+// ---------------------------------------------------------------------------------------
+// Tokens with roles (DESIGN 13)
+
+class TokenTest : public InProcessTest {
+ protected:
+  static constexpr char kRank[] = "rank-token-0123456789abcdef";
+  static constexpr char kRead[] = "read-token-0123456789abcdef";
+  static constexpr char kAdmin[] = "admin-token-0123456789abcdef";
+
+  void SetUp() override {
+    path_ = dir_.File("tokens");
+    std::ofstream(path_) << "# roles\nrank " << kRank << "\nread " << kRead << "\nadmin " << kAdmin << "\n";
+    ASSERT_EQ(chmod(path_.c_str(), 0600), 0);
+    coordinator::CoordinatorOptions o;
+    o.token_file = path_;
+    StartServer(o);
+  }
+
+  absl::Status Status(const std::string& token) {
+    auto stub = v1::Coordinator::NewStub(grpc::CreateChannel(server_->address(), grpc::InsecureChannelCredentials()));
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    if (!token.empty()) ctx.AddMetadata("authorization", "Bearer " + token);
+    v1::StatusResponse resp;
+    return FromGrpcStatus(stub->GetStatus(&ctx, v1::StatusRequest(), &resp));
+  }
+
+  testing::TempDir dir_;
+  std::string path_;
+};
+
+TEST_F(TokenTest, EveryCallNeedsAKnownTokenOfARoleAllowedToMakeIt) {
+  // Operator queries: read or admin.
+  EXPECT_EQ(Status("").code(), absl::StatusCode::kUnauthenticated);
+  EXPECT_THAT(Status("").message(), HasSubstr("no token"));
+  EXPECT_EQ(Status("not-a-token-of-this-coordinator").code(), absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ(Status(kRank).code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(Status(kRank).message(), HasSubstr("needs a token of role read"));
+  EXPECT_TRUE(Status(kRead).ok());
+  EXPECT_TRUE(Status(kAdmin).ok());
+  // Registration: rank or admin. Without one, nobody can take a rank (the lock-out attack).
+  WorkerOptions o = Options(0, 2, 2);
+  for (const std::string bad : {"", "wrong-token-0123456789", kRead}) {
+    o.token = bad;
+    auto w = Worker::Connect(o);
+    ASSERT_FALSE(w.ok()) << "token '" << bad << "'";
+    EXPECT_TRUE(w.status().code() == absl::StatusCode::kUnauthenticated ||
+                w.status().code() == absl::StatusCode::kPermissionDenied)
+        << w.status();
+  }
+  EXPECT_EQ(Status(kAdmin).code(), absl::StatusCode::kOk);
+  // With the rank token a job runs as before, communicators included.
+  o.token = kRank;
+  WorkerOptions o1 = Options(1, 2, 2);
+  o1.token = kRank;
+  auto w0 = Connect(o);
+  auto w1 = Connect(o1);
+  ASSERT_TRUE(w0 && w1);
+  ASSERT_TRUE(w0->ReportPlan(PlanOf(0, 0, 1)).ok());
+  ASSERT_TRUE(w1->ReportPlan(PlanOf(0, 0, 1)).ok());
+  auto d0 = w0->GetDecision({0, 0}, kDecisionTimeout);
+  auto d1 = w1->GetDecision({0, 0}, kDecisionTimeout);
+  ASSERT_TRUE(d0.ok() && d1.ok());
+  EXPECT_EQ(d0->digest, d1->digest);
+  int64_t a = 2, b = 3;
+  absl::Status sa, sb;
+  std::thread ta([&] {
+    CommunicatorOptions co;
+    co.name = "world";
+    auto c = w0->OpenCommunicator(co);
+    sa = c.ok() ? (*c)->AllReduce(&a, 1) : c.status();
+  });
+  std::thread tb([&] {
+    CommunicatorOptions co;
+    co.name = "world";
+    auto c = w1->OpenCommunicator(co);
+    sb = c.ok() ? (*c)->AllReduce(&b, 1) : c.status();
+  });
+  ta.join();
+  tb.join();
+  ASSERT_TRUE(sa.ok()) << sa;
+  ASSERT_TRUE(sb.ok()) << sb;
+  EXPECT_EQ(a, 5);
+  EXPECT_EQ(b, 5);
+}
+
+TEST(TokenFileTest, AFileOpenToOthersOrMalformedIsRefusedNamingWhy) {
+  testing::TempDir dir;
+  const std::string path = dir.File("tokens");
+  std::ofstream(path) << "rank 0123456789abcdef0123\n";
+  ASSERT_EQ(chmod(path.c_str(), 0644), 0);
+  auto t = coordinator::Tokens::Load(path);
+  EXPECT_EQ(t.status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(t.status().message(), HasSubstr("mode 644"));
+  EXPECT_THAT(t.status().message(), HasSubstr("chmod 600"));
+  ASSERT_EQ(chmod(path.c_str(), 0600), 0);
+  EXPECT_TRUE(coordinator::Tokens::Load(path).ok());
+  std::ofstream(path) << "writer 0123456789abcdef0123\n";
+  EXPECT_THAT(coordinator::Tokens::Load(path).status().message(), HasSubstr("line 1: unknown role"));
+  std::ofstream(path) << "rank short\n";
+  t = coordinator::Tokens::Load(path);
+  EXPECT_THAT(t.status().message(), HasSubstr("shorter than 16 bytes"));
+  EXPECT_THAT(t.status().message(), ::testing::Not(HasSubstr("short\n")));
+  // Without tokens the daemon serves loopback only, unless told --insecure.
+  coordinator::CoordinatorOptions o;
+  o.listen_address = "0.0.0.0:0";
+  absl::Status s = coordinator::ValidateOptions(o);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("give --token-file"));
+  o.insecure = true;
+  EXPECT_TRUE(coordinator::ValidateOptions(o).ok());
+  o.insecure = false;
+  o.token_file = path;
+  EXPECT_TRUE(coordinator::ValidateOptions(o).ok());
+  EXPECT_TRUE(coordinator::IsLoopbackAddress("[::1]:7871"));
+  EXPECT_TRUE(coordinator::IsLoopbackAddress("localhost:1"));
+  EXPECT_FALSE(coordinator::IsLoopbackAddress("10.0.0.1:7871"));
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -323,6 +324,50 @@ TEST_F(MultiProcessTest, RanksRefuseToResumeWithADaemonRestartedUnderOtherSettin
     EXPECT_THAT(err, HasSubstr("cannot resume"));
     EXPECT_THAT(err, HasSubstr("settings that change its decisions (auto promotion settings"));
   }
+}
+
+// Tokens (DESIGN 13): a daemon with a token file serves shardctl and ranks that present
+// theirs, and nobody else; without tokens it refuses to listen beyond loopback.
+TEST_F(MultiProcessTest, ASecuredDaemonServesOnlyCallersWithTheirTokens) {
+  const std::string tokens = dir_.File("tokens");
+  const std::string rank_token = "rank-0123456789abcdef0123", read_token = "read-0123456789abcdef0123";
+  std::ofstream(tokens) << "rank " << rank_token << "\nread " << read_token << "\n";
+  ASSERT_EQ(chmod(tokens.c_str(), 0600), 0);
+  auto d = testing::Daemon::Start(dir_.path(), {"--token-file", tokens});
+  ASSERT_TRUE(d.ok()) << d.status();
+  daemon_ = std::move(*d);
+  address_ = daemon_->address();
+  auto anonymous = RunCommand({SHARDCTL_PATH, "status", "--coordinator", address_}, absl::Seconds(20));
+  EXPECT_NE(anonymous.exit_code, 0);
+  EXPECT_THAT(anonymous.err, HasSubstr("no token"));
+  auto as_rank = RunCommand({SHARDCTL_PATH, "status", "--coordinator", address_}, absl::Seconds(20),
+                            {"SHARDCOORD_TOKEN=" + rank_token});
+  EXPECT_THAT(as_rank.err, HasSubstr("needs a token of role read"));
+  const std::string read_file = dir_.File("read.token");
+  std::ofstream(read_file) << read_token << "\n";
+  auto reader = RunCommand({SHARDCTL_PATH, "status", "--coordinator", address_}, absl::Seconds(20),
+                           {"SHARDCOORD_TOKEN_FILE=" + read_file});
+  EXPECT_EQ(reader.exit_code, 0) << reader.err;
+  // A job whose ranks carry the rank token runs to the end.
+  const std::string trace = std::string(SHARDCOORD_SOURCE_DIR) + "/examples/traces/mixed_8ranks.jsonl";
+  std::vector<std::unique_ptr<Subprocess>> ranks;
+  for (int r = 0; r < 8; ++r) {
+    ranks.push_back(std::make_unique<Subprocess>(
+        std::vector<std::string>{SHARDCTL_PATH, "replay", trace, "--coordinator", address_, "--job-id", "sec",
+                                 "--world-size", "8", "--group-size", "4", "--ranks", std::to_string(r), "--per-rank",
+                                 "--output", dir_.File(absl::StrCat("sec", r, ".jsonl"))},
+        dir_.File(absl::StrCat("sec", r, ".out")), dir_.File(absl::StrCat("sec", r, ".err")),
+        std::vector<std::string>{"SHARDCOORD_TOKEN=" + rank_token}));
+  }
+  for (int r = 0; r < 8; ++r) {
+    auto code = ranks[r]->Wait(absl::Seconds(60));
+    ASSERT_TRUE(code.has_value());
+    EXPECT_EQ(*code, 0) << ReadFile(ranks[r]->stderr_path());
+  }
+  // Without tokens: loopback only, unless --insecure.
+  auto open = RunCommand({SHARDCOORDD_PATH, "--listen", "0.0.0.0:0"}, absl::Seconds(10));
+  EXPECT_EQ(open.exit_code, 2);
+  EXPECT_THAT(open.err, HasSubstr("give --token-file"));
 }
 
 TEST_F(MultiProcessTest, DaemonRejectsABadConfigWithAClearMessage) {

@@ -51,6 +51,12 @@ event_capacity: 500
 decision_history: 64
 log_level: debug
 address_file: /tmp/shardcoordd.addr
+token_file: /etc/shardcoord/tokens
+recovery_window_ms: 20000
+state_file: /var/lib/shardcoord/state
+max_communicators_per_job: 8
+max_store_value_bytes: 4096
+insecure: false
 )");
   absl::StatusOr<CoordinatorOptions> o = LoadConfigFile(path);
   ASSERT_TRUE(o.ok()) << o.status();
@@ -68,6 +74,12 @@ address_file: /tmp/shardcoordd.addr
   EXPECT_EQ(o->decision_history, 64);
   EXPECT_EQ(o->log_level, "debug");
   EXPECT_EQ(o->address_file, "/tmp/shardcoordd.addr");
+  EXPECT_EQ(o->token_file, "/etc/shardcoord/tokens");
+  EXPECT_EQ(o->recovery_window, absl::Milliseconds(20000));
+  EXPECT_EQ(o->state_file, "/var/lib/shardcoord/state");
+  EXPECT_EQ(o->limits.max_communicators_per_job, 8);
+  EXPECT_EQ(o->limits.max_store_value_bytes, 4096);
+  EXPECT_FALSE(o->insecure);
   EXPECT_TRUE(ValidateOptions(*o).ok()) << ValidateOptions(*o);
 }
 

@@ -24,7 +24,7 @@ class CoordinatorRendezvous final : public EpochRendezvous {
     req.set_value(value);
     v1::StoreSetResponse resp;
     grpc::ClientContext ctx;
-    SetDeadline(&ctx, kRpcSlack);
+    Prepare(&ctx, kRpcSlack);
     return FromGrpcStatus(ep_.stub->StoreSet(&ctx, req, &resp));
   }
 
@@ -36,7 +36,7 @@ class CoordinatorRendezvous final : public EpochRendezvous {
     req.set_timeout_ms(static_cast<int32_t>(absl::ToInt64Milliseconds(timeout)));
     v1::StoreGetResponse resp;
     grpc::ClientContext ctx;
-    SetDeadline(&ctx, timeout + kRpcSlack);
+    Prepare(&ctx, timeout + kRpcSlack);
     grpc::Status s = ep_.stub->StoreGet(&ctx, req, &resp);
     if (!s.ok()) return FromGrpcStatus(s);
     return std::vector<std::string>(resp.values().begin(), resp.values().end());
@@ -57,8 +57,9 @@ class CoordinatorRendezvous final : public EpochRendezvous {
     req->set_session_key(ep_.session_key->Get());
   }
 
-  static void SetDeadline(grpc::ClientContext* ctx, absl::Duration d) {
+  void Prepare(grpc::ClientContext* ctx, absl::Duration d) const {
     ctx->set_deadline(absl::ToChronoTime(absl::Now() + d));
+    if (!ep_.token.empty()) ctx->AddMetadata("authorization", "Bearer " + ep_.token);
   }
 
   absl::Status Report(v1::CommReportRequest::Kind kind, const std::string& error) {
@@ -68,7 +69,7 @@ class CoordinatorRendezvous final : public EpochRendezvous {
     req.set_error(error);
     v1::CommReportResponse resp;
     grpc::ClientContext ctx;
-    SetDeadline(&ctx, kRpcSlack);
+    Prepare(&ctx, kRpcSlack);
     return FromGrpcStatus(ep_.stub->CommReport(&ctx, req, &resp));
   }
 

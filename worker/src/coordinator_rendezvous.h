@@ -37,6 +37,7 @@ struct CommEndpoint {
   std::string job_id;
   int job_rank = 0;
   std::shared_ptr<const SessionKey> session_key;
+  std::string token;  // `authorization: Bearer` on each call when not empty.
 };
 
 // The coordinator's store and reports for communicator `name` at `epoch`.

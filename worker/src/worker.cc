@@ -7,7 +7,10 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <fstream>
 #include <mutex>
+
+#include "absl/strings/ascii.h"
 
 namespace shardcoord {
 namespace internal {
@@ -50,6 +53,19 @@ std::string HostName() {
 }  // namespace
 
 
+absl::StatusOr<std::string> ResolveToken(const std::string& explicit_token) {
+  if (!explicit_token.empty()) return explicit_token;
+  if (const char* env = std::getenv(kTokenEnv); env != nullptr && *env != '\0') return std::string(env);
+  const char* file = std::getenv(kTokenFileEnv);
+  if (file == nullptr || *file == '\0') return std::string();
+  std::ifstream in(file);
+  std::string line;
+  if (!in || !std::getline(in, line)) {
+    return absl::NotFoundError(absl::StrCat("$", kTokenFileEnv, " names ", file, ", which cannot be read"));
+  }
+  return std::string(absl::StripAsciiWhitespace(line));
+}
+
 absl::Status Worker::Impl::Start() {
   address_ = options_.coordinator_address;
   if (address_.empty()) {
@@ -67,6 +83,9 @@ absl::Status Worker::Impl::Start() {
         " world_size=", options_.world_size, " group_size=", options_.group_size,
         "; all four are required"));
   }
+  auto token = ResolveToken(options_.token);
+  if (!token.ok()) return token.status();
+  token_ = *token;
   IgnoreSigpipeOnce();
   const absl::Time deadline = absl::Now() + options_.connect_timeout;
   // A coordinator lost before it answered (killed, restarting) is tried again until the
@@ -122,6 +141,7 @@ absl::Status Worker::Impl::Connect(absl::Time deadline) {
   channel_ = std::move(channel);
   stub_ = std::move(stub);
   ctx_ = std::make_unique<grpc::ClientContext>();
+  if (!token_.empty()) ctx_->AddMetadata("authorization", "Bearer " + token_);
   stream_ = stub_->Session(ctx_.get());
   return absl::OkStatus();
 }
@@ -280,12 +300,14 @@ absl::StatusOr<std::shared_ptr<Communicator>> Worker::Impl::OpenCommunicator(con
   v1::CommJoinResponse resp;
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + options.join_timeout + absl::Seconds(5)));
+  if (!token_.empty()) ctx.AddMetadata("authorization", "Bearer " + token_);
   grpc::Status st = stub->CommJoin(&ctx, req, &resp);
   if (!st.ok()) return FromGrpcStatus(st);
   internal::CommSpec spec{options_.job_id, options_.rank, name, resp.epoch(),
                           std::vector<int>(resp.ranks().begin(), resp.ranks().end()), options};
   auto rendezvous =
-      internal::MakeCoordinatorRendezvous({stub, options_.job_id, options_.rank, session_key_}, name, resp.epoch());
+      internal::MakeCoordinatorRendezvous({stub, options_.job_id, options_.rank, session_key_, token_}, name,
+                                          resp.epoch());
   std::shared_ptr<internal::AbortableCommunicator> comm;
   if (options.backend == Backend::kNccl) {
 #ifdef SHARDCOORD_HAVE_NCCL

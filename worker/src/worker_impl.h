@@ -155,6 +155,7 @@ class Worker::Impl {
   std::set<std::string> module_names_;
   std::vector<std::string> module_list_;
   std::string address_;
+  std::string token_;  // Resolved at Start (ResolveToken); never logged.
 
   // The current session's channel, stub and stream: replaced by the reader thread when it
   // resumes (under mu_, while the writer is stopped). The stub is shared with

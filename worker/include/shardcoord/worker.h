@@ -51,6 +51,13 @@ namespace shardcoord {
 
 // Environment variable consulted when WorkerOptions::coordinator_address is empty.
 inline constexpr char kCoordinatorAddressEnv[] = "SHARDCOORD_ADDR";
+inline constexpr char kTokenEnv[] = "SHARDCOORD_TOKEN";
+inline constexpr char kTokenFileEnv[] = "SHARDCOORD_TOKEN_FILE";
+
+// The token to present to a coordinator that requires one (DESIGN 13): `explicit_token` if
+// set, else $SHARDCOORD_TOKEN, else the first line of the file $SHARDCOORD_TOKEN_FILE names,
+// else "" (none). NOT_FOUND when that file cannot be read.
+SHARDCOORD_EXPORT absl::StatusOr<std::string> ResolveToken(const std::string& explicit_token);
 inline constexpr absl::Duration kDefaultConnectTimeout = absl::Seconds(30);
 inline constexpr absl::Duration kDefaultReconnectWindow = absl::Seconds(30);
 // How long Close waits for the coordinator to end the session after the goodbye. Normally
@@ -76,6 +83,9 @@ struct WorkerOptions {
   // holds stay usable meanwhile, communicators are not aborted. Only when the window
   // passes do pending calls fail, saying so. Zero: fail at once, as before.
   absl::Duration reconnect_window = kDefaultReconnectWindow;
+  // Presented as `authorization: Bearer <token>` on every call (a role `rank` token); empty:
+  // ResolveToken's environment variables, else none.
+  std::string token;
 };
 
 // What registration established.

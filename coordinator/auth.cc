@@ -1,0 +1,107 @@
+#include "coordinator/auth.h"
+
+#include <sys/stat.h>
+
+#include <cstdio>
+#include <fstream>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "coordinator/secrets.h"
+
+namespace shardcoord::coordinator {
+
+const char* RoleName(Role role) {
+  switch (role) {
+    case Role::kRank: return "rank";
+    case Role::kRead: return "read";
+    case Role::kAdmin: return "admin";
+  }
+  return "?";
+}
+
+namespace {
+
+std::string OctalMode(unsigned mode) {
+  char buf[8];
+  std::snprintf(buf, sizeof(buf), "%03o", mode & 0777);
+  return buf;
+}
+
+}  // namespace
+
+absl::StatusOr<Tokens> Tokens::Load(const std::string& path) {
+  struct stat st;
+  if (stat(path.c_str(), &st) != 0) {
+    return absl::NotFoundError(absl::StrCat("token file ", path, " cannot be read"));
+  }
+  // Group read is allowed (a Kubernetes Secret mounted for fsGroup is 0440); others, never.
+  if ((st.st_mode & 027) != 0) {
+    return absl::PermissionDeniedError(absl::StrCat("token file ", path, " is open to others or writable by its group (mode ",
+                                                    OctalMode(st.st_mode), "); chmod 600 it"));
+  }
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("token file ", path, " cannot be read"));
+  Tokens out;
+  std::string line;
+  for (int n = 1; std::getline(in, line); ++n) {
+    const std::string text(absl::StripAsciiWhitespace(line.substr(0, line.find('#'))));
+    if (text.empty()) continue;
+    std::vector<std::string> f = absl::StrSplit(text, absl::ByAnyChar(" \t"), absl::SkipEmpty());
+    auto bad = [&](const std::string& what) {
+      return absl::InvalidArgumentError(absl::StrCat("token file ", path, " line ", n, ": ", what,
+                                                     "; each line is 'ROLE TOKEN' with ROLE rank, read or admin"));
+    };
+    if (f.size() != 2) return bad("expected two fields");
+    Role role;
+    if (f[0] == "rank") {
+      role = Role::kRank;
+    } else if (f[0] == "read") {
+      role = Role::kRead;
+    } else if (f[0] == "admin") {
+      role = Role::kAdmin;
+    } else {
+      return bad("unknown role");
+    }
+    if (f[1].size() < 16) return bad("the token is shorter than 16 bytes");
+    out.tokens_.emplace_back(role, f[1]);
+  }
+  if (out.tokens_.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("token file ", path, " holds no token"));
+  }
+  return out;
+}
+
+absl::Status Tokens::Check(const std::string& authorization, Role needed, const char* method) const {
+  if (!enabled()) return absl::OkStatus();
+  constexpr char kBearer[] = "Bearer ";
+  if (authorization.rfind(kBearer, 0) != 0) {
+    return absl::UnauthenticatedError(absl::StrCat(
+        method, ": no token; this coordinator requires `authorization: Bearer <token>` (the worker and shardctl "
+        "read it from $SHARDCOORD_TOKEN or the file named by $SHARDCOORD_TOKEN_FILE)"));
+  }
+  const std::string given = authorization.substr(sizeof(kBearer) - 1);
+  bool known = false, allowed = false;
+  for (const auto& [role, token] : tokens_) {  // Every token compared, in constant time each.
+    if (SameSecret(given, token)) {
+      known = true;
+      allowed = allowed || role == Role::kAdmin || role == needed;
+    }
+  }
+  if (!known) return absl::UnauthenticatedError(absl::StrCat(method, ": the token is not one this coordinator knows"));
+  if (!allowed) {
+    return absl::PermissionDeniedError(
+        absl::StrCat(method, ": needs a token of role ", RoleName(needed), " (or admin)"));
+  }
+  return absl::OkStatus();
+}
+
+bool IsLoopbackAddress(const std::string& listen_address) {
+  const size_t colon = listen_address.rfind(':');
+  std::string host = colon == std::string::npos ? listen_address : listen_address.substr(0, colon);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+  return host == "localhost" || host == "::1" || host.rfind("127.", 0) == 0;
+}
+
+}  // namespace shardcoord::coordinator

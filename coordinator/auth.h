@@ -1,0 +1,46 @@
+// Tokens with roles (DESIGN 13). With a token file, every RPC must carry
+// `authorization: Bearer <token>` of a role allowed to make it:
+//   rank   the session stream (register, plans, heartbeats) and communicator calls;
+//   read   the operator queries (status, ranks, groups, decisions, events, comms);
+//   admin  everything.
+// Without one, every caller is allowed; the daemon then listens only on loopback unless
+// started with --insecure (ValidateOptions).
+#ifndef SHARDCOORD_COORDINATOR_AUTH_H_
+#define SHARDCOORD_COORDINATOR_AUTH_H_
+
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace shardcoord::coordinator {
+
+enum class Role { kRank, kRead, kAdmin };
+const char* RoleName(Role role);
+
+class Tokens {
+ public:
+  // Lines "ROLE TOKEN" (role rank, read or admin; tokens of at least 16 printable bytes; several
+  // per role, for rotation); '#' starts a comment. The file must not be open to others or
+  // writable by its group (0600, or 0440 for a Kubernetes Secret with fsGroup). Errors name the file, the line and what to do; tokens are never echoed.
+  static absl::StatusOr<Tokens> Load(const std::string& path);
+  static Tokens None() { return Tokens(); }
+
+  bool enabled() const { return !tokens_.empty(); }
+  // OK; UNAUTHENTICATED (no bearer token, or not a known one); PERMISSION_DENIED (its role may
+  // not make `method`). `authorization` is the header's value ("" when absent).
+  absl::Status Check(const std::string& authorization, Role needed, const char* method) const;
+
+ private:
+  std::vector<std::pair<Role, std::string>> tokens_;
+};
+
+// Whether HOST:PORT names a loopback address (127.0.0.0/8, [::1], localhost).
+bool IsLoopbackAddress(const std::string& listen_address);
+
+}  // namespace shardcoord::coordinator
+
+#endif  // SHARDCOORD_COORDINATOR_AUTH_H_
