@@ -18,6 +18,8 @@
 #include <gloo/rendezvous/hash_store.h>
 #include <gloo/transport/tcp/device.h>
 
+#include <unistd.h>
+
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cstdio>
@@ -55,7 +57,8 @@ void Compute(absl::Duration d) { absl::SleepFor(d); }
 int VisionCalls(int rank, int k) { return (k % 3 == 0) ? 1 : (k % 3 == 1) ? 0 : rank % 2; }
 
 std::vector<double> RunShardcoord(const std::string& address, const std::string& job, int group_size,
-                                  int microbatches, int lookahead, absl::Duration compute) {
+                                  int microbatches, int lookahead, absl::Duration compute,
+                                  const std::string& token = "") {
   std::vector<std::vector<double>> per_rank(group_size);
   std::vector<std::thread> threads;
   for (int r = 0; r < group_size; ++r) {
@@ -68,6 +71,7 @@ std::vector<double> RunShardcoord(const std::string& address, const std::string&
       o.group_size = group_size;
       o.modules = {{"vision_tower", 1 << 20, {}, false}};
       o.lookahead = std::max(1, lookahead);
+      o.token = token;
       auto w = shardcoord::Worker::Connect(o);
       if (!w.ok()) {
         std::fprintf(stderr, "rank %d: %s\n", r, w.status().ToString().c_str());
@@ -158,9 +162,28 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "%s\n", std::string(server.status().message()).c_str());
     return 1;
   }
+  // The same coordinator with tokens (DESIGN 13), to measure what checking them costs.
+  char token_path[] = "/tmp/critical-path-tokens-XXXXXX";
+  const int fd = mkstemp(token_path);  // Mode 0600.
+  const std::string token = "rank-critical-path-0123456789abcdef";
+  if (fd < 0 || write(fd, ("rank " + token + "\n").data(), token.size() + 6) < 0) {
+    std::fprintf(stderr, "cannot write a token file in /tmp\n");
+    return 1;
+  }
+  close(fd);
+  o.token_file = token_path;
+  auto secured = shardcoord::coordinator::CoordinatorServer::Start(o);
+  unlink(token_path);
+  if (!secured.ok()) {
+    std::fprintf(stderr, "%s\n", std::string(secured.status().message()).c_str());
+    return 1;
+  }
   const absl::Duration compute = absl::Microseconds(compute_us);
   Stats ahead = Summarize(RunShardcoord((*server)->address(), "ahead", group_size, microbatches, lookahead, compute));
   Stats none = Summarize(RunShardcoord((*server)->address(), "none", group_size, microbatches, 0, compute));
+  Stats ahead_t = Summarize(
+      RunShardcoord((*secured)->address(), "ahead", group_size, microbatches, lookahead, compute, token));
+  Stats none_t = Summarize(RunShardcoord((*secured)->address(), "none", group_size, microbatches, 0, compute, token));
   Stats inband = Summarize(RunInbandAllreduce(group_size, microbatches, compute));
   std::printf("| approach (group of %d, %d microbatches, %d us compute) | p50 (us) | p99 (us) | mean (us) |\n",
               group_size, microbatches, compute_us);
@@ -169,6 +192,10 @@ int main(int argc, char** argv) {
               ahead.p99_us, ahead.mean_us);
   std::printf("| shardcoord, no lookahead: ReportPlan + GetDecision | %.1f | %.1f | %.1f |\n", none.p50_us,
               none.p99_us, none.mean_us);
+  std::printf("| shardcoord with tokens, lookahead %d: GetDecision | %.1f | %.1f | %.1f |\n", lookahead,
+              ahead_t.p50_us, ahead_t.p99_us, ahead_t.mean_us);
+  std::printf("| shardcoord with tokens, no lookahead: ReportPlan + GetDecision | %.1f | %.1f | %.1f |\n",
+              none_t.p50_us, none_t.p99_us, none_t.mean_us);
   std::printf("| baseline: in-band Gloo all-reduce(MAX) of a bitmask | %.1f | %.1f | %.1f |\n", inband.p50_us,
               inband.p99_us, inband.mean_us);
   std::printf("\nratio in-band / shardcoord-with-lookahead (p50): %.0fx\n",

@@ -7,6 +7,10 @@
 #include "coordinator/coordinator_core.h"
 #include "coordinator/recovery.h"
 #include "coordinator/registration.h"
+#include "coordinator/state_file.h"
+#include "support/test_env.h"
+
+#include <fstream>
 #include "support/core_fakes.h"
 
 namespace shardcoord::coordinator {
@@ -234,6 +238,27 @@ TEST_F(CoreRecoveryTest, StaticPoliciesHandOutTheHeldDecisionToAMemberThatReport
   EXPECT_EQ(d1[0].digest(), Decision(2, 0, 6, v1::DECISION_ROOT, v1::REASON_STATIC_POLICY).digest());
   SendPlan(1, 2, 1, 1);
   EXPECT_EQ(sinks_[1]->Decisions().back().seq(), 7u);
+}
+
+TEST(StateFileTest, IncarnationsKeepIncreasingAndABadFileIsIgnored) {
+  shardcoord::testing::TempDir dir;
+  const std::string path = dir.File("state");
+  const absl::Time now = absl::FromUnixSeconds(1'800'000'000);
+  EXPECT_EQ(ReadIncarnation(path).status().code(), absl::StatusCode::kNotFound);
+  const uint64_t first = NextIncarnation(path, now);
+  EXPECT_EQ(first, static_cast<uint64_t>(absl::ToUnixMicros(now)));
+  ASSERT_TRUE(ReadIncarnation(path).ok());
+  EXPECT_EQ(*ReadIncarnation(path), first);
+  // The clock stepped back an hour: the file keeps the next start larger.
+  EXPECT_EQ(NextIncarnation(path, now - absl::Hours(1)), first + 1);
+  // Truncated, edited or foreign files are detected, ignored, and rewritten.
+  for (const std::string bad : {"", "shardcoordd-state 1\nincarnation 12\ncheck 1\n", "garbage\n",
+                                "shardcoordd-state 1\nincarnation x\n"}) {
+    std::ofstream(path, std::ios::trunc) << bad;
+    EXPECT_EQ(ReadIncarnation(path).status().code(), absl::StatusCode::kDataLoss) << bad;
+    EXPECT_EQ(NextIncarnation(path, now + absl::Seconds(1)), static_cast<uint64_t>(absl::ToUnixMicros(now)) + 1000000);
+    EXPECT_TRUE(ReadIncarnation(path).ok()) << "rewritten after " << bad;
+  }
 }
 
 }  // namespace
