@@ -127,7 +127,7 @@ class Worker::Impl {
   // Reconnects and resumes within the reconnect window (DESIGN 12); the error says why not.
   absl::Status Resume();
   absl::Status TryResume(absl::Time window_end);
-  v1::ResumeState ResumeStateLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  v1::ResumeState ResumeStateLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);  // Also sets resumed_through_.
   void StartWriterLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The session is over for good: pending calls fail with `why`, communicators abort.
   void EndSession(absl::Status why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -193,6 +193,7 @@ class Worker::Impl {
   v1::RegisterResponse previous_ ABSL_GUARDED_BY(mu_);
   bool resuming_ ABSL_GUARDED_BY(mu_) = false;
   bool resume_answered_ ABSL_GUARDED_BY(mu_) = false;  // This attempt's first read returned.
+  std::optional<MicrobatchKey> resumed_through_ ABSL_GUARDED_BY(mu_);  // Last plan the resume carried.
   int64_t resumes_ ABSL_GUARDED_BY(mu_) = 0;
   bool closed_ = false;  // Touched only by Close, which callers serialize via close_mu_.
   absl::Mutex close_mu_;

@@ -173,11 +173,15 @@ absl::Status Worker::Impl::TryResume(absl::Time window_end) {
   return absl::OkStatus();
 }
 
-v1::ResumeState Worker::Impl::ResumeStateLocked() const {
+v1::ResumeState Worker::Impl::ResumeStateLocked() {
   v1::ResumeState r;
   r.set_incarnation(incarnation_);
   r.set_group_epoch(group_.epoch);
-  for (const auto& p : queue_.Undecided()) ToProto(p, r.add_undecided());
+  resumed_through_.reset();
+  for (const auto& p : queue_.Undecided()) {
+    ToProto(p, r.add_undecided());
+    resumed_through_ = p.key;
+  }
   for (const auto& comm : comms_.Open()) {
     auto* c = r.add_comms();
     c->set_name(comm->name());
@@ -209,7 +213,12 @@ absl::Status Worker::Impl::OnResumed(const v1::RegisterResponse& r) {
   incarnation_ = r.incarnation();
   session_key_->Set(r.session_key());
   previous_ = r;
-  outbox_.clear();       // Every plan not decided yet went with the resume.
+  // Plans the resume carried are not sent again; plans reported after it was built (while
+  // the answer was on its way) still are.
+  while (!outbox_.empty() && resumed_through_ &&
+         !(*resumed_through_ < MicrobatchKey{outbox_.front().step(), outbox_.front().microbatch()})) {
+    outbox_.pop_front();
+  }
   ready_acks_.clear();   // Acknowledgements of the old process's aborts.
   resumes_++;
   if (r.epoch() != group_.epoch) {
