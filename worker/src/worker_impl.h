@@ -185,16 +185,13 @@ class Worker::Impl {
   std::vector<std::pair<std::string, int64_t>> ready_acks_ ABSL_GUARDED_BY(mu_);
   bool closing_ ABSL_GUARDED_BY(mu_) = false;
   bool writer_done_ ABSL_GUARDED_BY(mu_) = false;
-  // Resume (DESIGN 12): the coordinator process we are registered with, what it answered,
-  // and whether we are reconnecting now.
+  // Resume (DESIGN 12): the coordinator process we are registered with and what it answered.
   uint64_t incarnation_ ABSL_GUARDED_BY(mu_) = 0;
   // Shared with communicators' rendezvous (they may outlive us); set at each registration.
   const std::shared_ptr<internal::SessionKey> session_key_ = std::make_shared<internal::SessionKey>();
   v1::RegisterResponse previous_ ABSL_GUARDED_BY(mu_);
-  bool resuming_ ABSL_GUARDED_BY(mu_) = false;
   bool resume_answered_ ABSL_GUARDED_BY(mu_) = false;  // This attempt's first read returned.
   std::optional<MicrobatchKey> resumed_through_ ABSL_GUARDED_BY(mu_);  // Last plan the resume carried.
-  int64_t resumes_ ABSL_GUARDED_BY(mu_) = 0;
   bool closed_ = false;  // Touched only by Close, which callers serialize via close_mu_.
   absl::Mutex close_mu_;
 };

@@ -27,14 +27,12 @@ void Worker::Impl::ReaderLoop() {
       reader_done_ = true;
       return;
     }
-    resuming_ = true;
     log_->warn("{} session with coordinator at {} lost ({}): reconnecting for up to {} ms; decisions already "
                "received stay usable, communicators stay open", Prefix(), address_, st.error_message(),
                absl::ToInt64Milliseconds(options_.reconnect_window));
     mu_.Unlock();
     absl::Status resumed = Resume();
     mu_.Lock();
-    resuming_ = false;
     if (!resumed.ok()) {
       EndSession(resumed);
       reader_done_ = true;
@@ -220,7 +218,6 @@ absl::Status Worker::Impl::OnResumed(const v1::RegisterResponse& r) {
     outbox_.pop_front();
   }
   ready_acks_.clear();   // Acknowledgements of the old process's aborts.
-  resumes_++;
   if (r.epoch() != group_.epoch) {
     // The group re-formed meanwhile (it failed while we were away): keys start afresh.
     const int cancelled = queue_.FailPending(absl::AbortedError(absl::StrCat(
