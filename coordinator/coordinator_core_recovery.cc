@@ -12,12 +12,6 @@
 #include "shardcoord/proto/convert.h"
 
 namespace shardcoord::coordinator {
-namespace {
-
-MicrobatchKey KeyOf(const v1::MicrobatchDecision& d) { return {d.step(), d.microbatch()}; }
-
-}  // namespace
-
 bool CoordinatorCore::IsFreshGroup(const Job& job, const Group& group) const {
   if (group.state != v1::GROUP_STATE_FORMING || group.epoch != 0 || group.last_decided) return false;
   return std::none_of(group.ranks.begin(), group.ranks.end(),

@@ -8,9 +8,6 @@
 namespace shardcoord::coordinator {
 namespace {
 
-MicrobatchKey KeyOf(const v1::MicrobatchDecision& d) { return {d.step(), d.microbatch()}; }
-MicrobatchKey KeyOf(const v1::MicrobatchPlan& p) { return {p.step(), p.microbatch()}; }
-
 // Two held copies of one decision agree when everything but the delivery time does.
 bool SameDecision(const v1::MicrobatchDecision& a, const v1::MicrobatchDecision& b) {
   v1::MicrobatchDecision x = a, y = b;

@@ -22,6 +22,9 @@
 
 namespace shardcoord::coordinator {
 
+inline MicrobatchKey KeyOf(const v1::MicrobatchDecision& d) { return {d.step(), d.microbatch()}; }
+inline MicrobatchKey KeyOf(const v1::MicrobatchPlan& p) { return {p.step(), p.microbatch()}; }
+
 // One member's report, as it resumed.
 struct MemberResume {
   int rank = 0;

@@ -249,12 +249,7 @@ uint64_t DecisionConfigDigest(const CoordinatorOptions& options) {
   const std::string text = absl::StrCat("promote_window=", options.promotion.window,
                                         " promote_threshold=", options.promotion.promote_threshold,
                                         " demote_threshold=", options.promotion.demote_threshold);
-  uint64_t h = 1469598103934665603ull;
-  for (unsigned char c : text) {
-    h ^= c;
-    h *= 1099511628211ull;
-  }
-  return h;
+  return Fnv1a(text);
 }
 
 absl::Status CheckResume(const v1::RegisterRequest& req, uint64_t incarnation, uint64_t config_digest) {

@@ -6,21 +6,13 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "coordinator/text.h"
 #include "shardcoord/internal/logging.h"
 
 namespace shardcoord::coordinator {
 namespace {
 
 constexpr char kHeader[] = "shardcoordd-state 1";
-
-uint64_t Fnv1a(const std::string& s) {
-  uint64_t h = 1469598103934665603ull;
-  for (unsigned char c : s) {
-    h ^= c;
-    h *= 1099511628211ull;
-  }
-  return h;
-}
 
 }  // namespace
 

@@ -1,6 +1,7 @@
 // Text helpers for the coordinator's messages and logs.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -10,6 +11,16 @@
 namespace shardcoord::coordinator {
 
 using shardcoord::kNamesInMessages;
+
+// 64-bit FNV-1a of `text`: a checksum (state file) and a digest of settings, not a secret.
+inline uint64_t Fnv1a(const std::string& text) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : text) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  return h;
+}
 
 inline std::string RankList(const std::vector<int>& ranks) { return absl::StrJoin(ranks, ","); }
 

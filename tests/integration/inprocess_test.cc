@@ -69,6 +69,22 @@ class InProcessTest : public ::testing::Test {
     return w.ok() ? std::move(*w) : nullptr;
   }
 
+  // Both workers open "world" and all-reduce one value each, on two threads; asserts success.
+  static void AllReduceOnWorld(Worker& w0, Worker& w1, int64_t* v0, int64_t* v1, ReduceOp op) {
+    auto run = [op](Worker& w, int64_t* v) {
+      CommunicatorOptions co;
+      co.name = "world";
+      auto c = w.OpenCommunicator(co);
+      return c.ok() ? (*c)->AllReduce(v, 1, op) : c.status();
+    };
+    absl::Status s0;
+    std::thread t0([&] { s0 = run(w0, v0); });
+    absl::Status s1 = run(w1, v1);
+    t0.join();
+    ASSERT_TRUE(s0.ok()) << s0;
+    ASSERT_TRUE(s1.ok()) << s1;
+  }
+
   static MicrobatchPlan PlanOf(int64_t step, int mb, int vision, int audio = 0) {
     return MicrobatchPlan{{step, mb}, {{"vision_tower", vision}, {"audio_tower", audio}}};
   }
@@ -544,20 +560,7 @@ TEST_F(InProcessTest, CommunicatorRendezvousRejectsBadInputAndKeepsWorking) {
   auto b = Connect(Options(1, 2, 2, Policy::kAuto, "comm-ok"));
   ASSERT_TRUE(a && b);
   int64_t va = 5, vb = 7;
-  absl::Status sa, sb;
-  std::thread ta([&] {
-    CommunicatorOptions co;
-    co.name = "world";
-    auto c = a->OpenCommunicator(co);
-    sa = c.ok() ? (*c)->AllReduce(&va, 1, ReduceOp::kMax) : c.status();
-  });
-  CommunicatorOptions co;
-  co.name = "world";
-  auto c = b->OpenCommunicator(co);
-  sb = c.ok() ? (*c)->AllReduce(&vb, 1, ReduceOp::kMax) : c.status();
-  ta.join();
-  ASSERT_TRUE(sa.ok()) << sa;
-  ASSERT_TRUE(sb.ok()) << sb;
+  AllReduceOnWorld(*a, *b, &va, &vb, ReduceOp::kMax);
   EXPECT_EQ(va, 7);
   EXPECT_EQ(vb, 7);
 }
@@ -741,23 +744,7 @@ TEST_F(TokenTest, EveryCallNeedsAKnownTokenOfARoleAllowedToMakeIt) {
   ASSERT_TRUE(d0.ok() && d1.ok());
   EXPECT_EQ(d0->digest, d1->digest);
   int64_t a = 2, b = 3;
-  absl::Status sa, sb;
-  std::thread ta([&] {
-    CommunicatorOptions co;
-    co.name = "world";
-    auto c = w0->OpenCommunicator(co);
-    sa = c.ok() ? (*c)->AllReduce(&a, 1) : c.status();
-  });
-  std::thread tb([&] {
-    CommunicatorOptions co;
-    co.name = "world";
-    auto c = w1->OpenCommunicator(co);
-    sb = c.ok() ? (*c)->AllReduce(&b, 1) : c.status();
-  });
-  ta.join();
-  tb.join();
-  ASSERT_TRUE(sa.ok()) << sa;
-  ASSERT_TRUE(sb.ok()) << sb;
+  AllReduceOnWorld(*w0, *w1, &a, &b, ReduceOp::kSum);
   EXPECT_EQ(a, 5);
   EXPECT_EQ(b, 5);
 }

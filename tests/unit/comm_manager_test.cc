@@ -57,15 +57,28 @@ class CommManagerTest : public ::testing::Test, protected shardcoord::testing::C
     return key;
   }
 
-  // Joins "world"; the answer lands in *out when the core gives it.
-  void Join(int rank, std::optional<absl::StatusOr<v1::CommJoinResponse>>* out, int timeout_ms = 5000) {
+  // A join of communicator `name` by `rank`, from its session.
+  v1::CommJoinRequest JoinRequest(int rank, const std::string& name, int timeout_ms = 5000) {
     v1::CommJoinRequest req;
     req.set_job_id("job");
     req.set_rank(rank);
     req.set_session_key(Key(rank));
-    req.set_name("world");
+    req.set_name(name);
     req.set_timeout_ms(timeout_ms);
-    core_->CommJoin(req, [out](absl::StatusOr<v1::CommJoinResponse> r) { *out = std::move(r); });
+    return req;
+  }
+
+  // The core's answer to `req`, if it gave one at once.
+  std::optional<absl::StatusOr<v1::CommJoinResponse>> JoinNow(const v1::CommJoinRequest& req) {
+    std::optional<absl::StatusOr<v1::CommJoinResponse>> out;
+    core_->CommJoin(req, [&out](absl::StatusOr<v1::CommJoinResponse> r) { out = std::move(r); });
+    return out;
+  }
+
+  // Joins "world"; the answer lands in *out when the core gives it.
+  void Join(int rank, std::optional<absl::StatusOr<v1::CommJoinResponse>>* out, int timeout_ms = 5000) {
+    core_->CommJoin(JoinRequest(rank, "world", timeout_ms),
+                    [out](absl::StatusOr<v1::CommJoinResponse> r) { *out = std::move(r); });
   }
 
   absl::Status Report(int rank, int64_t epoch, v1::CommReportRequest::Kind kind, const std::string& error = "") {
@@ -205,25 +218,15 @@ TEST_F(CommManagerTest, AJoinThatCannotCompleteFailsAtItsDeadlineNamingTheMissin
 }
 
 TEST_F(CommManagerTest, BadCallsFromTheRankItselfAreRefusedNamingWhatIsWrong) {
-  CoordinatorOptions o = CommTestOptions();
-  Reset(o);
-  for (int r = 0; r < 2; ++r) ASSERT_TRUE(Register(r).ok());
-  std::optional<absl::StatusOr<v1::CommJoinResponse>> j;
-  v1::CommJoinRequest join;
-  join.set_job_id("job");
-  join.set_rank(0);
-  join.set_session_key(Key(0));
-  join.set_name("group/1");
-  join.set_timeout_ms(100);
-  core_->CommJoin(join, [&](absl::StatusOr<v1::CommJoinResponse> r) { j = std::move(r); });
+  v1::CommJoinRequest join = JoinRequest(0, "group/1", /*timeout_ms=*/100);
+  auto j = JoinNow(join);
   ASSERT_TRUE(j.has_value());
   EXPECT_EQ(j->status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(j->status().message(), HasSubstr("has groups 0..0"));
   join.set_name("custom");
   join.add_ranks(0);
   join.add_ranks(9);
-  j.reset();
-  core_->CommJoin(join, [&](absl::StatusOr<v1::CommJoinResponse> r) { j = std::move(r); });
+  j = JoinNow(join);
   ASSERT_TRUE(j.has_value());
   EXPECT_EQ(j->status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(j->status().message(), HasSubstr("in 0..1"));
@@ -268,14 +271,9 @@ TEST_F(CommManagerTest, BadCallsFromTheRankItselfAreRefusedNamingWhatIsWrong) {
 }
 
 TEST_F(CommManagerTest, NamesKeysAndValuesAreBoundedAndMustBePrintable) {
-  std::optional<absl::StatusOr<v1::CommJoinResponse>> j;
-  v1::CommJoinRequest req;
-  req.set_job_id("job");
-  req.set_rank(0);
-  req.set_session_key(Key(0));
-  req.set_name("evil\x1b[2J");
+  v1::CommJoinRequest req = JoinRequest(0, "evil\x1b[2J");
   req.add_ranks(0);
-  core_->CommJoin(req, [&](absl::StatusOr<v1::CommJoinResponse> r) { j = std::move(r); });
+  auto j = JoinNow(req);
   ASSERT_TRUE(j.has_value());
   EXPECT_EQ(j->status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(j->status().message(), HasSubstr("control character"));
@@ -307,13 +305,11 @@ TEST_F(CommManagerTest, NamesKeysAndValuesAreBoundedAndMustBePrintable) {
   for (int r = 0; r < 2; ++r) ASSERT_TRUE(Register(r).ok());
   std::vector<absl::StatusOr<v1::CommJoinResponse>> answers;
   for (const char* name : {"a", "b", "c"}) {
-    v1::CommJoinRequest c;
-    c.set_job_id("job");
-    c.set_rank(0);
-    c.set_session_key(Key(0));
-    c.set_name(name);
+    v1::CommJoinRequest c = JoinRequest(0, name);
     c.add_ranks(0);
-    core_->CommJoin(c, [&](absl::StatusOr<v1::CommJoinResponse> r) { answers.push_back(std::move(r)); });
+    auto answer = JoinNow(c);
+    ASSERT_TRUE(answer.has_value()) << name;
+    answers.push_back(*std::move(answer));
   }
   ASSERT_EQ(answers.size(), 3u);
   EXPECT_TRUE(answers[0].ok() && answers[1].ok());
@@ -326,13 +322,7 @@ TEST_F(CommManagerTest, CompletionsRunAfterTheCoreLockIsReleased) {
   // find the core's mutex held: the core defers completions until it unlocks (DESIGN 8).
   // The call back runs on its own thread with a deadline, so a regression fails, not hangs.
   bool reentered = false;
-  v1::CommJoinRequest req;
-  req.set_job_id("job");
-  req.set_rank(0);
-  req.set_session_key(Key(0));
-  req.set_name("world");
-  req.set_timeout_ms(5000);
-  core_->CommJoin(req, [&](absl::StatusOr<v1::CommJoinResponse> r) {
+  core_->CommJoin(JoinRequest(0, "world"), [&](absl::StatusOr<v1::CommJoinResponse> r) {
     ASSERT_TRUE(r.ok()) << r.status();
     auto status = std::async(std::launch::async, [&] { return core_->Comms("job"); });
     reentered = status.wait_for(std::chrono::seconds(10)) == std::future_status::ready;
