@@ -31,6 +31,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/time.h"
 #include "replay.h"
+#include "shardcoord/channel_credentials.h"
 #include "shardcoord/internal/logging.h"
 #include "shardcoord/proto/convert.h"
 #include "shardcoord/v1/coordinator.grpc.pb.h"
@@ -108,14 +109,22 @@ std::string FormatTime(int64_t unix_ms) {
 struct Client {
   std::string address;
   std::string token;  // `authorization: Bearer`, when the coordinator requires tokens.
+  shardcoord::TlsFiles tls;
   int timeout_ms = 5000;
   std::unique_ptr<v1::Coordinator::Stub> stub;
 
-  void Connect() {
+  // False (and one line on stderr) when the TLS files cannot be used.
+  bool Connect() {
     // A job of 65536 ranks lists more than gRPC's default 4 MiB.
     grpc::ChannelArguments args;
     args.SetMaxReceiveMessageSize(64 << 20);
-    stub = v1::Coordinator::NewStub(grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args));
+    auto creds = shardcoord::ChannelCredentialsFor(shardcoord::ResolveTls(tls), args);
+    if (!creds.ok()) {
+      std::cerr << "shardctl: " << creds.status().message() << "\n";
+      return false;
+    }
+    stub = v1::Coordinator::NewStub(grpc::CreateCustomChannel(address, *creds, args));
+    return true;
   }
 
   // Runs one RPC with a deadline; on failure prints one line and returns false.
@@ -130,7 +139,11 @@ struct Client {
           s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
         std::cerr << "shardctl: cannot reach coordinator at " << address << " (" << what
                   << ": " << s.error_message()
-                  << "); is shardcoordd running? set --coordinator or SHARDCOORD_ADDR\n";
+                  << "); is shardcoordd running? set --coordinator or SHARDCOORD_ADDR"
+                  << (shardcoord::ResolveTls(tls).enabled()
+                          ? "; check that it serves TLS with a certificate signed by the CA given (--tls-ca)"
+                          : "; if it serves TLS, give its CA (--tls-ca or $SHARDCOORD_TLS_CA)")
+                  << "\n";
       } else {
         std::cerr << "shardctl: " << what << " failed: " << s.error_message() << "\n";
       }
@@ -334,6 +347,12 @@ int main(int argc, char** argv) {
   // $SHARDCOORD_ADDR is read below, not with envname(), so that an error names its source.
   app.add_option("--coordinator", address,
                  "coordinator HOST:PORT or [IPV6]:PORT (default $SHARDCOORD_ADDR, then 127.0.0.1:7871)");
+  app.add_option("--tls-ca", client.tls.ca_file, "PEM CA bundle that signed the coordinator's certificate (TLS; "
+                 "default $SHARDCOORD_TLS_CA)");
+  app.add_option("--tls-cert", client.tls.cert_file, "PEM client certificate, for mutual TLS (default $SHARDCOORD_TLS_CERT)");
+  app.add_option("--tls-key", client.tls.key_file, "PEM key of --tls-cert (default $SHARDCOORD_TLS_KEY)");
+  app.add_option("--tls-server-name", client.tls.server_name,
+                 "name the coordinator's certificate must carry, if not the host dialled ($SHARDCOORD_TLS_SERVER_NAME)");
   app.add_option("--timeout-ms", client.timeout_ms, "deadline of each query RPC")
       ->check(CLI::Range(1, kMaxTimeoutMs));
   std::string job;
@@ -457,6 +476,7 @@ int main(int argc, char** argv) {
     ro.decision_timeout = absl::Milliseconds(decision_timeout_ms);
     ro.connect_timeout = absl::Milliseconds(connect_timeout_ms);
     ro.reconnect_window = absl::Milliseconds(reconnect_window_ms);
+    ro.tls = client.tls;
     if (!ranks_arg.empty()) {
       for (absl::string_view part : absl::StrSplit(ranks_arg, ',', absl::SkipEmpty())) {
         int r;
@@ -526,7 +546,7 @@ int main(int argc, char** argv) {
     return kExitUsage;
   }
   client.token = *token;
-  client.Connect();
+  if (!client.Connect()) return kExitUsage;
   if (status->parsed()) return CmdStatus(client, job, json);
   if (ranks->parsed()) return CmdRanks(client, job, json);
   if (groups->parsed()) return CmdGroups(client, job, json);

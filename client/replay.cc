@@ -105,6 +105,7 @@ void PlayRank(const Trace& trace, const ReplayOptions& o, const std::string& add
   wo.memory_budget_bytes = o.memory_budget_bytes;
   wo.connect_timeout = o.connect_timeout;
   wo.reconnect_window = o.reconnect_window;
+  wo.tls = o.tls;
   auto worker = Worker::Connect(wo);
   if (!worker.ok()) {
     run->failed = true;

@@ -32,6 +32,7 @@ struct ReplayOptions {
   absl::Duration connect_timeout = absl::Seconds(30);
   absl::Duration reconnect_window = kDefaultReconnectWindow;  // See WorkerOptions.
   bool per_rank = false;
+  TlsFiles tls;  // See WorkerOptions; empty fields come from the environment.
 };
 
 // Exit codes of `shardctl replay`.

@@ -3,6 +3,7 @@
 #include "coordinator/coordinator_server.h"
 
 #include "coordinator/auth.h"
+#include "coordinator/tls.h"
 
 #include <dirent.h>
 #include <grpcpp/grpcpp.h>
@@ -372,16 +373,18 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   std::unique_ptr<CoordinatorServer> server(new CoordinatorServer);
   const std::string listen = options.listen_address;
   server->core_ = std::make_unique<CoordinatorCore>(options, clock);
+  if (absl::Status s = CheckTls(options.tls); !s.ok()) return s;
   Tokens tokens = Tokens::None();
   if (!options.token_file.empty()) {
     auto loaded = Tokens::Load(options.token_file);
     if (!loaded.ok()) return loaded.status();
     tokens = *std::move(loaded);
   }
+  const bool tokens_enabled = tokens.enabled();
   server->service_ = std::make_unique<CoordinatorService>(server->core_.get(), std::move(tokens));
 
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &server->port_);
+  builder.AddListeningPort(listen, ServerCredentialsFor(options.tls), &server->port_);
   builder.RegisterService(server->service_.get());
   // Workers send keepalive pings to notice a lost coordinator; let them.
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
@@ -403,10 +406,20 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   server->ticker_ = std::make_unique<Ticker>(server->core_.get());
   server->ticker_->Start();
   server->on_listener_lost_ = std::move(on_listener_lost);
-  if (options.limits.self_check_interval > absl::ZeroDuration()) {
+  bool self_check = options.limits.self_check_interval > absl::ZeroDuration();
+  if (self_check && options.tls.mutual() && !ServerCertificateIsAClient(options.tls)) {
+    self_check = false;
+    logging::Get("coordinator")
+        ->warn("listener self-check off: under mutual TLS it presents the daemon's certificate, which the client "
+               "CA does not accept as a client certificate; issue it from that CA with extendedKeyUsage "
+               "serverAuth,clientAuth to have a deaf listener noticed");
+  }
+  if (self_check) {
     server->self_check_ = std::thread([s = server.get()] { s->SelfCheckLoop(); });
   }
-  logging::Get("coordinator")->info("serving address={}", server->address_);
+  logging::Get("coordinator")
+      ->info("serving address={} tls={} tokens={}", server->address_,
+             !options.tls.enabled() ? "off" : options.tls.mutual() ? "mutual" : "on", tokens_enabled ? "on" : "off");
   return server;
 }
 
@@ -424,10 +437,18 @@ int OpenDescriptors() {
   return n > 2 ? n - 3 : n;  // ".", ".." and the directory's own descriptor
 }
 
+// Whether the self-check's call shows the listener accepting. Any answer does (a refused token
+// too); a call that never got one (DEADLINE_EXCEEDED, or UNAVAILABLE: no connection formed)
+// does not.
+bool ListenerAnswered(const grpc::Status& st) {
+  return st.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED && st.error_code() != grpc::StatusCode::UNAVAILABLE;
+}
+
 }  // namespace
 
 void CoordinatorServer::SelfCheckLoop() {
   const absl::Duration interval = core_->options().limits.self_check_interval;
+  const TlsSettings& tls = core_->options().tls;
   // Our own address, reached over loopback when we listen on every interface.
   std::string target = address_;
   if (absl::StartsWith(target, "0.0.0.0:")) target = "127.0.0.1:" + target.substr(8);
@@ -440,14 +461,14 @@ void CoordinatorServer::SelfCheckLoop() {
     mu_.Unlock();
     grpc::ChannelArguments args;
     args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);  // A new connection: it must be accepted.
-    auto stub = v1::Coordinator::NewStub(grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args));
+    auto stub = v1::Coordinator::NewStub(grpc::CreateCustomChannel(target, SelfCheckCredentials(tls), args));
     grpc::ClientContext ctx;
     ctx.set_deadline(absl::ToChronoTime(absl::Now() + std::min(interval, absl::Seconds(2))));
     v1::StatusRequest req;
     req.set_job_id("\x01self-check");  // Matches no job: a small answer.
     v1::StatusResponse resp;
     const grpc::Status st = stub->GetStatus(&ctx, req, &resp);
-    failures = st.ok() ? 0 : failures + 1;
+    failures = ListenerAnswered(st) ? 0 : failures + 1;
     if (failures == 3) {
       rlimit lim{};
       getrlimit(RLIMIT_NOFILE, &lim);

@@ -58,6 +58,8 @@ void RaiseFileLimit() {
 struct Flags {
   std::string config_file;
   std::string listen, policy, fallback, log_level, address_file, state_file, token_file;
+  std::string tls_cert, tls_key, tls_client_ca;
+  std::optional<int64_t> tls_reload_s;
   bool insecure = false;
   std::optional<int64_t> hb_interval_ms, hb_timeout_ms, plan_timeout_ms, behind_threshold_ms, recovery_window_ms;
   std::optional<int> max_lookahead, promote_window, promote_threshold, demote_threshold, event_capacity,
@@ -114,7 +116,16 @@ void AddFlags(CLI::App& app, Flags& f) {
   app.add_option("--token-file", f.token_file,
                  "tokens with roles (lines 'ROLE TOKEN', mode 600); every call must then carry one")
       ->envname("SHARDCOORDD_TOKEN_FILE");
-  app.add_flag("--insecure", f.insecure, "serve a non-loopback address without tokens (anyone may act for any rank)");
+  app.add_option("--tls-cert", f.tls_cert, "PEM certificate chain: serve TLS only (with --tls-key)")
+      ->envname("SHARDCOORDD_TLS_CERT");
+  app.add_option("--tls-key", f.tls_key, "PEM private key of --tls-cert (mode 600)")->envname("SHARDCOORDD_TLS_KEY");
+  app.add_option("--tls-client-ca", f.tls_client_ca,
+                 "PEM CA bundle: require callers' certificates signed by it (mutual TLS)")
+      ->envname("SHARDCOORDD_TLS_CLIENT_CA");
+  app.add_option("--tls-reload-interval-s", f.tls_reload_s,
+                 "check the TLS files this often; renewed ones serve new connections without a restart");
+  app.add_flag("--insecure", f.insecure,
+               "serve a non-loopback address without TLS or tokens (anyone who reaches it may act for any rank)");
   app.add_option("--state-file", f.state_file,
                  "keep the incarnation here across restarts (optional: recovery works without it)");
   app.add_option("--recovery-window-ms", f.recovery_window_ms,
@@ -154,6 +165,10 @@ void ApplyFlags(const Flags& f, CoordinatorOptions& options) {
   if (!f.state_file.empty()) options.state_file = f.state_file;
   if (!f.token_file.empty()) options.token_file = f.token_file;
   if (f.insecure) options.insecure = true;
+  if (!f.tls_cert.empty()) options.tls.cert_file = f.tls_cert;
+  if (!f.tls_key.empty()) options.tls.key_file = f.tls_key;
+  if (!f.tls_client_ca.empty()) options.tls.client_ca_file = f.tls_client_ca;
+  if (f.tls_reload_s) options.tls.reload_interval = absl::Seconds(*f.tls_reload_s);
   if (f.recovery_window_ms) options.recovery_window = absl::Milliseconds(*f.recovery_window_ms);
 }
 
@@ -184,9 +199,15 @@ int Serve(CoordinatorOptions options) {
     return 2;
   }
   auto log = shardcoord::logging::Get("coordinator");
-  if (options.token_file.empty() && !shardcoord::coordinator::IsLoopbackAddress(options.listen_address)) {
-    log->warn("INSECURE: serving {} without tokens (--insecure): anyone who reaches this port can register, "
-              "act for and read every rank; give --token-file instead", options.listen_address);
+  if (!shardcoord::coordinator::IsLoopbackAddress(options.listen_address)) {
+    if (options.token_file.empty()) {
+      log->warn("INSECURE: serving {} without tokens (--insecure): anyone who reaches this port can register, "
+                "act for and read every rank; give --token-file instead", options.listen_address);
+    }
+    if (!options.tls.enabled()) {
+      log->warn("INSECURE: serving {} without TLS (--insecure): tokens, plans and rendezvous data travel in "
+                "clear text; give --tls-cert and --tls-key", options.listen_address);
+    }
   }
   if (!options.address_file.empty() &&
       !WriteAddressFile(options.address_file, (*server)->address())) {

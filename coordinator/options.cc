@@ -114,10 +114,12 @@ absl::Status ValidateCounts(const CoordinatorOptions& o) {
 
 absl::Status ValidateOptions(const CoordinatorOptions& o) {
   if (absl::Status s = ValidateListen(o); !s.ok()) return s;
-  if (o.token_file.empty() && !o.insecure && !IsLoopbackAddress(o.listen_address)) {
+  if (!o.insecure && !IsLoopbackAddress(o.listen_address) && (o.token_file.empty() || !o.tls.enabled())) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "listen address ", o.listen_address, " is not loopback, and without a token file anyone who reaches it "
-        "can act for any rank: give --token-file (see README, Security), or --insecure to accept that"));
+        "listen address ", o.listen_address, " is not loopback, and without ",
+        o.token_file.empty() ? "a token file anyone who reaches it can act for any rank"
+                             : "TLS the tokens travel in clear text",
+        ": give --token-file and --tls-cert/--tls-key (see README, Security), or --insecure to accept that"));
   }
   if (o.default_policy == Policy::kUnspecified) {
     return absl::InvalidArgumentError("default policy must be auto, per_layer, root or replicate");
@@ -170,6 +172,10 @@ absl::Status ApplyConfigKey(const std::string& path, const std::string& key, con
   if (key == "state_file") o.state_file = v.as<std::string>();
   if (key == "token_file") o.token_file = v.as<std::string>();
   if (key == "insecure") o.insecure = v.as<bool>();
+  if (key == "tls_cert_file") o.tls.cert_file = v.as<std::string>();
+  if (key == "tls_key_file") o.tls.key_file = v.as<std::string>();
+  if (key == "tls_client_ca_file") o.tls.client_ca_file = v.as<std::string>();
+  if (key == "tls_reload_interval_s") o.tls.reload_interval = absl::Seconds(v.as<int64_t>());
   if (key == "recovery_window_ms") o.recovery_window = absl::Milliseconds(v.as<int64_t>());
   if (key == "max_world_size") o.limits.max_world_size = v.as<int>();
   if (key == "max_jobs") o.limits.max_jobs = v.as<int>();
@@ -215,7 +221,8 @@ absl::StatusOr<CoordinatorOptions> LoadConfigFile(const std::string& path,
       "max_jobs",         "max_modules",       "max_units_per_module", "max_name_bytes",
       "max_pending_microbatches", "max_outbox_bytes", "job_retention_ms", "handshake_timeout_ms",
       "self_check_interval_ms", "state_file", "recovery_window_ms", "max_communicators_per_job",
-      "max_store_value_bytes", "token_file", "insecure"};
+      "max_store_value_bytes", "token_file", "insecure",
+      "tls_cert_file", "tls_key_file", "tls_client_ca_file", "tls_reload_interval_s"};
   for (const auto& kv : root) {
     if (!kv.first.IsScalar()) {
       return absl::InvalidArgumentError(

@@ -8,6 +8,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "coordinator/tls.h"
 #include "shardcoord/types.h"
 
 namespace shardcoord::coordinator {
@@ -98,7 +99,10 @@ struct CoordinatorOptions {
   std::string state_file;
   // Tokens with roles (auth.h); empty: no tokens, and then only loopback unless `insecure`.
   std::string token_file;
-  bool insecure = false;  // Serve other addresses without tokens (a loud warning).
+  // TLS (tls.h); without it the daemon serves plaintext, and then only loopback unless
+  // `insecure`.
+  TlsSettings tls;
+  bool insecure = false;  // Serve other addresses without TLS or tokens (a loud warning).
   // This process's incarnation: set by the daemon at start (state.h); 0 in tests means 1.
   uint64_t incarnation = 0;
 };

@@ -81,7 +81,10 @@ class Worker:
     If the coordinator goes away (killed, restarted), the worker reconnects for ``reconnect_window``
     seconds and resumes, keeping the decisions it holds; 0 fails at once instead. ``token`` (a ``rank``
     token, for a coordinator started with ``--token-file``) defaults to ``$SHARDCOORD_TOKEN`` or the
-    file named by ``$SHARDCOORD_TOKEN_FILE``.
+    file named by ``$SHARDCOORD_TOKEN_FILE``. For a coordinator serving TLS, ``tls_ca`` names the PEM CA
+    file that signed its certificate (default ``$SHARDCOORD_TLS_CA``); ``tls_cert`` and ``tls_key`` the
+    client certificate and key under mutual TLS (``$SHARDCOORD_TLS_CERT``, ``$SHARDCOORD_TLS_KEY``);
+    ``tls_server_name`` the name its certificate carries when it is not the host dialled.
     Use as a context manager, or call ``close()`` (a clean leave). Thread-safe: a data-loader thread
     may report plans while the training loop waits for decisions (waits release the GIL).
     """
@@ -90,7 +93,8 @@ class Worker:
                  world_size: Optional[int] = None, address: Optional[str] = None, policy: str = "",
                  fallback: str = "", wrap_outer_model: bool = True, lookahead: int = 0,
                  memory_budget_bytes: int = 0, connect_timeout: float = 30.0, reconnect_window: float = 30.0,
-                 token: str = ""):
+                 token: str = "", tls_ca: str = "", tls_cert: str = "", tls_key: str = "",
+                 tls_server_name: str = ""):
         rank = _env_int("RANK", rank)
         world_size = _env_int("WORLD_SIZE", world_size)
         address = address if address is not None else os.environ.get(ADDRESS_ENV, "")
@@ -102,7 +106,8 @@ class Worker:
                                    bool(m.outside_inner_root)))
         self._native = _shardcoord.connect(address, job_id, rank, world_size, group_size, native_modules, policy,
                                            fallback, wrap_outer_model, lookahead, memory_budget_bytes,
-                                           float(connect_timeout), float(reconnect_window), token)
+                                           float(connect_timeout), float(reconnect_window), token,
+                                           (tls_ca, tls_cert, tls_key, tls_server_name))
         self.rank = rank
         self.world_size = world_size
         self.closed = False

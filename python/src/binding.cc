@@ -160,7 +160,7 @@ PyWorker Connect(const std::string& address, const std::string& job_id, int rank
                                               bool>>& modules,
                  const std::string& policy, const std::string& fallback, bool wrap_outer_model, int lookahead,
                  int64_t memory_budget_bytes, double connect_timeout_s, double reconnect_window_s,
-                 const std::string& token) {
+                 const std::string& token, const std::tuple<std::string, std::string, std::string, std::string>& tls) {
   WorkerOptions o;
   o.coordinator_address = address;
   o.job_id = job_id;
@@ -184,6 +184,8 @@ PyWorker Connect(const std::string& address, const std::string& job_id, int rank
   o.connect_timeout = Seconds(connect_timeout_s, "connect_timeout");
   o.reconnect_window = Seconds(reconnect_window_s, "reconnect_window");  // 0: no reconnect.
   o.token = token;  // Empty: $SHARDCOORD_TOKEN or $SHARDCOORD_TOKEN_FILE.
+  // Empty fields: $SHARDCOORD_TLS_CA, _CERT, _KEY, _SERVER_NAME.
+  std::tie(o.tls.ca_file, o.tls.cert_file, o.tls.key_file, o.tls.server_name) = tls;
   absl::StatusOr<std::unique_ptr<Worker>> w;
   {
     py::gil_scoped_release nogil;
@@ -225,7 +227,8 @@ PYBIND11_MODULE(_shardcoord, m) {
   m.def("connect", &Connect, py::arg("address"), py::arg("job_id"), py::arg("rank"), py::arg("world_size"),
         py::arg("group_size"), py::arg("modules"), py::arg("policy"), py::arg("fallback"),
         py::arg("wrap_outer_model"), py::arg("lookahead"), py::arg("memory_budget_bytes"),
-        py::arg("connect_timeout"), py::arg("reconnect_window"), py::arg("token"));
+        py::arg("connect_timeout"), py::arg("reconnect_window"), py::arg("token"),
+        py::arg("tls"));
   m.def("classify", &Classify, py::arg("nodes"), py::arg("extra_towers"), py::arg("extra_projectors"),
         "Classifies (path, num_params, num_trainable) nodes with the contract's rules: "
         "[(path, 'tower'|'projector', fully_frozen)].");

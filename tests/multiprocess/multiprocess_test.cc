@@ -23,6 +23,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "shardcoord/v1/coordinator.grpc.pb.h"
+#include "support/certs.h"
 #include "support/daemon.h"
 #include "support/subprocess.h"
 #include "support/test_env.h"
@@ -326,27 +327,37 @@ TEST_F(MultiProcessTest, RanksRefuseToResumeWithADaemonRestartedUnderOtherSettin
   }
 }
 
-// Tokens (DESIGN 13): a daemon with a token file serves shardctl and ranks that present
-// theirs, and nobody else; without tokens it refuses to listen beyond loopback.
+// TLS and tokens (DESIGN 13): a daemon with both serves shardctl and ranks that present their
+// token over TLS, and nobody else; without them it refuses to listen beyond loopback.
 TEST_F(MultiProcessTest, ASecuredDaemonServesOnlyCallersWithTheirTokens) {
   const std::string tokens = dir_.File("tokens");
   const std::string rank_token = "rank-0123456789abcdef0123", read_token = "read-0123456789abcdef0123";
   std::ofstream(tokens) << "rank " << rank_token << "\nread " << read_token << "\n";
   ASSERT_EQ(chmod(tokens.c_str(), 0600), 0);
-  auto d = testing::Daemon::Start(dir_.path(), {"--token-file", tokens});
+  auto certs = testing::MakeCertificates(dir_.path());
+  ASSERT_TRUE(certs.ok()) << certs.status();
+  auto d = testing::Daemon::Start(dir_.path(), {"--token-file", tokens, "--tls-cert", certs->server_cert, "--tls-key",
+                                                certs->server_key});
   ASSERT_TRUE(d.ok()) << d.status();
   daemon_ = std::move(*d);
   address_ = daemon_->address();
-  auto anonymous = RunCommand({SHARDCTL_PATH, "status", "--coordinator", address_}, absl::Seconds(20));
+  // Plaintext, even with the right token: no connection, and a hint.
+  auto plain = RunCommand({SHARDCTL_PATH, "status", "--coordinator", address_, "--timeout-ms", "2000"},
+                          absl::Seconds(20), {"SHARDCOORD_TOKEN=" + read_token});
+  EXPECT_NE(plain.exit_code, 0);
+  EXPECT_THAT(plain.err, HasSubstr("if it serves TLS, give its CA (--tls-ca"));
+  const std::string ca = "SHARDCOORD_TLS_CA=" + certs->ca;
+  auto anonymous = RunCommand({SHARDCTL_PATH, "status", "--coordinator", address_, "--tls-ca", certs->ca},
+                              absl::Seconds(20));
   EXPECT_NE(anonymous.exit_code, 0);
   EXPECT_THAT(anonymous.err, HasSubstr("no token"));
   auto as_rank = RunCommand({SHARDCTL_PATH, "status", "--coordinator", address_}, absl::Seconds(20),
-                            {"SHARDCOORD_TOKEN=" + rank_token});
+                            {"SHARDCOORD_TOKEN=" + rank_token, ca});
   EXPECT_THAT(as_rank.err, HasSubstr("needs a token of role read"));
   const std::string read_file = dir_.File("read.token");
   std::ofstream(read_file) << read_token << "\n";
   auto reader = RunCommand({SHARDCTL_PATH, "status", "--coordinator", address_}, absl::Seconds(20),
-                           {"SHARDCOORD_TOKEN_FILE=" + read_file});
+                           {"SHARDCOORD_TOKEN_FILE=" + read_file, ca});
   EXPECT_EQ(reader.exit_code, 0) << reader.err;
   // A job whose ranks carry the rank token runs to the end.
   const std::string trace = std::string(SHARDCOORD_SOURCE_DIR) + "/examples/traces/mixed_8ranks.jsonl";
@@ -357,17 +368,25 @@ TEST_F(MultiProcessTest, ASecuredDaemonServesOnlyCallersWithTheirTokens) {
                                  "--world-size", "8", "--group-size", "4", "--ranks", std::to_string(r), "--per-rank",
                                  "--output", dir_.File(absl::StrCat("sec", r, ".jsonl"))},
         dir_.File(absl::StrCat("sec", r, ".out")), dir_.File(absl::StrCat("sec", r, ".err")),
-        std::vector<std::string>{"SHARDCOORD_TOKEN=" + rank_token}));
+        std::vector<std::string>{"SHARDCOORD_TOKEN=" + rank_token, ca}));
   }
   for (int r = 0; r < 8; ++r) {
     auto code = ranks[r]->Wait(absl::Seconds(60));
     ASSERT_TRUE(code.has_value());
     EXPECT_EQ(*code, 0) << ReadFile(ranks[r]->stderr_path());
   }
-  // Without tokens: loopback only, unless --insecure.
+  // Without tokens and TLS: loopback only, unless --insecure.
   auto open = RunCommand({SHARDCOORDD_PATH, "--listen", "0.0.0.0:0"}, absl::Seconds(10));
   EXPECT_EQ(open.exit_code, 2);
-  EXPECT_THAT(open.err, HasSubstr("give --token-file"));
+  EXPECT_THAT(open.err, HasSubstr("give --token-file and --tls-cert/--tls-key"));
+  auto clear = RunCommand({SHARDCOORDD_PATH, "--listen", "0.0.0.0:0", "--token-file", tokens}, absl::Seconds(10));
+  EXPECT_EQ(clear.exit_code, 2);
+  EXPECT_THAT(clear.err, HasSubstr("without TLS the tokens travel in clear text"));
+  // A key that is not the certificate's: refused at start, naming it.
+  auto mismatch = RunCommand({SHARDCOORDD_PATH, "--listen", "127.0.0.1:0", "--tls-cert", certs->server_cert,
+                              "--tls-key", certs->other_server_key}, absl::Seconds(10));
+  EXPECT_EQ(mismatch.exit_code, 2);
+  EXPECT_THAT(mismatch.err, HasSubstr("does not belong to certificate"));
 }
 
 TEST_F(MultiProcessTest, DaemonRejectsABadConfigWithAClearMessage) {

@@ -7,13 +7,17 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <sys/stat.h>
+
 #include <chrono>
+#include <fstream>
 #include <cmath>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "shardcoord/v1/coordinator.grpc.pb.h"
+#include "support/certs.h"
 #include "support/daemon.h"
 #include "support/subprocess.h"
 #include "support/test_env.h"
@@ -56,7 +60,7 @@ class TrainerTest : public ::testing::Test {
       argv.insert(argv.end(), extra.begin(), extra.end());
       procs.push_back(std::make_unique<Subprocess>(argv, dir_.File(job + "-" + std::to_string(r) + ".out"),
                                                    dir_.File(job + "-" + std::to_string(r) + ".err"),
-                                                   std::vector<std::string>{"SHARDCOORD_LOG_LEVEL=warn"}));
+                                                   env_));
     }
     return procs;
   }
@@ -96,6 +100,7 @@ class TrainerTest : public ::testing::Test {
   TempDir dir_;
   std::unique_ptr<testing::Daemon> daemon_;
   int next_job_ = 0;
+  std::vector<std::string> env_ = {"SHARDCOORD_LOG_LEVEL=warn"};  // Of every rank process.
 };
 
 // Coordinator restart (DESIGN 12) under a real Gloo training job, 8 ranks in 2 groups: the
@@ -152,6 +157,32 @@ TEST_F(TrainerTest, RootWithMediaOnRankZeroOnlyDoesNotHang) {
   // under root, 6 microbatches; peak = the 5312-byte shard plus one full buffer.
   EXPECT_THAT(ranks.out, HasSubstr("\"module\":\"vision_tower\",\"resident_bytes\":\"5312\","
                                    "\"peak_bytes\":\"15936\",\"gathered_bytes\":\"63744\"")) << ranks.out;
+}
+
+// A secured daemon (TLS and tokens, DESIGN 13) trains exactly as an open one: same
+// decisions, bitwise the same parameters.
+TEST_F(TrainerTest, AJobOverTlsWithTokensTrainsExactlyAsAnOpenOne) {
+  auto open = Train("per_layer", "mixed");
+  ExpectHealthy(open);
+  auto certs = testing::MakeCertificates(dir_.path());
+  ASSERT_TRUE(certs.ok()) << certs.status();
+  const std::string tokens = dir_.File("tokens");
+  std::ofstream(tokens) << "rank rank-token-0123456789abcdef\n";
+  ASSERT_EQ(chmod(tokens.c_str(), 0600), 0);
+  daemon_.reset();
+  auto d = testing::Daemon::Start(dir_.path(), {"--token-file", tokens, "--tls-cert", certs->server_cert, "--tls-key",
+                                                certs->server_key, "--tls-client-ca", certs->ca}, "127.0.0.1:0", "secured");
+  ASSERT_TRUE(d.ok()) << d.status();
+  daemon_ = std::move(*d);
+  env_.push_back("SHARDCOORD_TOKEN=rank-token-0123456789abcdef");
+  env_.push_back("SHARDCOORD_TLS_CA=" + certs->ca);
+  env_.push_back("SHARDCOORD_TLS_CERT=" + certs->client_cert);
+  env_.push_back("SHARDCOORD_TLS_KEY=" + certs->client_key);
+  auto secured = Train("per_layer", "mixed");
+  ExpectHealthy(secured);
+  EXPECT_EQ(secured[0].summary, open[0].summary);
+  EXPECT_EQ(secured[0].params_hash, open[0].params_hash);
+  EXPECT_EQ(secured[0].losses, open[0].losses);
 }
 
 TEST_F(TrainerTest, PerLayerWithEveryRankSkippingUnderAccumulation) {

@@ -1,11 +1,14 @@
 """The Python binding against a real shardcoordd: decisions, typed errors, bad input, no hangs."""
 
+import os
+import subprocess
 import threading
 import time
 
 import pytest
 
 import shardcoord
+from conftest import Daemon
 
 MODULES = [
     shardcoord.ModuleSpec("model.visual", 4096, (shardcoord.LayerUnit("blocks.0", 2048),
@@ -110,7 +113,6 @@ def test_an_unreachable_coordinator_fails_connect_within_its_timeout():
 
 
 def test_a_restarted_coordinator_is_resumed_and_held_decisions_stay(tmp_path):
-    from conftest import Daemon
     flags = ("--heartbeat-interval-ms", "100", "--heartbeat-timeout-ms", "1500")
     first = Daemon(tmp_path, *flags)
     second = None
@@ -172,3 +174,36 @@ def test_classify_is_the_contracts_classifier():
     assert shardcoord.classify(nodes) == [("model.multi_modal_projector", "projector", False),
                                           ("model.visual", "tower", True)]
     assert shardcoord.classify([("enc", 1, 0)], extra_towers=["enc"]) == [("enc", "tower", True)]
+
+
+def _openssl(*args):
+    subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=30)
+
+
+def test_a_worker_reaches_a_tls_daemon_with_its_ca_and_a_token(tmp_path):
+    """TLS and tokens (DESIGN 13): the CA and token from arguments or the environment."""
+    key, cert, ext = str(tmp_path / "server.key"), str(tmp_path / "server.pem"), tmp_path / "ext"
+    ext.write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-keyout", key,
+             "-out", cert, "-days", "2", "-subj", "/CN=localhost", "-addext",
+             "subjectAltName=DNS:localhost,IP:127.0.0.1")
+    os.chmod(key, 0o600)
+    tokens = tmp_path / "tokens"
+    tokens.write_text("rank rank-token-0123456789abcdef\n")
+    os.chmod(tokens, 0o600)
+    d = Daemon(tmp_path, "--tls-cert", cert, "--tls-key", key, "--token-file", str(tokens))
+    try:
+        with pytest.raises(shardcoord.Unavailable, match="If it serves TLS, give the CA file"):
+            connect(d, 0, connect_timeout=2, token="rank-token-0123456789abcdef")
+        with pytest.raises(shardcoord.InvalidArgument, match="cannot be read"):
+            connect(d, 0, tls_ca=str(tmp_path / "missing.pem"))
+        os.environ["SHARDCOORD_TOKEN"] = "rank-token-0123456789abcdef"
+        try:
+            with connect(d, 0, tls_ca=cert) as w0, connect(d, 1, tls_ca=cert) as w1:
+                w0.report_plan(0, 0, {"model.visual": 1})
+                w1.report_plan(0, 0, {"model.visual": 1})
+                assert w0.get_decision(0, 0, timeout=30) == w1.get_decision(0, 0, timeout=30)
+        finally:
+            del os.environ["SHARDCOORD_TOKEN"]
+    finally:
+        d.stop()

@@ -57,6 +57,10 @@ state_file: /var/lib/shardcoord/state
 max_communicators_per_job: 8
 max_store_value_bytes: 4096
 insecure: false
+tls_cert_file: /etc/shardcoord/tls.crt
+tls_key_file: /etc/shardcoord/tls.key
+tls_client_ca_file: /etc/shardcoord/clients.pem
+tls_reload_interval_s: 30
 )");
   absl::StatusOr<CoordinatorOptions> o = LoadConfigFile(path);
   ASSERT_TRUE(o.ok()) << o.status();
@@ -80,6 +84,10 @@ insecure: false
   EXPECT_EQ(o->limits.max_communicators_per_job, 8);
   EXPECT_EQ(o->limits.max_store_value_bytes, 4096);
   EXPECT_FALSE(o->insecure);
+  EXPECT_EQ(o->tls.cert_file, "/etc/shardcoord/tls.crt");
+  EXPECT_EQ(o->tls.key_file, "/etc/shardcoord/tls.key");
+  EXPECT_EQ(o->tls.client_ca_file, "/etc/shardcoord/clients.pem");
+  EXPECT_EQ(o->tls.reload_interval, absl::Seconds(30));
   EXPECT_TRUE(ValidateOptions(*o).ok()) << ValidateOptions(*o);
 }
 

@@ -11,6 +11,7 @@
 #include <mutex>
 
 #include "absl/strings/ascii.h"
+#include "shardcoord/channel_credentials.h"
 
 namespace shardcoord {
 namespace internal {
@@ -50,6 +51,14 @@ std::string HostName() {
   return buf;
 }
 
+// What else may keep a connection from forming: TLS on one side only, or a certificate the
+// other side does not accept (gRPC tells only "failed to connect").
+std::string ConnectHint(const TlsFiles& tls) {
+  if (!tls.enabled()) return " If it serves TLS, give the CA file ($SHARDCOORD_TLS_CA).";
+  return " If it does, check that it serves TLS, that its certificate is signed by $SHARDCOORD_TLS_CA and names "
+         "the host dialled (or set $SHARDCOORD_TLS_SERVER_NAME), and, under mutual TLS, the client certificate.";
+}
+
 }  // namespace
 
 
@@ -86,6 +95,11 @@ absl::Status Worker::Impl::Start() {
   auto token = ResolveToken(options_.token);
   if (!token.ok()) return token.status();
   token_ = *token;
+  tls_ = ResolveTls(options_.tls);
+  {
+    grpc::ChannelArguments probe;
+    if (auto creds = ChannelCredentialsFor(tls_, probe); !creds.ok()) return creds.status();
+  }
   IgnoreSigpipeOnce();
   const absl::Time deadline = absl::Now() + options_.connect_timeout;
   // A coordinator lost before it answered (killed, restarting) is tried again until the
@@ -128,12 +142,14 @@ absl::Status Worker::Impl::Connect(absl::Time deadline) {
   args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
   // A fresh channel per worker: a reconnecting trainer must not reuse a broken one.
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  auto channel = grpc::CreateCustomChannel(address_, grpc::InsecureChannelCredentials(), args);
+  auto creds = ChannelCredentialsFor(tls_, args);
+  if (!creds.ok()) return creds.status();
+  auto channel = grpc::CreateCustomChannel(address_, *creds, args);
   const absl::Time start = absl::Now();
   if (!channel->WaitForConnected(absl::ToChronoTime(deadline))) {
     return absl::UnavailableError(absl::StrCat(
         "cannot reach coordinator at ", address_, " within ", absl::ToInt64Milliseconds(deadline - start),
-        " ms; is shardcoordd running there? (", Prefix(), ")"));
+        " ms; is shardcoordd running there?", ConnectHint(tls_), " (", Prefix(), ")"));
   }
   auto stub = std::shared_ptr<v1::Coordinator::Stub>(v1::Coordinator::NewStub(channel));
   absl::MutexLock lock(&mu_);

@@ -156,6 +156,7 @@ class Worker::Impl {
   std::vector<std::string> module_list_;
   std::string address_;
   std::string token_;  // Resolved at Start (ResolveToken); never logged.
+  TlsFiles tls_;       // Resolved at Start (ResolveTls); the files are read at each Connect.
 
   // The current session's channel, stub and stream: replaced by the reader thread when it
   // resumes (under mu_, while the writer is stopped). The stub is shared with

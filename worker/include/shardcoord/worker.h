@@ -58,6 +58,28 @@ inline constexpr char kTokenFileEnv[] = "SHARDCOORD_TOKEN_FILE";
 // set, else $SHARDCOORD_TOKEN, else the first line of the file $SHARDCOORD_TOKEN_FILE names,
 // else "" (none). NOT_FOUND when that file cannot be read.
 SHARDCOORD_EXPORT absl::StatusOr<std::string> ResolveToken(const std::string& explicit_token);
+
+inline constexpr char kTlsCaEnv[] = "SHARDCOORD_TLS_CA";
+inline constexpr char kTlsCertEnv[] = "SHARDCOORD_TLS_CERT";
+inline constexpr char kTlsKeyEnv[] = "SHARDCOORD_TLS_KEY";
+inline constexpr char kTlsServerNameEnv[] = "SHARDCOORD_TLS_SERVER_NAME";
+
+// TLS to a coordinator that serves it (DESIGN 13). A CA file turns TLS on: the coordinator's
+// certificate must be signed by it and name the host dialled (or `server_name`). A certificate
+// and key are presented to a coordinator that requires client certificates (mutual TLS).
+// The files are read at each (re)connection, so renewed ones are picked up.
+struct TlsFiles {
+  std::string ca_file;      // PEM CA bundle; empty: plaintext.
+  std::string cert_file;    // PEM client certificate chain (mutual TLS), with key_file.
+  std::string key_file;     // PEM private key of cert_file.
+  std::string server_name;  // Name to check the certificate against instead of the address's host.
+
+  bool enabled() const { return !ca_file.empty(); }
+};
+
+// `explicit_files` with each empty field taken from $SHARDCOORD_TLS_CA, $SHARDCOORD_TLS_CERT,
+// $SHARDCOORD_TLS_KEY and $SHARDCOORD_TLS_SERVER_NAME.
+SHARDCOORD_EXPORT TlsFiles ResolveTls(const TlsFiles& explicit_files);
 inline constexpr absl::Duration kDefaultConnectTimeout = absl::Seconds(30);
 inline constexpr absl::Duration kDefaultReconnectWindow = absl::Seconds(30);
 // How long Close waits for the coordinator to end the session after the goodbye. Normally
@@ -86,6 +108,8 @@ struct WorkerOptions {
   // Presented as `authorization: Bearer <token>` on every call (a role `rank` token); empty:
   // ResolveToken's environment variables, else none.
   std::string token;
+  // TLS files; each empty field: ResolveTls's environment variables, else plaintext.
+  TlsFiles tls;
 };
 
 // What registration established.

@@ -1,0 +1,51 @@
+// TLS for the daemon (DESIGN 13). With a certificate and key the daemon serves TLS only;
+// with a client CA as well, it requires each caller's certificate to be signed by that CA
+// (mutual TLS). The files are watched: a renewed certificate, key or CA written in place is
+// used for new connections within `tls_reload_interval`, without a restart.
+#ifndef SHARDCOORD_COORDINATOR_TLS_H_
+#define SHARDCOORD_COORDINATOR_TLS_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace grpc {
+class ServerCredentials;
+class ChannelCredentials;
+}  // namespace grpc
+
+namespace shardcoord::coordinator {
+
+struct TlsSettings {
+  std::string cert_file;       // PEM certificate chain of the daemon; with key_file.
+  std::string key_file;        // PEM private key; must not be readable by others.
+  std::string client_ca_file;  // PEM CA bundle; set: callers must present a certificate it signed.
+  absl::Duration reload_interval = absl::Seconds(60);
+
+  bool enabled() const { return !cert_file.empty(); }
+  bool mutual() const { return !client_ca_file.empty(); }
+};
+
+// Checks the settings before serving: both files given, readable, parseable; the key matches
+// the certificate; the key is not open to others; the certificate is not expired; the CA
+// bundle holds at least one certificate. Each error names the file and what to do.
+absl::Status CheckTls(const TlsSettings& tls);
+
+// The listening credentials: TLS from the watched files, or plaintext when not enabled.
+std::shared_ptr<grpc::ServerCredentials> ServerCredentialsFor(const TlsSettings& tls);
+
+// Whether the daemon's own certificate passes as a client certificate under the client CA
+// (signed by it, usable for client authentication): then the self-check can present it under
+// mutual TLS. Without it the self-check would be refused at each handshake, so it is off.
+bool ServerCertificateIsAClient(const TlsSettings& tls);
+
+// Credentials for the daemon's own self-check: TLS without verifying the server (it is
+// ourselves), presenting the daemon's certificate under mutual TLS; or plaintext.
+std::shared_ptr<grpc::ChannelCredentials> SelfCheckCredentials(const TlsSettings& tls);
+
+}  // namespace shardcoord::coordinator
+
+#endif  // SHARDCOORD_COORDINATOR_TLS_H_
