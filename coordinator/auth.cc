@@ -6,6 +6,7 @@
 #include <fstream>
 
 #include "absl/strings/ascii.h"
+#include "shardcoord/plan_check.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "coordinator/secrets.h"
@@ -31,6 +32,12 @@ std::string OctalMode(unsigned mode) {
 
 }  // namespace
 
+absl::Status Grant::AllowsJob(const std::string& job_id, const char* method) const {
+  if (job.empty() || job_id == job) return absl::OkStatus();
+  return absl::PermissionDeniedError(absl::StrCat(method, ": the token is for job '", job,
+                                                  "' only; use a token of job '", Printable(job_id), "'"));
+}
+
 absl::StatusOr<Tokens> Tokens::Load(const std::string& path) {
   struct stat st;
   if (stat(path.c_str(), &st) != 0) {
@@ -51,9 +58,14 @@ absl::StatusOr<Tokens> Tokens::Load(const std::string& path) {
     std::vector<std::string> f = absl::StrSplit(text, absl::ByAnyChar(" \t"), absl::SkipEmpty());
     auto bad = [&](const std::string& what) {
       return absl::InvalidArgumentError(absl::StrCat("token file ", path, " line ", n, ": ", what,
-                                                     "; each line is 'ROLE TOKEN' with ROLE rank, read or admin"));
+                                                     "; each line is 'ROLE TOKEN [job=ID]' with ROLE rank, read or admin"));
     };
-    if (f.size() != 2) return bad("expected two fields");
+    if (f.size() != 2 && f.size() != 3) return bad("expected two or three fields");
+    std::string job;
+    if (f.size() == 3) {
+      if (f[2].rfind("job=", 0) != 0 || f[2].size() == 4) return bad("the third field must be job=ID");
+      job = f[2].substr(4);
+    }
     Role role;
     if (f[0] == "rank") {
       role = Role::kRank;
@@ -65,7 +77,7 @@ absl::StatusOr<Tokens> Tokens::Load(const std::string& path) {
       return bad("unknown role");
     }
     if (f[1].size() < 16) return bad("the token is shorter than 16 bytes");
-    out.tokens_.emplace_back(role, f[1]);
+    out.tokens_.push_back({role, f[1], std::move(job)});
   }
   if (out.tokens_.empty()) {
     return absl::InvalidArgumentError(absl::StrCat("token file ", path, " holds no token"));
@@ -73,8 +85,8 @@ absl::StatusOr<Tokens> Tokens::Load(const std::string& path) {
   return out;
 }
 
-absl::Status Tokens::Check(const std::string& authorization, Role needed, const char* method) const {
-  if (!enabled()) return absl::OkStatus();
+absl::StatusOr<Grant> Tokens::Check(const std::string& authorization, Role needed, const char* method) const {
+  if (!enabled()) return Grant{};
   constexpr char kBearer[] = "Bearer ";
   if (authorization.rfind(kBearer, 0) != 0) {
     return absl::UnauthenticatedError(absl::StrCat(
@@ -83,18 +95,21 @@ absl::Status Tokens::Check(const std::string& authorization, Role needed, const 
   }
   const std::string given = authorization.substr(sizeof(kBearer) - 1);
   bool known = false, allowed = false;
-  for (const auto& [role, token] : tokens_) {  // Every token compared, in constant time each.
-    if (SameSecret(given, token)) {
-      known = true;
-      allowed = allowed || role == Role::kAdmin || role == needed;
-    }
+  Grant grant;
+  for (const Entry& e : tokens_) {  // Every token compared, in constant time each.
+    if (!SameSecret(given, e.token)) continue;
+    known = true;
+    if (e.role != Role::kAdmin && e.role != needed) continue;
+    // The same token listed twice: the widest grant.
+    if (!allowed || e.role == Role::kAdmin || (e.job.empty() && !grant.job.empty())) grant = {e.role, e.job};
+    allowed = true;
   }
   if (!known) return absl::UnauthenticatedError(absl::StrCat(method, ": the token is not one this coordinator knows"));
   if (!allowed) {
     return absl::PermissionDeniedError(
         absl::StrCat(method, ": needs a token of role ", RoleName(needed), " (or admin)"));
   }
-  return absl::OkStatus();
+  return grant;
 }
 
 bool IsLoopbackAddress(const std::string& listen_address) {

@@ -153,7 +153,7 @@ absl::Status CoordinatorCore::Register(uint64_t session_id, const v1::RegisterRe
   msg.mutable_registered()->set_session_key(m.session_key);
   const Policy policy = FromProto(req.policy());
   Event("info", rejoin ? "rank_rejoined" : "rank_registered", job->id, req.rank(), group.index,
-        absl::StrCat("host=", req.host(), " pid=", req.pid(), " policy=", PolicyName(policy),
+        absl::StrCat("host=", req.host(), " policy=", PolicyName(policy),
                      " fallback=", FallbackName(FromProto(req.fallback())), " modules=", req.modules_size(),
                      " lookahead=", req.lookahead()));
   if (policy == Policy::kPerLayer) {

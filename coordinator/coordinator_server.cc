@@ -67,10 +67,12 @@ class SessionSink final : public RankSink {
 class SessionReactor final
     : public grpc::ServerBidiReactor<v1::WorkerMessage, v1::CoordinatorMessage> {
  public:
-  SessionReactor(CoordinatorCore* core, uint64_t id, std::string peer)
+  // `job_scope`: the only job this session may register for (its token's); "" for any.
+  SessionReactor(CoordinatorCore* core, uint64_t id, std::string peer, std::string job_scope)
       : core_(core),
         id_(id),
         peer_(std::move(peer)),
+        job_scope_(std::move(job_scope)),
         sink_(std::make_shared<SessionSink>(this, core->options().limits.max_outbox_bytes, core->incarnation())) {
     StartRead(&in_);
   }
@@ -87,7 +89,8 @@ class SessionReactor final
             "the first message of a Session must be `register`; send a RegisterRequest first"));
         return;
       }
-      absl::Status s = core_->Register(id_, in_.register_(), sink_);
+      absl::Status s = Grant{Role::kRank, job_scope_}.AllowsJob(in_.register_().job_id(), "register");
+      if (s.ok()) s = core_->Register(id_, in_.register_(), sink_);
       if (!s.ok()) {
         sink_->Close(s);
         return;
@@ -145,6 +148,7 @@ class SessionReactor final
   CoordinatorCore* const core_;
   const uint64_t id_;
   const std::string peer_;
+  const std::string job_scope_;
   std::shared_ptr<SessionSink> sink_;
   v1::WorkerMessage in_;
   bool registered_ = false;
@@ -259,42 +263,62 @@ class CoordinatorService final : public v1::Coordinator::CallbackService {
 
   grpc::ServerBidiReactor<v1::WorkerMessage, v1::CoordinatorMessage>* Session(
       grpc::CallbackServerContext* ctx) override {
-    if (grpc::Status st = Authorize(ctx, Role::kRank, "Session"); !st.ok()) return new RefusedSession(st);
-    return new SessionReactor(core_, next_session_.fetch_add(1), ctx->peer());
+    auto grant = Authorize(ctx, Role::kRank, "Session");
+    if (!grant.ok()) return new RefusedSession(ToGrpcStatus(grant.status()));
+    return new SessionReactor(core_, next_session_.fetch_add(1), ctx->peer(), grant->job);
   }
 
   grpc::ServerUnaryReactor* GetStatus(grpc::CallbackServerContext* ctx, const v1::StatusRequest* req,
                                       v1::StatusResponse* resp) override {
-    if (grpc::Status st = Authorize(ctx, Role::kRead, "GetStatus"); !st.ok()) return Refuse(ctx, st);
-    *resp = core_->Status(req->job_id());
+    auto grant = Authorize(ctx, Role::kRead, "GetStatus");
+    if (!grant.ok()) return Refuse(ctx, ToGrpcStatus(grant.status()));
+    auto job = JobOf(*grant, req->job_id(), "GetStatus");
+    if (!job.ok()) return Refuse(ctx, ToGrpcStatus(job.status()));
+    *resp = core_->Status(*job);
     return Done(ctx);
   }
   grpc::ServerUnaryReactor* ListRanks(grpc::CallbackServerContext* ctx,
                                       const v1::ListRanksRequest* req,
                                       v1::ListRanksResponse* resp) override {
-    if (grpc::Status st = Authorize(ctx, Role::kRead, "ListRanks"); !st.ok()) return Refuse(ctx, st);
-    *resp = core_->Ranks(req->job_id());
+    auto grant = Authorize(ctx, Role::kRead, "ListRanks");
+    if (!grant.ok()) return Refuse(ctx, ToGrpcStatus(grant.status()));
+    auto job = JobOf(*grant, req->job_id(), "ListRanks");
+    if (!job.ok()) return Refuse(ctx, ToGrpcStatus(job.status()));
+    *resp = core_->Ranks(*job);
+    // Process ids are for admins (they locate and signal processes); hosts stay, to find a rank.
+    if (grant->role != Role::kAdmin) {
+      for (auto& r : *resp->mutable_ranks()) r.clear_pid();
+    }
     return Done(ctx);
   }
   grpc::ServerUnaryReactor* ListGroups(grpc::CallbackServerContext* ctx,
                                        const v1::ListGroupsRequest* req,
                                        v1::ListGroupsResponse* resp) override {
-    if (grpc::Status st = Authorize(ctx, Role::kRead, "ListGroups"); !st.ok()) return Refuse(ctx, st);
-    *resp = core_->Groups(req->job_id());
+    auto grant = Authorize(ctx, Role::kRead, "ListGroups");
+    if (!grant.ok()) return Refuse(ctx, ToGrpcStatus(grant.status()));
+    auto job = JobOf(*grant, req->job_id(), "ListGroups");
+    if (!job.ok()) return Refuse(ctx, ToGrpcStatus(job.status()));
+    *resp = core_->Groups(*job);
     return Done(ctx);
   }
   grpc::ServerUnaryReactor* ListDecisions(grpc::CallbackServerContext* ctx,
                                           const v1::ListDecisionsRequest* req,
                                           v1::ListDecisionsResponse* resp) override {
-    if (grpc::Status st = Authorize(ctx, Role::kRead, "ListDecisions"); !st.ok()) return Refuse(ctx, st);
-    *resp = core_->Decisions(req->job_id(), req->group(), req->limit());
+    auto grant = Authorize(ctx, Role::kRead, "ListDecisions");
+    if (!grant.ok()) return Refuse(ctx, ToGrpcStatus(grant.status()));
+    auto job = JobOf(*grant, req->job_id(), "ListDecisions");
+    if (!job.ok()) return Refuse(ctx, ToGrpcStatus(job.status()));
+    *resp = core_->Decisions(*job, req->group(), req->limit());
     return Done(ctx);
   }
   grpc::ServerUnaryReactor* ListEvents(grpc::CallbackServerContext* ctx,
                                        const v1::ListEventsRequest* req,
                                        v1::ListEventsResponse* resp) override {
-    if (grpc::Status st = Authorize(ctx, Role::kRead, "ListEvents"); !st.ok()) return Refuse(ctx, st);
-    for (auto& e : core_->Events(req->job_id(), req->after_id(), req->limit() > 0 ? req->limit() : 100)) {
+    auto grant = Authorize(ctx, Role::kRead, "ListEvents");
+    if (!grant.ok()) return Refuse(ctx, ToGrpcStatus(grant.status()));
+    auto job = JobOf(*grant, req->job_id(), "ListEvents");
+    if (!job.ok()) return Refuse(ctx, ToGrpcStatus(job.status()));
+    for (auto& e : core_->Events(*job, req->after_id(), req->limit() > 0 ? req->limit() : 100)) {
       *resp->add_events() = std::move(e);
     }
     return Done(ctx);
@@ -302,7 +326,7 @@ class CoordinatorService final : public v1::Coordinator::CallbackService {
 
   grpc::ServerUnaryReactor* CommJoin(grpc::CallbackServerContext* ctx, const v1::CommJoinRequest* req,
                                      v1::CommJoinResponse* resp) override {
-    if (grpc::Status st = Authorize(ctx, Role::kRank, "CommJoin"); !st.ok()) return Refuse(ctx, st);
+    if (grpc::Status st = AuthorizeRank(ctx, req->job_id(), "CommJoin"); !st.ok()) return Refuse(ctx, st);
     auto* r = ctx->DefaultReactor();
     core_->CommJoin(*req, [r, resp](absl::StatusOr<v1::CommJoinResponse> result) {
       if (result.ok()) *resp = std::move(*result);
@@ -312,14 +336,14 @@ class CoordinatorService final : public v1::Coordinator::CallbackService {
   }
   grpc::ServerUnaryReactor* StoreSet(grpc::CallbackServerContext* ctx, const v1::StoreSetRequest* req,
                                      v1::StoreSetResponse* resp) override {
-    if (grpc::Status st = Authorize(ctx, Role::kRank, "StoreSet"); !st.ok()) return Refuse(ctx, st);
+    if (grpc::Status st = AuthorizeRank(ctx, req->job_id(), "StoreSet"); !st.ok()) return Refuse(ctx, st);
     auto* r = ctx->DefaultReactor();
     r->Finish(ToGrpcStatus(core_->StoreSet(*req)));
     return r;
   }
   grpc::ServerUnaryReactor* StoreGet(grpc::CallbackServerContext* ctx, const v1::StoreGetRequest* req,
                                      v1::StoreGetResponse* resp) override {
-    if (grpc::Status st = Authorize(ctx, Role::kRank, "StoreGet"); !st.ok()) return Refuse(ctx, st);
+    if (grpc::Status st = AuthorizeRank(ctx, req->job_id(), "StoreGet"); !st.ok()) return Refuse(ctx, st);
     auto* r = ctx->DefaultReactor();
     core_->StoreGet(*req, [r, resp](absl::StatusOr<v1::StoreGetResponse> result) {
       if (result.ok()) *resp = std::move(*result);
@@ -329,15 +353,18 @@ class CoordinatorService final : public v1::Coordinator::CallbackService {
   }
   grpc::ServerUnaryReactor* CommReport(grpc::CallbackServerContext* ctx, const v1::CommReportRequest* req,
                                        v1::CommReportResponse* resp) override {
-    if (grpc::Status st = Authorize(ctx, Role::kRank, "CommReport"); !st.ok()) return Refuse(ctx, st);
+    if (grpc::Status st = AuthorizeRank(ctx, req->job_id(), "CommReport"); !st.ok()) return Refuse(ctx, st);
     auto* r = ctx->DefaultReactor();
     r->Finish(ToGrpcStatus(core_->CommReport(*req)));
     return r;
   }
   grpc::ServerUnaryReactor* ListComms(grpc::CallbackServerContext* ctx, const v1::ListCommsRequest* req,
                                       v1::ListCommsResponse* resp) override {
-    if (grpc::Status st = Authorize(ctx, Role::kRead, "ListComms"); !st.ok()) return Refuse(ctx, st);
-    *resp = core_->Comms(req->job_id());
+    auto grant = Authorize(ctx, Role::kRead, "ListComms");
+    if (!grant.ok()) return Refuse(ctx, ToGrpcStatus(grant.status()));
+    auto job = JobOf(*grant, req->job_id(), "ListComms");
+    if (!job.ok()) return Refuse(ctx, ToGrpcStatus(job.status()));
+    *resp = core_->Comms(*job);
     return Done(ctx);
   }
 
@@ -352,12 +379,24 @@ class CoordinatorService final : public v1::Coordinator::CallbackService {
     r->Finish(why);
     return r;
   }
-  grpc::Status Authorize(grpc::CallbackServerContext* ctx, Role role, const char* method) const {
-    if (!tokens_.enabled()) return grpc::Status::OK;
+  absl::StatusOr<Grant> Authorize(grpc::CallbackServerContext* ctx, Role role, const char* method) const {
+    if (!tokens_.enabled()) return Grant{};
     std::string authorization;
     auto it = ctx->client_metadata().find("authorization");
     if (it != ctx->client_metadata().end()) authorization.assign(it->second.data(), it->second.size());
-    return ToGrpcStatus(tokens_.Check(authorization, role, method));
+    return tokens_.Check(authorization, role, method);
+  }
+  // A rank's call about `job_id`: the token's role and job must allow it.
+  grpc::Status AuthorizeRank(grpc::CallbackServerContext* ctx, const std::string& job_id, const char* method) const {
+    auto grant = Authorize(ctx, Role::kRank, method);
+    if (!grant.ok()) return ToGrpcStatus(grant.status());
+    return ToGrpcStatus(grant->AllowsJob(job_id, method));
+  }
+  // The job a query may see: the one asked for (all: ""), or, for a token of one job, that job.
+  static absl::StatusOr<std::string> JobOf(const Grant& grant, const std::string& asked, const char* method) {
+    if (asked.empty()) return grant.job;
+    if (absl::Status s = grant.AllowsJob(asked, method); !s.ok()) return s;
+    return asked;
   }
 
   CoordinatorCore* const core_;

@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <functional>
 #include <map>
 #include <random>
 #include <thread>
@@ -625,10 +626,13 @@ class TokenTest : public InProcessTest {
   static constexpr char kRank[] = "rank-token-0123456789abcdef";
   static constexpr char kRead[] = "read-token-0123456789abcdef";
   static constexpr char kAdmin[] = "admin-token-0123456789abcdef";
+  static constexpr char kRankOfA[] = "rank-of-job-a-0123456789abcdef";
+  static constexpr char kReadOfA[] = "read-of-job-a-0123456789abcdef";
 
   void SetUp() override {
     path_ = dir_.File("tokens");
-    std::ofstream(path_) << "# roles\nrank " << kRank << "\nread " << kRead << "\nadmin " << kAdmin << "\n";
+    std::ofstream(path_) << "# roles\nrank " << kRank << "\nread " << kRead << "\nadmin " << kAdmin << "\n"
+                         << "rank " << kRankOfA << " job=a\nread " << kReadOfA << " job=a\n";
     ASSERT_EQ(chmod(path_.c_str(), 0600), 0);
     coordinator::CoordinatorOptions o;
     o.token_file = path_;
@@ -685,6 +689,140 @@ TEST_F(TokenTest, EveryCallNeedsAKnownTokenOfARoleAllowedToMakeIt) {
   AllReduceOnWorld(*w0, *w1, &a, &b, ReduceOp::kSum);
   EXPECT_EQ(a, 5);
   EXPECT_EQ(b, 5);
+}
+
+// Every RPC without a token, with an unknown one and with one of the wrong role: refused with
+// UNAUTHENTICATED / PERMISSION_DENIED, and the live job goes on unharmed.
+TEST_F(TokenTest, EveryRpcRefusesMissingWrongAndUnderprivilegedTokensAndTheJobGoesOn) {
+  WorkerOptions o0 = Options(0, 2, 2), o1 = Options(1, 2, 2);
+  o0.token = o1.token = kRank;
+  auto w0 = Connect(o0);
+  auto w1 = Connect(o1);
+  ASSERT_TRUE(w0 && w1);
+  auto stub = v1::Coordinator::NewStub(grpc::CreateChannel(server_->address(), grpc::InsecureChannelCredentials()));
+  // Each RPC, called with a token, about job "job"; returns the status.
+  using Stub = v1::Coordinator::Stub;
+  std::map<std::string, std::function<absl::Status(const std::string&)>> call;
+  auto unary = [&](const std::string& rpc, auto method, auto req, auto resp) {
+    req.set_job_id("job");
+    call[rpc] = [&stub, method, req, resp](const std::string& token) mutable {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+      if (!token.empty()) ctx.AddMetadata("authorization", "Bearer " + token);
+      return FromGrpcStatus(((*stub).*method)(&ctx, req, &resp));
+    };
+  };
+  unary("GetStatus", &Stub::GetStatus, v1::StatusRequest(), v1::StatusResponse());
+  unary("ListRanks", &Stub::ListRanks, v1::ListRanksRequest(), v1::ListRanksResponse());
+  unary("ListGroups", &Stub::ListGroups, v1::ListGroupsRequest(), v1::ListGroupsResponse());
+  unary("ListDecisions", &Stub::ListDecisions, v1::ListDecisionsRequest(), v1::ListDecisionsResponse());
+  unary("ListEvents", &Stub::ListEvents, v1::ListEventsRequest(), v1::ListEventsResponse());
+  unary("ListComms", &Stub::ListComms, v1::ListCommsRequest(), v1::ListCommsResponse());
+  unary("CommJoin", &Stub::CommJoin, v1::CommJoinRequest(), v1::CommJoinResponse());
+  unary("StoreSet", &Stub::StoreSet, v1::StoreSetRequest(), v1::StoreSetResponse());
+  unary("StoreGet", &Stub::StoreGet, v1::StoreGetRequest(), v1::StoreGetResponse());
+  v1::CommReportRequest forged_error;  // The one-call kill of a job, were it accepted.
+  forged_error.set_name("world");
+  forged_error.set_kind(v1::CommReportRequest::KIND_ERROR);
+  unary("CommReport", &Stub::CommReport, forged_error, v1::CommReportResponse());
+  call["Session"] = [&](const std::string& token) {  // A registration for rank 0 (the lock-out).
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    if (!token.empty()) ctx.AddMetadata("authorization", "Bearer " + token);
+    auto stream = stub->Session(&ctx);
+    v1::WorkerMessage m;
+    m.mutable_register_()->set_job_id("job");
+    stream->Write(m);
+    stream->WritesDone();
+    v1::CoordinatorMessage in;
+    while (stream->Read(&in)) {
+    }
+    return FromGrpcStatus(stream->Finish());
+  };
+  const std::vector<std::string> reads = {"GetStatus",     "ListRanks",  "ListGroups",
+                                          "ListDecisions", "ListEvents", "ListComms"};
+  const std::vector<std::string> ranks = {"CommJoin", "StoreSet", "StoreGet", "CommReport", "Session"};
+  for (const auto& [rpcs, wrong_role] : {std::make_pair(&reads, kRank), std::make_pair(&ranks, kRead)}) {
+    for (const auto& rpc : *rpcs) {
+      EXPECT_EQ(call.at(rpc)("").code(), absl::StatusCode::kUnauthenticated) << rpc;
+      EXPECT_EQ(call.at(rpc)("forged-token-0123456789abcdef").code(), absl::StatusCode::kUnauthenticated) << rpc;
+      EXPECT_EQ(call.at(rpc)(wrong_role).code(), absl::StatusCode::kPermissionDenied) << rpc;
+      EXPECT_EQ(call.at(rpc)(kReadOfA).code(), absl::StatusCode::kPermissionDenied) << rpc;  // Role, or job.
+    }
+  }
+  // The job is unharmed: both ranks live, a decision and a collective still work.
+  EXPECT_TRUE(w0->Health().ok()) << w0->Health();
+  EXPECT_TRUE(w1->Health().ok()) << w1->Health();
+  ASSERT_TRUE(w0->ReportPlan(PlanOf(0, 0, 1)).ok());
+  ASSERT_TRUE(w1->ReportPlan(PlanOf(0, 0, 1)).ok());
+  auto d0 = w0->GetDecision({0, 0}, kDecisionTimeout);
+  auto d1 = w1->GetDecision({0, 0}, kDecisionTimeout);
+  ASSERT_TRUE(d0.ok() && d1.ok());
+  EXPECT_EQ(d0->digest, d1->digest);
+  int64_t a = 1, b = 2;
+  AllReduceOnWorld(*w0, *w1, &a, &b, ReduceOp::kSum);
+  EXPECT_EQ(b, 3);
+}
+
+// A token limited to one job (`job=ID`) registers, joins and queries for that job only; the
+// `read` role sees no process ids.
+TEST_F(TokenTest, AJobTokenActsForItsJobOnlyAndReadersSeeNoPids) {
+  WorkerOptions b = Options(0, 1, 1, Policy::kAuto, "b");
+  b.token = kRankOfA;
+  auto refused = Worker::Connect(b);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(refused.status().message(), HasSubstr("the token is for job 'a' only"));
+  b.token = kRank;
+  auto wb = Connect(b);
+  WorkerOptions a = Options(0, 1, 1, Policy::kAuto, "a");
+  a.token = kRankOfA;
+  auto wa = Connect(a);
+  ASSERT_TRUE(wa && wb);
+  // Job a's token cannot read job b's rendezvous data.
+  auto stub = v1::Coordinator::NewStub(grpc::CreateChannel(server_->address(), grpc::InsecureChannelCredentials()));
+  auto store_get = [&](const std::string& token, const std::string& job) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    ctx.AddMetadata("authorization", std::string("Bearer ") + token);
+    v1::StoreGetRequest req;
+    req.set_job_id(job);
+    req.set_name("world");
+    req.add_keys("rank_0");
+    v1::StoreGetResponse resp;
+    return FromGrpcStatus(stub->StoreGet(&ctx, req, &resp));
+  };
+  absl::Status s = store_get(kRankOfA, "b");
+  EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(s.message(), HasSubstr("StoreGet: the token is for job 'a' only"));
+  // For its own job the token passes (the call then fails on the missing session key).
+  EXPECT_THAT(store_get(kRankOfA, "a").message(), ::testing::Not(HasSubstr("the token is for job")));
+  // Queries: a reader of job a sees job a (asked or not), never job b.
+  auto ranks = [&](const std::string& token, const std::string& job, v1::ListRanksResponse* resp) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    ctx.AddMetadata("authorization", std::string("Bearer ") + token);
+    v1::ListRanksRequest req;
+    req.set_job_id(job);
+    return FromGrpcStatus(stub->ListRanks(&ctx, req, resp));
+  };
+  v1::ListRanksResponse resp;
+  ASSERT_TRUE(ranks(kReadOfA, "", &resp).ok());
+  ASSERT_EQ(resp.ranks_size(), 1);
+  EXPECT_EQ(resp.ranks(0).job_id(), "a");
+  EXPECT_EQ(resp.ranks(0).pid(), 0) << "readers see no pids";
+  EXPECT_EQ(ranks(kReadOfA, "b", &resp).code(), absl::StatusCode::kPermissionDenied);
+  resp.Clear();
+  ASSERT_TRUE(ranks(kRead, "", &resp).ok());
+  EXPECT_EQ(resp.ranks_size(), 2);
+  for (const auto& r : resp.ranks()) EXPECT_EQ(r.pid(), 0);
+  resp.Clear();
+  ASSERT_TRUE(ranks(kAdmin, "", &resp).ok());
+  ASSERT_EQ(resp.ranks_size(), 2);
+  for (const auto& r : resp.ranks()) EXPECT_EQ(r.pid(), getpid()) << "admins see them";
+  // A token line with a bad job field is refused naming the line.
+  std::ofstream(path_) << "rank " << kRank << " jobs=a\n";
+  EXPECT_THAT(coordinator::Tokens::Load(path_).status().message(), HasSubstr("line 1: the third field must be job=ID"));
 }
 
 TEST(TokenFileTest, AFileOpenToOthersOrMalformedIsRefusedNamingWhy) {
