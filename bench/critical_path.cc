@@ -18,14 +18,17 @@
 #include <gloo/rendezvous/hash_store.h>
 #include <gloo/transport/tcp/device.h>
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "coordinator/coordinator_server.h"
@@ -58,7 +61,7 @@ int VisionCalls(int rank, int k) { return (k % 3 == 0) ? 1 : (k % 3 == 1) ? 0 : 
 
 std::vector<double> RunShardcoord(const std::string& address, const std::string& job, int group_size,
                                   int microbatches, int lookahead, absl::Duration compute,
-                                  const std::string& token = "") {
+                                  const std::string& token = "", const shardcoord::TlsFiles& tls = {}) {
   std::vector<std::vector<double>> per_rank(group_size);
   std::vector<std::thread> threads;
   for (int r = 0; r < group_size; ++r) {
@@ -72,6 +75,7 @@ std::vector<double> RunShardcoord(const std::string& address, const std::string&
       o.modules = {{"vision_tower", 1 << 20, {}, false}};
       o.lookahead = std::max(1, lookahead);
       o.token = token;
+      o.tls = tls;
       auto w = shardcoord::Worker::Connect(o);
       if (!w.ok()) {
         std::fprintf(stderr, "rank %d: %s\n", r, w.status().ToString().c_str());
@@ -142,6 +146,18 @@ std::vector<double> RunInbandAllreduce(int group_size, int microbatches, absl::D
   return all;
 }
 
+// Writes a CA and a certificate for 127.0.0.1 signed by it into `dir` with the openssl CLI.
+bool MakeCertificates(const std::string& dir) {
+  const std::string ec = "-newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes";
+  const std::string cmd =
+      absl::StrCat("cd ", dir, " && openssl req -x509 ", ec, " -keyout ca.key -out ca.pem -days 1 -subj /CN=bench-ca",
+                   " && openssl req ", ec, " -keyout server.key -out server.csr -subj /CN=localhost",
+                   " && printf 'subjectAltName=IP:127.0.0.1\\n' > ext",
+                   " && openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out server.pem",
+                   " -days 1 -extfile ext && chmod 600 server.key");
+  return std::system(("(" + cmd + ") >/dev/null 2>&1").c_str()) == 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -162,18 +178,24 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "%s\n", std::string(server.status().message()).c_str());
     return 1;
   }
-  // The same coordinator with tokens (DESIGN 13), to measure what checking them costs.
-  char token_path[] = "/tmp/critical-path-tokens-XXXXXX";
-  const int fd = mkstemp(token_path);  // Mode 0600.
+  // The same coordinator with TLS and tokens (DESIGN 13), to measure what they cost.
+  char dir[] = "/tmp/critical-path-XXXXXX";
   const std::string token = "rank-critical-path-0123456789abcdef";
-  if (fd < 0 || write(fd, ("rank " + token + "\n").data(), token.size() + 6) < 0) {
-    std::fprintf(stderr, "cannot write a token file in /tmp\n");
+  if (mkdtemp(dir) == nullptr || !MakeCertificates(dir)) {
+    std::fprintf(stderr, "cannot make test certificates in /tmp (is openssl installed?)\n");
     return 1;
   }
-  close(fd);
-  o.token_file = token_path;
+  const std::string tokens = std::string(dir) + "/tokens";
+  if (std::FILE* f = std::fopen(tokens.c_str(), "w"); f != nullptr) {
+    std::fprintf(f, "rank %s\n", token.c_str());
+    std::fclose(f);
+  }
+  chmod(tokens.c_str(), 0600);
+  o.token_file = tokens;
+  o.tls.cert_file = std::string(dir) + "/server.pem";
+  o.tls.key_file = std::string(dir) + "/server.key";
+  const shardcoord::TlsFiles tls{std::string(dir) + "/ca.pem"};
   auto secured = shardcoord::coordinator::CoordinatorServer::Start(o);
-  unlink(token_path);
   if (!secured.ok()) {
     std::fprintf(stderr, "%s\n", std::string(secured.status().message()).c_str());
     return 1;
@@ -182,8 +204,10 @@ int main(int argc, char** argv) {
   Stats ahead = Summarize(RunShardcoord((*server)->address(), "ahead", group_size, microbatches, lookahead, compute));
   Stats none = Summarize(RunShardcoord((*server)->address(), "none", group_size, microbatches, 0, compute));
   Stats ahead_t = Summarize(
-      RunShardcoord((*secured)->address(), "ahead", group_size, microbatches, lookahead, compute, token));
-  Stats none_t = Summarize(RunShardcoord((*secured)->address(), "none", group_size, microbatches, 0, compute, token));
+      RunShardcoord((*secured)->address(), "ahead", group_size, microbatches, lookahead, compute, token, tls));
+  Stats none_t =
+      Summarize(RunShardcoord((*secured)->address(), "none", group_size, microbatches, 0, compute, token, tls));
+  std::system(("rm -rf " + std::string(dir)).c_str());
   Stats inband = Summarize(RunInbandAllreduce(group_size, microbatches, compute));
   std::printf("| approach (group of %d, %d microbatches, %d us compute) | p50 (us) | p99 (us) | mean (us) |\n",
               group_size, microbatches, compute_us);
@@ -192,9 +216,9 @@ int main(int argc, char** argv) {
               ahead.p99_us, ahead.mean_us);
   std::printf("| shardcoord, no lookahead: ReportPlan + GetDecision | %.1f | %.1f | %.1f |\n", none.p50_us,
               none.p99_us, none.mean_us);
-  std::printf("| shardcoord with tokens, lookahead %d: GetDecision | %.1f | %.1f | %.1f |\n", lookahead,
+  std::printf("| shardcoord with TLS and tokens, lookahead %d: GetDecision | %.1f | %.1f | %.1f |\n", lookahead,
               ahead_t.p50_us, ahead_t.p99_us, ahead_t.mean_us);
-  std::printf("| shardcoord with tokens, no lookahead: ReportPlan + GetDecision | %.1f | %.1f | %.1f |\n",
+  std::printf("| shardcoord with TLS and tokens, no lookahead: ReportPlan + GetDecision | %.1f | %.1f | %.1f |\n",
               none_t.p50_us, none_t.p99_us, none_t.mean_us);
   std::printf("| baseline: in-band Gloo all-reduce(MAX) of a bitmask | %.1f | %.1f | %.1f |\n", inband.p50_us,
               inband.p99_us, inband.mean_us);
