@@ -7,6 +7,7 @@
 
 #include <dirent.h>
 #include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
 #include <sys/resource.h>
 
 #include <atomic>
@@ -422,6 +423,9 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   const bool tokens_enabled = tokens.enabled();
   server->service_ = std::make_unique<CoordinatorService>(server->core_.get(), std::move(tokens));
 
+  // grpc.health.v1.Health (built into gRPC; no token needed, it tells nothing but SERVING /
+  // NOT_SERVING): for load balancers, Kubernetes gRPC probes and grpc_health_probe.
+  grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   builder.AddListeningPort(listen, ServerCredentialsFor(options.tls), &server->port_);
   builder.RegisterService(server->service_.get());
@@ -442,6 +446,9 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   size_t colon = listen.rfind(':');
   server->address_ = absl::StrCat(listen.substr(0, colon), ":", server->port_);
   server->core_->SetBoundAddress(server->address_);
+  if (auto* health = server->server_->GetHealthCheckService()) {
+    health->SetServingStatus(kHealthServiceName, true);
+  }
   server->ticker_ = std::make_unique<Ticker>(server->core_.get());
   server->ticker_->Start();
   server->on_listener_lost_ = std::move(on_listener_lost);
@@ -533,6 +540,8 @@ void CoordinatorServer::Shutdown(absl::Duration grace) {
   if (ticker_) ticker_->Stop();
   if (self_check_.joinable()) self_check_.join();
   if (!server_) return;  // Never started serving.
+  // NOT_SERVING first, so that health checkers stop sending work while sessions are told.
+  if (auto* health = server_->GetHealthCheckService()) health->Shutdown();
   core_->Shutdown();
   server_->Shutdown(absl::ToChronoTime(absl::Now() + grace));
   server_->Wait();

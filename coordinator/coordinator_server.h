@@ -27,6 +27,9 @@ namespace shardcoord::coordinator {
 
 class CoordinatorService;
 
+// The service name the gRPC health service reports (besides "", the whole server).
+inline constexpr char kHealthServiceName[] = "shardcoord.v1.Coordinator";
+
 class CoordinatorServer {
  public:
   // Binds options.listen_address (port 0 picks a free port) and starts serving.

@@ -41,6 +41,7 @@ for t in "${targets[@]}"; do
   echo "fuzz: $t for ${seconds}s (corpus $corpus, log $log)"
   # shellcheck disable=SC2086  # seeds[$t] is empty or one folder
   if ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+      LSAN_OPTIONS="suppressions=$root/scripts/lsan.supp" \
       "$build/fuzz/${t}_fuzz" -max_total_time="$seconds" -max_len=4096 -timeout=10 -rss_limit_mb=2048 \
       -print_final_stats=1 -artifact_prefix="$build/fuzz-findings/$t-" "$corpus" ${seeds[$t]} >"$log" 2>&1; then
     grep -E "^stat::number_of_executed_units|^stat::peak_rss_mb" "$log" | tr '\n' ' '

@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
 # Runs the C++ test suite under sanitizers:
 #   scripts/sanitize.sh address [ctest args]   # ASan + UBSan (the clang build, build-clang/)
-#   scripts/sanitize.sh thread  [ctest args]   # ThreadSanitizer (build-tsan/)
+#   scripts/sanitize.sh thread  [ctest args]   # ThreadSanitizer (build-tsan/), see below
+# ThreadSanitizer needs every library that synchronizes threads built with it. Debian's
+# Abseil, gRPC and Gloo are not: TSan cannot see absl::Mutex lock and unlock, so it reports
+# accesses guarded by one as races (45 of 233 tests on 2026-12-01, docs/RELIABILITY.md). Its
+# output is a lead to read, not a verdict, until an instrumented Abseil and gRPC are at hand;
+# the lock discipline itself is checked by clang's thread-safety analysis (clang-build.sh).
 # Not run: the Python tests (not built: the interpreter would need the sanitizer runtime
 # preloaded) and the installed-package check; the LibTorch executor and trainer are not built.
 # The chaos harness runs, against sanitized daemons and ranks.
@@ -16,6 +21,7 @@ case "$kind" in
     "$root/scripts/clang-build.sh"
     export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:detect_stack_use_after_return=1
     export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+    export LSAN_OPTIONS="suppressions=$root/scripts/lsan.supp"
     ;;
   thread)
     build=${TSAN_BUILD_DIR:-$root/build-tsan}

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Builds shardcoord and runs every CPU test (unit, in-process, multi-process) with ctest.
-# GPU tests are labelled "gpu" and skip themselves where there is no GPU. Then the
-# clang thread-safety build (scripts/thread-safety.sh).
+# GPU tests are labelled "gpu" and skip themselves where there is no GPU. Then the clang
+# build (scripts/clang-build.sh: lock annotations checked, ASan+UBSan, fuzz targets), the
+# C++ suite under ASan+UBSan (scripts/sanitize.sh address) and a short run of every fuzz
+# target (scripts/fuzz.sh --seconds 20). SHARDCOORD_QUICK=1 stops after the first part.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${BUILD_DIR:-$root/build}
@@ -10,6 +12,9 @@ cd "$build"
 # Each test has its own timeout (tests/CMakeLists.txt); this bounds the whole run too.
 rc=0
 ctest --output-on-failure --timeout 600 -j "$(nproc)" "$@" || rc=$?
-# The lock annotations, checked by clang (a second build, in build-tsa/).
-"$root/scripts/thread-safety.sh" || rc=1
+[[ "${SHARDCOORD_QUICK:-0}" == 1 ]] && exit $rc
+# The clang build (build-clang/): lock annotations, then the suite under ASan+UBSan, then fuzzing.
+"$root/scripts/clang-build.sh" || exit 1
+"$root/scripts/sanitize.sh" address -j "$(nproc)" || rc=1
+"$root/scripts/fuzz.sh" --seconds 20 || rc=1
 exit $rc

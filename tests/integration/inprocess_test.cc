@@ -1,6 +1,7 @@
 // In-process integration tests: the real coordinator server on 127.0.0.1:0 and real
 // workers (and raw gRPC clients, for bad input) talking to it over loopback.
 #include <gmock/gmock.h>
+#include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 #include <sys/stat.h>
@@ -16,6 +17,7 @@
 #include <random>
 #include <thread>
 
+#include "absl/synchronization/notification.h"
 #include "coordinator/auth.h"
 #include "coordinator/coordinator_server.h"
 #include "shardcoord/decide.h"
@@ -616,6 +618,49 @@ TEST_F(InProcessTest, PlanAheadKeepsTheWindowFullAndReturnsDecisionsInOrder) {
   }
   auto after = a0.Next(kDecisionTimeout);
   EXPECT_EQ(after.status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+// ---------------------------------------------------------------------------------------
+// gRPC health (grpc.health.v1), as load balancers and Kubernetes probes call it
+
+// Calls grpc.health.v1.Health/Check for `service`; the status code and the serving status
+// (1 SERVING, 2 NOT_SERVING), decoded from the two-byte HealthCheckResponse.
+std::pair<grpc::StatusCode, int> HealthCheck(const std::string& address, const std::string& service) {
+  grpc::GenericStub stub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  std::string request;  // HealthCheckRequest{service}: field 1, length-delimited.
+  if (!service.empty()) request = std::string("\x0a") + static_cast<char>(service.size()) + service;
+  grpc::Slice slice(request);
+  grpc::ByteBuffer req(&slice, 1), resp;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  absl::Notification done;
+  grpc::Status status;
+  stub.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &req, &resp, [&](grpc::Status s) {
+    status = std::move(s);
+    done.Notify();
+  });
+  done.WaitForNotification();
+  std::vector<grpc::Slice> slices;
+  std::string bytes;
+  if (status.ok() && resp.Dump(&slices).ok()) {
+    for (const auto& sl : slices) bytes.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
+  }
+  return {status.error_code(), bytes.size() == 2 && bytes[0] == 0x08 ? bytes[1] : 0};
+}
+
+TEST_F(InProcessTest, TheHealthServiceSaysServingUntilShutdownWithoutAToken) {
+  EXPECT_EQ(HealthCheck(server_->address(), ""), std::make_pair(grpc::StatusCode::OK, 1));
+  EXPECT_EQ(HealthCheck(server_->address(), coordinator::kHealthServiceName), std::make_pair(grpc::StatusCode::OK, 1));
+  EXPECT_EQ(HealthCheck(server_->address(), "no.such.Service").first, grpc::StatusCode::NOT_FOUND);
+  // A daemon with tokens answers health checks without one (they reveal nothing else).
+  testing::TempDir dir;
+  const std::string tokens = dir.File("tokens");
+  std::ofstream(tokens) << "read read-token-0123456789abcdef\n";
+  ASSERT_EQ(chmod(tokens.c_str(), 0600), 0);
+  coordinator::CoordinatorOptions o;
+  o.token_file = tokens;
+  StartServer(o);
+  EXPECT_EQ(HealthCheck(server_->address(), ""), std::make_pair(grpc::StatusCode::OK, 1));
 }
 
 // ---------------------------------------------------------------------------------------
