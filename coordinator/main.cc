@@ -14,7 +14,10 @@
 #include <iostream>
 #include <optional>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "google/protobuf/stubs/logging.h"
+#include "shardcoord/plan_check.h"
 #include "coordinator/coordinator_server.h"
 #include "coordinator/options.h"
 #include "coordinator/state_file.h"
@@ -52,6 +55,20 @@ void RaiseFileLimit() {
   shardcoord::logging::Get("coordinator")
       ->info("open file limit {} (was {}, hard limit {}): about {} ranks", lim.rlim_cur, before, lim.rlim_max,
              lim.rlim_cur > 64 ? lim.rlim_cur - 64 : 0);
+}
+
+// protobuf logs an ERROR on stderr for each string field with invalid UTF-8 it parses, so a
+// client sending such messages could flood the log: route it through our logger, rate-limited.
+void RouteProtobufLogs() {
+  google::protobuf::SetLogHandler([](google::protobuf::LogLevel level, const char*, int, const std::string& message) {
+    static shardcoord::logging::RateLimit limit(10);
+    int64_t suppressed = 0;
+    if (!limit.Allow(&suppressed)) return;
+    shardcoord::logging::Get("coordinator")
+        ->warn("protobuf{}: {}{}", level >= google::protobuf::LOGLEVEL_ERROR ? " error" : "",
+               shardcoord::Printable(message),
+               suppressed > 0 ? absl::StrCat(" (", suppressed, " more held back)") : std::string());
+  });
 }
 
 // Command-line flags; an unset one keeps the config file's (or the built-in) value.
@@ -175,6 +192,7 @@ void ApplyFlags(const Flags& f, CoordinatorOptions& options) {
 // Serves until SIGTERM or SIGINT. Exit codes: 0 stopped, 1 cannot write the address file,
 // 2 cannot listen.
 int Serve(CoordinatorOptions options) {
+  RouteProtobufLogs();
   RaiseFileLimit();
   options.incarnation = shardcoord::coordinator::NextIncarnation(options.state_file, absl::Now());
 

@@ -31,4 +31,17 @@ done
 mkdir -p "$out/include"
 cp -r /usr/include/absl /usr/include/CLI "$out/include/"
 strip --strip-unneeded "$out"/bin/* "$out"/lib/*.so* 2>/dev/null || true
+# Test certificates for SECURED=1 runs (a CA, the daemon's for 127.0.0.1, a client's), so the
+# GPU machine needs no openssl.
+(
+  umask 077 && mkdir -p "$out/certs" && cd "$out/certs"
+  ec=(-newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes)
+  openssl req -x509 "${ec[@]}" -keyout ca.key -out ca.pem -days 7 -subj /CN=shardcoord-gpu-ca
+  for who in server client; do
+    openssl req "${ec[@]}" -keyout $who.key -out $who.csr -subj /CN=$who
+    printf 'subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n' > ext
+    openssl x509 -req -in $who.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out $who.pem -days 7 -extfile ext
+  done
+  printf 'rank rank-gpu-token-0123456789abcdef\nread read-gpu-token-0123456789abcdef\n' > tokens
+) >/dev/null 2>&1
 du -sh "$out"

@@ -7,7 +7,8 @@
 #   2. kill -9 the last rank during a loop of collectives: every survivor's collective fails
 #      with ABORTED naming the lost rank within the deadline, `shardctl comms` shows the
 #      epoch aborted; a replacement registers, epoch 2 forms, collectives are correct again.
-# Every wait is bounded. Output: stdout and ${OUT:-/tmp}/nccl_test.log.
+# SECURED=1 runs it all against a daemon with tokens and mutual TLS (certificates from the
+# bundle). Every wait is bounded. Output: stdout and ${OUT:-/tmp}/nccl_test.log.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 b=$root/.gpu
@@ -27,8 +28,19 @@ echo "== $(date -u +%FT%TZ) $(hostname)"
 nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader
 echo "NCCL: $(ls /usr/lib/x86_64-linux-gnu/libnccl.so.* 2>/dev/null | head -1)"
 
+secured=()
+ctl=("$b/bin/shardctl")
+if [[ "${SECURED:-0}" == 1 ]]; then
+  c=$b/certs
+  chmod 600 "$c"/*.key "$c/tokens"
+  secured=(--token-file "$c/tokens" --tls-cert "$c/server.pem" --tls-key "$c/server.key" --tls-client-ca "$c/ca.pem")
+  export SHARDCOORD_TOKEN=rank-gpu-token-0123456789abcdef SHARDCOORD_TLS_CA=$c/ca.pem
+  export SHARDCOORD_TLS_CERT=$c/client.pem SHARDCOORD_TLS_KEY=$c/client.key
+  ctl=(env SHARDCOORD_TOKEN=read-gpu-token-0123456789abcdef "$b/bin/shardctl")
+  echo "secured: tokens and mutual TLS"
+fi
 "$b/bin/shardcoordd" --listen 127.0.0.1:0 --address-file "$work/addr" --heartbeat-interval-ms 100 \
-  --heartbeat-timeout-ms 1500 --log-level warn 2>"$work/daemon.err" &
+  --heartbeat-timeout-ms 1500 --log-level warn "${secured[@]}" 2>"$work/daemon.err" &
 coord=$!
 trap 'kill -9 $coord $(jobs -p) 2>/dev/null' EXIT
 wait_for 20 '[[ -s $work/addr ]]' || { echo "FAIL: shardcoordd did not start"; cat "$work/daemon.err"; exit 1; }
@@ -68,7 +80,7 @@ for r in $(seq 0 $((last - 1))); do
   check "rank $r's collective failed with ABORTED naming rank $last (all within $((t1 - t0)) ms of the kill)" \
     'grep -q "ABORTED.*rank $last" $work/kill-$r.err'
 done
-"$b/bin/shardctl" comms --coordinator "$addr" | tee "$work/comms-aborted.txt"
+"${ctl[@]}" comms --coordinator "$addr" | tee "$work/comms-aborted.txt"
 check "shardctl comms shows epoch 1 aborted, lost rank $last" 'grep -q "world .* 1 aborted" $work/comms-aborted.txt'
 rank kill "$last" 3000 0 "-replacement" --rejoin; pids[$last]=$pid
 for r in $(seq 0 "$last"); do
@@ -78,7 +90,7 @@ for r in $(seq 0 "$last"); do
   check "rank $r finished in epoch 2 (exit $code)$([[ $r == "$last" ]] && echo ", the replacement")" \
     '[[ $code == 0 ]] && grep -q "iteration 2999 epoch 2 ok" $out_file'
 done
-"$b/bin/shardctl" comms --coordinator "$addr"
+"${ctl[@]}" comms --coordinator "$addr"
 echo "-- survivor stderr"; tail -n 4 "$work/kill-0.err"
 cp "$work"/kill-0.err "$work"/daemon.err "$out"/ 2>/dev/null || true
 echo "== result: $([[ $fail == 0 ]] && echo ALL PASSED || echo FAILURES)"

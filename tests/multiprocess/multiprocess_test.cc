@@ -389,6 +389,30 @@ TEST_F(MultiProcessTest, ASecuredDaemonServesOnlyCallersWithTheirTokens) {
   EXPECT_THAT(mismatch.err, HasSubstr("does not belong to certificate"));
 }
 
+// Strings with invalid UTF-8 fail to parse, and protobuf logs each: a client sending many must
+// not flood the daemon's log (at most 10 such lines a second, the rest counted).
+TEST_F(MultiProcessTest, MessagesWithInvalidUtf8CannotFloodTheDaemonLog) {
+  StartDaemon();
+  auto stub = v1::Coordinator::NewStub(grpc::CreateChannel(address_, grpc::InsecureChannelCredentials()));
+  int refused = 0;
+  for (int i = 0; i < 300; ++i) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    v1::StatusRequest req;
+    req.set_job_id("\xff\xfe not UTF-8");
+    v1::StatusResponse resp;
+    refused += !stub->GetStatus(&ctx, req, &resp).ok();
+  }
+  EXPECT_EQ(refused, 300);
+  auto status = RunCommand({SHARDCTL_PATH, "status", "--coordinator", address_}, absl::Seconds(20));
+  EXPECT_EQ(status.exit_code, 0) << status.err;  // Still serving.
+  const std::string err = daemon_->Stderr();
+  size_t lines = 0;
+  for (size_t at = err.find("protobuf error"); at != std::string::npos; at = err.find("protobuf error", at + 1)) lines++;
+  EXPECT_GE(lines, 1u) << err;
+  EXPECT_LE(lines, 40u) << "300 bad messages made " << lines << " log lines";
+}
+
 TEST_F(MultiProcessTest, DaemonRejectsABadConfigWithAClearMessage) {
   const std::string cfg = dir_.File("bad.yaml");
   std::ofstream(cfg) << "listen: 127.0.0.1:0\nheartbeat_timout_ms: 100\n";
