@@ -19,6 +19,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
+#include <optional>
 #include <set>
 #include <sstream>
 
@@ -29,9 +30,11 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "replay.h"
 #include "shardcoord/channel_credentials.h"
+#include "watch.h"
 #include "shardcoord/internal/logging.h"
 #include "shardcoord/proto/convert.h"
 #include "shardcoord/v1/coordinator.grpc.pb.h"
@@ -125,6 +128,15 @@ struct Client {
     }
     stub = v1::Coordinator::NewStub(grpc::CreateCustomChannel(address, *creds, args));
     return true;
+  }
+
+  // Runs one RPC with a deadline; the status, printing nothing.
+  template <typename Req, typename Resp, typename Fn>
+  grpc::Status Try(Fn fn, const Req& req, Resp* resp) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms));
+    if (!token.empty()) ctx.AddMetadata("authorization", "Bearer " + token);
+    return (stub.get()->*fn)(&ctx, req, resp);
   }
 
   // Runs one RPC with a deadline; on failure prints one line and returns false.
@@ -288,11 +300,31 @@ int CmdDecisions(Client& c, const std::string& job, int group, int limit, bool j
   return kExitOk;
 }
 
-int CmdEvents(Client& c, const std::string& job, uint64_t after, int limit, bool json) {
+// --since: a duration back from now ("90m", "24h") or a time ("2026-12-01T08:00:00Z").
+std::optional<int64_t> ParseSince(const std::string& text) {
+  if (text.empty()) return 0;
+  absl::Duration ago;
+  if (absl::ParseDuration(text, &ago) && ago >= absl::ZeroDuration()) return absl::ToUnixMillis(absl::Now() - ago);
+  absl::Time at;
+  std::string err;
+  if (absl::ParseTime(absl::RFC3339_full, text, &at, &err)) return absl::ToUnixMillis(at);
+  return std::nullopt;
+}
+
+int CmdEvents(Client& c, const std::string& job, uint64_t after, int limit, const std::string& since,
+              const std::string& kind, bool json) {
   v1::ListEventsRequest req;
   req.set_job_id(job);
   req.set_after_id(after);
   req.set_limit(limit);
+  req.set_kind(kind);
+  const std::optional<int64_t> since_ms = ParseSince(since);
+  if (!since_ms) {
+    std::cerr << "shardctl events: --since '" << since
+              << "' is neither a duration (90m, 24h) nor a time (2026-12-01T08:00:00Z)\n";
+    return kExitUsage;
+  }
+  req.set_since_unix_ms(*since_ms);
   v1::ListEventsResponse resp;
   if (!c.Call("ListEvents", &v1::Coordinator::Stub::ListEvents, req, &resp)) return kExitUnreachable;
   if (int rc = CheckJob(c, job, !resp.events().empty()); rc != kExitOk) return rc;
@@ -375,11 +407,21 @@ int main(int argc, char** argv) {
   decisions->add_option("--limit", limit, "most recent decisions per group")->check(CLI::Range(1, kMaxLimit));
   auto* comms = app.add_subcommand("comms", "every communicator: epoch, state, members, why aborted");
   add_common(comms);
+  auto* watch = app.add_subcommand("watch", "live view that redraws in place (q or Ctrl-C quits); plain frames "
+                                               "when output is not a terminal");
+  add_common(watch);
+  int watch_interval_ms = 1000, watch_count = 0;
+  watch->add_option("--interval-ms", watch_interval_ms, "refresh interval")->check(CLI::Range(50, 3600000));
+  watch->add_option("--count", watch_count, "stop after this many frames (default: until q or Ctrl-C)")
+      ->check(CLI::NonNegativeNumber);
   auto* events = app.add_subcommand("events", "the event journal (registrations, deaths, failures)");
   add_common(events);
   uint64_t after = 0;
   int event_limit = 100;
   events->add_option("--after", after, "only events with a larger id");
+  std::string since, kind;
+  events->add_option("--since", since, "only events since this long ago (90m, 24h) or this time (RFC 3339)");
+  events->add_option("--kind", kind, "only events of this kind (rank_dead, group_failed, rank_registered, ...)");
   events->add_option("--limit", event_limit, "at most this many events")->check(CLI::Range(1, kMaxLimit));
 
   auto* replay = app.add_subcommand("replay", "play simulated ranks from a JSON-lines trace through a coordinator");
@@ -552,6 +594,23 @@ int main(int argc, char** argv) {
   if (groups->parsed()) return CmdGroups(client, job, json);
   if (decisions->parsed()) return CmdDecisions(client, job, group, limit, json);
   if (comms->parsed()) return CmdComms(client, job, json);
-  if (events->parsed()) return CmdEvents(client, job, after, event_limit, json);
+  if (watch->parsed()) {
+    auto fetch = [&] {
+      shardcoord::client::WatchFrame f;
+      v1::StatusRequest sreq;
+      sreq.set_job_id(job);
+      v1::ListGroupsRequest greq;
+      greq.set_job_id(job);
+      v1::ListRanksRequest rreq;
+      rreq.set_job_id(job);
+      grpc::Status s = client.Try(&v1::Coordinator::Stub::GetStatus, sreq, &f.status);
+      if (s.ok()) s = client.Try(&v1::Coordinator::Stub::ListGroups, greq, &f.groups);
+      if (s.ok()) s = client.Try(&v1::Coordinator::Stub::ListRanks, rreq, &f.ranks);
+      if (!s.ok()) f.error = "cannot read the coordinator: " + s.error_message();
+      return f;
+    };
+    return shardcoord::client::RunWatch(fetch, client.address, absl::Milliseconds(watch_interval_ms), watch_count);
+  }
+  if (events->parsed()) return CmdEvents(client, job, after, event_limit, since, kind, json);
   return kExitOk;
 }

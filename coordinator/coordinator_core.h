@@ -128,8 +128,17 @@ class CoordinatorCore {
   v1::ListGroupsResponse Groups(const std::string& job_id) const;
   v1::ListDecisionsResponse Decisions(const std::string& job_id, int group, int limit) const;
   std::vector<v1::Event> Events(const std::string& job_id, uint64_t after_id, int limit) const {
-    return journal_.List(job_id, after_id, limit);
+    return journal_.List(EventFilter{job_id, "", 0, after_id, limit});
   }
+  std::vector<v1::Event> Events(const EventFilter& filter) const { return journal_.List(filter); }
+  // Keeps the journal in options().journal_file as well (no-op when unset); the error names
+  // the file. Call before serving.
+  absl::Status OpenJournal() {
+    if (options_.journal_file.empty()) return absl::OkStatus();
+    return journal_.Persist(options_.journal_file, options_.journal_retention, options_.journal_max_events);
+  }
+  // Waits until the journal's events are in its file (tests; shutdown).
+  void FlushJournal() { journal_.Flush(); }
 
  private:
   struct Member {

@@ -3,6 +3,7 @@
 #include "coordinator/coordinator_server.h"
 
 #include "coordinator/auth.h"
+#include "coordinator/http_server.h"
 #include "coordinator/tls.h"
 
 #include <dirent.h>
@@ -319,7 +320,8 @@ class CoordinatorService final : public v1::Coordinator::CallbackService {
     if (!grant.ok()) return Refuse(ctx, ToGrpcStatus(grant.status()));
     auto job = JobOf(*grant, req->job_id(), "ListEvents");
     if (!job.ok()) return Refuse(ctx, ToGrpcStatus(job.status()));
-    for (auto& e : core_->Events(*job, req->after_id(), req->limit() > 0 ? req->limit() : 100)) {
+    EventFilter filter{*job, req->kind(), req->since_unix_ms(), req->after_id(), req->limit() > 0 ? req->limit() : 100};
+    for (auto& e : core_->Events(filter)) {
       *resp->add_events() = std::move(e);
     }
     return Done(ctx);
@@ -414,6 +416,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   const std::string listen = options.listen_address;
   server->core_ = std::make_unique<CoordinatorCore>(options, clock);
   if (absl::Status s = CheckTls(options.tls); !s.ok()) return s;
+  if (absl::Status s = server->core_->OpenJournal(); !s.ok()) return s;
   Tokens tokens = Tokens::None();
   if (!options.token_file.empty()) {
     auto loaded = Tokens::Load(options.token_file);
@@ -421,6 +424,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
     tokens = *std::move(loaded);
   }
   const bool tokens_enabled = tokens.enabled();
+  const Tokens http_tokens = tokens;
   server->service_ = std::make_unique<CoordinatorService>(server->core_.get(), std::move(tokens));
 
   // grpc.health.v1.Health (built into gRPC; no token needed, it tells nothing but SERVING /
@@ -449,6 +453,14 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   if (auto* health = server->server_->GetHealthCheckService()) {
     health->SetServingStatus(kHealthServiceName, true);
   }
+  if (!options.http_listen.empty()) {
+    auto http = HttpServer::Start(server->core_.get(), options, http_tokens);
+    if (!http.ok()) {
+      server->server_->Shutdown();
+      return http.status();
+    }
+    server->http_ = std::move(*http);
+  }
   server->ticker_ = std::make_unique<Ticker>(server->core_.get());
   server->ticker_->Start();
   server->on_listener_lost_ = std::move(on_listener_lost);
@@ -470,6 +482,8 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
 }
 
 CoordinatorServer::~CoordinatorServer() { Shutdown(absl::Milliseconds(200)); }
+
+std::string CoordinatorServer::http_address() const { return http_ ? http_->address() : std::string(); }
 
 namespace {
 
@@ -540,9 +554,11 @@ void CoordinatorServer::Shutdown(absl::Duration grace) {
   if (ticker_) ticker_->Stop();
   if (self_check_.joinable()) self_check_.join();
   if (!server_) return;  // Never started serving.
+  http_.reset();
   // NOT_SERVING first, so that health checkers stop sending work while sessions are told.
   if (auto* health = server_->GetHealthCheckService()) health->Shutdown();
   core_->Shutdown();
+  core_->FlushJournal();
   server_->Shutdown(absl::ToChronoTime(absl::Now() + grace));
   server_->Wait();
   logging::Get("coordinator")->info("stopped address={}", address_);

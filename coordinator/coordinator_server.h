@@ -26,6 +26,7 @@ class Server;
 namespace shardcoord::coordinator {
 
 class CoordinatorService;
+class HttpServer;
 
 // The service name the gRPC health service reports (besides "", the whole server).
 inline constexpr char kHealthServiceName[] = "shardcoord.v1.Coordinator";
@@ -45,6 +46,8 @@ class CoordinatorServer {
 
   // "host:port" actually bound.
   const std::string& address() const { return address_; }
+  // The HTTP listener's HOST:PORT (status page, /metrics, /healthz); empty when off.
+  std::string http_address() const;
   int port() const { return port_; }
   CoordinatorCore& core() { return *core_; }
 
@@ -65,6 +68,7 @@ class CoordinatorServer {
   std::string address_;
   int port_ = 0;
   std::unique_ptr<Ticker> ticker_;  // The core's deadlines and pause detection.
+  std::unique_ptr<HttpServer> http_;  // --http-listen; null when off.
   std::thread self_check_;
   std::function<void(const std::string&)> on_listener_lost_;
   absl::Mutex mu_;

@@ -22,6 +22,7 @@
 #include "coordinator/options.h"
 #include "coordinator/state_file.h"
 #include "coordinator/auth.h"
+#include "coordinator/tls.h"
 #include "shardcoord/internal/logging.h"
 
 namespace {
@@ -75,7 +76,9 @@ void RouteProtobufLogs() {
 struct Flags {
   std::string config_file;
   std::string listen, policy, fallback, log_level, address_file, state_file, token_file;
-  std::string tls_cert, tls_key, tls_client_ca;
+  std::string tls_cert, tls_key, tls_client_ca, http_listen, http_address_file, journal_file;
+  std::optional<int64_t> journal_retention_hours, journal_max_events;
+  bool check_config = false;
   std::optional<int64_t> tls_reload_s;
   bool insecure = false;
   std::optional<int64_t> hb_interval_ms, hb_timeout_ms, plan_timeout_ms, behind_threshold_ms, recovery_window_ms;
@@ -133,6 +136,17 @@ void AddFlags(CLI::App& app, Flags& f) {
   app.add_option("--token-file", f.token_file,
                  "tokens with roles (lines 'ROLE TOKEN', mode 600); every call must then carry one")
       ->envname("SHARDCOORDD_TOKEN_FILE");
+  app.add_option("--http-listen", f.http_listen,
+                 "serve the status page, /metrics and /healthz over HTTP on HOST:PORT (off by default)")
+      ->envname("SHARDCOORD_HTTP_LISTEN");
+  app.add_flag("--check-config", f.check_config,
+               "check the settings (config file, flags, TLS files, token file) and exit: 0 when they would serve");
+  app.add_option("--journal-file", f.journal_file,
+                 "keep every event in this SQLite file too, across restarts (shardctl events reads it)");
+  app.add_option("--journal-retention-hours", f.journal_retention_hours, "delete journal events older than this");
+  app.add_option("--journal-max-events", f.journal_max_events, "keep at most this many journal events");
+  app.add_option("--http-address-file", f.http_address_file,
+                 "write the HTTP listener's bound HOST:PORT here once serving (for --http-listen ...:0)");
   app.add_option("--tls-cert", f.tls_cert, "PEM certificate chain: serve TLS only (with --tls-key)")
       ->envname("SHARDCOORDD_TLS_CERT");
   app.add_option("--tls-key", f.tls_key, "PEM private key of --tls-cert (mode 600)")->envname("SHARDCOORDD_TLS_KEY");
@@ -182,6 +196,10 @@ void ApplyFlags(const Flags& f, CoordinatorOptions& options) {
   if (!f.state_file.empty()) options.state_file = f.state_file;
   if (!f.token_file.empty()) options.token_file = f.token_file;
   if (f.insecure) options.insecure = true;
+  if (!f.http_listen.empty()) options.http_listen = f.http_listen;
+  if (!f.journal_file.empty()) options.journal_file = f.journal_file;
+  if (f.journal_retention_hours) options.journal_retention = absl::Hours(*f.journal_retention_hours);
+  if (f.journal_max_events) options.journal_max_events = *f.journal_max_events;
   if (!f.tls_cert.empty()) options.tls.cert_file = f.tls_cert;
   if (!f.tls_key.empty()) options.tls.key_file = f.tls_key;
   if (!f.tls_client_ca.empty()) options.tls.client_ca_file = f.tls_client_ca;
@@ -191,7 +209,7 @@ void ApplyFlags(const Flags& f, CoordinatorOptions& options) {
 
 // Serves until SIGTERM or SIGINT. Exit codes: 0 stopped, 1 cannot write the address file,
 // 2 cannot listen.
-int Serve(CoordinatorOptions options) {
+int Serve(CoordinatorOptions options, const std::string& http_address_file) {
   RouteProtobufLogs();
   RaiseFileLimit();
   options.incarnation = shardcoord::coordinator::NextIncarnation(options.state_file, absl::Now());
@@ -226,6 +244,10 @@ int Serve(CoordinatorOptions options) {
       log->warn("INSECURE: serving {} without TLS (--insecure): tokens, plans and rendezvous data travel in "
                 "clear text; give --tls-cert and --tls-key", options.listen_address);
     }
+  }
+  if (!http_address_file.empty() && !WriteAddressFile(http_address_file, (*server)->http_address())) {
+    std::cerr << "shardcoordd: cannot write --http-address-file " << http_address_file << "\n";
+    return 1;
   }
   if (!options.address_file.empty() &&
       !WriteAddressFile(options.address_file, (*server)->address())) {
@@ -279,5 +301,19 @@ int main(int argc, char** argv) {
     std::cerr << "shardcoordd: " << s.message() << "\n";
     return 2;
   }
-  return Serve(options);
+  if (f.check_config) {
+    if (absl::Status s = shardcoord::coordinator::CheckTls(options.tls); !s.ok()) {
+      std::cerr << "shardcoordd: " << s.message() << "\n";
+      return 2;
+    }
+    if (!options.token_file.empty()) {
+      if (auto t = shardcoord::coordinator::Tokens::Load(options.token_file); !t.ok()) {
+        std::cerr << "shardcoordd: " << t.status().message() << "\n";
+        return 2;
+      }
+    }
+    std::cout << "shardcoordd: settings OK (listen " << options.listen_address << ")\n";
+    return 0;
+  }
+  return Serve(options, f.http_address_file);
 }

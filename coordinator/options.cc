@@ -121,6 +121,21 @@ absl::Status ValidateOptions(const CoordinatorOptions& o) {
                              : "TLS the tokens travel in clear text",
         ": give --token-file and --tls-cert/--tls-key (see README, Security), or --insecure to accept that"));
   }
+  if (!o.http_listen.empty()) {
+    if (o.http_listen.rfind(':') == std::string::npos) {
+      return absl::InvalidArgumentError(absl::StrCat("http_listen '", o.http_listen, "' must be HOST:PORT"));
+    }
+    if (!o.insecure && !IsLoopbackAddress(o.http_listen) && (o.token_file.empty() || !o.tls.enabled())) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "http_listen ", o.http_listen, " is not loopback: give --token-file and --tls-cert/--tls-key (the page and "
+          "/metrics then need a read token, over HTTPS), or --insecure to accept that"));
+    }
+  }
+  if (o.journal_retention < absl::Hours(1) || o.journal_max_events < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("journal_retention_hours must be >= 1 and journal_max_events >= 1, got ",
+                                                   absl::ToInt64Hours(o.journal_retention), " and ",
+                                                   o.journal_max_events));
+  }
   if (o.default_policy == Policy::kUnspecified) {
     return absl::InvalidArgumentError("default policy must be auto, per_layer, root or replicate");
   }
@@ -172,6 +187,10 @@ absl::Status ApplyConfigKey(const std::string& path, const std::string& key, con
   if (key == "state_file") o.state_file = v.as<std::string>();
   if (key == "token_file") o.token_file = v.as<std::string>();
   if (key == "insecure") o.insecure = v.as<bool>();
+  if (key == "http_listen") o.http_listen = v.as<std::string>();
+  if (key == "journal_file") o.journal_file = v.as<std::string>();
+  if (key == "journal_retention_hours") o.journal_retention = absl::Hours(v.as<int64_t>());
+  if (key == "journal_max_events") o.journal_max_events = v.as<int64_t>();
   if (key == "tls_cert_file") o.tls.cert_file = v.as<std::string>();
   if (key == "tls_key_file") o.tls.key_file = v.as<std::string>();
   if (key == "tls_client_ca_file") o.tls.client_ca_file = v.as<std::string>();
@@ -222,7 +241,8 @@ absl::StatusOr<CoordinatorOptions> LoadConfigFile(const std::string& path,
       "max_pending_microbatches", "max_outbox_bytes", "job_retention_ms", "handshake_timeout_ms",
       "self_check_interval_ms", "state_file", "recovery_window_ms", "max_communicators_per_job",
       "max_store_value_bytes", "token_file", "insecure",
-      "tls_cert_file", "tls_key_file", "tls_client_ca_file", "tls_reload_interval_s"};
+      "tls_cert_file", "tls_key_file", "tls_client_ca_file", "tls_reload_interval_s", "http_listen",
+      "journal_file", "journal_retention_hours", "journal_max_events"};
   for (const auto& kv : root) {
     if (!kv.first.IsScalar()) {
       return absl::InvalidArgumentError(

@@ -103,6 +103,13 @@ struct CoordinatorOptions {
   // `insecure`.
   TlsSettings tls;
   bool insecure = false;  // Serve other addresses without TLS or tokens (a loud warning).
+  // HOST:PORT of the HTTP status page, /metrics and /healthz (http_server.h); empty: off.
+  // Beyond loopback, the same rule as `listen_address`: TLS and tokens, or `insecure`.
+  std::string http_listen;
+  // SQLite file keeping every event across restarts (event_journal.h); empty: memory only.
+  std::string journal_file;
+  absl::Duration journal_retention = absl::Hours(24 * 7);  // Older events are deleted.
+  int64_t journal_max_events = 1000000;                    // And all but the newest this many.
   // This process's incarnation: set by the daemon at start (state.h); 0 in tests means 1.
   uint64_t incarnation = 0;
 };

@@ -55,9 +55,11 @@ void WriteTrace(const std::string& path, int world, int microbatches) {
 
 class MultiProcessTest : public ::testing::Test {
  protected:
-  void StartDaemon() {
-    auto d = testing::Daemon::Start(dir_.path(), {"--heartbeat-interval-ms", "100", "--heartbeat-timeout-ms",
-                                                  std::to_string(kHeartbeatTimeoutMs)});
+  void StartDaemon(std::vector<std::string> extra = {}) {
+    std::vector<std::string> flags = {"--heartbeat-interval-ms", "100", "--heartbeat-timeout-ms",
+                                      std::to_string(kHeartbeatTimeoutMs)};
+    flags.insert(flags.end(), extra.begin(), extra.end());
+    auto d = testing::Daemon::Start(dir_.path(), flags);
     ASSERT_TRUE(d.ok()) << d.status();
     daemon_ = std::move(*d);
     address_ = daemon_->address();
@@ -112,6 +114,46 @@ class MultiProcessTest : public ::testing::Test {
   std::unique_ptr<v1::Coordinator::Stub> stub_;
   std::vector<std::unique_ptr<Subprocess>> ranks_;
 };
+
+// The status page (--http-listen) as a browser shows it: headless Chromium loads it while a
+// job runs and after one rank was killed with SIGKILL. With $SHARDCOORD_STATUS_SCREENSHOT set,
+// the screenshot is also copied there (docs/status-page.png was made so).
+TEST_F(MultiProcessTest, TheStatusPageInChromiumShowsTheLiveJobAndARankKilledWithSigkill) {
+  const std::string chromium = "/usr/bin/chromium";
+  if (access(chromium.c_str(), X_OK) != 0) GTEST_SKIP() << "no " << chromium << " (scripts/install-deps.sh installs it)";
+  const std::string http_file = dir_.File("http.addr");
+  StartDaemon({"--http-listen", "127.0.0.1:0", "--http-address-file", http_file});
+  std::string http = ReadFile(http_file);
+  http.erase(http.find_last_not_of('\n') + 1);
+  ASSERT_FALSE(http.empty());
+  const std::string trace = dir_.File("trace.jsonl");
+  WriteTrace(trace, 8, 400);  // 400 microbatches x 25 ms: ~10 s per rank
+  StartJob(trace, 25);
+  ranks_[5]->Signal(SIGKILL);
+  ASSERT_TRUE(WaitUntil([&] { return CountInState(v1::RANK_STATE_DEAD) == 1; }, kStartTimeout));
+  const std::vector<std::string> flags = {chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                                          "--no-first-run", "--disable-background-networking",
+                                          "--disable-component-update", "--disable-sync",
+                                          "--user-data-dir=" + dir_.File("chromium-profile")};
+  const std::string url = "http://" + http + "/";
+  std::vector<std::string> dump = flags;
+  dump.insert(dump.end(), {"--dump-dom", url});
+  auto dom = RunCommand(dump, absl::Seconds(90));
+  ASSERT_EQ(dom.exit_code, 0) << dom.err;
+  EXPECT_THAT(dom.out, HasSubstr("data-job=\"mp\""));
+  EXPECT_THAT(dom.out, HasSubstr("data-rank=\"5\" data-state=\"dead\""));
+  for (int r : {0, 1, 2, 3}) EXPECT_THAT(dom.out, HasSubstr(absl::StrCat("data-rank=\"", r, "\" data-state=\"live\"")));
+  EXPECT_THAT(dom.out, HasSubstr("id=\"decisions-chart\""));
+  const std::string png = dir_.File("status.png");
+  std::vector<std::string> shot = flags;
+  shot.insert(shot.end(), {"--hide-scrollbars", "--window-size=1280,1500", "--screenshot=" + png, url});
+  auto taken = RunCommand(shot, absl::Seconds(90));
+  ASSERT_EQ(taken.exit_code, 0) << taken.err;
+  const std::string image = ReadFile(png);
+  EXPECT_GT(image.size(), 10000u);
+  EXPECT_EQ(image.substr(1, 3), "PNG");
+  if (const char* keep = std::getenv("SHARDCOORD_STATUS_SCREENSHOT")) std::ofstream(keep, std::ios::binary) << image;
+}
 
 TEST_F(MultiProcessTest, KillNineOneRankFailsItsGroupOnlyAndShowsItDead) {
   StartDaemon();

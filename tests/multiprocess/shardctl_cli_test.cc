@@ -4,6 +4,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <signal.h>
+
 #include <algorithm>
 #include <fstream>
 #include <memory>
@@ -124,6 +126,86 @@ TEST(ShardctlCliTest, AJobThatDoesNotExistIsExitOneForEveryQuery) {
   }
   auto events = RunCommand(Shardctl({"events", "--coordinator", address, "--job", "known"}), kCommandTimeout);
   EXPECT_THAT(events.out, HasSubstr("job=known"));
+}
+
+// `shardctl watch`: plain frames when output is not a terminal; on a terminal (a pty from
+// script(1)) the alternate screen, redrawn in place, left again on `q`.
+TEST(ShardctlCliTest, WatchDrawsFramesAndQuitsOnQ) {
+  TempDir dir;
+  auto daemon = testing::Daemon::Start(dir.path(), {});
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  const std::string address = (*daemon)->address();
+  const std::string trace = dir.File("trace.jsonl");
+  WriteTrace(trace, 2, 4);
+  auto replay = RunCommand(Shardctl({"replay", trace, "--coordinator", address, "--job-id", "watched"}),
+                           absl::Seconds(60));
+  ASSERT_EQ(replay.exit_code, 0) << replay.err;
+  auto plain = RunCommand(Shardctl({"watch", "--coordinator", address, "--count", "2", "--interval-ms", "100"}),
+                          kCommandTimeout);
+  EXPECT_EQ(plain.exit_code, 0) << plain.err;
+  size_t frames = 0;
+  for (size_t at = plain.out.find("shardcoord "); at != std::string::npos; at = plain.out.find("shardcoord ", at + 1)) {
+    frames++;
+  }
+  EXPECT_EQ(frames, 2u) << plain.out;
+  EXPECT_THAT(plain.out, HasSubstr("JOB watched"));
+  EXPECT_EQ(plain.out.find('\x1b'), std::string::npos) << "escape sequences in plain output";
+  // On a terminal, until `q`.
+  const std::string cmd = absl::StrCat(SHARDCTL_PATH, " watch --coordinator ", address, " --interval-ms 100");
+  auto tty = RunCommand({"/bin/sh", "-c", "printf q | script -qfec '" + cmd + "' /dev/null"}, kCommandTimeout);
+  EXPECT_EQ(tty.exit_code, 0) << tty.err;
+  EXPECT_THAT(tty.out, HasSubstr("\x1b[?1049h"));  // Alternate screen on ...
+  EXPECT_THAT(tty.out, HasSubstr("JOB watched"));
+  EXPECT_THAT(tty.out, HasSubstr("\x1b[?1049l"));  // ... and off again.
+}
+
+// The event journal in SQLite (--journal-file): a job's events survive a daemon restart and
+// `shardctl events` filters them by job, kind and time.
+TEST(ShardctlCliTest, JournalEventsSurviveARestartAndAreFiltered) {
+  TempDir dir;
+  const std::string journal = dir.File("events.db");
+  std::string address;
+  {
+    auto daemon = testing::Daemon::Start(dir.path(), {"--journal-file", journal}, "127.0.0.1:0", "first");
+    ASSERT_TRUE(daemon.ok()) << daemon.status();
+    address = (*daemon)->address();
+    const std::string trace = dir.File("trace.jsonl");
+    WriteTrace(trace, 2, 4);
+    auto replay = RunCommand(Shardctl({"replay", trace, "--coordinator", address, "--job-id", "yesterday"}),
+                             absl::Seconds(60));
+    ASSERT_EQ(replay.exit_code, 0) << replay.err;
+    (*daemon)->process().Signal(SIGTERM);  // A clean stop writes the journal out.
+    ASSERT_EQ((*daemon)->process().Wait(absl::Seconds(20)), 0) << (*daemon)->Stderr();
+  }
+  auto daemon = testing::Daemon::Start(dir.path(), {"--journal-file", journal}, "127.0.0.1:0", "second");
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  address = (*daemon)->address();
+  auto all = RunCommand(Shardctl({"events", "--coordinator", address, "--job", "yesterday"}), kCommandTimeout);
+  EXPECT_EQ(all.exit_code, 0) << all.err;
+  EXPECT_THAT(all.out, HasSubstr("rank_registered"));
+  EXPECT_THAT(all.out, HasSubstr("rank_left"));
+  auto kind = RunCommand(Shardctl({"events", "--coordinator", address, "--job", "yesterday", "--kind",
+                                   "rank_registered", "--json"}),
+                         kCommandTimeout);
+  EXPECT_EQ(kind.exit_code, 0) << kind.err;
+  EXPECT_THAT(kind.out, HasSubstr("\"kind\":\"rank_registered\""));
+  EXPECT_THAT(kind.out, Not(HasSubstr("rank_left")));
+  auto recent = RunCommand(Shardctl({"events", "--coordinator", address, "--since", "1h", "--job", "yesterday"}),
+                           kCommandTimeout);
+  EXPECT_THAT(recent.out, HasSubstr("rank_registered"));
+  auto future = RunCommand(Shardctl({"events", "--coordinator", address, "--since", "2099-01-01T00:00:00Z"}),
+                           kCommandTimeout);
+  EXPECT_EQ(future.exit_code, 0) << future.err;
+  EXPECT_THAT(future.out, Not(HasSubstr("rank_registered")));
+  auto bad = RunCommand(Shardctl({"events", "--coordinator", address, "--since", "yesterday"}), kCommandTimeout);
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_THAT(bad.err, HasSubstr("--since 'yesterday' is neither a duration"));
+  // A file that is not a journal: refused at start, naming it.
+  const std::string junk = dir.File("junk.db");
+  std::ofstream(junk) << std::string(4096, 'x');
+  auto refused = RunCommand({SHARDCOORDD_PATH, "--listen", "127.0.0.1:0", "--journal-file", junk}, kCommandTimeout);
+  EXPECT_EQ(refused.exit_code, 2);
+  EXPECT_THAT(refused.err, HasSubstr("journal file " + junk));
 }
 
 TEST(ShardctlCliTest, OutOfRangeTimeoutsAndLimitsSayTheRange) {

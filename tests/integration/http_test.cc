@@ -1,0 +1,215 @@
+// The daemon's HTTP listener (http_server.h): real server on 127.0.0.1:0, real workers, and
+// cpp-httplib's client over loopback. /metrics is read by a strict text-format parser and
+// checked against the same numbers over gRPC (what `shardctl --json` prints).
+#include <gmock/gmock.h>
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+#include <httplib.h>
+#include <sys/stat.h>
+
+#include <fstream>
+#include <map>
+#include <regex>
+#include <set>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "coordinator/status_page.h"
+#include "integration/inprocess_fixture.h"
+#include "shardcoord/v1/coordinator.grpc.pb.h"
+#include "support/test_env.h"
+
+namespace shardcoord {
+namespace {
+
+using ::testing::HasSubstr;
+
+// One sample of the Prometheus text format: name, labels, value.
+struct Sample {
+  std::string name;
+  std::map<std::string, std::string> labels;
+  double value = 0;
+};
+
+// Parses the text exposition format 0.0.4 strictly; a malformed line is a test failure.
+std::vector<Sample> ParseMetrics(const std::string& text) {
+  static const std::regex kSample(R"(^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})? (\S+)$)");
+  static const std::regex kLabel(R"re(^([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"$)re");
+  std::map<std::string, std::string> types;
+  std::vector<Sample> out;
+  for (absl::string_view line : absl::StrSplit(text, '\n', absl::SkipEmpty())) {
+    const std::string l(line);
+    if (l.rfind("# HELP ", 0) == 0) continue;
+    if (l.rfind("# TYPE ", 0) == 0) {
+      std::vector<std::string> f = absl::StrSplit(l.substr(7), ' ');
+      EXPECT_EQ(f.size(), 2u) << l;
+      EXPECT_TRUE(f[1] == "counter" || f[1] == "gauge") << l;
+      EXPECT_TRUE(types.emplace(f[0], f[1]).second) << "TYPE twice: " << l;
+      continue;
+    }
+    std::smatch m;
+    if (!std::regex_match(l, m, kSample)) {
+      ADD_FAILURE() << "not a sample line: " << l;
+      continue;
+    }
+    Sample s{m[1], {}, std::stod(m[4])};
+    EXPECT_EQ(s.name.rfind("shardcoord_", 0), 0u) << l;
+    auto type = types.find(s.name);
+    EXPECT_NE(type, types.end()) << "sample before its TYPE: " << l;
+    if (type != types.end() && type->second == "counter") {
+      EXPECT_TRUE(absl::EndsWith(s.name, "_total")) << "counter without _total: " << l;
+    }
+    if (m[3].matched && !m[3].str().empty()) {
+      for (absl::string_view pair : absl::StrSplit(m[3].str(), absl::ByString("\","))) {
+        std::string p(pair);
+        if (p.back() != '"') p += '"';
+        std::smatch lm;
+        if (!std::regex_match(p, lm, kLabel)) {
+          ADD_FAILURE() << "bad label " << p << " in " << l;
+          continue;
+        }
+        s.labels[lm[1]] = lm[2];
+      }
+    }
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+double Value(const std::vector<Sample>& samples, const std::string& name,
+             const std::map<std::string, std::string>& labels) {
+  for (const auto& s : samples) {
+    if (s.name != name) continue;
+    bool match = true;
+    for (const auto& [k, v] : labels) match = match && s.labels.count(k) && s.labels.at(k) == v;
+    if (match) return s.value;
+  }
+  ADD_FAILURE() << "no sample " << name;
+  return -1;
+}
+
+class HttpTest : public InProcessTest {
+ protected:
+  void SetUp() override {}
+  void StartWithHttp(coordinator::CoordinatorOptions o = {}) {
+    o.http_listen = "127.0.0.1:0";
+    StartServer(o);
+    const std::string addr = server_->http_address();
+    ASSERT_FALSE(addr.empty());
+    client_ = std::make_unique<httplib::Client>("127.0.0.1", std::stoi(addr.substr(addr.rfind(':') + 1)));
+    client_->set_read_timeout(10, 0);
+    client_->set_connection_timeout(10, 0);
+  }
+  std::unique_ptr<httplib::Client> client_;
+};
+
+TEST_F(HttpTest, MetricsParseStrictlyAndMatchTheGrpcStatusAndThePageShowsTheJob) {
+  StartWithHttp();
+  auto w0 = Connect(Options(0, 2, 2));
+  auto w1 = Connect(Options(1, 2, 2));
+  ASSERT_TRUE(w0 && w1);
+  for (int mb = 0; mb < 3; ++mb) {  // Uniform, divergent (fallback root), all-zero (skip).
+    ASSERT_TRUE(w0->ReportPlan(PlanOf(0, mb, mb == 2 ? 0 : 1)).ok());
+    ASSERT_TRUE(w1->ReportPlan(PlanOf(0, mb, mb == 0 ? 1 : 0)).ok());
+    ASSERT_TRUE(w0->GetDecision({0, mb}, kDecisionTimeout).ok());
+    ASSERT_TRUE(w1->GetDecision({0, mb}, kDecisionTimeout).ok());
+  }
+  auto health = client_->Get("/healthz");
+  ASSERT_TRUE(health);
+  EXPECT_EQ(health->status, 200);
+  EXPECT_EQ(health->body, "ok\n");
+
+  auto metrics = client_->Get("/metrics");
+  ASSERT_TRUE(metrics);
+  ASSERT_EQ(metrics->status, 200);
+  EXPECT_THAT(metrics->get_header_value("Content-Type"), HasSubstr("text/plain; version=0.0.4"));
+  const auto samples = ParseMetrics(metrics->body);
+  const auto groups = server_->core().Groups("job");
+  ASSERT_EQ(groups.groups_size(), 1);
+  const auto& c = groups.groups(0).counts();
+  for (const auto& [kind, n] : std::vector<std::pair<std::string, int64_t>>{
+           {"per_layer", c.per_layer()}, {"skip", c.skip()}, {"root", c.root()}, {"replicate", c.replicate()}}) {
+    EXPECT_EQ(Value(samples, "shardcoord_module_decisions_total", {{"job", "job"}, {"group", "0"}, {"decision", kind}}),
+              n)
+        << kind;
+  }
+  EXPECT_GT(c.per_layer() + c.skip() + c.root(), 0);
+  EXPECT_EQ(Value(samples, "shardcoord_ranks", {{"job", "job"}, {"state", "live"}}), 2);
+  EXPECT_EQ(Value(samples, "shardcoord_microbatches_decided_total", {{"job", "job"}}), 3);
+  EXPECT_EQ(Value(samples, "shardcoord_build_info", {}), 1);
+
+  auto page = client_->Get("/");
+  ASSERT_TRUE(page);
+  ASSERT_EQ(page->status, 200);
+  EXPECT_THAT(page->body, HasSubstr("<section class=job data-job='job'>"));
+  EXPECT_THAT(page->body, HasSubstr("data-rank=1 data-state=live"));
+  EXPECT_THAT(page->body, HasSubstr("http-equiv=refresh"));
+  EXPECT_THAT(page->body, ::testing::Not(HasSubstr("<script")));
+}
+
+TEST_F(HttpTest, BadRequestsGetACleanClientErrorAndTheServerGoesOn) {
+  StartWithHttp();
+  auto missing = client_->Get("/no/such/page");
+  ASSERT_TRUE(missing);
+  EXPECT_EQ(missing->status, 404);
+  EXPECT_THAT(missing->body, HasSubstr("try /, /metrics or /healthz"));
+  auto huge = client_->Get("/metrics?" + std::string(64 << 10, 'x'));
+  ASSERT_TRUE(huge);
+  EXPECT_GE(huge->status, 400);
+  EXPECT_LT(huge->status, 500);
+  auto post = client_->Post("/metrics", std::string(1 << 20, 'y'), "text/plain");
+  ASSERT_TRUE(post);
+  EXPECT_GE(post->status, 400);
+  EXPECT_LT(post->status, 500);
+  auto health = client_->Get("/healthz");
+  ASSERT_TRUE(health);
+  EXPECT_EQ(health->status, 200);
+}
+
+TEST_F(HttpTest, WithTokensThePageAndMetricsNeedAReadTokenAndHealthDoesNot) {
+  testing::TempDir dir;
+  const std::string tokens = dir.File("tokens");
+  std::ofstream(tokens) << "read read-token-0123456789abcdef\nrank rank-token-0123456789abcdef\n";
+  ASSERT_EQ(chmod(tokens.c_str(), 0600), 0);
+  coordinator::CoordinatorOptions o;
+  o.token_file = tokens;
+  StartWithHttp(o);
+  auto anonymous = client_->Get("/metrics");
+  ASSERT_TRUE(anonymous);
+  EXPECT_EQ(anonymous->status, 401);
+  EXPECT_THAT(anonymous->get_header_value("WWW-Authenticate"), HasSubstr("Basic"));
+  auto as_rank = client_->Get("/", {{"Authorization", "Bearer rank-token-0123456789abcdef"}});
+  ASSERT_TRUE(as_rank);
+  EXPECT_EQ(as_rank->status, 401);
+  auto bearer = client_->Get("/metrics", {{"Authorization", "Bearer read-token-0123456789abcdef"}});
+  ASSERT_TRUE(bearer);
+  EXPECT_EQ(bearer->status, 200);
+  const std::string basic = "Basic " + absl::Base64Escape("operator:read-token-0123456789abcdef");
+  auto browser = client_->Get("/", {{"Authorization", basic}});
+  ASSERT_TRUE(browser);
+  EXPECT_EQ(browser->status, 200);
+  auto health = client_->Get("/healthz");
+  ASSERT_TRUE(health);
+  EXPECT_EQ(health->status, 200);
+}
+
+TEST(StatusPageTest, EveryClientChosenStringIsEscaped) {
+  coordinator::PageInput in;
+  auto* job = in.snapshot.status.add_jobs();
+  job->set_job_id("<script>alert(1)</script>");
+  auto* r = in.snapshot.ranks.add_ranks();
+  r->set_job_id(job->job_id());
+  r->set_host("\"><img src=x onerror=alert(1)>");
+  r->set_state(v1::RANK_STATE_DEAD);
+  r->set_dead_reason("killed & gone");
+  const std::string page = coordinator::StatusPage(in);
+  EXPECT_THAT(page, ::testing::Not(HasSubstr("<script>")));
+  EXPECT_THAT(page, ::testing::Not(HasSubstr("<img")));
+  EXPECT_THAT(page, HasSubstr("&lt;script&gt;alert(1)&lt;/script&gt;"));
+  EXPECT_THAT(page, HasSubstr("killed &amp; gone"));
+  EXPECT_THAT(page, HasSubstr("class='rank dead'"));
+}
+
+}  // namespace
+}  // namespace shardcoord
