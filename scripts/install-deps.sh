@@ -7,7 +7,7 @@ packages=(
   cmake ninja-build g++ clang pkg-config ccache openssl libssl-dev
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libspdlog-dev libcli11-dev nlohmann-json3-dev libyaml-cpp-dev libcpp-httplib-dev prometheus-cpp-dev
-  libsqlite3-dev chromium
+  libsqlite3-dev chromium slurm-wlm munge
   libgtest-dev libgmock-dev libbenchmark-dev libgloo-dev libtorch-dev
   python3-dev pybind11-dev python3-torch python3-pytest python3-numpy
 )
