@@ -5,6 +5,7 @@
 #      --check-config` (every key known, every value in range, TLS files and token file usable);
 #   3. Kubernetes: every document parses and has what the API requires of its kind; the
 #      ConfigMap's embedded config and the Secrets' files pass --check-config as mounted;
+#      `kubectl kustomize` renders them, where kubectl is installed;
 #   4. Slurm: `bash -n` and shellcheck on the batch script (its end-to-end run needs a cluster:
 #      see docs/DEPLOY.md);
 #   5. with --container: the image built with podman from deploy/Containerfile (about 10 min: it
@@ -89,6 +90,17 @@ PY
 if [[ -s "$work/k8s-args" ]]; then
   mapfile -t args <"$work/k8s-args"
   check "the Kubernetes ConfigMap and Secrets as mounted (--check-config)" "$daemon" "${args[@]}" --check-config
+fi
+
+# kubectl, where installed (Debian: kubernetes-client), parses and renders them offline; apply
+# --dry-run=client would need an API server.
+if command -v kubectl >/dev/null; then
+  mkdir -p "$work/kustomize"
+  cp "$root/deploy/kubernetes/shardcoordd.yaml" "$work/kustomize/"
+  printf 'resources:\n- shardcoordd.yaml\n' >"$work/kustomize/kustomization.yaml"
+  check "kubectl kustomize parses and renders the manifests" kubectl kustomize "$work/kustomize"
+else
+  skip "kubectl not installed (Debian: kubernetes-client)"
 fi
 
 # 4. Slurm
