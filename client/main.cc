@@ -367,6 +367,24 @@ int CmdComms(Client& c, const std::string& job, bool json) {
   return kExitOk;
 }
 
+int CmdWatch(Client& client, const std::string& job, int interval_ms, int count) {
+  auto fetch = [&] {
+    shardcoord::client::WatchFrame f;
+    v1::StatusRequest sreq;
+    sreq.set_job_id(job);
+    v1::ListGroupsRequest greq;
+    greq.set_job_id(job);
+    v1::ListRanksRequest rreq;
+    rreq.set_job_id(job);
+    grpc::Status s = client.Try(&v1::Coordinator::Stub::GetStatus, sreq, &f.status);
+    if (s.ok()) s = client.Try(&v1::Coordinator::Stub::ListGroups, greq, &f.groups);
+    if (s.ok()) s = client.Try(&v1::Coordinator::Stub::ListRanks, rreq, &f.ranks);
+    if (!s.ok()) f.error = "cannot read the coordinator: " + s.error_message();
+    return f;
+  };
+  return shardcoord::client::RunWatch(fetch, client.address, absl::Milliseconds(interval_ms), count);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -594,23 +612,7 @@ int main(int argc, char** argv) {
   if (groups->parsed()) return CmdGroups(client, job, json);
   if (decisions->parsed()) return CmdDecisions(client, job, group, limit, json);
   if (comms->parsed()) return CmdComms(client, job, json);
-  if (watch->parsed()) {
-    auto fetch = [&] {
-      shardcoord::client::WatchFrame f;
-      v1::StatusRequest sreq;
-      sreq.set_job_id(job);
-      v1::ListGroupsRequest greq;
-      greq.set_job_id(job);
-      v1::ListRanksRequest rreq;
-      rreq.set_job_id(job);
-      grpc::Status s = client.Try(&v1::Coordinator::Stub::GetStatus, sreq, &f.status);
-      if (s.ok()) s = client.Try(&v1::Coordinator::Stub::ListGroups, greq, &f.groups);
-      if (s.ok()) s = client.Try(&v1::Coordinator::Stub::ListRanks, rreq, &f.ranks);
-      if (!s.ok()) f.error = "cannot read the coordinator: " + s.error_message();
-      return f;
-    };
-    return shardcoord::client::RunWatch(fetch, client.address, absl::Milliseconds(watch_interval_ms), watch_count);
-  }
+  if (watch->parsed()) return CmdWatch(client, job, watch_interval_ms, watch_count);
   if (events->parsed()) return CmdEvents(client, job, after, event_limit, since, kind, json);
   return kExitOk;
 }

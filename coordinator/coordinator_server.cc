@@ -407,13 +407,43 @@ class CoordinatorService final : public v1::Coordinator::CallbackService {
   std::atomic<uint64_t> next_session_{1};
 };
 
+// Builds and starts the gRPC server on options.listen_address (port 0 picks one).
+absl::Status CoordinatorServer::Listen(const CoordinatorOptions& options) {
+  // grpc.health.v1.Health (built into gRPC; no token needed, it tells nothing but SERVING /
+  // NOT_SERVING): for load balancers, Kubernetes gRPC probes and grpc_health_probe.
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(options.listen_address, ServerCredentialsFor(options.tls), &port_);
+  builder.RegisterService(service_.get());
+  // Workers send keepalive pings to notice a lost coordinator; let them.
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  // A second daemon on the same port must fail, not share the port and split the job.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 1000);
+  // Connections that never speak HTTP/2 (idle or hostile) hold a descriptor only this long.
+  builder.AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS,
+                             static_cast<int>(absl::ToInt64Milliseconds(options.limits.handshake_timeout)));
+  server_ = builder.BuildAndStart();
+  if (!server_ || port_ == 0) {
+    return absl::UnavailableError(absl::StrCat("cannot listen on ", options.listen_address,
+                                               ": address in use or not local; pick another "
+                                               "--listen HOST:PORT (port 0 picks a free one)"));
+  }
+  const std::string& listen = options.listen_address;
+  address_ = absl::StrCat(listen.substr(0, listen.rfind(':')), ":", port_);
+  core_->SetBoundAddress(address_);
+  if (auto* health = server_->GetHealthCheckService()) {
+    health->SetServingStatus(kHealthServiceName, true);
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
     CoordinatorOptions options, std::shared_ptr<const Clock> clock,
     std::function<void(const std::string&)> on_listener_lost) {
   if (absl::Status s = ValidateOptions(options); !s.ok()) return s;
   if (!clock) clock = std::make_shared<RealClock>();
   std::unique_ptr<CoordinatorServer> server(new CoordinatorServer);
-  const std::string listen = options.listen_address;
   server->core_ = std::make_unique<CoordinatorCore>(options, clock);
   if (absl::Status s = CheckTls(options.tls); !s.ok()) return s;
   if (absl::Status s = server->core_->OpenJournal(); !s.ok()) return s;
@@ -427,32 +457,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   const Tokens http_tokens = tokens;
   server->service_ = std::make_unique<CoordinatorService>(server->core_.get(), std::move(tokens));
 
-  // grpc.health.v1.Health (built into gRPC; no token needed, it tells nothing but SERVING /
-  // NOT_SERVING): for load balancers, Kubernetes gRPC probes and grpc_health_probe.
-  grpc::EnableDefaultHealthCheckService(true);
-  grpc::ServerBuilder builder;
-  builder.AddListeningPort(listen, ServerCredentialsFor(options.tls), &server->port_);
-  builder.RegisterService(server->service_.get());
-  // Workers send keepalive pings to notice a lost coordinator; let them.
-  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
-  // A second daemon on the same port must fail, not share the port and split the job.
-  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 1000);
-  // Connections that never speak HTTP/2 (idle or hostile) hold a descriptor only this long.
-  builder.AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS,
-                             static_cast<int>(absl::ToInt64Milliseconds(options.limits.handshake_timeout)));
-  server->server_ = builder.BuildAndStart();
-  if (!server->server_ || server->port_ == 0) {
-    return absl::UnavailableError(absl::StrCat("cannot listen on ", listen,
-                                               ": address in use or not local; pick another "
-                                               "--listen HOST:PORT (port 0 picks a free one)"));
-  }
-  size_t colon = listen.rfind(':');
-  server->address_ = absl::StrCat(listen.substr(0, colon), ":", server->port_);
-  server->core_->SetBoundAddress(server->address_);
-  if (auto* health = server->server_->GetHealthCheckService()) {
-    health->SetServingStatus(kHealthServiceName, true);
-  }
+  if (absl::Status s = server->Listen(options); !s.ok()) return s;
   if (!options.http_listen.empty()) {
     auto http = HttpServer::Start(server->core_.get(), options, http_tokens);
     if (!http.ok()) {
@@ -464,17 +469,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   server->ticker_ = std::make_unique<Ticker>(server->core_.get());
   server->ticker_->Start();
   server->on_listener_lost_ = std::move(on_listener_lost);
-  bool self_check = options.limits.self_check_interval > absl::ZeroDuration();
-  if (self_check && options.tls.mutual() && !ServerCertificateIsAClient(options.tls)) {
-    self_check = false;
-    logging::Get("coordinator")
-        ->warn("listener self-check off: under mutual TLS it presents the daemon's certificate, which the client "
-               "CA does not accept as a client certificate; issue it from that CA with extendedKeyUsage "
-               "serverAuth,clientAuth to have a deaf listener noticed");
-  }
-  if (self_check) {
-    server->self_check_ = std::thread([s = server.get()] { s->SelfCheckLoop(); });
-  }
+  server->StartSelfCheck(options);
   logging::Get("coordinator")
       ->info("serving address={} tls={} tokens={}", server->address_,
              !options.tls.enabled() ? "off" : options.tls.mutual() ? "mutual" : "on", tokens_enabled ? "on" : "off");
@@ -484,65 +479,6 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
 CoordinatorServer::~CoordinatorServer() { Shutdown(absl::Milliseconds(200)); }
 
 std::string CoordinatorServer::http_address() const { return http_ ? http_->address() : std::string(); }
-
-namespace {
-
-// Open descriptors of this process (for the self-check's message).
-int OpenDescriptors() {
-  int n = 0;
-  if (DIR* d = opendir("/proc/self/fd")) {
-    while (readdir(d) != nullptr) n++;
-    closedir(d);
-  }
-  return n > 2 ? n - 3 : n;  // ".", ".." and the directory's own descriptor
-}
-
-// Whether the self-check's call shows the listener accepting. Any answer does (a refused token
-// too); a call that never got one (DEADLINE_EXCEEDED, or UNAVAILABLE: no connection formed)
-// does not.
-bool ListenerAnswered(const grpc::Status& st) {
-  return st.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED && st.error_code() != grpc::StatusCode::UNAVAILABLE;
-}
-
-}  // namespace
-
-void CoordinatorServer::SelfCheckLoop() {
-  const absl::Duration interval = core_->options().limits.self_check_interval;
-  const TlsSettings& tls = core_->options().tls;
-  // Our own address, reached over loopback when we listen on every interface.
-  std::string target = address_;
-  if (absl::StartsWith(target, "0.0.0.0:")) target = "127.0.0.1:" + target.substr(8);
-  if (absl::StartsWith(target, "[::]:")) target = "[::1]:" + target.substr(5);
-  int failures = 0;
-  absl::MutexLock lock(&mu_);
-  while (!stopping_) {
-    mu_.AwaitWithTimeout(absl::Condition(&stopping_), interval);
-    if (stopping_) break;
-    mu_.Unlock();
-    grpc::ChannelArguments args;
-    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);  // A new connection: it must be accepted.
-    auto stub = v1::Coordinator::NewStub(grpc::CreateCustomChannel(target, SelfCheckCredentials(tls), args));
-    grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + std::min(interval, absl::Seconds(2))));
-    v1::StatusRequest req;
-    req.set_job_id("\x01self-check");  // Matches no job: a small answer.
-    v1::StatusResponse resp;
-    const grpc::Status st = stub->GetStatus(&ctx, req, &resp);
-    failures = ListenerAnswered(st) ? 0 : failures + 1;
-    if (failures == 3) {
-      rlimit lim{};
-      getrlimit(RLIMIT_NOFILE, &lim);
-      const std::string why = absl::StrCat(
-          "the server no longer accepts connections on ", address_, " (3 self-checks failed, last: ",
-          st.error_message(), "); open descriptors ", OpenDescriptors(), " of limit ", lim.rlim_cur,
-          ": with descriptors exhausted gRPC stops accepting for good. Raise the open file limit "
-          "(LimitNOFILE, ulimit -n) to about one per rank plus 64");
-      logging::Get("coordinator")->critical("{}", why);
-      if (on_listener_lost_) on_listener_lost_(why);
-    }
-    mu_.Lock();
-  }
-}
 
 void CoordinatorServer::Shutdown(absl::Duration grace) {
   {

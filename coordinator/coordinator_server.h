@@ -60,7 +60,9 @@ class CoordinatorServer {
   // Every self_check_interval: one query over a new connection to our own address. Three
   // failures in a row mean the listener is gone (gRPC 1.51 stops accepting for good after
   // accept() fails with EMFILE): says so with the descriptor count, calls on_listener_lost_.
-  void SelfCheckLoop();
+  absl::Status Listen(const CoordinatorOptions& options);
+  void StartSelfCheck(const CoordinatorOptions& options);
+  void SelfCheckLoop();  // coordinator_server_self_check.cc
 
   std::unique_ptr<CoordinatorCore> core_;
   std::unique_ptr<CoordinatorService> service_;

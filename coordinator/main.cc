@@ -88,6 +88,34 @@ struct Flags {
   std::optional<int> max_comms, max_store_value;
 };
 
+// Who may connect (tokens, TLS), what else the daemon serves (HTTP) and keeps (the journal).
+void AddSecurityAndObservabilityFlags(CLI::App& app, Flags& f) {
+  app.add_option("--token-file", f.token_file,
+                 "tokens with roles (lines 'ROLE TOKEN [job=ID]', mode 600); every call must then carry one")
+      ->envname("SHARDCOORDD_TOKEN_FILE");
+  app.add_option("--http-listen", f.http_listen,
+                 "serve the status page, /metrics and /healthz over HTTP on HOST:PORT (off by default)")
+      ->envname("SHARDCOORD_HTTP_LISTEN");
+  app.add_flag("--check-config", f.check_config,
+               "check the settings (config file, flags, TLS files, token file) and exit: 0 when they would serve");
+  app.add_option("--journal-file", f.journal_file,
+                 "keep every event in this SQLite file too, across restarts (shardctl events reads it)");
+  app.add_option("--journal-retention-hours", f.journal_retention_hours, "delete journal events older than this");
+  app.add_option("--journal-max-events", f.journal_max_events, "keep at most this many journal events");
+  app.add_option("--http-address-file", f.http_address_file,
+                 "write the HTTP listener's bound HOST:PORT here once serving (for --http-listen ...:0)");
+  app.add_option("--tls-cert", f.tls_cert, "PEM certificate chain: serve TLS only (with --tls-key)")
+      ->envname("SHARDCOORDD_TLS_CERT");
+  app.add_option("--tls-key", f.tls_key, "PEM private key of --tls-cert (mode 600)")->envname("SHARDCOORDD_TLS_KEY");
+  app.add_option("--tls-client-ca", f.tls_client_ca,
+                 "PEM CA bundle: require callers' certificates signed by it (mutual TLS)")
+      ->envname("SHARDCOORDD_TLS_CLIENT_CA");
+  app.add_option("--tls-reload-interval-s", f.tls_reload_s,
+                 "check the TLS files this often; renewed ones serve new connections without a restart");
+  app.add_flag("--insecure", f.insecure,
+               "serve a non-loopback address without TLS or tokens (anyone who reaches it may act for any rank)");
+}
+
 void AddFlags(CLI::App& app, Flags& f) {
   app.add_option("--config", f.config_file,
                  "YAML config file (keys as in README 'shardcoordd configuration' and deploy/config)")
@@ -133,30 +161,7 @@ void AddFlags(CLI::App& app, Flags& f) {
       ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "off"}));
   app.add_option("--address-file", f.address_file,
                  "write the bound HOST:PORT here once serving (for --listen ...:0)");
-  app.add_option("--token-file", f.token_file,
-                 "tokens with roles (lines 'ROLE TOKEN', mode 600); every call must then carry one")
-      ->envname("SHARDCOORDD_TOKEN_FILE");
-  app.add_option("--http-listen", f.http_listen,
-                 "serve the status page, /metrics and /healthz over HTTP on HOST:PORT (off by default)")
-      ->envname("SHARDCOORD_HTTP_LISTEN");
-  app.add_flag("--check-config", f.check_config,
-               "check the settings (config file, flags, TLS files, token file) and exit: 0 when they would serve");
-  app.add_option("--journal-file", f.journal_file,
-                 "keep every event in this SQLite file too, across restarts (shardctl events reads it)");
-  app.add_option("--journal-retention-hours", f.journal_retention_hours, "delete journal events older than this");
-  app.add_option("--journal-max-events", f.journal_max_events, "keep at most this many journal events");
-  app.add_option("--http-address-file", f.http_address_file,
-                 "write the HTTP listener's bound HOST:PORT here once serving (for --http-listen ...:0)");
-  app.add_option("--tls-cert", f.tls_cert, "PEM certificate chain: serve TLS only (with --tls-key)")
-      ->envname("SHARDCOORDD_TLS_CERT");
-  app.add_option("--tls-key", f.tls_key, "PEM private key of --tls-cert (mode 600)")->envname("SHARDCOORDD_TLS_KEY");
-  app.add_option("--tls-client-ca", f.tls_client_ca,
-                 "PEM CA bundle: require callers' certificates signed by it (mutual TLS)")
-      ->envname("SHARDCOORDD_TLS_CLIENT_CA");
-  app.add_option("--tls-reload-interval-s", f.tls_reload_s,
-                 "check the TLS files this often; renewed ones serve new connections without a restart");
-  app.add_flag("--insecure", f.insecure,
-               "serve a non-loopback address without TLS or tokens (anyone who reaches it may act for any rank)");
+  AddSecurityAndObservabilityFlags(app, f);
   app.add_option("--state-file", f.state_file,
                  "keep the incarnation here across restarts (optional: recovery works without it)");
   app.add_option("--recovery-window-ms", f.recovery_window_ms,

@@ -1,0 +1,94 @@
+// The listener self-check of CoordinatorServer (see StartSelfCheck in coordinator_server.h):
+// gRPC 1.51 stops accepting for good once accept() fails with EMFILE, so the daemon calls
+// itself every `self_check_interval` and, after three calls that got no answer, reports the
+// listener lost (shardcoordd then exits 3 for its supervisor to restart it).
+#include <dirent.h>
+#include <grpcpp/grpcpp.h>
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <thread>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "coordinator/coordinator_server.h"
+#include "coordinator/tls.h"
+#include "shardcoord/internal/logging.h"
+#include "shardcoord/v1/coordinator.grpc.pb.h"
+
+namespace shardcoord::coordinator {
+
+void CoordinatorServer::StartSelfCheck(const CoordinatorOptions& options) {
+  bool self_check = options.limits.self_check_interval > absl::ZeroDuration();
+  if (self_check && options.tls.mutual() && !ServerCertificateIsAClient(options.tls)) {
+    self_check = false;
+    logging::Get("coordinator")
+        ->warn("listener self-check off: under mutual TLS it presents the daemon's certificate, which the client "
+               "CA does not accept as a client certificate; issue it from that CA with extendedKeyUsage "
+               "serverAuth,clientAuth to have a deaf listener noticed");
+  }
+  if (self_check) {
+    self_check_ = std::thread([this] { SelfCheckLoop(); });
+  }
+}
+
+namespace {
+
+// Open descriptors of this process (for the self-check's message).
+int OpenDescriptors() {
+  int n = 0;
+  if (DIR* d = opendir("/proc/self/fd")) {
+    while (readdir(d) != nullptr) n++;
+    closedir(d);
+  }
+  return n > 2 ? n - 3 : n;  // ".", ".." and the directory's own descriptor
+}
+
+// Whether the self-check's call shows the listener accepting. Any answer does (a refused token
+// too); a call that never got one (DEADLINE_EXCEEDED, or UNAVAILABLE: no connection formed)
+// does not.
+bool ListenerAnswered(const grpc::Status& st) {
+  return st.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED && st.error_code() != grpc::StatusCode::UNAVAILABLE;
+}
+
+}  // namespace
+
+void CoordinatorServer::SelfCheckLoop() {
+  const absl::Duration interval = core_->options().limits.self_check_interval;
+  const TlsSettings& tls = core_->options().tls;
+  // Our own address, reached over loopback when we listen on every interface.
+  std::string target = address_;
+  if (absl::StartsWith(target, "0.0.0.0:")) target = "127.0.0.1:" + target.substr(8);
+  if (absl::StartsWith(target, "[::]:")) target = "[::1]:" + target.substr(5);
+  int failures = 0;
+  absl::MutexLock lock(&mu_);
+  while (!stopping_) {
+    mu_.AwaitWithTimeout(absl::Condition(&stopping_), interval);
+    if (stopping_) break;
+    mu_.Unlock();
+    grpc::ChannelArguments args;
+    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);  // A new connection: it must be accepted.
+    auto stub = v1::Coordinator::NewStub(grpc::CreateCustomChannel(target, SelfCheckCredentials(tls), args));
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + std::min(interval, absl::Seconds(2))));
+    v1::StatusRequest req;
+    req.set_job_id("\x01self-check");  // Matches no job: a small answer.
+    v1::StatusResponse resp;
+    const grpc::Status st = stub->GetStatus(&ctx, req, &resp);
+    failures = ListenerAnswered(st) ? 0 : failures + 1;
+    if (failures == 3) {
+      rlimit lim{};
+      getrlimit(RLIMIT_NOFILE, &lim);
+      const std::string why = absl::StrCat(
+          "the server no longer accepts connections on ", address_, " (3 self-checks failed, last: ",
+          st.error_message(), "); open descriptors ", OpenDescriptors(), " of limit ", lim.rlim_cur,
+          ": with descriptors exhausted gRPC stops accepting for good. Raise the open file limit "
+          "(LimitNOFILE, ulimit -n) to about one per rank plus 64");
+      logging::Get("coordinator")->critical("{}", why);
+      if (on_listener_lost_) on_listener_lost_(why);
+    }
+    mu_.Lock();
+  }
+}
+
+}  // namespace shardcoord::coordinator
