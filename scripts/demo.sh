@@ -29,12 +29,13 @@ trap cleanup EXIT
 
 echo "== starting shardcoordd (logs: $work/shardcoordd.log)"
 "$shardcoordd" --listen 127.0.0.1:0 --address-file "$work/addr" --heartbeat-interval-ms 200 \
-  --heartbeat-timeout-ms 2000 >"$work/shardcoordd.log" 2>&1 &
+  --heartbeat-timeout-ms 2000 --http-listen 127.0.0.1:0 --http-address-file "$work/http" \
+  --journal-file "$work/events.db" >"$work/shardcoordd.log" 2>&1 &
 coord_pid=$!
 for _ in $(seq 1 100); do [[ -s "$work/addr" ]] && break; sleep 0.1; done
 [[ -s "$work/addr" ]] || { echo "shardcoordd did not start; see $work/shardcoordd.log" >&2; exit 1; }
 export SHARDCOORD_ADDR=$(cat "$work/addr")
-echo "   listening on $SHARDCOORD_ADDR"
+echo "   listening on $SHARDCOORD_ADDR; status page http://$(cat "$work/http")/ (also: shardctl watch)"
 
 if [[ "$mode" == "--replay" ]]; then
   echo "== 8 simulated rank processes (2 groups of 4) replaying examples/traces/mixed_8ranks.jsonl"
