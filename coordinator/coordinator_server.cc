@@ -224,7 +224,8 @@ void SessionSink::StartNextLocked() {
     if (current_.has_decisions()) {
       auto* batch = current_.mutable_decisions();
       while (!queue_.empty() && queue_.front().first.has_decisions() &&
-             batch->decisions_size() < kMaxDecisionsPerWrite && bytes + queue_.front().second <= kMaxBytesPerWrite) {
+             batch->decisions_size() + queue_.front().first.decisions().decisions_size() <= kMaxDecisionsPerWrite &&
+             bytes + queue_.front().second <= kMaxBytesPerWrite) {
         for (auto& d : *queue_.front().first.mutable_decisions()->mutable_decisions()) {
           *batch->add_decisions() = std::move(d);
         }
