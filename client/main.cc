@@ -440,7 +440,8 @@ int main(int argc, char** argv) {
   std::string since, kind;
   events->add_option("--since", since, "only events since this long ago (90m, 24h) or this time (RFC 3339)");
   events->add_option("--kind", kind, "only events of this kind (rank_dead, group_failed, rank_registered, ...)");
-  events->add_option("--limit", event_limit, "at most this many events")->check(CLI::Range(1, kMaxLimit));
+  events->add_option("--limit", event_limit, "at most this many events (a page: 1..10000; --after pages on)")
+      ->check(CLI::Range(1, 10000));
 
   auto* replay = app.add_subcommand("replay", "play simulated ranks from a JSON-lines trace through a coordinator");
   std::string trace_path, ranks_arg, modules_arg, manifest_path, policy = "", fallback = "", output;

@@ -128,8 +128,8 @@ int RunWatch(const std::function<WatchFrame()>& fetch, const std::string& addres
   g_stop = false;
   struct sigaction sa {};
   sa.sa_handler = OnStopSignal;
-  sigaction(SIGINT, &sa, nullptr);
-  sigaction(SIGTERM, &sa, nullptr);
+  // Every signal that would end the process ends the loop instead, so the terminal is restored.
+  for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGQUIT}) sigaction(sig, &sa, nullptr);
   const bool terminal = isatty(STDOUT_FILENO);
   std::unique_ptr<Screen> screen;
   if (terminal) screen = std::make_unique<Screen>();

@@ -100,8 +100,9 @@ absl::StatusOr<Grant> Tokens::Check(const std::string& authorization, Role neede
     if (!SameSecret(given, e.token)) continue;
     known = true;
     if (e.role != Role::kAdmin && e.role != needed) continue;
-    // The same token listed twice: the widest grant.
-    if (!allowed || e.role == Role::kAdmin || (e.job.empty() && !grant.job.empty())) grant = {e.role, e.job};
+    // The same token listed twice: the widest grant (admin over a role, every job over one).
+    const auto width = [](Role r, const std::string& job) { return std::make_pair(r == Role::kAdmin, job.empty()); };
+    if (!allowed || width(e.role, e.job) > width(grant.role, grant.job)) grant = {e.role, e.job};
     allowed = true;
   }
   if (!known) return absl::UnauthenticatedError(absl::StrCat(method, ": the token is not one this coordinator knows"));

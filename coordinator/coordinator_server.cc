@@ -11,6 +11,7 @@
 #include <grpcpp/health_check_service_interface.h>
 #include <sys/resource.h>
 
+#include <algorithm>
 #include <atomic>
 #include <deque>
 #include <optional>
@@ -251,6 +252,8 @@ void SessionSink::StartNextLocked() {
 
 }  // namespace
 
+constexpr int kMaxEventsPerQuery = 10000;
+
 // A session stream refused before it starts (no token, or the wrong role).
 class RefusedSession final : public grpc::ServerBidiReactor<v1::WorkerMessage, v1::CoordinatorMessage> {
  public:
@@ -321,7 +324,10 @@ class CoordinatorService final : public v1::Coordinator::CallbackService {
     if (!grant.ok()) return Refuse(ctx, ToGrpcStatus(grant.status()));
     auto job = JobOf(*grant, req->job_id(), "ListEvents");
     if (!job.ok()) return Refuse(ctx, ToGrpcStatus(job.status()));
-    EventFilter filter{*job, req->kind(), req->since_unix_ms(), req->after_id(), req->limit() > 0 ? req->limit() : 100};
+    // At most kMaxEventsPerQuery (a page; `after_id` pages on), so one query cannot make the
+    // daemon build the whole journal in memory.
+    const int limit = req->limit() > 0 ? std::min(req->limit(), kMaxEventsPerQuery) : 100;
+    EventFilter filter{*job, req->kind(), req->since_unix_ms(), req->after_id(), limit};
     for (auto& e : core_->Events(filter)) {
       *resp->add_events() = std::move(e);
     }

@@ -25,11 +25,13 @@ absl::Status EventJournal::Persist(const std::string& path, absl::Duration reten
   if (!store.ok()) return store.status();
   retention_ = retention;
   max_events_ = max_events;
+  // The highest id before pruning: ids go on increasing even when every old event is pruned,
+  // so that a reader's `after_id` cursor stays valid across the restart.
+  const uint64_t max_id = (*store)->MaxId();
   const int64_t pruned = (*store)->Prune(absl::Now(), retention, max_events);
   EventFilter newest;
   newest.limit = capacity_;
   std::vector<v1::Event> loaded = (*store)->Query(newest);
-  const uint64_t max_id = (*store)->MaxId();
   {
     absl::MutexLock store_lock(&store_mu_);
     absl::MutexLock lock(&mu_);
@@ -97,18 +99,34 @@ void EventJournal::WriterLoop() {
     if (dropped > 0) {
       logging::Get("coordinator")->warn("journal: {} events were not written: the disk was too slow", dropped);
     }
+    bool failed = false;
     if (!batch.empty()) {
       if (absl::Status s = store_->Append(batch); !s.ok()) {
-        logging::Get("coordinator")->warn("journal: {} events not written: {}", batch.size(), std::string(s.message()));
+        failed = true;
+        // Kept for the next round (within the queue's bound), so a busy or full disk loses
+        // only what the bound drops, counted.
+        int64_t held_back = 0;
+        if (write_errors_.Allow(&held_back)) {
+          logging::Get("coordinator")
+              ->warn("journal: {} events not written yet: {} ({} more such errors)", batch.size(),
+                     std::string(s.message()), held_back);
+        }
+        absl::MutexLock lock(&mu_);
+        unwritten_.insert(unwritten_.begin(), batch.begin(), batch.end());
+        while (unwritten_.size() > kMaxUnwrittenEvents) {
+          unwritten_.pop_front();
+          dropped_++;
+        }
+      } else {
+        absl::MutexLock lock(&mu_);
+        written_through_ = batch.back().id();
       }
-      absl::MutexLock lock(&mu_);
-      written_through_ = batch.back().id();
     }
     if (absl::Now() >= next_prune) {
       store_->Prune(absl::Now(), retention_, max_events_);
       next_prune = absl::Now() + kPruneInterval;
     }
-    if (stop && batch.empty()) return;
+    if (stop && (batch.empty() || failed)) return;  // Stopping: one more try, not a loop.
   }
 }
 

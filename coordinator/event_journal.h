@@ -19,6 +19,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "coordinator/journal_store.h"
+#include "shardcoord/internal/logging.h"
 #include "shardcoord/v1/coordinator.pb.h"
 
 namespace shardcoord::coordinator {
@@ -65,6 +66,7 @@ class EventJournal {
   mutable absl::Mutex store_mu_ ABSL_ACQUIRED_BEFORE(mu_);
   std::unique_ptr<JournalStore> store_ ABSL_GUARDED_BY(store_mu_);
   std::thread writer_;
+  logging::RateLimit write_errors_{1};  // Writer thread only.
 };
 
 }  // namespace shardcoord::coordinator

@@ -3,6 +3,7 @@
 #include <httplib.h>
 
 #include "absl/strings/escaping.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "coordinator/metrics.h"
 #include "shardcoord/internal/logging.h"
@@ -61,14 +62,21 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(CoordinatorCore* c
   const size_t colon = listen.rfind(':');
   std::string host = listen.substr(0, colon);
   if (host.size() > 2 && host.front() == '[') host = host.substr(1, host.size() - 2);
-  int port = colon == std::string::npos ? -1 : std::atoi(listen.c_str() + colon + 1);
-  port = port == 0 ? s->server_->bind_to_any_port(host) : port > 0 && s->server_->bind_to_port(host, port) ? port : -1;
+  int port = -1;
+  if (colon == std::string::npos || !absl::SimpleAtoi(listen.substr(colon + 1), &port) || port < 0 || port > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat("http_listen '", listen, "' must be HOST:PORT with a port in 0..65535"));
+  }
+  port = port == 0 ? s->server_->bind_to_any_port(host) : s->server_->bind_to_port(host, port) ? port : -1;
   if (port <= 0) {
     return absl::UnavailableError(absl::StrCat("cannot listen for HTTP on ", listen,
                                                ": address in use or not local; pick another --http-listen HOST:PORT"));
   }
   s->address_ = absl::StrCat(listen.substr(0, colon), ":", port);
   s->listener_ = std::thread([srv = s->server_.get()] { srv->listen_after_bind(); });
+  // stop() does nothing until the listener runs: wait for it, so that a server stopped at once
+  // cannot leave its thread listening forever.
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (!s->server_->is_running() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(1));
   s->sampler_ = std::thread([p = s.get()] { p->SampleLoop(); });
   logging::Get("coordinator")->info("http serving address={} tls={}", s->address_, options.tls.enabled() ? "on" : "off");
   return s;
@@ -84,36 +92,42 @@ HttpServer::~HttpServer() {
   if (sampler_.joinable()) sampler_.join();
 }
 
-bool HttpServer::Allowed(const std::string& authorization, const char* what) const {
-  return tokens_.Check(AsBearer(authorization), Role::kRead, what).ok();
+std::optional<Grant> HttpServer::Allowed(const std::string& authorization, const char* what) const {
+  auto grant = tokens_.Check(AsBearer(authorization), Role::kRead, what);
+  if (!grant.ok()) return std::nullopt;
+  return *grant;
 }
 
-Snapshot HttpServer::Take() const {
-  return Snapshot{core_->Status(""), core_->Groups(""), core_->Ranks(""), core_->Comms("")};
+Snapshot HttpServer::Take(const std::string& job) const {
+  return Snapshot{core_->Status(job), core_->Groups(job), core_->Ranks(job), core_->Comms(job)};
 }
 
 void HttpServer::Routes() {
+  // The caller's grant (a token limited to one job sees that job only), or a 401.
   auto guard = [this](const httplib::Request& req, httplib::Response& res, const char* what) {
-    if (Allowed(req.get_header_value("Authorization"), what)) return true;
+    std::optional<Grant> grant = Allowed(req.get_header_value("Authorization"), what);
+    if (grant) return grant;
     res.status = 401;
     res.set_header("WWW-Authenticate", "Basic realm=\"shardcoord (password: a read token)\"");
     res.set_content("a read token is required: Authorization: Bearer TOKEN, or Basic auth with it as password\n",
                     "text/plain");
-    return false;
+    return grant;
   };
   server_->Get("/healthz", [](const httplib::Request&, httplib::Response& res) { res.set_content("ok\n", "text/plain"); });
   server_->Get("/metrics", [this, guard](const httplib::Request& req, httplib::Response& res) {
-    if (!guard(req, res, "GET /metrics")) return;
-    res.set_content(MetricsText(Take()), "text/plain; version=0.0.4; charset=utf-8");
+    auto grant = guard(req, res, "GET /metrics");
+    if (!grant) return;
+    res.set_content(MetricsText(Take(grant->job)), "text/plain; version=0.0.4; charset=utf-8");
   });
   server_->Get("/", [this, guard](const httplib::Request& req, httplib::Response& res) {
-    if (!guard(req, res, "GET /")) return;
+    auto grant = guard(req, res, "GET /");
+    if (!grant) return;
     PageInput in;
-    in.snapshot = Take();
-    in.events = core_->Events("", 0, 20);
+    in.snapshot = Take(grant->job);
+    in.events = core_->Events(grant->job, 0, 20);
     std::reverse(in.events.begin(), in.events.end());
     in.heartbeat_interval_ms = heartbeat_interval_ms_;
-    {
+    if (grant->job.empty()) {  // The chart sums every job: only for callers who may see them all.
       absl::MutexLock lock(&mu_);
       in.history = history_;
     }

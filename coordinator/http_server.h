@@ -9,6 +9,7 @@
 
 #include <deque>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -38,8 +39,8 @@ class HttpServer {
  private:
   HttpServer() = default;
   void Routes();
-  bool Allowed(const std::string& authorization, const char* what) const;
-  Snapshot Take() const;
+  std::optional<Grant> Allowed(const std::string& authorization, const char* what) const;
+  Snapshot Take(const std::string& job) const;  // "" : every job
   void SampleLoop();
 
   CoordinatorCore* core_ = nullptr;

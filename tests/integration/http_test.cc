@@ -170,7 +170,8 @@ TEST_F(HttpTest, BadRequestsGetACleanClientErrorAndTheServerGoesOn) {
 TEST_F(HttpTest, WithTokensThePageAndMetricsNeedAReadTokenAndHealthDoesNot) {
   testing::TempDir dir;
   const std::string tokens = dir.File("tokens");
-  std::ofstream(tokens) << "read read-token-0123456789abcdef\nrank rank-token-0123456789abcdef\n";
+  std::ofstream(tokens) << "read read-token-0123456789abcdef\nrank rank-token-0123456789abcdef\n"
+                        << "read other-job-reader-0123456789 job=other\n";
   ASSERT_EQ(chmod(tokens.c_str(), 0600), 0);
   coordinator::CoordinatorOptions o;
   o.token_file = tokens;
@@ -192,6 +193,22 @@ TEST_F(HttpTest, WithTokensThePageAndMetricsNeedAReadTokenAndHealthDoesNot) {
   auto health = client_->Get("/healthz");
   ASSERT_TRUE(health);
   EXPECT_EQ(health->status, 200);
+  // A reader limited to another job sees none of this one, on the page or in the metrics.
+  WorkerOptions wo = Options(0, 1, 1);
+  wo.token = "rank-token-0123456789abcdef";
+  auto w = Connect(wo);
+  ASSERT_TRUE(w);
+  const httplib::Headers other = {{"Authorization", "Bearer other-job-reader-0123456789"}};
+  auto page = client_->Get("/", other);
+  ASSERT_TRUE(page);
+  EXPECT_EQ(page->status, 200);
+  EXPECT_THAT(page->body, ::testing::Not(HasSubstr("data-job='job'")));
+  auto metrics = client_->Get("/metrics", other);
+  ASSERT_TRUE(metrics);
+  EXPECT_THAT(metrics->body, ::testing::Not(HasSubstr("job=\"job\"")));
+  auto all = client_->Get("/", {{"Authorization", "Bearer read-token-0123456789abcdef"}});
+  ASSERT_TRUE(all);
+  EXPECT_THAT(all->body, HasSubstr("data-job='job'"));
 }
 
 TEST(StatusPageTest, EveryClientChosenStringIsEscaped) {

@@ -86,5 +86,25 @@ TEST(EventJournalTest, EventsSurviveAndIdsContinueAcrossAReopen) {
   EXPECT_THAT(Ids(again.List({"", "", 0, 4, 100})), ::testing::ElementsAre(5, 6));
 }
 
+// Ids go on after a restart even when retention pruned every old event, so that a reader's
+// `after_id` cursor never sees ids reused.
+TEST(EventJournalTest, IdsGoOnWhenEveryOldEventWasPruned) {
+  testing::TempDir dir;
+  const std::string path = dir.File("j.db");
+  {
+    EventJournal j(10);
+    ASSERT_TRUE(j.Persist(path, absl::Hours(24), 1000).ok());
+    for (int i = 0; i < 3; ++i) j.Add(absl::Now() - absl::Hours(48), "info", "old", "a", i, 0, "two days ago");
+    j.Flush();
+  }
+  EventJournal again(10);
+  ASSERT_TRUE(again.Persist(path, absl::Hours(24), 1000).ok());
+  EXPECT_TRUE(again.List({"", "old", 0, 0, 100}).empty()) << "older than the retention: pruned";
+  again.Add(absl::Now(), "info", "new", "a", 0, 0, "now");
+  auto listed = again.List({"", "", 0, 0, 100});
+  ASSERT_EQ(listed.size(), 1u);
+  EXPECT_EQ(listed[0].id(), 4u);
+}
+
 }  // namespace
 }  // namespace shardcoord::coordinator
