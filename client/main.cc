@@ -97,12 +97,6 @@ std::string ToJson(const google::protobuf::Message& m) {
   return out;
 }
 
-std::string Lower(std::string s, const std::string& prefix) {
-  if (s.rfind(prefix, 0) == 0) s = s.substr(prefix.size());
-  for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  return s;
-}
-
 std::string KeyText(const v1::MicrobatchKey& k) { return absl::StrFormat("(%d,%d)", k.step(), k.microbatch()); }
 
 std::string FormatTime(int64_t unix_ms) {
@@ -236,7 +230,7 @@ int CmdRanks(Client& c, const std::string& job, bool json) {
     for (const auto& m : r.memory()) peak += m.peak_bytes();
     std::cout << absl::StrFormat(
         "%-10s %5d %5d %-12s %-16s %8d %10d %12s %7d %8d %8d %12s  %s\n", r.job_id(), r.rank(), r.group(),
-        Lower(v1::RankState_Name(r.state()), "RANK_STATE_"), r.host(), r.pid(),
+        shardcoord::StateName(r.state()), r.host(), r.pid(),
         r.last_heartbeat_age_ms(), r.has_last_planned() ? KeyText(r.last_planned()) : "-",
         r.pending_plans(), r.plans_received(), r.plans_rejected(),
         r.memory().empty() ? std::string("-") : absl::StrCat(peak), r.dead_reason());
@@ -262,7 +256,7 @@ int CmdGroups(Client& c, const std::string& job, bool json) {
     if (!g.failure_reason().empty()) note += (note.empty() ? "" : " / ") + g.failure_reason();
     std::cout << absl::StrFormat("%-10s %5d %-16s %-9s %5d %7d %7d %9d %7d %7d %9d %9d  %s\n", g.job_id(),
                                  g.group(), absl::StrJoin(g.ranks(), ","),
-                                 Lower(v1::GroupState_Name(g.state()), "GROUP_STATE_"), g.epoch(),
+                                 shardcoord::StateName(g.state()), g.epoch(),
                                  g.next_seq(), g.pending_microbatches(), g.counts().per_layer(),
                                  g.counts().skip(), g.counts().root(), g.counts().replicate(),
                                  g.counts().divergent(), note);
@@ -293,8 +287,8 @@ int CmdDecisions(Client& c, const std::string& job, int group, int limit, bool j
     for (const auto& m : d.modules()) {
       std::cout << absl::StrFormat("%-10s %5d %7d %12s %-28s %-10s %-16s %016x\n", e.job_id(), d.group(),
                                    d.seq(), absl::StrFormat("(%d,%d)", d.step(), d.microbatch()),
-                                   m.module(), Lower(v1::Decision_Name(m.decision()), "DECISION_"),
-                                   Lower(v1::DecisionReason_Name(m.reason()), "REASON_"), d.digest());
+                                   m.module(), shardcoord::EnumText(v1::Decision_Name(m.decision()), "DECISION_"),
+                                   shardcoord::EnumText(v1::DecisionReason_Name(m.reason()), "REASON_"), d.digest());
     }
   }
   return kExitOk;
@@ -361,7 +355,7 @@ int CmdComms(Client& c, const std::string& job, bool json) {
     if (!cm.abort_reason().empty()) note += "  / " + cm.abort_reason();
     if (!cm.behind().empty()) note += "  / BEHIND: " + cm.behind();
     std::cout << absl::StrFormat("%-10s %-12s %5d %-8s %-16s %7d  %s\n", cm.job_id(), cm.name(), cm.epoch(),
-                                 Lower(v1::CommState_Name(cm.state()), "COMM_STATE_"), absl::StrJoin(cm.ranks(), ","),
+                                 shardcoord::StateName(cm.state()), absl::StrJoin(cm.ranks(), ","),
                                  cm.epochs_aborted(), note);
   }
   return kExitOk;

@@ -17,18 +17,13 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "shardcoord/plan_check.h"
+#include "shardcoord/proto/convert.h"
 
 namespace shardcoord::client {
 namespace {
 
 std::atomic<bool> g_stop{false};
 void OnStopSignal(int) { g_stop = true; }
-
-std::string State(const std::string& full, const char* prefix) {
-  std::string s = full.rfind(prefix, 0) == 0 ? full.substr(std::string(prefix).size()) : full;
-  for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  return s;
-}
 
 // The terminal in raw mode (keys arrive one by one, not echoed) on the alternate screen, for
 // as long as it lives; restored on every way out of RunWatch.
@@ -96,7 +91,7 @@ std::string RenderWatch(const WatchFrame& f, const std::string& address, int wid
     for (const auto& g : f.groups.groups()) {
       if (g.job_id() != j.job_id()) continue;
       lines.push_back(absl::StrFormat("  %-6d %-10s %6d %8d %10d %6d %6d %10d", g.group(),
-                                      State(v1::GroupState_Name(g.state()), "GROUP_STATE_"), g.epoch(),
+                                      StateName(g.state()), g.epoch(),
                                       g.pending_microbatches(), g.counts().per_layer(), g.counts().skip(),
                                       g.counts().root(), g.counts().replicate()));
     }
@@ -105,7 +100,7 @@ std::string RenderWatch(const WatchFrame& f, const std::string& address, int wid
     for (const auto& r : f.ranks.ranks()) {
       if (r.job_id() != j.job_id()) continue;
       lines.push_back(absl::StrFormat("  %-6d %-6d %-8s %10d %8d  %s", r.rank(), r.group(),
-                                      State(v1::RankState_Name(r.state()), "RANK_STATE_"), r.last_heartbeat_age_ms(),
+                                      StateName(r.state()), r.last_heartbeat_age_ms(),
                                       r.plans_received(), Printable(r.dead_reason())));
     }
   }

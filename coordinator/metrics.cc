@@ -45,15 +45,6 @@ class Families {
   std::map<std::string, size_t> index_;
 };
 
-std::string Lower(std::string s) {
-  for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  return s;
-}
-// "RANK_STATE_LIVE" -> "live".
-std::string StateName(const std::string& full, const char* prefix) {
-  return Lower(full.rfind(prefix, 0) == 0 ? full.substr(std::string(prefix).size()) : full);
-}
-
 void Daemon(Families& f, const v1::StatusResponse& s) {
   f.Gauge("shardcoord_build_info", "shardcoord version, always 1", {{"version", s.version()}}, 1);
   f.Gauge("shardcoord_start_time_seconds", "When this daemon started, Unix time", {}, s.started_unix_ms() / 1000.0);
@@ -83,7 +74,7 @@ void Jobs(Families& f, const v1::StatusResponse& s) {
 void Groups(Families& f, const v1::ListGroupsResponse& groups) {
   std::map<std::pair<std::string, std::string>, int> by_state;
   for (const auto& g : groups.groups()) {
-    by_state[{g.job_id(), StateName(v1::GroupState_Name(g.state()), "GROUP_STATE_")}]++;
+    by_state[{g.job_id(), StateName(g.state())}]++;
     const Labels base = {{"job", g.job_id()}, {"group", std::to_string(g.group())}};
     f.Gauge("shardcoord_group_epoch", "The group's epoch (increases when it re-forms)", base,
             static_cast<double>(g.epoch()));
@@ -118,7 +109,7 @@ void RanksAndComms(Families& f, const Snapshot& s) {
   }
   std::map<std::pair<std::string, std::string>, int> by_state;
   for (const auto& c : s.comms.comms()) {
-    by_state[{c.job_id(), StateName(v1::CommState_Name(c.state()), "COMM_STATE_")}]++;
+    by_state[{c.job_id(), StateName(c.state())}]++;
     f.Gauge("shardcoord_communicator_epoch", "A named communicator's epoch", {{"job", c.job_id()}, {"comm", c.name()}},
             static_cast<double>(c.epoch()));
   }

@@ -8,6 +8,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/time.h"
+#include "shardcoord/proto/convert.h"
 
 namespace shardcoord::coordinator {
 namespace {
@@ -20,13 +21,6 @@ th{background:#f4f4f4}.dead td{background:#fdd}.behind td{background:#ffe9b3}.fa
 .muted{color:#777}.chart text{font-size:11px}
 )";
 
-std::string Lower(std::string s) {
-  for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  return s;
-}
-std::string After(const std::string& full, const std::string& prefix) {
-  return Lower(full.rfind(prefix, 0) == 0 ? full.substr(prefix.size()) : full);
-}
 std::string Cell(const std::string& text) { return "<td>" + HtmlEscape(text) + "</td>"; }
 
 std::string Header(const v1::StatusResponse& s, int refresh) {
@@ -70,7 +64,7 @@ std::string GroupTable(const std::string& job, const v1::ListGroupsResponse& gro
       "<th>replicate<th>divergent<th>why failed</tr>";
   for (const auto& g : groups.groups()) {
     if (g.job_id() != job) continue;
-    const std::string state = After(v1::GroupState_Name(g.state()), "GROUP_STATE_");
+    const std::string state = StateName(g.state());
     const auto& c = g.counts();
     out += absl::StrCat("<tr class='group ", state == "failed" ? "failed" : "", "' data-group=", g.group(), ">",
                         Cell(std::to_string(g.group())), Cell(absl::StrJoin(g.ranks(), ",")), Cell(state),
@@ -88,7 +82,7 @@ std::string RankTable(const std::string& job, const PageInput& in, const std::se
       "</tr>";
   for (const auto& r : in.snapshot.ranks.ranks()) {
     if (r.job_id() != job) continue;
-    const std::string state = After(v1::RankState_Name(r.state()), "RANK_STATE_");
+    const std::string state = StateName(r.state());
     const bool late = state == "live" && r.last_heartbeat_age_ms() > 2 * in.heartbeat_interval_ms;
     const bool is_behind = late || behind.count({job, r.rank()}) > 0;
     const std::string cls = state == "dead" ? "dead" : is_behind ? "behind" : "";
@@ -107,7 +101,7 @@ std::string CommTable(const std::string& job, const v1::ListCommsResponse& comms
   for (const auto& c : comms.comms()) {
     if (c.job_id() != job) continue;
     out += absl::StrCat("<tr>", Cell(c.name()), Cell(std::to_string(c.epoch())),
-                        Cell(After(v1::CommState_Name(c.state()), "COMM_STATE_")), Cell(absl::StrJoin(c.ranks(), ",")),
+                        Cell(StateName(c.state())), Cell(absl::StrJoin(c.ranks(), ",")),
                         Cell(c.behind().empty() ? c.abort_reason() : c.behind()), "</tr>");
   }
   return out + "</table>";

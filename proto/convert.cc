@@ -1,5 +1,7 @@
 #include "shardcoord/proto/convert.h"
 
+#include <cctype>
+
 namespace shardcoord {
 
 static_assert(static_cast<int>(Policy::kReplicate) == v1::POLICY_REPLICATE);
@@ -89,5 +91,15 @@ absl::Status FromGrpcStatus(const grpc::Status& s) {
 absl::Status MakeStatus(int code, const std::string& message) {
   return absl::Status(static_cast<absl::StatusCode>(code), message);
 }
+
+std::string EnumText(std::string name, const std::string& prefix) {
+  if (name.rfind(prefix, 0) == 0) name = name.substr(prefix.size());
+  for (char& c : name) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return name;
+}
+
+std::string StateName(v1::RankState s) { return EnumText(v1::RankState_Name(s), "RANK_STATE_"); }
+std::string StateName(v1::GroupState s) { return EnumText(v1::GroupState_Name(s), "GROUP_STATE_"); }
+std::string StateName(v1::CommState s) { return EnumText(v1::CommState_Name(s), "COMM_STATE_"); }
 
 }  // namespace shardcoord

@@ -71,6 +71,17 @@ class InProcessTest : public ::testing::Test {
     ASSERT_TRUE(s1.ok()) << s1;
   }
 
+  // Both ranks of one group plan (0, mb) with the vision tower called once; each gets the
+  // decision, and it is the same one (asserted).
+  static void DecideTogether(Worker& w0, Worker& w1, int mb) {
+    ASSERT_TRUE(w0.ReportPlan(PlanOf(0, mb, 1)).ok());
+    ASSERT_TRUE(w1.ReportPlan(PlanOf(0, mb, 1)).ok());
+    auto d0 = w0.GetDecision({0, mb}, kDecisionTimeout);
+    auto d1 = w1.GetDecision({0, mb}, kDecisionTimeout);
+    ASSERT_TRUE(d0.ok() && d1.ok()) << d0.status() << " " << d1.status();
+    EXPECT_EQ(d0->digest, d1->digest);
+  }
+
   static MicrobatchPlan PlanOf(int64_t step, int mb, int vision, int audio = 0) {
     return MicrobatchPlan{{step, mb}, {{"vision_tower", vision}, {"audio_tower", audio}}};
   }

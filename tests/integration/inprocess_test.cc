@@ -724,12 +724,7 @@ TEST_F(TokenTest, EveryCallNeedsAKnownTokenOfARoleAllowedToMakeIt) {
   auto w0 = Connect(o);
   auto w1 = Connect(o1);
   ASSERT_TRUE(w0 && w1);
-  ASSERT_TRUE(w0->ReportPlan(PlanOf(0, 0, 1)).ok());
-  ASSERT_TRUE(w1->ReportPlan(PlanOf(0, 0, 1)).ok());
-  auto d0 = w0->GetDecision({0, 0}, kDecisionTimeout);
-  auto d1 = w1->GetDecision({0, 0}, kDecisionTimeout);
-  ASSERT_TRUE(d0.ok() && d1.ok());
-  EXPECT_EQ(d0->digest, d1->digest);
+  ASSERT_NO_FATAL_FAILURE(DecideTogether(*w0, *w1, 0));
   int64_t a = 2, b = 3;
   AllReduceOnWorld(*w0, *w1, &a, &b, ReduceOp::kSum);
   EXPECT_EQ(a, 5);
@@ -798,12 +793,7 @@ TEST_F(TokenTest, EveryRpcRefusesMissingWrongAndUnderprivilegedTokensAndTheJobGo
   // The job is unharmed: both ranks live, a decision and a collective still work.
   EXPECT_TRUE(w0->Health().ok()) << w0->Health();
   EXPECT_TRUE(w1->Health().ok()) << w1->Health();
-  ASSERT_TRUE(w0->ReportPlan(PlanOf(0, 0, 1)).ok());
-  ASSERT_TRUE(w1->ReportPlan(PlanOf(0, 0, 1)).ok());
-  auto d0 = w0->GetDecision({0, 0}, kDecisionTimeout);
-  auto d1 = w1->GetDecision({0, 0}, kDecisionTimeout);
-  ASSERT_TRUE(d0.ok() && d1.ok());
-  EXPECT_EQ(d0->digest, d1->digest);
+  ASSERT_NO_FATAL_FAILURE(DecideTogether(*w0, *w1, 0));
   int64_t a = 1, b = 2;
   AllReduceOnWorld(*w0, *w1, &a, &b, ReduceOp::kSum);
   EXPECT_EQ(b, 3);

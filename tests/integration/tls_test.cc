@@ -69,12 +69,7 @@ class TlsTest : public InProcessTest {
 
   // Both ranks decide (0, mb) and, the first time, all-reduce over Gloo: the job works.
   void RunMicrobatch(Worker& w0, Worker& w1, int mb) {
-    ASSERT_TRUE(w0.ReportPlan(PlanOf(0, mb, 1)).ok());
-    ASSERT_TRUE(w1.ReportPlan(PlanOf(0, mb, 1)).ok());
-    auto d0 = w0.GetDecision({0, mb}, kDecisionTimeout);
-    auto d1 = w1.GetDecision({0, mb}, kDecisionTimeout);
-    ASSERT_TRUE(d0.ok() && d1.ok()) << d0.status() << " " << d1.status();
-    EXPECT_EQ(d0->digest, d1->digest);
+    ASSERT_NO_FATAL_FAILURE(DecideTogether(w0, w1, mb));
     if (mb > 0) return;
     int64_t a = 2, b = 3;
     AllReduceOnWorld(w0, w1, &a, &b, ReduceOp::kSum);

@@ -46,6 +46,17 @@ std::vector<std::string> Shardctl(std::vector<std::string> args) {
   return args;
 }
 
+// A job of 2 ranks replayed to its end through the coordinator at `address` (its ranks left;
+// the job is retained).
+void ReplayJob(TempDir& dir, const std::string& address, const std::string& job) {
+  const std::string trace = dir.File(job + ".jsonl");
+  WriteTrace(trace, 2, 4);
+  auto replay = RunCommand(Shardctl({"replay", trace, "--coordinator", address, "--job-id", job,
+                                     "--decision-timeout-ms", "30000"}),
+                           absl::Seconds(60));
+  ASSERT_EQ(replay.exit_code, 0) << replay.err;
+}
+
 TEST(ShardctlCliTest, BadCoordinatorAddressIsAUsageErrorForEveryCommand) {
   TempDir dir;
   const std::string trace = dir.File("trace.jsonl");
@@ -98,13 +109,7 @@ TEST(ShardctlCliTest, AJobThatDoesNotExistIsExitOneForEveryQuery) {
   auto daemon = testing::Daemon::Start(dir.path(), {});
   ASSERT_TRUE(daemon.ok()) << daemon.status();
   const std::string address = (*daemon)->address();
-  // A job that exists once its replay has finished (its ranks left; the job is retained).
-  const std::string trace = dir.File("trace.jsonl");
-  WriteTrace(trace, 2, 4);
-  auto replay = RunCommand(Shardctl({"replay", trace, "--coordinator", address, "--job-id", "known",
-                                     "--decision-timeout-ms", "30000"}),
-                           absl::Seconds(60));
-  ASSERT_EQ(replay.exit_code, 0) << replay.err;
+  ASSERT_NO_FATAL_FAILURE(ReplayJob(dir, address, "known"));
 
   for (const auto& q : kQueries) {
     for (bool json : {false, true}) {
@@ -135,11 +140,7 @@ TEST(ShardctlCliTest, WatchDrawsFramesAndQuitsOnQ) {
   auto daemon = testing::Daemon::Start(dir.path(), {});
   ASSERT_TRUE(daemon.ok()) << daemon.status();
   const std::string address = (*daemon)->address();
-  const std::string trace = dir.File("trace.jsonl");
-  WriteTrace(trace, 2, 4);
-  auto replay = RunCommand(Shardctl({"replay", trace, "--coordinator", address, "--job-id", "watched"}),
-                           absl::Seconds(60));
-  ASSERT_EQ(replay.exit_code, 0) << replay.err;
+  ASSERT_NO_FATAL_FAILURE(ReplayJob(dir, address, "watched"));
   auto plain = RunCommand(Shardctl({"watch", "--coordinator", address, "--count", "2", "--interval-ms", "100"}),
                           kCommandTimeout);
   EXPECT_EQ(plain.exit_code, 0) << plain.err;
@@ -169,11 +170,7 @@ TEST(ShardctlCliTest, JournalEventsSurviveARestartAndAreFiltered) {
     auto daemon = testing::Daemon::Start(dir.path(), {"--journal-file", journal}, "127.0.0.1:0", "first");
     ASSERT_TRUE(daemon.ok()) << daemon.status();
     address = (*daemon)->address();
-    const std::string trace = dir.File("trace.jsonl");
-    WriteTrace(trace, 2, 4);
-    auto replay = RunCommand(Shardctl({"replay", trace, "--coordinator", address, "--job-id", "yesterday"}),
-                             absl::Seconds(60));
-    ASSERT_EQ(replay.exit_code, 0) << replay.err;
+    ASSERT_NO_FATAL_FAILURE(ReplayJob(dir, address, "yesterday"));
     (*daemon)->process().Signal(SIGTERM);  // A clean stop writes the journal out.
     ASSERT_EQ((*daemon)->process().Wait(absl::Seconds(20)), 0) << (*daemon)->Stderr();
   }

@@ -68,6 +68,30 @@ class CommManagerTest : public ::testing::Test, protected shardcoord::testing::C
     return req;
   }
 
+  // A store call of `rank`'s own session for communicator "world".
+  v1::StoreSetRequest SetRequest(int rank, int64_t epoch, const std::string& key, const std::string& value) {
+    v1::StoreSetRequest set;
+    set.set_job_id("job");
+    set.set_rank(rank);
+    set.set_session_key(Key(rank));
+    set.set_name("world");
+    set.set_epoch(epoch);
+    set.set_key(key);
+    set.set_value(value);
+    return set;
+  }
+  v1::StoreGetRequest GetRequest(int rank, int64_t epoch, const std::vector<std::string>& keys, int timeout_ms) {
+    v1::StoreGetRequest get;
+    get.set_job_id("job");
+    get.set_rank(rank);
+    get.set_session_key(Key(rank));
+    get.set_name("world");
+    get.set_epoch(epoch);
+    for (const auto& k : keys) get.add_keys(k);
+    get.set_timeout_ms(timeout_ms);
+    return get;
+  }
+
   // The core's answer to `req`, if it gave one at once.
   std::optional<absl::StatusOr<v1::CommJoinResponse>> JoinNow(const v1::CommJoinRequest& req) {
     std::optional<absl::StatusOr<v1::CommJoinResponse>> out;
@@ -139,24 +163,10 @@ TEST_F(CommManagerTest, AnEpochStartsOnceEveryMemberIsLiveAndIsReadyOnceEveryMem
 TEST_F(CommManagerTest, TheEpochStoreAnswersOnceTheKeyIsSet) {
   FormEpoch(1);
   std::optional<absl::StatusOr<v1::StoreGetResponse>> got;
-  v1::StoreGetRequest get;
-  get.set_job_id("job");
-  get.set_rank(1);
-  get.set_session_key(Key(1));
-  get.set_name("world");
-  get.set_epoch(1);
-  get.add_keys("nccl_id");
-  get.set_timeout_ms(5000);
+  v1::StoreGetRequest get = GetRequest(1, 1, {"nccl_id"}, 5000);
   core_->StoreGet(get, [&](absl::StatusOr<v1::StoreGetResponse> r) { got = std::move(r); });
   EXPECT_FALSE(got.has_value());
-  v1::StoreSetRequest set;
-  set.set_job_id("job");
-  set.set_rank(0);
-  set.set_session_key(Key(0));
-  set.set_name("world");
-  set.set_epoch(1);
-  set.set_key("nccl_id");
-  set.set_value("bytes");
+  v1::StoreSetRequest set = SetRequest(0, 1, "nccl_id", "bytes");
   ASSERT_TRUE(core_->StoreSet(set).ok());
   ASSERT_TRUE(got && got->ok());
   ASSERT_EQ((*got)->values_size(), 1);
@@ -231,29 +241,14 @@ TEST_F(CommManagerTest, BadCallsFromTheRankItselfAreRefusedNamingWhatIsWrong) {
   EXPECT_EQ(j->status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(j->status().message(), HasSubstr("in 0..1"));
   FormEpoch(1);
-  v1::StoreSetRequest set;
-  set.set_job_id("job");
-  set.set_rank(0);
-  set.set_session_key(Key(0));
-  set.set_name("world");
-  set.set_epoch(7);
-  set.set_key("k");
-  set.set_value("v");
+  v1::StoreSetRequest set = SetRequest(0, 7, "k", "v");
   absl::Status s = core_->StoreSet(set);
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(s.message(), HasSubstr("wrong epoch 7"));
   set.set_epoch(1);
   ASSERT_TRUE(core_->StoreSet(set).ok());
   std::optional<absl::StatusOr<v1::StoreGetResponse>> got;
-  v1::StoreGetRequest get;
-  get.set_job_id("job");
-  get.set_rank(1);
-  get.set_session_key(Key(1));
-  get.set_name("world");
-  get.set_epoch(1);
-  get.add_keys("k");
-  get.add_keys("never");
-  get.set_timeout_ms(100);
+  v1::StoreGetRequest get = GetRequest(1, 1, {"k", "never"}, 100);
   core_->StoreGet(get, [&](absl::StatusOr<v1::StoreGetResponse> r) { got = std::move(r); });
   EXPECT_FALSE(got.has_value());
   clock_->Advance(absl::Milliseconds(150));
@@ -280,14 +275,7 @@ TEST_F(CommManagerTest, NamesKeysAndValuesAreBoundedAndMustBePrintable) {
   EXPECT_THAT(j->status().message(), HasSubstr("evil\\x1b[2J"));
 
   FormEpoch(1);
-  v1::StoreSetRequest set;
-  set.set_job_id("job");
-  set.set_rank(0);
-  set.set_session_key(Key(0));
-  set.set_name("world");
-  set.set_epoch(1);
-  set.set_key("big");
-  set.set_value(std::string(options_.limits.max_store_value_bytes + 1, 'x'));
+  v1::StoreSetRequest set = SetRequest(0, 1, "big", std::string(options_.limits.max_store_value_bytes + 1, 'x'));
   absl::Status s = core_->StoreSet(set);
   EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
   EXPECT_THAT(s.message(), HasSubstr("max_store_value_bytes"));

@@ -95,11 +95,7 @@ absl::Status Worker::Impl::Start() {
   auto token = ResolveToken(options_.token);
   if (!token.ok()) return token.status();
   token_ = *token;
-  tls_ = ResolveTls(options_.tls);
-  {
-    grpc::ChannelArguments probe;
-    if (auto creds = ChannelCredentialsFor(tls_, probe); !creds.ok()) return creds.status();
-  }
+  tls_ = ResolveTls(options_.tls);  // Unusable files fail the first Connect, finally (not UNAVAILABLE).
   IgnoreSigpipeOnce();
   const absl::Time deadline = absl::Now() + options_.connect_timeout;
   // A coordinator lost before it answered (killed, restarting) is tried again until the

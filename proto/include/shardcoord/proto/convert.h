@@ -37,6 +37,15 @@ absl::Status FromGrpcStatus(const grpc::Status& s);
 // For codes carried inside messages (PlanRejected, MicrobatchFailed).
 absl::Status MakeStatus(int code, const std::string& message);
 
+// An enum value name as operators read it: without `prefix`, lower case
+// (EnumText("REASON_DIVERGENT", "REASON_") -> "divergent").
+std::string EnumText(std::string name, const std::string& prefix);
+// A state as operators read it: the enum name without its prefix, lower case
+// (RANK_STATE_LIVE -> "live", GROUP_STATE_HEALTHY -> "healthy", COMM_STATE_ABORTED -> "aborted").
+std::string StateName(v1::RankState s);
+std::string StateName(v1::GroupState s);
+std::string StateName(v1::CommState s);
+
 }  // namespace shardcoord
 
 #endif  // SHARDCOORD_PROTO_CONVERT_H_
