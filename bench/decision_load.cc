@@ -12,6 +12,9 @@
 //
 //   decision_load --ranks 8,64,512,4096 --group-size 8 --microbatches 200
 #include <grpcpp/grpcpp.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -20,13 +23,13 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
-#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "coordinator/coordinator_server.h"
 #include "shardcoord/internal/logging.h"
@@ -38,6 +41,17 @@ namespace v1 = shardcoord::v1;
 
 int64_t NowNs() { return absl::GetCurrentTimeNanos(); }
 
+// Counters and timestamps, in memory shared by the generator processes (--procs): every
+// process simulates whole groups, so each (group, microbatch) slot has one writer process.
+struct Board {
+  std::atomic<int> registered{0};
+  std::atomic<int> finished{0};
+  std::atomic<int> failed{0};
+  std::atomic<int64_t> plans_sent{0};
+  std::atomic<int64_t> start_ns{0};  // Set once every rank of every process registered.
+  std::atomic<int> cancelled{0};     // The run passed its deadline.
+};
+
 struct Shared {
   int world = 0;
   int group_size = 0;
@@ -45,15 +59,13 @@ struct Shared {
   int lookahead = 4;
   int batch = 1;        // Plans per message.
   bool paced = false;   // Plans released by the pacing thread, not by decisions.
+  double rate = 0;
+  int channels = 8;
   std::string job;
+  Board* board = nullptr;
   // [group * microbatches + mb]: latest plan send time and latest decision receive time.
-  std::unique_ptr<std::atomic<int64_t>[]> last_send;
-  std::unique_ptr<std::atomic<int64_t>[]> last_recv;
-  std::atomic<int> registered{0};
-  std::atomic<int> finished{0};
-  std::atomic<int> failed{0};
-  std::atomic<int64_t> plans_sent{0};
-  absl::Notification go;
+  std::atomic<int64_t>* last_send = nullptr;
+  std::atomic<int64_t>* last_recv = nullptr;
 
   void AtomicMax(std::atomic<int64_t>& a, int64_t v) {
     int64_t cur = a.load(std::memory_order_relaxed);
@@ -105,7 +117,7 @@ class SimRank final : public grpc::ClientBidiReactor<v1::WorkerMessage, v1::Coor
   void OnReadDone(bool ok) override {
     if (!ok) return;
     if (in_.has_registered()) {
-      shared_->registered.fetch_add(1);
+      shared_->board->registered.fetch_add(1);
     } else if (in_.has_decisions()) {
       const int64_t now = NowNs();
       std::lock_guard<std::mutex> lock(plan_mu_);
@@ -126,7 +138,7 @@ class SimRank final : public grpc::ClientBidiReactor<v1::WorkerMessage, v1::Coor
         Enqueue(std::move(bye));
       }
     } else if (in_.has_plan_rejected() || in_.has_group_failure() || in_.has_microbatch_failed()) {
-      if (shared_->failed.fetch_add(1) == 0) {
+      if (shared_->board->failed.fetch_add(1) == 0) {
         std::fprintf(stderr, "rank %d: %s\n", rank_, in_.ShortDebugString().c_str());
       }
     }
@@ -141,8 +153,8 @@ class SimRank final : public grpc::ClientBidiReactor<v1::WorkerMessage, v1::Coor
   }
 
   void OnDone(const grpc::Status& s) override {
-    if (received_ != shared_->microbatches) shared_->failed.fetch_add(1);
-    shared_->finished.fetch_add(1);
+    if (received_ != shared_->microbatches) shared_->board->failed.fetch_add(1);
+    shared_->board->finished.fetch_add(1);
   }
 
  private:
@@ -164,7 +176,7 @@ class SimRank final : public grpc::ClientBidiReactor<v1::WorkerMessage, v1::Coor
     }
     const int n = next_plan_ - first;
     if (n == 0) return;
-    shared_->plans_sent.fetch_add(n, std::memory_order_relaxed);
+    shared_->board->plans_sent.fetch_add(n, std::memory_order_relaxed);
     Enqueue(std::move(m), group_ * shared_->microbatches + first, n);
   }
 
@@ -233,25 +245,11 @@ struct Result {
   double stall_p99_us = 0;
 };
 
-Result RunOnce(const std::string& address, int world, int group_size, int microbatches, int lookahead,
-               int batch, double rate, int channels, absl::Duration deadline) {
-  Shared shared;
-  shared.world = world;
-  shared.group_size = group_size;
-  shared.microbatches = microbatches;
-  shared.lookahead = lookahead;
-  shared.batch = batch;
-  shared.paced = rate > 0;
-  shared.job = absl::StrCat("load-", world, "-", NowNs());
-  const int groups = world / group_size;
-  shared.last_send.reset(new std::atomic<int64_t>[groups * microbatches]);
-  shared.last_recv.reset(new std::atomic<int64_t>[groups * microbatches]);
-  for (int i = 0; i < groups * microbatches; ++i) {
-    shared.last_send[i] = 0;
-    shared.last_recv[i] = 0;
-  }
+// Simulates the ranks of every group g with g % parts == part, from registration to the
+// end of the run: in this process (--procs 1) or in a forked one.
+void Simulate(const std::string& address, Shared& shared, int part, int parts, absl::Time deadline) {
   std::vector<std::unique_ptr<v1::Coordinator::Stub>> stubs;
-  for (int c = 0; c < channels; ++c) {
+  for (int c = 0; c < shared.channels; ++c) {
     grpc::ChannelArguments args;
     args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);  // A separate connection per channel.
     args.SetInt("shardcoord.bench.channel", c);
@@ -259,31 +257,96 @@ Result RunOnce(const std::string& address, int world, int group_size, int microb
         grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args)));
   }
   std::vector<std::unique_ptr<SimRank>> ranks;
-  for (int r = 0; r < world; ++r) {
-    ranks.push_back(std::make_unique<SimRank>(stubs[r % channels].get(), &shared, r));
+  for (int r = 0; r < shared.world; ++r) {
+    if ((r / shared.group_size) % parts != part) continue;
+    ranks.push_back(std::make_unique<SimRank>(stubs[ranks.size() % stubs.size()].get(), &shared, r));
   }
-  const absl::Time reg_deadline = absl::Now() + deadline;
-  while (shared.registered.load() < world && absl::Now() < reg_deadline) absl::SleepFor(absl::Milliseconds(5));
-  if (shared.registered.load() < world) {
-    std::fprintf(stderr, "only %d of %d ranks registered in time\n", shared.registered.load(), world);
+  Board& board = *shared.board;
+  while (board.start_ns.load() == 0 && !board.cancelled.load() && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(1));
   }
-  const absl::Time start = absl::Now();
+  const absl::Time start = absl::FromUnixNanos(board.start_ns.load());
+  absl::SleepFor(start - absl::Now());
   for (auto& r : ranks) r->Go();
-  const absl::Time run_deadline = start + deadline;
   if (shared.paced) {
     // Microbatch t of every rank becomes due at start + t / rate.
-    for (int t = 0; t < microbatches && absl::Now() < run_deadline; ++t) {
-      absl::SleepFor(start + absl::Seconds(t / rate) - absl::Now());
+    for (int t = 0; t < shared.microbatches && absl::Now() < deadline; ++t) {
+      absl::SleepFor(start + absl::Seconds(t / shared.rate) - absl::Now());
       for (auto& r : ranks) r->Release(t);
     }
   }
-  while (shared.finished.load() < world && absl::Now() < run_deadline) absl::SleepFor(absl::Milliseconds(2));
-  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
-  if (shared.finished.load() < world) {
-    std::fprintf(stderr, "deadline: %d of %d ranks finished; cancelling\n", shared.finished.load(), world);
+  while (board.finished.load() < shared.world && !board.cancelled.load() && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(2));
+  }
+  if (board.finished.load() < shared.world) {
     // Reactors are owned here: leak them rather than destroy them under live callbacks.
     for (auto& r : ranks) r.release();
   }
+}
+
+Result RunOnce(const std::string& address, int world, int group_size, int microbatches, int lookahead,
+               int batch, double rate, int channels, int procs, absl::Duration deadline) {
+  Shared shared;
+  shared.world = world;
+  shared.group_size = group_size;
+  shared.microbatches = microbatches;
+  shared.lookahead = lookahead;
+  shared.batch = batch;
+  shared.paced = rate > 0;
+  shared.rate = rate;
+  shared.channels = std::max(1, channels / procs);
+  shared.job = absl::StrCat("load-", world, "-", NowNs());
+  const int groups = world / group_size;
+  const size_t slots = static_cast<size_t>(groups) * microbatches;
+  const size_t bytes = sizeof(Board) + 2 * slots * sizeof(std::atomic<int64_t>);
+  void* mem = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  if (mem == MAP_FAILED) {
+    std::perror("mmap");
+    std::exit(1);
+  }
+  shared.board = new (mem) Board();
+  shared.last_send = new (static_cast<char*>(mem) + sizeof(Board)) std::atomic<int64_t>[slots];
+  shared.last_recv = shared.last_send + slots;
+  for (size_t i = 0; i < slots; ++i) {
+    shared.last_send[i] = 0;
+    shared.last_recv[i] = 0;
+  }
+  Board& board = *shared.board;
+  const absl::Time run_deadline = absl::Now() + deadline;
+  std::vector<pid_t> children;
+  std::thread local;
+  if (procs == 1) {
+    local = std::thread([&] { Simulate(address, shared, 0, 1, run_deadline); });
+  } else {
+    std::fflush(stdout);
+    for (int i = 0; i < procs; ++i) {
+      const pid_t pid = fork();
+      if (pid == 0) {
+        Simulate(address, shared, i, procs, run_deadline);
+        std::fflush(stdout);
+        _exit(0);
+      }
+      if (pid < 0) {
+        std::perror("fork");
+        std::exit(1);
+      }
+      children.push_back(pid);
+    }
+  }
+  while (board.registered.load() < world && absl::Now() < run_deadline) absl::SleepFor(absl::Milliseconds(5));
+  if (board.registered.load() < world) {
+    std::fprintf(stderr, "only %d of %d ranks registered in time\n", board.registered.load(), world);
+  }
+  const absl::Time start = absl::Now() + absl::Milliseconds(20);
+  board.start_ns.store(absl::ToUnixNanos(start));
+  while (board.finished.load() < world && absl::Now() < run_deadline) absl::SleepFor(absl::Milliseconds(2));
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  if (board.finished.load() < world) {
+    std::fprintf(stderr, "deadline: %d of %d ranks finished; cancelling\n", board.finished.load(), world);
+    board.cancelled.store(1);
+  }
+  if (local.joinable()) local.join();
+  for (pid_t pid : children) waitpid(pid, nullptr, 0);
 
   std::vector<double> lat;
   lat.reserve(groups * microbatches);
@@ -296,9 +359,9 @@ Result RunOnce(const std::string& address, int world, int group_size, int microb
   auto pct = [](const std::vector<double>& v, double p) {
     return v.empty() ? 0.0 : v[std::min(v.size() - 1, static_cast<size_t>(p * v.size()))];
   };
-  const int64_t plans = shared.plans_sent.load();
+  const int64_t plans = board.plans_sent.load();
   Result result{world, plans, seconds, plans / seconds, pct(lat, 0.50), pct(lat, 0.99),
-                lat.empty() ? 0 : lat.back(), shared.failed.load()};
+                lat.empty() ? 0 : lat.back(), board.failed.load()};
   if (shared.paced) {
     const int64_t start_ns = absl::ToUnixNanos(start);
     std::vector<double> stalls;
@@ -313,6 +376,7 @@ Result RunOnce(const std::string& address, int world, int group_size, int microb
     result.stalled = std::count_if(stalls.begin(), stalls.end(), [](double v) { return v > 0; });
     result.stall_p99_us = pct(stalls, 0.99);
   }
+  munmap(mem, bytes);
   return result;
 }
 
@@ -322,7 +386,7 @@ int main(int argc, char** argv) {
   CLI::App app{"decision_load: coordinator throughput and decision latency under simulated ranks"};
   std::string ranks_arg = "8,64,512,4096";
   std::string coordinator;
-  int group_size = 8, microbatches = 200, lookahead = 4, batch = 1, channels = 8, deadline_s = 300;
+  int group_size = 8, microbatches = 200, lookahead = 4, batch = 1, channels = 8, deadline_s = 300, procs = 1;
   double rate = 0;
   app.add_option("--ranks", ranks_arg, "comma-separated rank counts");
   app.add_option("--group-size", group_size, "shard group size");
@@ -333,10 +397,18 @@ int main(int argc, char** argv) {
   app.add_option("--channels", channels, "client connections the ranks share");
   app.add_option("--coordinator", coordinator, "use a running shardcoordd at HOST:PORT (default: in-process)");
   app.add_option("--deadline-s", deadline_s, "give up on a run after this long");
+  app.add_option("--procs", procs,
+                 "generator processes, each simulating a share of the groups over its share of --channels "
+                 "(needs --coordinator)")
+      ->check(CLI::Range(1, 256));
   CLI11_PARSE(app, argc, argv);
   shardcoord::logging::SetLevel("warn");
   // Abseil's debug deadlock detector costs a graph update per lock; the daemon turns it off too.
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+  if (procs > 1 && coordinator.empty()) {
+    std::fprintf(stderr, "--procs > 1 needs --coordinator (a daemon of its own, not one in this process)\n");
+    return 2;
+  }
   if (batch < 1 || batch > lookahead) {
     std::fprintf(stderr, "--batch must be in 1..--lookahead\n");
     return 2;
@@ -373,6 +445,7 @@ int main(int argc, char** argv) {
       return 2;
     }
     Result r = RunOnce(address, world, group_size, microbatches, lookahead, batch, rate, std::min(channels, world),
+                       procs,
                        absl::Seconds(deadline_s));
     std::printf("| %d | %d | %lld | %.2f | %.0f | %.0f | %.0f | %.0f | %d |", r.ranks, r.ranks / group_size,
                 static_cast<long long>(r.plans), r.seconds, r.plans_per_s, r.p50_us, r.p99_us, r.max_us,

@@ -268,6 +268,7 @@ v1::CoordinatorMessage CoordinatorCore::Registered(const Group& group, const v1:
   resp->set_policy(req.policy());
   resp->set_fallback(req.fallback());
   resp->set_lookahead(req.lookahead());
+  resp->set_accepts_bundles(true);
   if (FromProto(req.policy()) == Policy::kPerLayer) {
     resp->add_warnings("policy per_layer: microbatches where ranks of the group diverge fall back to " +
                        std::string(FallbackName(FromProto(req.fallback()))) +

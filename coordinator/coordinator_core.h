@@ -86,6 +86,9 @@ class CoordinatorCore {
   void OnHeartbeat(uint64_t session_id, const v1::Heartbeat& heartbeat = {});
   // The rank acknowledged a CommAbort (it aborted its communicator for that epoch).
   void OnCommAborted(uint64_t session_id, const v1::CommAborted& ack);
+  // Everything the worker had queued (RegisterResponse.accepts_bundles): its heartbeat,
+  // acknowledgements and plans, handled as the calls above would, under one lock.
+  void OnBundle(uint64_t session_id, const v1::WorkerBundle& bundle);
   // A clean leave: the rank becomes LEFT.
   void OnGoodbye(uint64_t session_id, const std::string& reason);
   // The session's stream ended without a goodbye: a registered rank is declared dead.
@@ -253,6 +256,10 @@ class CoordinatorCore {
     int rank;
   };
 
+  // The bodies of OnPlans, OnHeartbeat and OnCommAborted (OnBundle calls them in turn).
+  void TakePlans(Job& job, Member& m, const v1::PlanBatch& batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void TakeHeartbeat(Job& job, Member& m, const v1::Heartbeat& heartbeat) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void TakeCommAborted(Job& job, Member& m, const v1::CommAborted& ack) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Returns the session's member if it is the rank's current live session.
   Member* LiveMember(uint64_t session_id, Job** job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SetReference(Group& group, const v1::RegisterRequest& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -349,8 +349,13 @@ void CoordinatorCore::OnCommAborted(uint64_t session_id, const v1::CommAborted& 
   Job* job = nullptr;
   Member* m = LiveMember(session_id, &job);
   if (m == nullptr) return;
-  auto it = job->comms.find(ack.name());
-  if (it != job->comms.end()) AckAbort(*job, it->second, m->rank, ack.epoch());
+  TakeCommAborted(*job, *m, ack);
+}
+
+void CoordinatorCore::TakeCommAborted(Job& job, Member& m, const v1::CommAborted& ack) {
+  m.last_seen = clock_->Now();
+  auto it = job.comms.find(ack.name());
+  if (it != job.comms.end()) AckAbort(job, it->second, m.rank, ack.epoch());
 }
 
 void CoordinatorCore::OnMemberBack(Job& job, int rank) {

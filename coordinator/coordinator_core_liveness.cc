@@ -22,9 +22,13 @@ void CoordinatorCore::OnHeartbeat(uint64_t session_id, const v1::Heartbeat& hear
   Job* job = nullptr;
   Member* m = LiveMember(session_id, &job);
   if (m == nullptr) return;
-  m->last_seen = clock_->Now();
-  if (heartbeat.comms_size() > 0) RecordProgress(*job, m->rank, heartbeat, m->last_seen);
-  if (heartbeat.memory_size() > 0) m->memory.assign(heartbeat.memory().begin(), heartbeat.memory().end());
+  TakeHeartbeat(*job, *m, heartbeat);
+}
+
+void CoordinatorCore::TakeHeartbeat(Job& job, Member& m, const v1::Heartbeat& heartbeat) {
+  m.last_seen = clock_->Now();
+  if (heartbeat.comms_size() > 0) RecordProgress(job, m.rank, heartbeat, m.last_seen);
+  if (heartbeat.memory_size() > 0) m.memory.assign(heartbeat.memory().begin(), heartbeat.memory().end());
 }
 
 void CoordinatorCore::OnGoodbye(uint64_t session_id, const std::string& reason) {

@@ -42,6 +42,23 @@ void CoordinatorCore::OnPlans(uint64_t session_id, const v1::PlanBatch& batch) {
   Job* job = nullptr;
   Member* m = LiveMember(session_id, &job);
   if (m == nullptr) return;  // A stale session; its rank re-registered or was declared dead.
+  TakePlans(*job, *m, batch);
+}
+
+void CoordinatorCore::OnBundle(uint64_t session_id, const v1::WorkerBundle& bundle) {
+  Locked lock(this);
+  Job* job = nullptr;
+  Member* m = LiveMember(session_id, &job);
+  if (m == nullptr) return;
+  if (bundle.has_heartbeat()) TakeHeartbeat(*job, *m, bundle.heartbeat());
+  for (const auto& ack : bundle.comm_aborted()) TakeCommAborted(*job, *m, ack);
+  // An acknowledgement cannot end the rank's session, but stay on the safe side.
+  if (bundle.has_plans() && m->state == v1::RANK_STATE_LIVE) TakePlans(*job, *m, bundle.plans());
+}
+
+void CoordinatorCore::TakePlans(Job& job_ref, Member& member, const v1::PlanBatch& batch) {
+  Job* job = &job_ref;
+  Member* m = &member;
   m->last_seen = clock_->Now();
   Group& group = job->groups[m->group];
   if (group.state == v1::GROUP_STATE_RECOVERING) {

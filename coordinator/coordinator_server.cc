@@ -4,6 +4,7 @@
 
 #include "coordinator/auth.h"
 #include "coordinator/http_server.h"
+#include "coordinator/session_stream.h"
 #include "coordinator/tls.h"
 
 #include <dirent.h>
@@ -23,255 +24,20 @@
 #include "shardcoord/v1/coordinator.grpc.pb.h"
 
 namespace shardcoord::coordinator {
-namespace {
-
-// Consecutive decision messages queued for a rank are written as one message, up to a
-// count and a size (a decision lists every module: a big manifest makes big decisions, and
-// the worker's receive limit is kWorkerMaxReceiveBytes, see worker.cc).
-constexpr int kMaxDecisionsPerWrite = 256;
-constexpr size_t kMaxBytesPerWrite = 1 << 20;
-
-class SessionReactor;
-
-// The RankSink of one session: a write queue in front of the reactor. The core may call
-// it after the stream is gone; it then drops messages. Thread-safe.
-class SessionSink final : public RankSink {
- public:
-  SessionSink(SessionReactor* reactor, int64_t max_bytes, uint64_t incarnation)
-      : reactor_(reactor), max_bytes_(max_bytes), incarnation_(incarnation) {}
-
-  // Refuses (false) once more than max_bytes are queued: the rank does not read.
-  bool Send(const v1::CoordinatorMessage& msg) override;
-  void Close(const absl::Status& status) override;
-  void OnWriteDone(bool ok);
-  void Detach() {
-    absl::MutexLock lock(&mu_);
-    reactor_ = nullptr;
-  }
-
- private:
-  // Starts the next write or the finish, if nothing is in flight. Called with mu_ held;
-  // releases it before touching the reactor (its reactions may run inline).
-  void StartNextLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) ABSL_UNLOCK_FUNCTION(mu_);
-
-  absl::Mutex mu_;
-  SessionReactor* reactor_ ABSL_GUARDED_BY(mu_);
-  const int64_t max_bytes_;
-  const uint64_t incarnation_;  // Stamped on every message (DESIGN 12).
-  std::deque<std::pair<v1::CoordinatorMessage, size_t>> queue_ ABSL_GUARDED_BY(mu_);  // (message, size)
-  int64_t queued_bytes_ ABSL_GUARDED_BY(mu_) = 0;
-  bool overflowed_ ABSL_GUARDED_BY(mu_) = false;  // A Send was refused.
-  bool writing_ ABSL_GUARDED_BY(mu_) = false;
-  std::optional<grpc::Status> finish_ ABSL_GUARDED_BY(mu_);
-  bool finished_ ABSL_GUARDED_BY(mu_) = false;
-  v1::CoordinatorMessage current_;  // Owned by the write in flight.
-};
-
-class SessionReactor final
-    : public grpc::ServerBidiReactor<v1::WorkerMessage, v1::CoordinatorMessage> {
- public:
-  // `job_scope`: the only job this session may register for (its token's); "" for any.
-  SessionReactor(CoordinatorCore* core, uint64_t id, std::string peer, std::string job_scope)
-      : core_(core),
-        id_(id),
-        peer_(std::move(peer)),
-        job_scope_(std::move(job_scope)),
-        sink_(std::make_shared<SessionSink>(this, core->options().limits.max_outbox_bytes, core->incarnation())) {
-    StartRead(&in_);
-  }
-
-  void OnReadDone(bool ok) override {
-    if (!ok) {
-      core_->OnSessionClosed(id_, absl::StrCat("stream from ", peer_, " ended"));
-      sink_->Close(absl::OkStatus());
-      return;
-    }
-    if (!registered_) {
-      if (in_.kind_case() != v1::WorkerMessage::kRegister) {
-        sink_->Close(absl::FailedPreconditionError(
-            "the first message of a Session must be `register`; send a RegisterRequest first"));
-        return;
-      }
-      absl::Status s = Grant{Role::kRank, job_scope_}.AllowsJob(in_.register_().job_id(), "register");
-      if (s.ok()) s = core_->Register(id_, in_.register_(), sink_);
-      if (!s.ok()) {
-        sink_->Close(s);
-        return;
-      }
-      registered_ = true;
-      StartRead(&in_);
-      return;
-    }
-    if (in_.incarnation() != 0 && in_.incarnation() != core_->incarnation()) {
-      const std::string why = absl::StrCat("message meant for coordinator incarnation ", in_.incarnation(),
-                                           ", but this is incarnation ", core_->incarnation(),
-                                           ": the coordinator restarted; the worker must resume");
-      sink_->Close(absl::FailedPreconditionError(why));
-      core_->OnSessionClosed(id_, why);
-      return;
-    }
-    switch (in_.kind_case()) {
-      case v1::WorkerMessage::kPlans:
-        core_->OnPlans(id_, in_.plans());
-        break;
-      case v1::WorkerMessage::kHeartbeat:
-        core_->OnHeartbeat(id_, in_.heartbeat());
-        break;
-      case v1::WorkerMessage::kCommAborted:
-        core_->OnCommAborted(id_, in_.comm_aborted());
-        break;
-      case v1::WorkerMessage::kGoodbye:
-        core_->OnGoodbye(id_, in_.goodbye().reason());
-        sink_->Close(absl::OkStatus());
-        return;
-      case v1::WorkerMessage::kRegister:
-        // The client's error first (the core's "declared dead" close then finds it closed).
-        sink_->Close(absl::FailedPreconditionError(
-            "`register` may only be the first message of a Session; open a new stream to "
-            "register again"));
-        core_->OnSessionClosed(id_, "register sent twice on one stream");
-        return;
-      default:
-        break;  // An empty message (a newer client's unknown kind): ignored.
-    }
-    StartRead(&in_);
-  }
-
-  void OnWriteDone(bool ok) override { sink_->OnWriteDone(ok); }
-
-  void OnCancel() override { core_->OnSessionClosed(id_, absl::StrCat("stream from ", peer_, " cancelled")); }
-
-  void OnDone() override {
-    sink_->Detach();
-    core_->OnSessionClosed(id_, absl::StrCat("stream from ", peer_, " done"));
-    delete this;
-  }
-
- private:
-  CoordinatorCore* const core_;
-  const uint64_t id_;
-  const std::string peer_;
-  const std::string job_scope_;
-  std::shared_ptr<SessionSink> sink_;
-  v1::WorkerMessage in_;
-  bool registered_ = false;
-};
-
-bool SessionSink::Send(const v1::CoordinatorMessage& msg) {
-  const size_t size = msg.ByteSizeLong();
-  mu_.Lock();
-  if (reactor_ == nullptr || finish_.has_value()) {
-    mu_.Unlock();
-    return true;  // Closing: nothing more goes out, and that is not the rank's fault.
-  }
-  if (overflowed_ || queued_bytes_ + static_cast<int64_t>(size) > max_bytes_) {
-    overflowed_ = true;
-    mu_.Unlock();
-    return false;
-  }
-  queue_.emplace_back(msg, size);
-  queue_.back().first.set_incarnation(incarnation_);
-  queued_bytes_ += static_cast<int64_t>(size);
-  if (writing_) {
-    mu_.Unlock();
-    return true;
-  }
-  StartNextLocked();
-  return true;
-}
-
-void SessionSink::Close(const absl::Status& status) {
-  mu_.Lock();
-  if (reactor_ == nullptr || finish_.has_value()) {
-    mu_.Unlock();
-    return;
-  }
-  finish_ = ToGrpcStatus(status);
-  if (overflowed_) {
-    // The rank stopped reading: what is queued would only wait behind the stuck write.
-    queue_.clear();
-    queued_bytes_ = 0;
-  }
-  if (writing_) {
-    mu_.Unlock();
-    return;
-  }
-  StartNextLocked();
-}
-
-void SessionSink::OnWriteDone(bool ok) {
-  mu_.Lock();
-  writing_ = false;
-  if (!ok) {
-    // The stream is broken; nothing more can be written.
-    queue_.clear();
-    queued_bytes_ = 0;
-    if (!finish_) finish_ = grpc::Status(grpc::StatusCode::UNAVAILABLE, "write failed");
-  }
-  StartNextLocked();
-}
-
-void SessionSink::StartNextLocked() {
-  SessionReactor* reactor = reactor_;
-  if (reactor == nullptr) {
-    mu_.Unlock();
-    return;
-  }
-  if (!queue_.empty()) {
-    current_ = std::move(queue_.front().first);
-    size_t bytes = queue_.front().second;
-    queued_bytes_ -= static_cast<int64_t>(bytes);
-    queue_.pop_front();
-    if (current_.has_decisions()) {
-      auto* batch = current_.mutable_decisions();
-      while (!queue_.empty() && queue_.front().first.has_decisions() &&
-             batch->decisions_size() + queue_.front().first.decisions().decisions_size() <= kMaxDecisionsPerWrite &&
-             bytes + queue_.front().second <= kMaxBytesPerWrite) {
-        for (auto& d : *queue_.front().first.mutable_decisions()->mutable_decisions()) {
-          *batch->add_decisions() = std::move(d);
-        }
-        bytes += queue_.front().second;
-        queued_bytes_ -= static_cast<int64_t>(queue_.front().second);
-        queue_.pop_front();
-      }
-    }
-    writing_ = true;
-    mu_.Unlock();
-    reactor->StartWrite(&current_);
-    return;
-  }
-  if (finish_.has_value() && !finished_) {
-    finished_ = true;
-    grpc::Status st = *finish_;
-    mu_.Unlock();
-    reactor->Finish(st);
-    return;
-  }
-  mu_.Unlock();
-}
-
-}  // namespace
 
 constexpr int kMaxEventsPerQuery = 10000;
 
-// A session stream refused before it starts (no token, or the wrong role).
-class RefusedSession final : public grpc::ServerBidiReactor<v1::WorkerMessage, v1::CoordinatorMessage> {
- public:
-  explicit RefusedSession(const grpc::Status& why) { Finish(why); }
-  void OnDone() override { delete this; }
-};
-
 // The gRPC adapter: converts calls into CoordinatorCore calls after checking the caller's
 // token (auth.h). No logic of its own.
-class CoordinatorService final : public v1::Coordinator::CallbackService {
+class CoordinatorService final : public CoordinatorServiceBase {
  public:
   CoordinatorService(CoordinatorCore* core, Tokens tokens) : core_(core), tokens_(std::move(tokens)) {}
 
-  grpc::ServerBidiReactor<v1::WorkerMessage, v1::CoordinatorMessage>* Session(
-      grpc::CallbackServerContext* ctx) override {
+  // Whether a Session stream may open (SessionStreams): the job its token is for, "" for any.
+  absl::StatusOr<std::string> AuthorizeSession(grpc::ServerContextBase* ctx) const {
     auto grant = Authorize(ctx, Role::kRank, "Session");
-    if (!grant.ok()) return new RefusedSession(ToGrpcStatus(grant.status()));
-    return new SessionReactor(core_, next_session_.fetch_add(1), ctx->peer(), grant->job);
+    if (!grant.ok()) return grant.status();
+    return grant->job;
   }
 
   grpc::ServerUnaryReactor* GetStatus(grpc::CallbackServerContext* ctx, const v1::StatusRequest* req,
@@ -389,7 +155,7 @@ class CoordinatorService final : public v1::Coordinator::CallbackService {
     r->Finish(why);
     return r;
   }
-  absl::StatusOr<Grant> Authorize(grpc::CallbackServerContext* ctx, Role role, const char* method) const {
+  absl::StatusOr<Grant> Authorize(grpc::ServerContextBase* ctx, Role role, const char* method) const {
     if (!tokens_.enabled()) return Grant{};
     std::string authorization;
     auto it = ctx->client_metadata().find("authorization");
@@ -411,7 +177,6 @@ class CoordinatorService final : public v1::Coordinator::CallbackService {
 
   CoordinatorCore* const core_;
   const Tokens tokens_;
-  std::atomic<uint64_t> next_session_{1};
 };
 
 // Builds and starts the gRPC server on options.listen_address (port 0 picks one).
@@ -422,6 +187,12 @@ absl::Status CoordinatorServer::Listen(const CoordinatorOptions& options) {
   grpc::ServerBuilder builder;
   builder.AddListeningPort(options.listen_address, ServerCredentialsFor(options.tls), &port_);
   builder.RegisterService(service_.get());
+  const int threads = options.session_threads > 0 ? options.session_threads
+                                                  : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  sessions_ = std::make_unique<SessionStreams>(
+      core_.get(), service_.get(),
+      [service = service_.get()](grpc::ServerContextBase* ctx) { return service->AuthorizeSession(ctx); }, threads,
+      builder);
   // Workers send keepalive pings to notice a lost coordinator; let them.
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
   // A second daemon on the same port must fail, not share the port and split the job.
@@ -431,6 +202,7 @@ absl::Status CoordinatorServer::Listen(const CoordinatorOptions& options) {
   builder.AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS,
                              static_cast<int>(absl::ToInt64Milliseconds(options.limits.handshake_timeout)));
   server_ = builder.BuildAndStart();
+  if (server_ && port_ != 0) sessions_->Start();
   if (!server_ || port_ == 0) {
     return absl::UnavailableError(absl::StrCat("cannot listen on ", options.listen_address,
                                                ": address in use or not local; pick another "
@@ -504,6 +276,7 @@ void CoordinatorServer::Shutdown(absl::Duration grace) {
   core_->FlushJournal();
   server_->Shutdown(absl::ToChronoTime(absl::Now() + grace));
   server_->Wait();
+  sessions_->Stop();
   logging::Get("coordinator")->info("stopped address={}", address_);
 }
 

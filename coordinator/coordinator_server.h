@@ -27,6 +27,7 @@ namespace shardcoord::coordinator {
 
 class CoordinatorService;
 class HttpServer;
+class SessionStreams;
 
 // The service name the gRPC health service reports (besides "", the whole server).
 inline constexpr char kHealthServiceName[] = "shardcoord.v1.Coordinator";
@@ -66,6 +67,7 @@ class CoordinatorServer {
 
   std::unique_ptr<CoordinatorCore> core_;
   std::unique_ptr<CoordinatorService> service_;
+  std::unique_ptr<SessionStreams> sessions_;  // Destroyed after server_.
   std::unique_ptr<grpc::Server> server_;
   std::string address_;
   int port_ = 0;

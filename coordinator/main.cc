@@ -85,7 +85,7 @@ struct Flags {
   std::optional<int> max_lookahead, promote_window, promote_threshold, demote_threshold, event_capacity,
       decision_history, max_world_size, max_total_ranks, max_jobs, max_modules, max_units, max_name_bytes, max_pending;
   std::optional<int64_t> max_outbox_bytes, job_retention_ms, handshake_timeout_ms, self_check_ms;
-  std::optional<int> max_comms, max_store_value;
+  std::optional<int> max_comms, max_store_value, session_threads;
 };
 
 // Who may connect (tokens, TLS), what else the daemon serves (HTTP) and keeps (the journal).
@@ -157,6 +157,8 @@ void AddFlags(CLI::App& app, Flags& f) {
                  "close connections that have not completed the HTTP/2 handshake by then");
   app.add_option("--self-check-interval-ms", f.self_check_ms,
                  "check this often that the listener still accepts connections (0: never)");
+  app.add_option("--session-threads", f.session_threads,
+                 "threads serving the rank streams, each with its own completion queue (0: one per core)");
   app.add_option("--log-level", f.log_level, "trace, debug, info, warn, error")
       ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "off"}));
   app.add_option("--address-file", f.address_file,
@@ -196,6 +198,7 @@ void ApplyFlags(const Flags& f, CoordinatorOptions& options) {
   if (f.job_retention_ms) options.limits.job_retention = absl::Milliseconds(*f.job_retention_ms);
   if (f.handshake_timeout_ms) options.limits.handshake_timeout = absl::Milliseconds(*f.handshake_timeout_ms);
   if (f.self_check_ms) options.limits.self_check_interval = absl::Milliseconds(*f.self_check_ms);
+  if (f.session_threads) options.session_threads = *f.session_threads;
   if (!f.log_level.empty()) options.log_level = f.log_level;
   if (!f.address_file.empty()) options.address_file = f.address_file;
   if (!f.state_file.empty()) options.state_file = f.state_file;

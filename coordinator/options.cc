@@ -113,6 +113,10 @@ absl::Status ValidateCounts(const CoordinatorOptions& o) {
 }  // namespace
 
 absl::Status ValidateOptions(const CoordinatorOptions& o) {
+  if (o.session_threads < 0 || o.session_threads > 1024) {
+    return absl::InvalidArgumentError(absl::StrCat("session_threads must be in 0..1024 (0: one per core), got ",
+                                                   o.session_threads));
+  }
   if (absl::Status s = ValidateListen(o); !s.ok()) return s;
   if (!o.insecure && !IsLoopbackAddress(o.listen_address) && (o.token_file.empty() || !o.tls.enabled())) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -208,6 +212,7 @@ absl::Status ApplyConfigKey(const std::string& path, const std::string& key, con
   if (key == "max_store_value_bytes") o.limits.max_store_value_bytes = v.as<int>();
   if (key == "job_retention_ms") o.limits.job_retention = absl::Milliseconds(v.as<int64_t>());
   if (key == "handshake_timeout_ms") o.limits.handshake_timeout = absl::Milliseconds(v.as<int64_t>());
+  if (key == "session_threads") o.session_threads = v.as<int>();
   if (key == "self_check_interval_ms") {
     o.limits.self_check_interval = absl::Milliseconds(v.as<int64_t>());
   }
@@ -242,7 +247,7 @@ absl::StatusOr<CoordinatorOptions> LoadConfigFile(const std::string& path,
       "self_check_interval_ms", "state_file", "recovery_window_ms", "max_communicators_per_job",
       "max_store_value_bytes", "token_file", "insecure",
       "tls_cert_file", "tls_key_file", "tls_client_ca_file", "tls_reload_interval_s", "http_listen",
-      "journal_file", "journal_retention_hours", "journal_max_events"};
+      "journal_file", "journal_retention_hours", "journal_max_events", "session_threads"};
   for (const auto& kv : root) {
     if (!kv.first.IsScalar()) {
       return absl::InvalidArgumentError(

@@ -110,6 +110,9 @@ struct CoordinatorOptions {
   std::string journal_file;
   absl::Duration journal_retention = absl::Hours(24 * 7);  // Older events are deleted.
   int64_t journal_max_events = 1000000;                    // And all but the newest this many.
+  // Threads serving the rank Session streams, each with its own completion queue (DESIGN 9);
+  // 0: one per core.
+  int session_threads = 0;
   // This process's incarnation: set by the daemon at start (state.h); 0 in tests means 1.
   uint64_t incarnation = 0;
 };

@@ -192,7 +192,7 @@ class Script {
   void Step() {
     const uint64_t id = in_.ConsumeIntegralInRange<uint64_t>(1, kSessions);
     Session& s = sessions_[id];
-    switch (in_.ConsumeIntegralInRange<int>(0, 12)) {
+    switch (in_.ConsumeIntegralInRange<int>(0, 14)) {
       case 0: Register(id, s, Registration(s)); break;
       case 1: Register(id, s, Raw<v1::RegisterRequest>()); break;
       case 2: core_->OnPlans(id, Plans(s)); break;
@@ -218,6 +218,13 @@ class Script {
         clock_->Advance(absl::Milliseconds(in_.ConsumeIntegralInRange<int>(0, 400000)));
         core_->Tick();
         break;
+      case 13: {  // A worker's bundle: a structured plan batch, raw heartbeat and acknowledgements.
+        v1::WorkerBundle bundle = Raw<v1::WorkerBundle>();
+        if (in_.ConsumeBool()) *bundle.mutable_plans() = Plans(s);
+        core_->OnBundle(id, bundle);
+        break;
+      }
+      case 14: core_->OnBundle(id, Raw<v1::WorkerBundle>()); break;
       case 12: {  // What operators see: every query, on every job.
         const std::string job = in_.ConsumeBool() ? Job() : "";
         (void)core_->Status(job);

@@ -819,5 +819,50 @@ TEST_F(CoreTest, AManifestWhoseDecisionsCannotBeDeliveredIsRefused) {
   EXPECT_THAT(std::string(s.message()), HasSubstr("a worker accepts in one message"));
 }
 
+// ---------------------------------------------------------------------------------------
+// Bundles (a worker's heartbeat, acknowledgements and plans in one message)
+
+TEST_F(CoreTest, ABundleCountsAsHeartbeatAndItsPlansAreDecidedLikeSeparateMessages) {
+  RegisterAll();
+  EXPECT_TRUE(sinks_[0]->messages[0].registered().accepts_bundles());
+  Plan(1, 0, 0, 1);
+  clock_->Advance(absl::Milliseconds(600));
+  v1::WorkerBundle bundle;
+  bundle.mutable_heartbeat()->add_memory()->set_module("vision_tower");
+  bundle.mutable_heartbeat()->mutable_memory(0)->set_resident_bytes(123);
+  auto* p = bundle.mutable_plans()->add_plans();
+  p->set_step(0);
+  p->set_microbatch(0);
+  (*p->mutable_calls())["vision_tower"] = 1;
+  core_->OnBundle(sessions_[0], bundle);
+  // Its plan completed the group: both members have the decision.
+  ASSERT_EQ(sinks_[0]->Decisions().size(), 1u);
+  ASSERT_EQ(sinks_[1]->Decisions().size(), 1u);
+  EXPECT_EQ(sinks_[0]->Decisions()[0].SerializeAsString(), sinks_[1]->Decisions()[0].SerializeAsString());
+  // Its heartbeat kept rank 0 alive (rank 1 only planned, 600 ms ago, and so did not).
+  clock_->Advance(absl::Milliseconds(600));
+  core_->OnHeartbeat(sessions_[2]);
+  core_->OnHeartbeat(sessions_[3]);
+  core_->Tick();
+  EXPECT_EQ(RankStatusOf(0).state(), v1::RANK_STATE_LIVE);
+  EXPECT_EQ(RankStatusOf(1).state(), v1::RANK_STATE_DEAD);
+}
+
+TEST_F(CoreTest, ABundleOfABadPlanIsRejectedLikeOneAlone) {
+  RegisterAll();
+  v1::WorkerBundle bundle;
+  auto* p = bundle.mutable_plans()->add_plans();
+  p->set_step(0);
+  p->set_microbatch(0);
+  (*p->mutable_calls())["no_such_tower"] = 1;
+  core_->OnBundle(sessions_[0], bundle);
+  ASSERT_EQ(sinks_[0]->Rejections().size(), 1u);
+  EXPECT_THAT(sinks_[0]->Rejections()[0].message(), HasSubstr("no_such_tower"));
+  // An empty bundle and one for a stale session change nothing.
+  core_->OnBundle(sessions_[0], v1::WorkerBundle());
+  core_->OnBundle(987654, bundle);
+  EXPECT_EQ(sinks_[0]->Rejections().size(), 1u);
+}
+
 }  // namespace
 }  // namespace shardcoord::coordinator

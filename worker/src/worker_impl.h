@@ -134,6 +134,8 @@ class Worker::Impl {
   void WriterLoop();
   // The heartbeat's content: collective progress of the open communicators, module memory.
   void FillHeartbeat(v1::Heartbeat* hb) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Moves every queued plan into `batch`, stamped with the group epoch.
+  void TakeOutbox(v1::PlanBatch* batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Work Handle leaves for after mu_ is released: aborts to carry out, (communicator,
   // reason), then the acknowledgements (name, epoch) to send.
   struct PendingAborts {

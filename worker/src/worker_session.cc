@@ -357,6 +357,14 @@ void Worker::Impl::FillHeartbeat(v1::Heartbeat* hb) {
   }
 }
 
+void Worker::Impl::TakeOutbox(v1::PlanBatch* batch) {
+  batch->set_epoch(group_.epoch);
+  while (!outbox_.empty()) {
+    *batch->add_plans() = std::move(outbox_.front());
+    outbox_.pop_front();
+  }
+}
+
 void Worker::Impl::WriterLoop() {
   absl::Duration interval;
   {
@@ -376,8 +384,25 @@ void Worker::Impl::WriterLoop() {
       mu_.AwaitWithDeadline(absl::Condition(&ready), last_heartbeat + interval);
       if (read_ended_) break;
       msg.set_incarnation(incarnation_);
-      if (absl::Now() >= last_heartbeat + interval || (memory_dirty_ && outbox_.empty())) {
-        // Heartbeats go out on time even while plans flow: they carry collective progress.
+      // Heartbeats go out on time even while plans flow: they carry collective progress.
+      const bool heartbeat_due = absl::Now() >= last_heartbeat + interval || (memory_dirty_ && outbox_.empty());
+      if (previous_.accepts_bundles() && (heartbeat_due || memory_dirty_ || !ready_acks_.empty() || !outbox_.empty())) {
+        // Everything queued, in one message (DESIGN 9, "Messages").
+        auto* bundle = msg.mutable_bundle();
+        if (heartbeat_due || memory_dirty_) {
+          FillHeartbeat(bundle->mutable_heartbeat());
+          memory_dirty_ = false;
+          last_heartbeat = absl::Now();
+        }
+        for (const auto& [name, epoch] : ready_acks_) {
+          auto* ack = bundle->add_comm_aborted();
+          ack->set_name(name);
+          ack->set_epoch(epoch);
+        }
+        ready_acks_.clear();
+        if (!outbox_.empty()) TakeOutbox(bundle->mutable_plans());
+      } else if (heartbeat_due) {
+        // A coordinator without bundles (an older version): one kind per message.
         FillHeartbeat(msg.mutable_heartbeat());
         memory_dirty_ = false;
         last_heartbeat = absl::Now();
@@ -387,12 +412,7 @@ void Worker::Impl::WriterLoop() {
         ack->set_epoch(ready_acks_.front().second);
         ready_acks_.erase(ready_acks_.begin());
       } else if (!outbox_.empty()) {
-        auto* batch = msg.mutable_plans();
-        batch->set_epoch(group_.epoch);
-        while (!outbox_.empty()) {
-          *batch->add_plans() = std::move(outbox_.front());
-          outbox_.pop_front();
-        }
+        TakeOutbox(msg.mutable_plans());
       } else if (closing_) {
         msg.mutable_goodbye()->set_reason("worker closed");
         goodbye = true;
