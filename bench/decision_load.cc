@@ -247,19 +247,28 @@ struct Result {
 
 // Simulates the ranks of every group g with g % parts == part, from registration to the
 // end of the run: in this process (--procs 1) or in a forked one.
+// Several coordinators (a comma-separated `address`): group g talks to coordinator g % K, as
+// a giant job partitioned over K daemons would (DESIGN 7).
 void Simulate(const std::string& address, Shared& shared, int part, int parts, absl::Time deadline) {
-  std::vector<std::unique_ptr<v1::Coordinator::Stub>> stubs;
-  for (int c = 0; c < shared.channels; ++c) {
-    grpc::ChannelArguments args;
-    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);  // A separate connection per channel.
-    args.SetInt("shardcoord.bench.channel", c);
-    stubs.push_back(v1::Coordinator::NewStub(
-        grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args)));
+  const std::vector<std::string> addresses = absl::StrSplit(address, ',');
+  const int k = static_cast<int>(addresses.size());
+  // [coordinator][channel]
+  std::vector<std::vector<std::unique_ptr<v1::Coordinator::Stub>>> stubs(k);
+  for (int a = 0; a < k; ++a) {
+    for (int c = 0; c < std::max(1, shared.channels / k); ++c) {
+      grpc::ChannelArguments args;
+      args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);  // A separate connection per channel.
+      args.SetInt("shardcoord.bench.channel", c);
+      stubs[a].push_back(v1::Coordinator::NewStub(
+          grpc::CreateCustomChannel(addresses[a], grpc::InsecureChannelCredentials(), args)));
+    }
   }
   std::vector<std::unique_ptr<SimRank>> ranks;
   for (int r = 0; r < shared.world; ++r) {
-    if ((r / shared.group_size) % parts != part) continue;
-    ranks.push_back(std::make_unique<SimRank>(stubs[ranks.size() % stubs.size()].get(), &shared, r));
+    const int group = r / shared.group_size;
+    if (group % parts != part) continue;
+    auto& mine = stubs[group % k];
+    ranks.push_back(std::make_unique<SimRank>(mine[ranks.size() % mine.size()].get(), &shared, r));
   }
   Board& board = *shared.board;
   while (board.start_ns.load() == 0 && !board.cancelled.load() && absl::Now() < deadline) {
@@ -395,7 +404,9 @@ int main(int argc, char** argv) {
   app.add_option("--batch", batch, "plans per message (a data loader that prefetches several)");
   app.add_option("--rate", rate, "microbatches per second per rank (0: as fast as decisions allow)");
   app.add_option("--channels", channels, "client connections the ranks share");
-  app.add_option("--coordinator", coordinator, "use a running shardcoordd at HOST:PORT (default: in-process)");
+  app.add_option("--coordinator", coordinator,
+                 "use a running shardcoordd at HOST:PORT (default: in-process); several, comma-separated: group g "
+                 "talks to the (g mod K)-th");
   app.add_option("--deadline-s", deadline_s, "give up on a run after this long");
   app.add_option("--procs", procs,
                  "generator processes, each simulating a share of the groups over its share of --channels "

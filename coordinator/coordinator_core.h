@@ -12,7 +12,7 @@
 // mutex and carried out by `Locked` on the way out. RankSink::Send is the exception, on
 // purpose: it is called with the mutex held, so that messages to one rank leave in the
 // order the core produced them; that is why a sink must only queue (never block, never
-// call back).
+// call back). The network writes start after unlocking (RankSink::Kick).
 #ifndef SHARDCOORD_COORDINATOR_COORDINATOR_CORE_H_
 #define SHARDCOORD_COORDINATOR_COORDINATOR_CORE_H_
 
@@ -46,6 +46,10 @@ class RankSink {
   // Returns false, and queues nothing, when the rank's queue is over its bound (the rank
   // does not read its stream): the core then fails the rank.
   virtual bool Send(const v1::CoordinatorMessage& msg) = 0;
+  // Starts writing what Send queued, if no write is in flight. The core calls it after
+  // releasing its mutex, once per call that queued something for the rank: starting a
+  // network write is the costly part of sending, and must not hold up every other rank.
+  virtual void Kick() {}
   // Ends the session with `status` once the queued messages are written.
   virtual void Close(const absl::Status& status) = 0;
 };
@@ -406,7 +410,10 @@ class CoordinatorCore {
     ~Locked() ABSL_UNLOCK_FUNCTION() ABSL_NO_THREAD_SAFETY_ANALYSIS {
       std::vector<std::function<void()>> work;
       work.swap(core_->deferred_);
+      std::vector<std::shared_ptr<RankSink>> kick;
+      kick.swap(core_->kick_);
       core_->mu_.Unlock();
+      for (auto& sink : kick) sink->Kick();
       for (auto& f : work) f();
     }
     Locked(const Locked&) = delete;
@@ -436,6 +443,8 @@ class CoordinatorCore {
   absl::flat_hash_map<uint64_t, SessionRef> sessions_ ABSL_GUARDED_BY(mu_);
   bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<std::function<void()>> deferred_ ABSL_GUARDED_BY(mu_);
+  // Sinks that were sent something under the current lock; kicked after it (see Locked).
+  std::vector<std::shared_ptr<RankSink>> kick_ ABSL_GUARDED_BY(mu_);
   std::string bound_address_ ABSL_GUARDED_BY(mu_);
 };
 

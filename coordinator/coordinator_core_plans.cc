@@ -357,7 +357,12 @@ void CoordinatorCore::SinkSend(Member& m, const v1::CoordinatorMessage& msg) {
   if (!m.sink || m.outbox_overflow) return;
   // Refused: the rank is not reading. Tick fails it (not here: we may be deep inside a
   // group's state change); until then nothing more is queued for it.
-  if (!m.sink->Send(msg)) m.outbox_overflow = true;
+  if (!m.sink->Send(msg)) {
+    m.outbox_overflow = true;
+    return;
+  }
+  // The write starts once mu_ is released (see Locked).
+  if (kick_.empty() || kick_.back() != m.sink) kick_.push_back(m.sink);
 }
 
 void CoordinatorCore::FailMicrobatch(Job& job, Group& group, const MicrobatchKey& key,

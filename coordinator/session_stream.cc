@@ -39,8 +39,14 @@ class SessionSink final : public RankSink {
   SessionSink(SessionCall* call, int64_t max_bytes, uint64_t incarnation)
       : call_(call), max_bytes_(max_bytes), incarnation_(incarnation) {}
 
-  // Refuses (false) once more than max_bytes are queued: the rank does not read.
+  // Queues only (the core calls it under its mutex); refuses (false) once more than
+  // max_bytes are queued: the rank does not read.
   bool Send(const v1::CoordinatorMessage& msg) override;
+  // Starts the write of what is queued (the core calls it after unlocking).
+  void Kick() override {
+    absl::MutexLock lock(&mu_);
+    if (!writing_) StartNextLocked();
+  }
   void Close(const absl::Status& status) override;
   void OnWriteDone(bool ok);
   // The stream is over: nothing more is written. Operations started before stay counted
@@ -270,7 +276,6 @@ bool SessionSink::Send(const v1::CoordinatorMessage& msg) {
   queue_.emplace_back(msg, size);
   queue_.back().first.set_incarnation(incarnation_);
   queued_bytes_ += static_cast<int64_t>(size);
-  if (!writing_) StartNextLocked();
   return true;
 }
 
