@@ -7,7 +7,13 @@
 // each session a RankSink through which the core sends messages.
 //
 // Thread-safety: every public method may be called from any thread. All state is
-// guarded by one mutex (DESIGN 8). What may block or call back runs after it is released:
+// guarded by one reader/writer mutex, `mu_` (DESIGN 9): held exclusively by everything but
+// the hot path. The hot path (plans, and heartbeats that carry no collective progress) only
+// touches one group and its members; it holds `mu_` shared plus that group's own mutex
+// (`GroupLocked`), so that different groups, of one job or of several, are served in
+// parallel. Functions annotated ABSL_SHARED_LOCKS_REQUIRED(mu_) below are the hot path's:
+// they may touch the job only through its group, its group's members and the job's atomic
+// counters, and are called either under `GroupLocked` or with `mu_` held exclusively. What may block or call back runs after it is released:
 // log lines and the completions of waiting communicator calls are collected under the
 // mutex and carried out by `Locked` on the way out. RankSink::Send is the exception, on
 // purpose: it is called with the mutex held, so that messages to one rank leave in the
@@ -16,6 +22,7 @@
 #ifndef SHARDCOORD_COORDINATOR_COORDINATOR_CORE_H_
 #define SHARDCOORD_COORDINATOR_COORDINATOR_CORE_H_
 
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -205,6 +212,9 @@ class CoordinatorCore {
     // plans resumed members send meanwhile wait here, in arrival order.
     absl::Time recovery_deadline = absl::InfiniteFuture();
     std::vector<std::pair<int, v1::MicrobatchPlan>> deferred_plans;
+    // Serializes the hot path's work on this group (GroupLocked); taken only with mu_ held
+    // shared (exclusive holders need no more).
+    std::unique_ptr<absl::Mutex> mu = std::make_unique<absl::Mutex>();
   };
 
   struct Comm {
@@ -250,8 +260,8 @@ class CoordinatorCore {
     int group_size = 0;
     std::vector<Member> members;
     std::vector<Group> groups;
-    int64_t plans_received = 0;
-    int64_t microbatches_decided = 0;
+    std::atomic<int64_t> plans_received{0};  // Counted by groups in parallel.
+    std::atomic<int64_t> microbatches_decided{0};
     absl::Time ended = absl::InfinitePast();  // When its last live rank ended (retention).
   };
 
@@ -260,12 +270,15 @@ class CoordinatorCore {
     int rank;
   };
 
-  // The bodies of OnPlans, OnHeartbeat and OnCommAborted (OnBundle calls them in turn).
-  void TakePlans(Job& job, Member& m, const v1::PlanBatch& batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The bodies of OnPlans, OnHeartbeat and OnCommAborted (OnBundle calls them in turn);
+  // TakePlans with the group's mutex held too, or mu_ exclusively.
+  void TakePlans(Job& job, Member& m, const v1::PlanBatch& batch) ABSL_SHARED_LOCKS_REQUIRED(mu_);
   void TakeHeartbeat(Job& job, Member& m, const v1::Heartbeat& heartbeat) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The part of a heartbeat that concerns the member alone (liveness, memory).
+  void TakeMemberHeartbeat(Member& m, const v1::Heartbeat& heartbeat) ABSL_SHARED_LOCKS_REQUIRED(mu_);
   void TakeCommAborted(Job& job, Member& m, const v1::CommAborted& ack) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Returns the session's member if it is the rank's current live session.
-  Member* LiveMember(uint64_t session_id, Job** job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  Member* LiveMember(uint64_t session_id, Job** job) ABSL_SHARED_LOCKS_REQUIRED(mu_);
   void SetReference(Group& group, const v1::RegisterRequest& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   static v1::CoordinatorMessage PlanRejectedMessage(const v1::MicrobatchPlan& plan, const absl::Status& why,
@@ -274,30 +287,30 @@ class CoordinatorCore {
   using PlanCalls = std::vector<std::pair<int, int32_t>>;  // (module index, calls)
   // The plan's keys and calls checked against the group's manifest.
   absl::StatusOr<PlanCalls> ParsePlan(const Group& group, const v1::MicrobatchPlan& plan, const MicrobatchKey& key,
-                                      const std::string& who) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                                      const std::string& who) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Stores an accepted plan in the group's pending microbatch; true when the key is new.
   bool RecordPlan(Job& job, Group& group, Member& m, const MicrobatchKey& key, int idx, const PlanCalls& calls)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
   absl::Status AcceptPlan(Job& job, Member& member, const v1::MicrobatchPlan& plan)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Decides pending microbatches from the front while every member has reported.
-  void DrainGroup(Job& job, Group& group) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void DrainGroup(Job& job, Group& group) ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // True when member `m` can no longer report `key` (it planned past it, or left).
   bool WillNeverReport(const Member& m, const MicrobatchKey& key) const;
   void FailMicrobatch(Job& job, Group& group, const MicrobatchKey& key, absl::Status why)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Marks the rank dead (or left) and fails / cancels what its group was waiting for.
   void RemoveMember(Job& job, Member& member, bool clean, const std::string& reason)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RecordDecision(Job& job, Group& group, const v1::MicrobatchDecision& d)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
   void QueueDecision(Member& member, const v1::MicrobatchDecision& d)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Sends the decisions batched in members' `outgoing`.
-  void Flush(Job& job, const Group& group) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void SendTo(Member& member, const v1::CoordinatorMessage& msg) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Flush(Job& job, const Group& group) ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  void SendTo(Member& member, const v1::CoordinatorMessage& msg) ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Sends through the member's sink; marks a refused send (see Member::outbox_overflow).
-  void SinkSend(Member& member, const v1::CoordinatorMessage& msg) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void SinkSend(Member& member, const v1::CoordinatorMessage& msg) ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Registration checks that need no state: malformed requests and the configured caps.
   // Makes room for a new job (evicting the oldest ended one) or says why there is none.
   absl::Status AdmitJob(const std::string& job_id, int world_size) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -315,21 +328,21 @@ class CoordinatorCore {
   void EvictEndedJobs(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // RESOURCE_EXHAUSTED when the group holds max_pending_microbatches keys already (a new key).
   absl::Status CheckPendingRoom(const Group& group, const MicrobatchKey& key, const std::string& who) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Static policies: the group's decision for `key`, made once and shared by every rank.
   absl::Status AcceptStaticPlan(Job& job, Group& group, Member& member, const MicrobatchKey& key, int idx)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Fails earlier pending microbatches that `member` (at `idx`) skipped by reporting `key`,
   // and `key` itself when other members already moved past it. False if `key` failed.
   bool FailSkipped(Job& job, Group& group, Member& member, const MicrobatchKey& key, int idx, bool inserted)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
   void FillJobStatus(const Job& job, v1::JobStatus* out) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FillGroupStatus(const Job& job, const Group& group, v1::GroupStatus* out) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void UpdateGroupState(Job& job, Group& group) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Gives the group's engine the smallest memory budget its members reported, once the
   // group is whole and before it decided anything. Returns that budget.
-  int64_t SetPromotionBudget(Job& job, Group& group) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  int64_t SetPromotionBudget(Job& job, Group& group) ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Communicator helpers (coordinator_core_comms.cc).
   // Finds the job, checks `rank` is live, and resolves the communicator (creating it on
   // first use). `ranks` is the caller's list for custom names (may be empty for built-in).
@@ -398,7 +411,7 @@ class CoordinatorCore {
 
   // Records an event in the journal; its log line is written after the mutex is released.
   void Event(const std::string& severity, const std::string& kind, const std::string& job,
-             int rank, int group, const std::string& message) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+             int rank, int group, const std::string& message) ABSL_SHARED_LOCKS_REQUIRED(mu_);
 
   // Holds mu_ for a public method; on release, carries out the work deferred meanwhile
   // (in the order it was deferred), after unlocking.
@@ -408,13 +421,8 @@ class CoordinatorCore {
       core_->mu_.Lock();
     }
     ~Locked() ABSL_UNLOCK_FUNCTION() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-      std::vector<std::function<void()>> work;
-      work.swap(core_->deferred_);
-      std::vector<std::shared_ptr<RankSink>> kick;
-      kick.swap(core_->kick_);
       core_->mu_.Unlock();
-      for (auto& sink : kick) sink->Kick();
-      for (auto& f : work) f();
+      core_->RunDeferred();
     }
     Locked(const Locked&) = delete;
     Locked& operator=(const Locked&) = delete;
@@ -422,8 +430,41 @@ class CoordinatorCore {
    private:
     CoordinatorCore* const core_;
   };
+  // Holds mu_ shared for the hot path; the caller then locks the group (GroupLock). On
+  // release, like Locked, kicks the sinks and runs the deferred work.
+  class ABSL_SCOPED_LOCKABLE SharedLocked {
+   public:
+    explicit SharedLocked(CoordinatorCore* core) ABSL_SHARED_LOCK_FUNCTION(core->mu_) : core_(core) {
+      core_->mu_.ReaderLock();
+    }
+    ~SharedLocked() ABSL_UNLOCK_FUNCTION() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+      core_->mu_.ReaderUnlock();
+      core_->RunDeferred();
+    }
+    SharedLocked(const SharedLocked&) = delete;
+    SharedLocked& operator=(const SharedLocked&) = delete;
+
+   private:
+    CoordinatorCore* const core_;
+  };
+  // After unlocking: starts the writes of the sinks sent to, then the deferred work, in the
+  // order both were queued (possibly some of another thread's, which is as good).
+  void RunDeferred() ABSL_LOCKS_EXCLUDED(mu_, out_mu_) {
+    std::vector<std::function<void()>> work;
+    std::vector<std::shared_ptr<RankSink>> kick;
+    {
+      absl::MutexLock lock(&out_mu_);
+      work.swap(deferred_);
+      kick.swap(kick_);
+    }
+    for (auto& sink : kick) sink->Kick();
+    for (auto& f : work) f();
+  }
   // Work for after the mutex is released (see Locked): logging, completions.
-  void Defer(std::function<void()> f) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { deferred_.push_back(std::move(f)); }
+  void Defer(std::function<void()> f) ABSL_SHARED_LOCKS_REQUIRED(mu_) ABSL_LOCKS_EXCLUDED(out_mu_) {
+    absl::MutexLock lock(&out_mu_);
+    deferred_.push_back(std::move(f));
+  }
   void Complete(JoinDone& done, absl::StatusOr<v1::CommJoinResponse> result) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     Defer([done = std::move(done), result = std::move(result)] { done(result); });
   }
@@ -442,9 +483,12 @@ class CoordinatorCore {
   std::map<std::string, std::unique_ptr<Job>> jobs_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uint64_t, SessionRef> sessions_ ABSL_GUARDED_BY(mu_);
   bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
-  std::vector<std::function<void()>> deferred_ ABSL_GUARDED_BY(mu_);
-  // Sinks that were sent something under the current lock; kicked after it (see Locked).
-  std::vector<std::shared_ptr<RankSink>> kick_ ABSL_GUARDED_BY(mu_);
+  // What waits for mu_'s release (see Locked); its own lock, as the hot path holds mu_ only
+  // shared. A leaf: nothing is locked under it.
+  absl::Mutex out_mu_ ABSL_ACQUIRED_AFTER(mu_);
+  std::vector<std::function<void()>> deferred_ ABSL_GUARDED_BY(out_mu_);
+  // Sinks that were sent something; kicked once the lock is released (see RunDeferred).
+  std::vector<std::shared_ptr<RankSink>> kick_ ABSL_GUARDED_BY(out_mu_);
   std::string bound_address_ ABSL_GUARDED_BY(mu_);
 };
 

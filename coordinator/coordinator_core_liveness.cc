@@ -18,16 +18,29 @@ constexpr size_t kEndedJobHistory = 16;
 }  // namespace
 
 void CoordinatorCore::OnHeartbeat(uint64_t session_id, const v1::Heartbeat& heartbeat) {
-  Locked lock(this);
+  if (heartbeat.comms_size() > 0) {  // Collective progress: the job's communicators change.
+    Locked lock(this);
+    Job* job = nullptr;
+    Member* m = LiveMember(session_id, &job);
+    if (m == nullptr) return;
+    TakeHeartbeat(*job, *m, heartbeat);
+    return;
+  }
+  SharedLocked lock(this);
   Job* job = nullptr;
   Member* m = LiveMember(session_id, &job);
   if (m == nullptr) return;
-  TakeHeartbeat(*job, *m, heartbeat);
+  absl::MutexLock group_lock(job->groups[m->group].mu.get());
+  TakeMemberHeartbeat(*m, heartbeat);
 }
 
 void CoordinatorCore::TakeHeartbeat(Job& job, Member& m, const v1::Heartbeat& heartbeat) {
-  m.last_seen = clock_->Now();
+  TakeMemberHeartbeat(m, heartbeat);
   if (heartbeat.comms_size() > 0) RecordProgress(job, m.rank, heartbeat, m.last_seen);
+}
+
+void CoordinatorCore::TakeMemberHeartbeat(Member& m, const v1::Heartbeat& heartbeat) {
+  m.last_seen = clock_->Now();
   if (heartbeat.memory_size() > 0) m.memory.assign(heartbeat.memory().begin(), heartbeat.memory().end());
 }
 

@@ -38,22 +38,33 @@ v1::CoordinatorMessage CoordinatorCore::PlanRejectedMessage(const v1::Microbatch
 }
 
 void CoordinatorCore::OnPlans(uint64_t session_id, const v1::PlanBatch& batch) {
-  Locked lock(this);
+  SharedLocked lock(this);
   Job* job = nullptr;
   Member* m = LiveMember(session_id, &job);
   if (m == nullptr) return;  // A stale session; its rank re-registered or was declared dead.
+  absl::MutexLock group_lock(job->groups[m->group].mu.get());
   TakePlans(*job, *m, batch);
 }
 
 void CoordinatorCore::OnBundle(uint64_t session_id, const v1::WorkerBundle& bundle) {
-  Locked lock(this);
+  if (bundle.comm_aborted_size() > 0 || bundle.heartbeat().comms_size() > 0) {
+    // Acknowledgements and collective progress change the job's communicators.
+    Locked lock(this);
+    Job* job = nullptr;
+    Member* m = LiveMember(session_id, &job);
+    if (m == nullptr) return;
+    if (bundle.has_heartbeat()) TakeHeartbeat(*job, *m, bundle.heartbeat());
+    for (const auto& ack : bundle.comm_aborted()) TakeCommAborted(*job, *m, ack);
+    if (bundle.has_plans()) TakePlans(*job, *m, bundle.plans());
+    return;
+  }
+  SharedLocked lock(this);
   Job* job = nullptr;
   Member* m = LiveMember(session_id, &job);
   if (m == nullptr) return;
-  if (bundle.has_heartbeat()) TakeHeartbeat(*job, *m, bundle.heartbeat());
-  for (const auto& ack : bundle.comm_aborted()) TakeCommAborted(*job, *m, ack);
-  // An acknowledgement cannot end the rank's session, but stay on the safe side.
-  if (bundle.has_plans() && m->state == v1::RANK_STATE_LIVE) TakePlans(*job, *m, bundle.plans());
+  absl::MutexLock group_lock(job->groups[m->group].mu.get());
+  if (bundle.has_heartbeat()) TakeMemberHeartbeat(*m, bundle.heartbeat());
+  if (bundle.has_plans()) TakePlans(*job, *m, bundle.plans());
 }
 
 void CoordinatorCore::TakePlans(Job& job_ref, Member& member, const v1::PlanBatch& batch) {
@@ -361,7 +372,8 @@ void CoordinatorCore::SinkSend(Member& m, const v1::CoordinatorMessage& msg) {
     m.outbox_overflow = true;
     return;
   }
-  // The write starts once mu_ is released (see Locked).
+  // The write starts once mu_ is released (see RunDeferred).
+  absl::MutexLock lock(&out_mu_);
   if (kick_.empty() || kick_.back() != m.sink) kick_.push_back(m.sink);
 }
 

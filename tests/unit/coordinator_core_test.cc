@@ -6,7 +6,9 @@
 #include <algorithm>
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <functional>
+#include <thread>
 
 #include "absl/synchronization/mutex.h"
 #include "support/core_fakes.h"
@@ -862,6 +864,75 @@ TEST_F(CoreTest, ABundleOfABadPlanIsRejectedLikeOneAlone) {
   core_->OnBundle(sessions_[0], v1::WorkerBundle());
   core_->OnBundle(987654, bundle);
   EXPECT_EQ(sinks_[0]->Rejections().size(), 1u);
+}
+
+// ---------------------------------------------------------------------------------------
+// Parallel groups (DESIGN 9: plans take the core's lock shared plus their group's own)
+
+TEST_F(CoreTest, PlansFromManyThreadsAreDecidedOnceAndIdenticallyForEveryMember) {
+  constexpr int kWorld = 64, kGroupSize = 4, kMicrobatches = 48, kThreads = 8;
+  CoordinatorOptions o = options_;
+  o.max_lookahead = kMicrobatches;
+  Reset(o);
+  for (int r = 0; r < kWorld; ++r) {
+    v1::RegisterRequest req = Request(r, kWorld, kGroupSize);
+    req.set_lookahead(kMicrobatches);  // No plan is refused for running ahead of its group.
+    ASSERT_TRUE(Register(req).ok());
+  }
+  // Every rank of a group is planned by a different thread; meanwhile operators query and
+  // the ticker runs (both take the lock exclusively).
+  std::atomic<bool> done{false};
+  std::thread observer([&] {
+    while (!done.load()) {
+      core_->Tick();
+      (void)core_->Status("job");
+      (void)core_->Decisions("job", 0, 4);
+    }
+  });
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      for (int mb = 0; mb < kMicrobatches; ++mb) {
+        for (int r = t; r < kWorld; r += kThreads) {
+          v1::PlanBatch batch;  // Epoch 0: no group re-formed.
+          auto* p = batch.add_plans();
+          p->set_step(mb / 4);
+          p->set_microbatch(mb % 4);
+          (*p->mutable_calls())["vision_tower"] = (mb + r) % 3 == 0 ? 1 : 0;  // Divergent now and then.
+          (*p->mutable_calls())["audio_tower"] = 0;
+          if (mb % 2 == 0) {
+            core_->OnPlans(sessions_[r], batch);
+          } else {
+            v1::WorkerBundle bundle;
+            bundle.mutable_heartbeat()->set_sent_unix_ms(1);
+            *bundle.mutable_plans() = batch;
+            core_->OnBundle(sessions_[r], bundle);
+          }
+        }
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  done.store(true);
+  observer.join();
+
+  for (int g = 0; g < kWorld / kGroupSize; ++g) {
+    const auto first = sinks_[g * kGroupSize]->Decisions();
+    ASSERT_EQ(first.size(), static_cast<size_t>(kMicrobatches)) << "group " << g;
+    for (int i = 1; i < kGroupSize; ++i) {
+      const auto other = sinks_[g * kGroupSize + i]->Decisions();
+      ASSERT_EQ(other.size(), first.size()) << "rank " << g * kGroupSize + i;
+      for (size_t k = 0; k < first.size(); ++k) {
+        EXPECT_EQ(other[k].SerializeAsString(), first[k].SerializeAsString())
+            << "rank " << g * kGroupSize + i << " microbatch " << k;
+      }
+    }
+    for (int i = 0; i < kGroupSize; ++i) EXPECT_TRUE(sinks_[g * kGroupSize + i]->Rejections().empty());
+  }
+  const v1::StatusResponse status = core_->Status("job");
+  ASSERT_EQ(status.jobs_size(), 1);
+  EXPECT_EQ(status.jobs(0).plans_received(), kWorld * kMicrobatches);
+  EXPECT_EQ(status.jobs(0).microbatches_decided(), kWorld / kGroupSize * kMicrobatches);
 }
 
 }  // namespace
