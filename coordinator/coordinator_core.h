@@ -7,16 +7,17 @@
 // each session a RankSink through which the core sends messages.
 //
 // Thread-safety: every public method may be called from any thread. All state is
-// guarded by one reader/writer mutex, `mu_` (DESIGN 9): held exclusively by everything but
+// guarded by one reader/writer mutex, `mu_` (DESIGN 9), held exclusively by everything but
 // the hot path. The hot path (plans, and heartbeats that carry no collective progress) only
-// touches one group and its members; it holds `mu_` shared plus that group's own mutex
-// (`GroupLocked`), so that different groups, of one job or of several, are served in
-// parallel. Functions annotated ABSL_SHARED_LOCKS_REQUIRED(mu_) below are the hot path's:
-// they may touch the job only through its group, its group's members and the job's atomic
-// counters, and are called either under `GroupLocked` or with `mu_` held exclusively. What may block or call back runs after it is released:
-// log lines and the completions of waiting communicator calls are collected under the
-// mutex and carried out by `Locked` on the way out. RankSink::Send is the exception, on
-// purpose: it is called with the mutex held, so that messages to one rank leave in the
+// touches one group and its members: it holds `mu_` shared (`SharedLocked`) plus that
+// group's own mutex (`Group::mu`), so that different groups, of one job or of several, are
+// served in parallel. The functions annotated ABSL_SHARED_LOCKS_REQUIRED(mu_) are the hot
+// path's: they touch the job only through one group, that group's members and the job's
+// atomic counters, and run either with the group's mutex too or with `mu_` exclusive.
+// What may block or call back runs after the lock is released: log lines and the
+// completions of waiting communicator calls are collected under it and carried out on the
+// way out (`Locked`, `SharedLocked`, `RunDeferred`). RankSink::Send is the exception, on
+// purpose: it is called with the lock held, so that messages to one rank leave in the
 // order the core produced them; that is why a sink must only queue (never block, never
 // call back). The network writes start after unlocking (RankSink::Kick).
 #ifndef SHARDCOORD_COORDINATOR_COORDINATOR_CORE_H_
@@ -212,8 +213,8 @@ class CoordinatorCore {
     // plans resumed members send meanwhile wait here, in arrival order.
     absl::Time recovery_deadline = absl::InfiniteFuture();
     std::vector<std::pair<int, v1::MicrobatchPlan>> deferred_plans;
-    // Serializes the hot path's work on this group (GroupLocked); taken only with mu_ held
-    // shared (exclusive holders need no more).
+    // Serializes the hot path's work on this group; taken only with mu_ held shared
+    // (exclusive holders need no more).
     std::unique_ptr<absl::Mutex> mu = std::make_unique<absl::Mutex>();
   };
 
