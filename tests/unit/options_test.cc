@@ -250,6 +250,20 @@ TEST(ValidateOptionsTest, RejectsTimeoutBelowTwiceIntervalNamingBothNumbers) {
   EXPECT_TRUE(ValidateOptions(o).ok()) << ValidateOptions(o);
 }
 
+TEST(ValidateOptionsTest, SessionThreadsOutsideTheirRangeAreRefusedNamingTheRange) {
+  CoordinatorOptions o;
+  for (int bad : {-1, 1025}) {
+    o.session_threads = bad;
+    absl::Status s = ValidateOptions(o);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(s.message(), HasSubstr("session_threads must be in 0..1024"));
+  }
+  for (int good : {0, 1, 64}) {
+    o.session_threads = good;
+    EXPECT_TRUE(ValidateOptions(o).ok());
+  }
+}
+
 TEST(ValidateOptionsTest, RejectsZeroMaxLookahead) {
   CoordinatorOptions o;
   o.max_lookahead = 0;
