@@ -448,23 +448,29 @@ class CoordinatorCore {
    private:
     CoordinatorCore* const core_;
   };
+  // What waits for the lock's release: per thread, since hot-path holders run side by side;
+  // each scope carries out what its own thread queued, after unlocking.
+  struct AfterUnlock {
+    std::vector<std::function<void()>> deferred;
+    std::vector<std::shared_ptr<RankSink>> kick;  // Sinks sent to, to start writing.
+  };
+  static AfterUnlock& ThisThread() {
+    thread_local AfterUnlock after;
+    return after;
+  }
   // After unlocking: starts the writes of the sinks sent to, then the deferred work, in the
-  // order both were queued (possibly some of another thread's, which is as good).
-  void RunDeferred() ABSL_LOCKS_EXCLUDED(mu_, out_mu_) {
-    std::vector<std::function<void()>> work;
-    std::vector<std::shared_ptr<RankSink>> kick;
-    {
-      absl::MutexLock lock(&out_mu_);
-      work.swap(deferred_);
-      kick.swap(kick_);
-    }
-    for (auto& sink : kick) sink->Kick();
-    for (auto& f : work) f();
+  // order both were queued. A deferred completion may call back into the core: its own scope
+  // then carries out what it queues.
+  void RunDeferred() ABSL_LOCKS_EXCLUDED(mu_) {
+    AfterUnlock now;
+    now.deferred.swap(ThisThread().deferred);
+    now.kick.swap(ThisThread().kick);
+    for (auto& sink : now.kick) sink->Kick();
+    for (auto& f : now.deferred) f();
   }
   // Work for after the mutex is released (see Locked): logging, completions.
-  void Defer(std::function<void()> f) ABSL_SHARED_LOCKS_REQUIRED(mu_) ABSL_LOCKS_EXCLUDED(out_mu_) {
-    absl::MutexLock lock(&out_mu_);
-    deferred_.push_back(std::move(f));
+  void Defer(std::function<void()> f) ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    ThisThread().deferred.push_back(std::move(f));
   }
   void Complete(JoinDone& done, absl::StatusOr<v1::CommJoinResponse> result) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     Defer([done = std::move(done), result = std::move(result)] { done(result); });
@@ -484,12 +490,6 @@ class CoordinatorCore {
   std::map<std::string, std::unique_ptr<Job>> jobs_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uint64_t, SessionRef> sessions_ ABSL_GUARDED_BY(mu_);
   bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
-  // What waits for mu_'s release (see Locked); its own lock, as the hot path holds mu_ only
-  // shared. A leaf: nothing is locked under it.
-  absl::Mutex out_mu_ ABSL_ACQUIRED_AFTER(mu_);
-  std::vector<std::function<void()>> deferred_ ABSL_GUARDED_BY(out_mu_);
-  // Sinks that were sent something; kicked once the lock is released (see RunDeferred).
-  std::vector<std::shared_ptr<RankSink>> kick_ ABSL_GUARDED_BY(out_mu_);
   std::string bound_address_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -373,8 +373,8 @@ void CoordinatorCore::SinkSend(Member& m, const v1::CoordinatorMessage& msg) {
     return;
   }
   // The write starts once mu_ is released (see RunDeferred).
-  absl::MutexLock lock(&out_mu_);
-  if (kick_.empty() || kick_.back() != m.sink) kick_.push_back(m.sink);
+  auto& kick = ThisThread().kick;
+  if (kick.empty() || kick.back() != m.sink) kick.push_back(m.sink);
 }
 
 void CoordinatorCore::FailMicrobatch(Job& job, Group& group, const MicrobatchKey& key,

@@ -3,10 +3,12 @@
 #include "coordinator/session_stream.h"
 
 #include <algorithm>
+#include <atomic>
 #include <deque>
 #include <optional>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "coordinator/auth.h"
 #include "shardcoord/internal/logging.h"
 #include "shardcoord/proto/convert.h"
@@ -18,6 +20,7 @@ struct SessionStreams::Shared {
   CoordinatorServiceBase* service;
   Authorize authorize;
   std::atomic<uint64_t> next_session{1};
+  std::atomic<int> calls{0};  // SessionCall objects alive (awaited streams included).
   absl::Mutex mu;
   bool stopping ABSL_GUARDED_BY(mu) = false;  // No new stream is awaited.
 };
@@ -88,11 +91,14 @@ class SessionCall {
  public:
   SessionCall(std::shared_ptr<SessionStreams::Shared> shared, grpc::ServerCompletionQueue* cq)
       : shared_(std::move(shared)), cq_(cq), stream_(&ctx_) {
+    shared_->calls.fetch_add(1);
     // Only delivered for a call that started: a request failed at shutdown gets no kDone.
     ctx_.AsyncNotifyWhenDone(&done_tag_);
     ops_ = 1;  // The request.
     shared_->service->RequestSession(&ctx_, &stream_, cq_, cq_, &accepted_tag_);
   }
+
+  ~SessionCall() { shared_->calls.fetch_sub(1); }
 
   // Awaits the next stream on `cq`, unless the streams stop.
   static void Await(const std::shared_ptr<SessionStreams::Shared>& shared, grpc::ServerCompletionQueue* cq) {
@@ -373,6 +379,15 @@ void SessionStreams::Stop() {
   {
     absl::MutexLock lock(&shared_->mu);
     shared_->stopping = true;
+  }
+  // The server's Shutdown() returned: its calls are cancelled, and each SessionCall deletes
+  // itself once its last completion ran. Wait for that while the threads still drain the
+  // queues: an operation started on a queue already shut down would abort the process.
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (started_ && shared_->calls.load() > 0 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(1));
+  if (started_ && shared_->calls.load() > 0) {
+    logging::Get("coordinator")->error("{} session streams still open 10 s after the server stopped; stopping anyway",
+                                       shared_->calls.load());
   }
   for (auto& cq : queues_) cq->Shutdown();
   for (auto& t : threads_) t.join();
