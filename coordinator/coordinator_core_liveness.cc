@@ -18,20 +18,9 @@ constexpr size_t kEndedJobHistory = 16;
 }  // namespace
 
 void CoordinatorCore::OnHeartbeat(uint64_t session_id, const v1::Heartbeat& heartbeat) {
-  if (heartbeat.comms_size() > 0) {  // Collective progress: the job's communicators change.
-    Locked lock(this);
-    Job* job = nullptr;
-    Member* m = LiveMember(session_id, &job);
-    if (m == nullptr) return;
-    TakeHeartbeat(*job, *m, heartbeat);
-    return;
-  }
-  SharedLocked lock(this);
-  Job* job = nullptr;
-  Member* m = LiveMember(session_id, &job);
-  if (m == nullptr) return;
-  absl::MutexLock group_lock(job->groups[m->group].mu.get());
-  TakeMemberHeartbeat(*m, heartbeat);
+  v1::WorkerBundle bundle;  // A heartbeat alone is a bundle of one (the same locking).
+  *bundle.mutable_heartbeat() = heartbeat;
+  OnBundle(session_id, bundle);
 }
 
 void CoordinatorCore::TakeHeartbeat(Job& job, Member& m, const v1::Heartbeat& heartbeat) {

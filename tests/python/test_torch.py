@@ -427,7 +427,8 @@ def test_failure_watch_keeps_the_verdict_naming_the_killed_rank(daemon, wait_for
                 wait_for(lambda: watch.verdict is not None, 15, "the watch to see the group failure")
                 with pytest.raises(shardcoord.GroupFailed, match="rank 1 declared dead"):
                     watch.check()
-                assert aborted == ["pg"]
+                # The watch publishes the verdict, then aborts the groups (on its own thread).
+                wait_for(lambda: aborted == ["pg"], 15, "the watch to abort the process group")
     finally:
         rank1.kill()
         rank1.wait(10)
