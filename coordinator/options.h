@@ -50,7 +50,8 @@ struct CoordinatorLimits {
   int max_store_value_bytes = 64 << 10;
   // A job with no live rank is forgotten this long after its last rank left or died.
   absl::Duration job_retention = absl::Minutes(10);
-  // A connection that has not finished the HTTP/2 handshake by then is closed.
+  // A connection that has not finished the HTTP/2 handshake by then is closed, and so is a
+  // Session stream that has not sent its registration.
   absl::Duration handshake_timeout = absl::Seconds(10);
   // The daemon checks this often that its listener still accepts connections (it stops
   // after descriptor exhaustion in gRPC 1.51); 0 disables the check.

@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "grpcpp/alarm.h"
 #include "coordinator/auth.h"
 #include "shardcoord/internal/logging.h"
 #include "shardcoord/proto/convert.h"
@@ -78,7 +79,7 @@ class SessionSink final : public RankSink {
 
 // What a completion-queue tag stands for: one operation of one call.
 struct Tag {
-  enum Op { kAccepted, kRead, kWrite, kFinish, kDone };
+  enum Op { kAccepted, kRead, kWrite, kFinish, kDone, kRegisterDeadline };
   SessionCall* call;
   Op op;
 };
@@ -125,6 +126,14 @@ class SessionCall {
         break;
       case Tag::kFinish:
         break;
+      case Tag::kRegisterDeadline:
+        // ok: it fired; not ok: cancelled (registered, or the stream is done).
+        if (ok && !registered_) {
+          sink_->Close(absl::DeadlineExceededError(absl::StrCat(
+              "no `register` within ", absl::FormatDuration(shared_->core->options().limits.handshake_timeout),
+              " of opening the Session stream; send a RegisterRequest first (handshake_timeout_ms)")));
+        }
+        break;
       case Tag::kDone:
         OnDone();
         return;  // Not an operation of ours: nothing to count.
@@ -154,6 +163,10 @@ class SessionCall {
       return;
     }
     job_scope_ = *std::move(scope);
+    // A stream that never registers holds a descriptor and a call: closed at a deadline.
+    BeginOp();
+    register_deadline_.Set(cq_, absl::ToChronoTime(absl::Now() + core->options().limits.handshake_timeout),
+                           &register_deadline_tag_);
     Read();
   }
 
@@ -166,6 +179,7 @@ class SessionCall {
 
   void OnDone() {
     if (sink_) sink_->Detach();
+    register_deadline_.Cancel();  // Its tag still comes (not ok); the call waits for it.
     shared_->core->OnSessionClosed(
         id_, absl::StrCat("stream from ", peer_, ctx_.IsCancelled() ? " cancelled" : " done"));
     bool last;
@@ -199,6 +213,8 @@ class SessionCall {
   Tag write_tag_{this, Tag::kWrite};
   Tag finish_tag_{this, Tag::kFinish};
   Tag done_tag_{this, Tag::kDone};
+  Tag register_deadline_tag_{this, Tag::kRegisterDeadline};
+  grpc::Alarm register_deadline_;
   uint64_t id_ = 0;
   std::string peer_;
   std::string job_scope_;  // The only job this session may register for; "" for any.
@@ -230,6 +246,7 @@ void SessionCall::OnRead(bool ok) {
       return;
     }
     registered_ = true;
+    register_deadline_.Cancel();
     Read();
     return;
   }

@@ -526,6 +526,25 @@ TEST_F(InProcessTest, RegistrationsOverTheCapsAreAnsweredAndShutdownStillComplet
   EXPECT_LT(absl::Now() - start, testing::kLoadSlack);
 }
 
+TEST_F(InProcessTest, ASessionThatNeverRegistersIsClosedAtTheHandshakeTimeoutSayingWhy) {
+  server_->Shutdown(absl::Milliseconds(10));
+  coordinator::CoordinatorOptions o;
+  o.limits.handshake_timeout = absl::Milliseconds(300);
+  StartServer(o);
+  RawSession silent(server_->address());  // Opens the stream, sends nothing.
+  v1::CoordinatorMessage in;
+  EXPECT_FALSE(silent.stream->Read(&in));  // Bounded by the stream's own 20 s deadline.
+  const grpc::Status s = silent.stream->Finish();
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_THAT(s.error_message(), HasSubstr("no `register` within 300ms"));
+  // A rank that registers in time is not affected, before or after the timeout.
+  auto w = Connect(Options(0, 1, 1, Policy::kReplicate));
+  absl::SleepFor(absl::Milliseconds(400));  // Past the registration deadline of its stream.
+  const v1::ListRanksResponse ranks = server_->core().Ranks("job");
+  ASSERT_EQ(ranks.ranks_size(), 1);
+  EXPECT_EQ(ranks.ranks(0).state(), v1::RANK_STATE_LIVE);
+}
+
 TEST_F(InProcessTest, ARankThatNeverReadsIsFailedWithAReasonAndOthersAreServed) {
   server_->Shutdown(absl::Milliseconds(10));
   coordinator::CoordinatorOptions o;
