@@ -67,41 +67,39 @@ void CoordinatorCore::OnBundle(uint64_t session_id, const v1::WorkerBundle& bund
   if (bundle.has_plans()) TakePlans(*job, *m, bundle.plans());
 }
 
-void CoordinatorCore::TakePlans(Job& job_ref, Member& member, const v1::PlanBatch& batch) {
-  Job* job = &job_ref;
-  Member* m = &member;
-  m->last_seen = clock_->Now();
-  Group& group = job->groups[m->group];
+void CoordinatorCore::TakePlans(Job& job, Member& m, const v1::PlanBatch& batch) {
+  m.last_seen = clock_->Now();
+  Group& group = job.groups[m.group];
   if (group.state == v1::GROUP_STATE_RECOVERING) {
     // Decided once every member has resumed (a static decision made now could contradict
     // one a member not back yet holds). Bounded like the pending microbatches.
     for (const auto& plan : batch.plans()) {
       if (static_cast<int>(group.deferred_plans.size()) >= options_.limits.max_pending_microbatches) {
-        SendTo(*m, PlanRejectedMessage(plan,
-                                       absl::ResourceExhaustedError(absl::StrCat(
-                                           "group ", group.index, " is recovering after a coordinator restart and "
-                                           "already holds max_pending_microbatches plans; plan again once it recovered")),
-                                       batch.epoch()));
+        SendTo(m, PlanRejectedMessage(plan,
+                                      absl::ResourceExhaustedError(absl::StrCat(
+                                          "group ", group.index, " is recovering after a coordinator restart and "
+                                          "already holds max_pending_microbatches plans; plan again once it recovered")),
+                                      batch.epoch()));
         continue;
       }
-      group.deferred_plans.emplace_back(m->rank, plan);
+      group.deferred_plans.emplace_back(m.rank, plan);
     }
     return;
   }
   for (const auto& plan : batch.plans()) {
     absl::Status s = batch.epoch() == group.epoch
-                         ? AcceptPlan(*job, *m, plan)
+                         ? AcceptPlan(job, m, plan)
                          : absl::AbortedError(absl::StrCat(
-                               "plan ", MicrobatchKey{plan.step(), plan.microbatch()}.ToString(), " from rank ", m->rank,
+                               "plan ", MicrobatchKey{plan.step(), plan.microbatch()}.ToString(), " from rank ", m.rank,
                                " was made in epoch ", batch.epoch(), " but group ", group.index, " is at epoch ",
                                group.epoch, ": it was queued before the group failed; plan again"));
     if (!s.ok()) {
-      m->plans_rejected++;
+      m.plans_rejected++;
       const v1::CoordinatorMessage msg = PlanRejectedMessage(plan, s, batch.epoch());
       static logging::RateLimit limit(10);  // A client sending 10^5 bad plans gets 10 lines a second.
       int64_t suppressed = 0;
       if (limit.Allow(&suppressed)) {
-        Defer([line = absl::StrCat("plan_rejected job=", job->id, " rank=", m->rank, " step=", plan.step(),
+        Defer([line = absl::StrCat("plan_rejected job=", job.id, " rank=", m.rank, " step=", plan.step(),
                                    " mb=", plan.microbatch(), " code=", absl::StatusCodeToString(s.code()), " ",
                                    s.message(),
                                    suppressed > 0 ? absl::StrCat(" (", suppressed, " more plan rejections not logged)")
@@ -110,10 +108,10 @@ void CoordinatorCore::TakePlans(Job& job_ref, Member& member, const v1::PlanBatc
           log->warn("{}", line);
         });
       }
-      SendTo(*m, msg);
+      SendTo(m, msg);
     }
   }
-  Flush(*job, group);
+  Flush(job, group);
 }
 
 absl::Status CoordinatorCore::AcceptPlan(Job& job, Member& m, const v1::MicrobatchPlan& plan) {
