@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Configures and builds shardcoord into ${BUILD_DIR:-build} (Ninja, ccache when present).
-# Extra arguments are build targets (default: everything).
+# Extra arguments are build targets (default: everything). SHARDCOORD_DEPS names the
+# install-deps.sh profiles to install first (default: build; scripts/test.sh asks for test).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${BUILD_DIR:-$root/build}
-"$root/scripts/install-deps.sh"
+# shellcheck disable=SC2086
+"$root/scripts/install-deps.sh" ${SHARDCOORD_DEPS:-build}
 # The NCCL backend is built (compiled and linked, run only on a GPU machine) wherever CUDA
 # and NCCL are installed in /usr/local/cuda, as on the development machines and CI.
 nccl=OFF

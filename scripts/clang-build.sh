@@ -9,7 +9,7 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${CLANG_BUILD_DIR:-$root/build-clang}
-"$root/scripts/install-deps.sh"
+"$root/scripts/install-deps.sh" clang
 nccl=OFF
 [[ -f /usr/local/cuda/include/nccl.h || -f /usr/include/nccl.h ]] && [[ -d /usr/local/cuda ]] && nccl=ON
 if [[ ! -f "$build/build.ninja" ]]; then

@@ -1,17 +1,43 @@
 #!/usr/bin/env bash
-# Installs the Debian 12 packages shardcoord needs to build and test, only those missing.
+# Installs the Debian 12 packages a shardcoord command needs, only those missing.
+#
+#   scripts/install-deps.sh [build|demo|python|test|clang|deploy|all]...   (default: build)
+#
+#   build   compile the daemon, the CLI, the worker library, the LibTorch executor, the
+#           example trainer, the tests and benchmarks (what scripts/build.sh needs)
+#   demo    build, nothing more: scripts/demo.sh installs no browser, Python or Slurm
+#   python  the Python package and its tests (python3-dev, pybind11, python3-torch, pytest)
+#   test    build + python + what the suite drives: Chromium (the status page), Slurm and
+#           munge (the Slurm end to end test), clang (scripts/clang-build.sh), shellcheck
+#   clang   the clang build: lock analysis, ASan+UBSan, libFuzzer
+#   deploy  scripts/check-deploy.sh: shellcheck (systemd-analyze is used where systemd is installed)
+#
 # Runs apt-get as root (or through sudo). Idempotent; safe to call before every build.
 set -euo pipefail
 
-packages=(
-  cmake ninja-build g++ clang pkg-config ccache openssl libssl-dev
+build=(
+  cmake ninja-build g++ pkg-config ccache openssl libssl-dev
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libspdlog-dev libcli11-dev nlohmann-json3-dev libyaml-cpp-dev libcpp-httplib-dev prometheus-cpp-dev
-  libsqlite3-dev chromium slurm-wlm munge
-  libgtest-dev libgmock-dev libbenchmark-dev libgloo-dev libtorch-dev
-  python3-dev pybind11-dev python3-torch python3-pytest python3-numpy
+  libsqlite3-dev libgtest-dev libgmock-dev libbenchmark-dev libgloo-dev libtorch-dev
 )
-if [[ "${SHARDCOORD_WITH_TORCH:-0}" == 1 ]]; then packages+=(libtorch-dev); fi
+python=(python3-dev pybind11-dev python3-torch python3-pytest python3-numpy python3-venv python3-pip)
+clang=(clang libclang-rt-14-dev)
+deploy=(shellcheck)
+test=("${build[@]}" "${python[@]}" "${clang[@]}" "${deploy[@]}" chromium slurm-wlm munge)
+
+packages=()
+[[ $# -eq 0 ]] && set -- build
+for profile in "$@"; do
+  case "$profile" in
+    build|demo) packages+=("${build[@]}") ;;
+    python) packages+=("${build[@]}" "${python[@]}") ;;
+    clang) packages+=("${build[@]}" "${clang[@]}") ;;
+    deploy) packages+=("${deploy[@]}") ;;
+    test|all) packages+=("${test[@]}") ;;
+    *) echo "install-deps: unknown profile '$profile'; use build, demo, python, test, clang, deploy or all" >&2; exit 2 ;;
+  esac
+done
 
 missing=()
 for p in "${packages[@]}"; do
@@ -22,8 +48,10 @@ done
 if [[ ${#missing[@]} -eq 0 ]]; then
   exit 0
 fi
+# One entry per package, in the order first asked for.
+mapfile -t missing < <(printf '%s\n' "${missing[@]}" | awk '!seen[$0]++')
 
-echo "install-deps: installing ${missing[*]}" >&2
+echo "install-deps ($*): installing ${missing[*]}" >&2
 sudo=""
 if [[ $(id -u) -ne 0 ]]; then
   command -v sudo >/dev/null || { echo "install-deps: need root or sudo to apt-get install ${missing[*]}" >&2; exit 1; }

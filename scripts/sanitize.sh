@@ -25,7 +25,7 @@ case "$kind" in
     ;;
   thread)
     build=${TSAN_BUILD_DIR:-$root/build-tsan}
-    "$root/scripts/install-deps.sh"
+    "$root/scripts/install-deps.sh" clang
     if [[ ! -f "$build/build.ninja" ]]; then
       CC=clang CXX=clang++ cmake -S "$root" -B "$build" -G Ninja -DSHARDCOORD_SANITIZE=thread \
         -DSHARDCOORD_WITH_NCCL=OFF -DSHARDCOORD_WITH_PYTHON=OFF -DSHARDCOORD_WITH_TORCH=OFF \

@@ -7,7 +7,7 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${BUILD_DIR:-$root/build}
-"$root/scripts/build.sh"
+SHARDCOORD_DEPS=test "$root/scripts/build.sh"
 cd "$build"
 # Each test has its own timeout (tests/CMakeLists.txt); this bounds the whole run too.
 rc=0
