@@ -3,8 +3,9 @@
 // It keeps the registry of jobs, ranks and shard groups, validates registrations and
 // plans, runs one DecisionEngine per group, detects dead ranks (stream lost, heartbeats
 // missed), fails microbatches that can never be decided, and answers status queries.
-// The gRPC adapter (grpc_service.h) converts streams into calls on this class and gives
-// each session a RankSink through which the core sends messages.
+// The gRPC adapter (coordinator_server.cc; the Session streams in session_stream.h)
+// converts streams and calls into calls on this class and gives each session a RankSink
+// through which the core sends messages.
 //
 // Thread-safety: every public method may be called from any thread. All state is
 // guarded by one reader/writer mutex, `mu_` (DESIGN 9), held exclusively by everything but
@@ -85,9 +86,11 @@ class CoordinatorCore {
   // Registers the rank behind `session_id`. On success the RegisterResponse has already
   // been sent through `sink` (so it precedes any decision). On failure nothing changed and
   // the status says what was wrong: INVALID_ARGUMENT (malformed request, rank outside the
-  // world, root without an outer root, ...), FAILED_PRECONDITION (world size, group size,
-  // manifest or policy differ from what the job / group already has), ALREADY_EXISTS (the
-  // rank is live in another session).
+  // world, root without an outer root, ...), RESOURCE_EXHAUSTED (over a max_* setting, named),
+  // FAILED_PRECONDITION (world size, group size, manifest, policy, fallback or
+  // wrap_outer_model differ from what the job / group already has; a resume this process
+  // cannot accept), ALREADY_EXISTS (the rank is live in another session), UNAVAILABLE
+  // (shutting down).
   absl::Status Register(uint64_t session_id, const v1::RegisterRequest& request,
                         std::shared_ptr<RankSink> sink);
 
@@ -206,7 +209,7 @@ class CoordinatorCore {
     std::optional<MicrobatchKey> last_resolved;  // Decided or failed.
     std::optional<MicrobatchKey> last_decided;
     std::deque<v1::MicrobatchDecision> history;
-    uint64_t static_seq = 0;  // Next seq for static policies, per key (restarts per epoch).
+    uint64_t static_seq = 0;  // Next seq for static policies, one per key (restarts at 0 per epoch).
     v1::DecisionCounts counts;
     std::string failure_reason;
     // GROUP_STATE_RECOVERING (DESIGN 12): fails its missing members at this deadline;
@@ -312,8 +315,8 @@ class CoordinatorCore {
   void SendTo(Member& member, const v1::CoordinatorMessage& msg) ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Sends through the member's sink; marks a refused send (see Member::outbox_overflow).
   void SinkSend(Member& member, const v1::CoordinatorMessage& msg) ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  // Registration checks that need no state: malformed requests and the configured caps.
   // Makes room for a new job (evicting the oldest ended one) or says why there is none.
+  // (The checks that need no state are in registration.h.)
   absl::Status AdmitJob(const std::string& job_id, int world_size) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Register's steps (DESIGN 3, "Registration"; DESIGN 8 for the group it joins).
   Job* ReuseOrForgetEndedJob(const v1::RegisterRequest& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -360,15 +363,16 @@ class CoordinatorCore {
   // Starts a new epoch if the last one was aborted (or none exists) and every member is
   // live; then completes the join waiters.
   void MaybeStartEpoch(Job& job, Comm& comm) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Ends the current epoch for every member. `failure` false is a clean end (a member
-  // left): same effect, but not counted as an abort and logged as info.
+  // Ends the current epoch for every member. `failure` false is a clean end (a member that
+  // left registered again): same effect, but not counted as an abort and logged as info.
   void AbortComm(Job& job, Comm& comm, const std::string& reason, const std::vector<int>& lost,
                  bool failure = true) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A member acknowledged the abort of `epoch`.
   void AckAbort(Job& job, Comm& comm, int rank, int64_t epoch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // ABORTING -> ABORTED once every live member acknowledged; then a new epoch may start.
   void MaybeFinishAbort(Job& job, Comm& comm) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // A member died or left: end every live epoch it belongs to.
+  // A member died (every live epoch it belongs to is aborted) or left (nobody is aborted;
+  // an epoch whose members are all gone is closed).
   void OnMemberLost(Job& job, int rank, bool clean, const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // RemoveMember's steps: the job ends when no rank is live; a clean leave fails only what
   // the leaver never planned; a death fails the group (DESIGN 3, "Failures").

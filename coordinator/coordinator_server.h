@@ -1,6 +1,8 @@
 // CoordinatorServer: the coordinator as a running gRPC server. It owns the
-// CoordinatorCore, the thin gRPC adapter (callback API: one reactor per Session stream,
-// unary reactors for queries) and the ticker thread that drives failure detection.
+// CoordinatorCore, the thin gRPC adapter (the rank Session streams on the completion-queue
+// API, session_stream.h; every other method, queries and communicator calls, on callback
+// reactors), the ticker thread that drives failure detection, the listener self-check and,
+// when configured, the HTTP listener.
 // Used by shardcoordd, by `shardctl replay` (embedded), by tests and by benchmarks.
 //
 // Thread-safety: Start, Shutdown and the accessors may be called from any thread.

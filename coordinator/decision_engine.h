@@ -56,7 +56,8 @@ class DecisionEngine {
                             std::vector<EngineTransition>* transitions = nullptr);
 
   // The decision for a static policy (root / replicate), which needs no plans. `seq` is
-  // supplied by the caller (the rank's own microbatch ordinal).
+  // supplied by the caller: the group's count of static decisions in this epoch, taken when
+  // the first rank reports the key (Group::static_seq), so that every rank gets the same.
   MicrobatchDecision DecideStatic(const MicrobatchKey& key, int64_t epoch, uint64_t seq) const;
 
   uint64_t next_seq() const { return next_seq_; }

@@ -1,5 +1,6 @@
 // Configuration of the coordinator. Every field has a named default; shardcoordd fills
-// it from an optional YAML file and then from flags (flags win). See README "Config".
+// it from an optional YAML file and then from flags (flags win). See README "shardcoordd
+// configuration".
 #ifndef SHARDCOORD_COORDINATOR_OPTIONS_H_
 #define SHARDCOORD_COORDINATOR_OPTIONS_H_
 
@@ -37,7 +38,7 @@ inline constexpr absl::Duration kMaxDuration = absl::Hours(24);
 // DESIGN 11.
 struct CoordinatorLimits {
   int max_world_size = 65536;        // ranks in one job
-  int max_total_ranks = 262144;      // ranks of all jobs held at once (about 0.5 KB each)
+  int max_total_ranks = 262144;      // ranks of all jobs held at once (a connected one: ~22 KB)
   int max_jobs = 1024;               // jobs held at once, finished ones included until evicted
   int max_modules = 1024;            // controlled modules in a manifest
   int max_units_per_module = 4096;   // layer units of one module
@@ -112,9 +113,10 @@ struct CoordinatorOptions {
   absl::Duration journal_retention = absl::Hours(24 * 7);  // Older events are deleted.
   int64_t journal_max_events = 1000000;                    // And all but the newest this many.
   // Threads serving the rank Session streams, each with its own completion queue (DESIGN 9);
-  // 0: one per core.
+  // 0: one per online CPU (std::thread::hardware_concurrency: the machine's, not the
+  // process's CPU affinity).
   int session_threads = 0;
-  // This process's incarnation: set by the daemon at start (state.h); 0 in tests means 1.
+  // This process's incarnation: set by the daemon at start (state_file.h); 0 in tests means 1.
   uint64_t incarnation = 0;
 };
 

@@ -12,7 +12,7 @@
 namespace shardcoord::coordinator {
 
 // Largest one decision may be (it lists every module, and a message holds at least one);
-// workers accept messages of 64 MiB (worker.cc), operators' queries of 4 MiB.
+// workers (worker_impl.h, kWorkerMaxReceiveBytes) and shardctl accept messages of 64 MiB.
 inline constexpr size_t kMaxDecisionBytes = 1 << 20;
 
 // The request on its own: names, sizes, ranks, the manifest's shape, policy values, the

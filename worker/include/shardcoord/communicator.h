@@ -6,8 +6,10 @@
 // op_timeout): a lost peer or an abort makes pending and later calls fail with ABORTED,
 // naming the rank and the cause, instead of hanging.
 //
-// Epochs: when any member dies, leaves or reports an error, the coordinator aborts the
-// communicator's epoch for every member. Open the communicator again (same name) to join
+// Epochs: when any member dies or reports an error, the coordinator aborts the
+// communicator's epoch for every member. A clean leave (Worker::Close) aborts nobody; the
+// epoch is closed once every member left, and ended for the others (ABORTED on their calls)
+// when a member that left registers again. Open the communicator again (same name) to join
 // the next epoch; that waits until every member is live again.
 //
 // Thread-safety: collectives on one Communicator must be issued from one thread at a time

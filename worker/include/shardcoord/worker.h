@@ -22,13 +22,19 @@
 // (step, microbatch) order; the coordinator gives all of them the identical decision.
 //
 // Thread-safety: all methods may be called from any thread, concurrently. The worker runs
-// two background threads (stream reader; writer that batches plans and sends heartbeats).
+// two background threads for its session (stream reader; writer that batches plans and
+// sends heartbeats), and each Gloo communicator one more for its operations.
 // No call blocks longer than its timeout; ReportPlan never blocks on the network.
 //
-// Reconnect: there is none in this version. When the session stream is lost (coordinator
-// gone, network cut), every pending and later call fails with UNAVAILABLE and a message
-// naming the coordinator and the cause. Create a new Worker to register again; the rank's
-// group re-forms under a new epoch once all its members are back.
+// Reconnect: when the session stream ends with UNAVAILABLE (the coordinator was killed,
+// restarts or cannot be reached), the worker reconnects with backoff for
+// WorkerOptions::reconnect_window and resumes with the new coordinator process (DESIGN 12):
+// decisions it holds are answered and plans are queued meanwhile, communicators stay open.
+// When the window passes, or when the coordinator ended the session itself (this rank
+// declared dead, a resume refused), every pending and later call fails (UNAVAILABLE, or the
+// refusal's code) with a message naming the coordinator and the cause, and open
+// communicators are aborted. Create a new Worker to register again; the rank's group
+// re-forms under a new epoch once all its members are back.
 //
 // Logging goes to the "shardcoord.worker" spdlog logger (stderr); the library never
 // touches the process's default logger. SHARDCOORD_LOG_LEVEL sets the level.
@@ -103,7 +109,7 @@ struct WorkerOptions {
   // When the session with the coordinator is lost (the daemon died or restarts), the
   // worker reconnects with backoff for this long and resumes (DESIGN 12): decisions it
   // holds stay usable meanwhile, communicators are not aborted. Only when the window
-  // passes do pending calls fail, saying so. Zero: fail at once, as before.
+  // passes do pending calls fail, saying so. Zero: fail at once, without reconnecting.
   absl::Duration reconnect_window = kDefaultReconnectWindow;
   // Presented as `authorization: Bearer <token>` on every call (a role `rank` token); empty:
   // ResolveToken's environment variables, else none.
@@ -175,7 +181,7 @@ class SHARDCOORD_EXPORT Worker {
   // DEADLINE_EXCEEDED (still failed: the message says why), UNAVAILABLE (session lost).
   absl::Status AwaitGroupReady(absl::Duration timeout);
 
-  // Joins a communicator (DESIGN 4) and connects its members (Gloo over TCP on CPU):
+  // Joins a communicator (DESIGN 4) and connects its members (Gloo over TCP on CPU, or NCCL):
   // the coordinator is the rendezvous for (job, name, epoch). Joins the current epoch, or
   // the next one after an abort, waiting up to options.join_timeout for every member to
   // be live. Every member must call it. Errors: FAILED_PRECONDITION (not a member; ranks
