@@ -26,6 +26,8 @@ CoordinatorCore::CoordinatorCore(CoordinatorOptions options, std::shared_ptr<con
       started_(clock_->Now()),
       incarnation_(options_.incarnation != 0 ? options_.incarnation : 1),
       config_digest_(DecisionConfigDigest(options_)),
+      resume_auth_(options_.resume_key.empty() ? ResumeAuthority::Ephemeral()
+                                               : ResumeAuthority(options_.resume_key, /*persistent=*/true)),
       journal_(options_.event_capacity) {}
 
 CoordinatorCore::~CoordinatorCore() = default;
@@ -121,8 +123,10 @@ absl::Status CoordinatorCore::Register(uint64_t session_id, const v1::RegisterRe
   // A rank of an earlier coordinator process resumes (DESIGN 12); one of this process that
   // lost its stream registers again as usual.
   const bool resuming = req.has_resume() && req.resume().incarnation() != incarnation_;
+  bool verified = true;
   if (resuming) {
     if (absl::Status s = CheckResume(req, incarnation_, config_digest_); !s.ok()) return s;
+    if (absl::Status s = CheckResumeTrust(req, resume_auth_, &verified); !s.ok()) return s;
   }
 
   Locked lock(this);
@@ -142,6 +146,11 @@ absl::Status CoordinatorCore::Register(uint64_t session_id, const v1::RegisterRe
   // The first rank of a group this process has not seen at work resumes: the group waits
   // for all its members (another group's fresh rank may have created the job first).
   if (resuming && IsFreshGroup(*job, group)) StartRecovery(*job, group);
+  if (resuming && !verified) {
+    Event("warning", "resume_unverified", job->id, req.rank(), group.index,
+          "taken as sent: this coordinator has no resume key that outlived the last one (start it with --state-file "
+          "or --token-file so that resumes are checked)");
+  }
   if (group.state == v1::GROUP_STATE_RECOVERING) {
     ResumeMember(*job, group, m, session_id, std::move(sink), req);
     return absl::OkStatus();
@@ -151,6 +160,7 @@ absl::Status CoordinatorCore::Register(uint64_t session_id, const v1::RegisterRe
 
   v1::CoordinatorMessage msg = Registered(group, req);
   msg.mutable_registered()->set_session_key(m.session_key);
+  msg.mutable_registered()->set_resume_credential(resume_auth_.Credential(job->id, req.rank()));
   const Policy policy = FromProto(req.policy());
   Event("info", rejoin ? "rank_rejoined" : "rank_registered", job->id, req.rank(), group.index,
         absl::StrCat("host=", req.host(), " policy=", PolicyName(policy),
@@ -186,7 +196,23 @@ CoordinatorCore::Job* CoordinatorCore::ReuseOrForgetEndedJob(const v1::RegisterR
     jobs_.erase(it);
     return nullptr;
   }
-  for (Group& g : job->groups) g.has_reference = false;
+  // A rerun plans its keys from the start again: each group begins a new epoch with no
+  // microbatch resolved (else every plan of the rerun is "stale" until job_retention_ms
+  // forgets the job).
+  for (Group& g : job->groups) {
+    g.has_reference = false;
+    g.pending.clear();
+    g.deferred_plans.clear();
+    g.last_resolved.reset();
+    g.last_decided.reset();  // The group re-forms in a new epoch once its members are back.
+    g.static_seq = 0;
+    for (int r : g.ranks) {
+      job->members[r].pending = 0;
+      job->members[r].last_planned.reset();
+    }
+  }
+  Event("info", "job_rerun", job->id, req.rank(), -1,
+        "every rank had left: the job runs again under the same id and sizes, its keys from the start");
   return job;
 }
 
@@ -232,8 +258,11 @@ CoordinatorCore::Job& CoordinatorCore::CreateJob(const v1::RegisterRequest& req)
   for (size_t g = 0; g < created->groups.size(); ++g) created->groups[g].index = static_cast<int>(g);
   Job& job = *created;
   jobs_[req.job_id()] = std::move(created);
-  Event("info", "job_created", job.id, -1, -1,
-        absl::StrCat("world_size=", job.world_size, " group_size=", job.group_size, " groups=", job.groups.size()));
+  const bool no_modules = req.modules_size() == 0;
+  Event(no_modules ? "warning" : "info", "job_created", job.id, -1, -1,
+        absl::StrCat("world_size=", job.world_size, " group_size=", job.group_size, " groups=", job.groups.size(),
+                     " modules=", req.modules_size(),
+                     no_modules ? " (no controlled module: nothing is coordinated; the ranks' manifest is empty)" : ""));
   return job;
 }
 
@@ -332,7 +361,8 @@ void CoordinatorCore::UpdateGroupState(Job& job, Group& group) {
                        " min_memory_budget_bytes=", min_budget));
   } else if (before != v1::GROUP_STATE_HEALTHY) {
     // Whole again after a failure: a new epoch. Microbatch keys start afresh (a job
-    // resumed from a checkpoint plans earlier steps again); seq numbers go on.
+    // resumed from a checkpoint plans earlier steps again). The engine's seq (auto,
+    // per_layer) goes on; the static policies' seq restarts at 0 with the epoch.
     group.epoch++;
     group.failure_reason.clear();
     group.pending.clear();

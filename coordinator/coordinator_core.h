@@ -43,6 +43,7 @@
 #include "coordinator/decision_engine.h"
 #include "coordinator/event_journal.h"
 #include "coordinator/options.h"
+#include "coordinator/resume_auth.h"
 #include "shardcoord/v1/coordinator.pb.h"
 
 namespace shardcoord::coordinator {
@@ -488,6 +489,8 @@ class CoordinatorCore {
   const absl::Time started_;
   const uint64_t incarnation_;
   const uint64_t config_digest_;
+  // Credentials for resumes and seals on decisions (resume_auth.h). Immutable: no lock.
+  const ResumeAuthority resume_auth_;
   EventJournal journal_;
 
   mutable absl::Mutex mu_;

@@ -30,7 +30,19 @@ void CoordinatorCore::TakeHeartbeat(Job& job, Member& m, const v1::Heartbeat& he
 
 void CoordinatorCore::TakeMemberHeartbeat(Member& m, const v1::Heartbeat& heartbeat) {
   m.last_seen = clock_->Now();
-  if (heartbeat.memory_size() > 0) m.memory.assign(heartbeat.memory().begin(), heartbeat.memory().end());
+  if (heartbeat.memory_size() == 0) return;
+  // Bounded whatever the client sends: at most max_modules entries (a manifest has no more),
+  // names no longer than max_name_bytes, no negative counts; the rest is not kept.
+  const CoordinatorLimits& lim = options_.limits;
+  m.memory.clear();
+  for (const auto& e : heartbeat.memory()) {
+    if (static_cast<int>(m.memory.size()) >= lim.max_modules) break;
+    if (static_cast<int>(e.module().size()) > lim.max_name_bytes || e.resident_bytes() < 0 || e.peak_bytes() < 0 ||
+        e.gathered_bytes() < 0) {
+      continue;
+    }
+    m.memory.push_back(e);
+  }
 }
 
 void CoordinatorCore::OnGoodbye(uint64_t session_id, const std::string& reason) {
@@ -125,7 +137,8 @@ void CoordinatorCore::FailGroup(Job& job, Group& group, const Member& m, const s
   for (const auto& [k, p] : group.pending) ToProto(k, gf->add_cancelled());
   group.pending.clear();
   for (int r : group.ranks) job.members[r].pending = 0;
-  group.failure_reason = was_failed ? absl::StrCat(group.failure_reason, "; ", full) : full;
+  group.failure_reason =
+      was_failed && !group.failure_reason.empty() ? absl::StrCat(group.failure_reason, "; ", full) : full;
   gf->set_reason(absl::StrCat("group ", group.index, " of job '", job.id, "' failed at epoch ",
                               group.epoch, ": ", group.failure_reason));
   UpdateGroupState(job, group);

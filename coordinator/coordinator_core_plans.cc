@@ -269,6 +269,7 @@ absl::Status CoordinatorCore::AcceptStaticPlan(Job& job, Group& group, Member& m
     p.first_report = clock_->Now();
     v1::MicrobatchDecision pd;
     ToProto(group.engine->DecideStatic(key, group.epoch, group.static_seq++), &pd);
+    pd.set_seal(resume_auth_.Seal(job.id, pd));
     pd.set_decided_unix_ms(absl::ToUnixMillis(clock_->Now()));
     RecordDecision(job, group, pd);
     p.decided = std::move(pd);
@@ -303,6 +304,7 @@ void CoordinatorCore::DrainGroup(Job& job, Group& group) {
     MicrobatchDecision d = group.engine->Decide(it->first, group.epoch, it->second.calls, &transitions);
     v1::MicrobatchDecision pd;
     ToProto(d, &pd);
+    pd.set_seal(resume_auth_.Seal(job.id, pd));
     pd.set_decided_unix_ms(absl::ToUnixMillis(clock_->Now()));
     for (int r : group.ranks) {
       Member& mem = job.members[r];

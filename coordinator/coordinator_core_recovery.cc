@@ -35,6 +35,7 @@ void CoordinatorCore::ResumeMember(Job& job, Group& group, Member& m, uint64_t s
   v1::CoordinatorMessage msg = Registered(group, req);
   msg.mutable_registered()->set_epoch(m.resume->group_epoch());
   msg.mutable_registered()->set_session_key(m.session_key);
+  msg.mutable_registered()->set_resume_credential(resume_auth_.Credential(job.id, m.rank));
   Event("info", "rank_resumed", job.id, m.rank, group.index,
         absl::StrCat("from incarnation ", m.resume->incarnation(), " at epoch ", m.resume->group_epoch(), ", holding ",
                      m.resume->held_size(), " decisions and ", m.resume->undecided_size(), " undecided plans"));
@@ -201,19 +202,23 @@ void CoordinatorCore::ExpireRecovery(Job& job, absl::Time now) {
     for (int r : group.ranks) {
       if (job.members[r].state != v1::RANK_STATE_LIVE) missing.push_back(r);
     }
-    const std::string why = absl::StrCat(
-        "ranks ", RankList(missing), " did not resume within the recovery window (",
-        absl::ToInt64Milliseconds(options_.recovery_window), " ms, --recovery-window-ms) after the coordinator restarted");
+    // One event for the group, naming the missing ranks (capped), and a short reason per rank:
+    // the work and the text stay linear in the group, however many ranks did not come back.
+    const std::string window = absl::StrCat("the recovery window (", absl::ToInt64Milliseconds(options_.recovery_window),
+                                            " ms, --recovery-window-ms) after the coordinator restarted");
+    const std::string why = absl::StrCat(missing.size(), " of ", group.ranks.size(), " ranks (",
+                                         RankList(missing), ") did not resume within ", window);
     group.state = v1::GROUP_STATE_FAILED;
     group.recovery_deadline = absl::InfiniteFuture();
     group.deferred_plans.clear();
     for (int r : group.ranks) job.members[r].resume.reset();
+    if (!missing.empty()) Event("error", "recovery_expired", job.id, -1, group.index, why);
+    const std::string each = absl::StrCat("did not resume within ", window);
     for (int r : missing) {
       Member& m = job.members[r];
       m.state = v1::RANK_STATE_DEAD;
-      m.dead_reason = why;
-      Event("error", "rank_dead", job.id, r, group.index, why);
-      OnMemberLost(job, r, /*clean=*/false, why);
+      m.dead_reason = each;
+      OnMemberLost(job, r, /*clean=*/false, each);
     }
     if (!missing.empty()) FailGroup(job, group, job.members[missing.front()], why);
   }

@@ -147,10 +147,14 @@ std::vector<v1::Event> EventJournal::List(const EventFilter& f) const {
   const int limit = std::max(0, f.limit);
   std::vector<v1::Event> out;
   absl::MutexLock store_lock(&store_mu_);
+  // The SQLite query runs under store_mu_ alone: Add (called under the core's lock by every
+  // event of every job) takes only mu_, so a slow reader of a large journal never stalls it.
+  // Holding store_mu_ keeps the writer from moving events into the file meanwhile.
+  const bool persistent = store_ != nullptr;
+  if (persistent) out = store_->Query(f);
   absl::MutexLock lock(&mu_);
-  if (store_ != nullptr) {
-    // The file, then what the writer has not written yet (all newer).
-    out = store_->Query(f);
+  if (persistent) {
+    // Then what the writer has not written yet (all newer).
     for (const auto& e : unwritten_) {
       if (e.id() > written_through_ && Matches(e, f)) out.push_back(e);
     }

@@ -20,6 +20,7 @@
 #include "shardcoord/plan_check.h"
 #include "coordinator/coordinator_server.h"
 #include "coordinator/options.h"
+#include "coordinator/resume_auth.h"
 #include "coordinator/state_file.h"
 #include "coordinator/auth.h"
 #include "coordinator/tls.h"
@@ -221,6 +222,20 @@ int Serve(CoordinatorOptions options, const std::string& http_address_file) {
   RouteProtobufLogs();
   RaiseFileLimit();
   options.incarnation = shardcoord::coordinator::NextIncarnation(options.state_file, absl::Now());
+  // The resume key (resume_auth.h): from <state file>.key, else the token file, else none.
+  auto resume_key = shardcoord::coordinator::LoadResumeKey(options.state_file, options.token_file);
+  if (resume_key.ok()) {
+    options.resume_key = resume_key->key;
+    shardcoord::logging::Get("coordinator")->info("resume key from {}: resumes after a restart are verified",
+                                                  resume_key->source);
+  } else if (absl::IsNotFound(resume_key.status()) && options.token_file.empty()) {
+    shardcoord::logging::Get("coordinator")->warn(
+        "no --state-file or --token-file: resumes after a restart of this daemon cannot be verified and are taken "
+        "as sent (fine on a trusted loopback; set --state-file to keep a resume key)");
+  } else {
+    std::cerr << "shardcoordd: " << resume_key.status().message() << std::endl;
+    return 2;
+  }
 
   // Abseil's deadlock detector (on in Debian's build) costs a graph update per lock.
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);

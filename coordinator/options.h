@@ -97,8 +97,12 @@ struct CoordinatorOptions {
   // After a restart, a group whose members have not all resumed within this window fails,
   // naming the missing ones (DESIGN 12).
   absl::Duration recovery_window = kDefaultRecoveryWindow;
-  // Optional file keeping the incarnation across restarts (never needed for correctness).
+  // Optional file keeping the incarnation across restarts (never needed for correctness);
+  // its companion <state_file>.key keeps the resume key (resume_auth.h).
   std::string state_file;
+  // The key of resume credentials and decision seals (resume_auth.h), loaded by the daemon at
+  // start; empty: a random key of this process only (resumes after a restart unverified).
+  std::string resume_key;
   // Tokens with roles (auth.h); empty: no tokens, and then only loopback unless `insecure`.
   std::string token_file;
   // TLS (tls.h); without it the daemon serves plaintext, and then only loopback unless

@@ -8,6 +8,8 @@
 #include "absl/strings/str_join.h"
 #include "shardcoord/proto/convert.h"
 #include "coordinator/text.h"
+#include "shardcoord/decide.h"
+#include "shardcoord/plan_check.h"
 
 namespace shardcoord::coordinator {
 
@@ -99,12 +101,8 @@ absl::Status ValidateManifest(const v1::RegisterRequest& req, const CoordinatorL
     std::set<std::string> unit_names;
     for (int u = 0; u < m.units_size(); ++u) {
       const auto& unit = m.units(u);
-      // "" is the whole module, which is then its only unit.
-      if (unit.name().empty() && m.units_size() > 1) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "register: module '", m.name(), "': layer unit ", u, " has an empty name (the whole module) but the "
-            "module has ", m.units_size(), " units; name every unit, or send the whole module as its only unit"));
-      }
+      // "" is the rest unit: the module's parameters that no named unit holds (all of them when
+      // it is the only unit). It appears at most once, like every name (checked just below).
       if (!unit_names.insert(unit.name()).second) {
         return absl::InvalidArgumentError(absl::StrCat("register: module '", m.name(), "' lists layer unit '",
                                                        unit.name(), "' twice"));
@@ -282,6 +280,77 @@ absl::Status CheckResume(const v1::RegisterRequest& req, uint64_t incarnation, u
       "register: rank ", req.rank(), " of job '", req.job_id(), "' cannot resume: the coordinator restarted with "
       "settings that change its decisions (", absl::StrJoin(diffs, "; "), "); restart shardcoordd with the settings "
       "the job started under, or restart the job"));
+}
+
+namespace {
+
+constexpr int64_t kMaxResumeEpoch = int64_t{1} << 40;  // Re-forms: far beyond any job's.
+constexpr uint64_t kMaxResumeSeq = uint64_t{1} << 62;
+
+bool KnownDecision(v1::Decision d) {
+  return d == v1::DECISION_SKIP || d == v1::DECISION_PER_LAYER || d == v1::DECISION_ROOT ||
+         d == v1::DECISION_REPLICATE;
+}
+
+// Why `d` is no decision this rank's group could have received ("" when it could be).
+std::string ImpossibleDecision(const v1::RegisterRequest& req, const v1::MicrobatchDecision& d) {
+  const int group = req.rank() / req.group_size();
+  if (d.group() != group) return absl::StrCat("it is for group ", d.group(), ", the rank is in group ", group);
+  if (d.epoch() < 0 || d.epoch() > req.resume().group_epoch()) {
+    return absl::StrCat("its epoch ", d.epoch(), " is outside 0..", req.resume().group_epoch(),
+                        " (the epoch the rank resumes at)");
+  }
+  if (d.step() < 0 || d.microbatch() < 0) return "its step or microbatch is negative";
+  if (d.seq() >= kMaxResumeSeq) return absl::StrCat("its seq ", d.seq(), " is beyond 2^62");
+  if (d.modules_size() != req.modules_size()) {
+    return absl::StrCat("it has ", d.modules_size(), " module entries, the manifest ", req.modules_size());
+  }
+  for (int i = 0; i < d.modules_size(); ++i) {
+    const auto& m = d.modules(i);
+    if (m.module() != req.modules(i).name()) {
+      return absl::StrCat("entry ", i, " names module '", Printable(m.module(), 64), "', the manifest '",
+                          req.modules(i).name(), "'");
+    }
+    if (!KnownDecision(m.decision()) || !v1::DecisionReason_IsValid(m.reason()) ||
+        m.reason() == v1::REASON_UNSPECIFIED) {
+      return absl::StrCat("module '", m.module(), "' has decision ", static_cast<int>(m.decision()), " and reason ",
+                          static_cast<int>(m.reason()), ", which the protocol does not define");
+    }
+  }
+  if (d.digest() != DecisionDigest(FromProto(d))) return "its digest does not match its fields";
+  return "";
+}
+
+}  // namespace
+
+absl::Status CheckResumeTrust(const v1::RegisterRequest& req, const ResumeAuthority& auth, bool* verified) {
+  const v1::ResumeState& r = req.resume();
+  const std::string who = absl::StrCat("register: the resume of rank ", req.rank(), " of job '", req.job_id(), "'");
+  if (r.group_epoch() < 0 || r.group_epoch() > kMaxResumeEpoch) {
+    return absl::InvalidArgumentError(absl::StrCat(who, " claims group epoch ", r.group_epoch(), ", outside 0..2^40"));
+  }
+  for (const auto& d : r.held()) {
+    if (std::string why = ImpossibleDecision(req, d); !why.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(who, " holds a decision for (", d.step(), ",", d.microbatch(),
+                                                     ") that its group could not have received: ", why));
+    }
+  }
+  *verified = auth.CheckCredential(req.job_id(), req.rank(), r.credential());
+  if (!*verified) {
+    if (!auth.persistent()) return absl::OkStatus();  // Nothing to check against (see resume_auth.h).
+    return absl::PermissionDeniedError(absl::StrCat(
+        who, " carries no valid resume credential: only the process this coordinator (or an earlier one with the same "
+        "resume key) registered as that rank may resume it; a rank that never registered registers afresh, without a "
+        "resume. If the daemon's resume key changed (a new --state-file, or edited tokens), restart the job"));
+  }
+  for (const auto& d : r.held()) {
+    if (!auth.CheckSeal(req.job_id(), d)) {
+      return absl::PermissionDeniedError(absl::StrCat(
+          who, " holds a decision for (", d.step(), ",", d.microbatch(), ") seq ", d.seq(),
+          " that no coordinator with this resume key made (its seal does not verify): the resume is refused whole"));
+    }
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace shardcoord::coordinator

@@ -7,6 +7,7 @@
 
 #include "absl/status/status.h"
 #include "coordinator/options.h"
+#include "coordinator/resume_auth.h"
 #include "shardcoord/v1/coordinator.pb.h"
 
 namespace shardcoord::coordinator {
@@ -48,5 +49,14 @@ uint64_t DecisionConfigDigest(const CoordinatorOptions& options);
 // decision settings) must be what this coordinator gives. FAILED_PRECONDITION naming every
 // difference and what to do.
 absl::Status CheckResume(const v1::RegisterRequest& req, uint64_t incarnation, uint64_t config_digest);
+
+// Whether a resume may be believed (DESIGN 12, resume_auth.h). Every field is range-checked
+// and every held decision must be one the group could have been given: its group and epoch,
+// one entry per module of `req`'s manifest in order, decisions and reasons the protocol
+// defines, seq below 2^62, the digest of its fields (INVALID_ARGUMENT naming the decision).
+// Then the credential must be the one issued for (job, rank) and each held decision's seal
+// must verify (PERMISSION_DENIED naming what failed), unless `auth` has no key that outlives
+// its process: then *verified is false and the resume is taken as sent.
+absl::Status CheckResumeTrust(const v1::RegisterRequest& req, const ResumeAuthority& auth, bool* verified);
 
 }  // namespace shardcoord::coordinator

@@ -22,7 +22,14 @@ inline uint64_t Fnv1a(const std::string& text) {
   return h;
 }
 
-inline std::string RankList(const std::vector<int>& ranks) { return absl::StrJoin(ranks, ","); }
+// At most kRanksInMessages ranks are named, then how many more: a message about a group of
+// 16,384 ranks stays short (a list of every rank in every rank's event was quadratic).
+inline constexpr size_t kRanksInMessages = 32;
+inline std::string RankList(const std::vector<int>& ranks) {
+  if (ranks.size() <= kRanksInMessages) return absl::StrJoin(ranks, ",");
+  return absl::StrCat(absl::StrJoin(ranks.begin(), ranks.begin() + kRanksInMessages, ","), ",... (",
+                      ranks.size() - kRanksInMessages, " more)");
+}
 
 // The first few names, then how many more (shared with the worker's messages).
 inline std::string NameList(const std::vector<std::string>& names) { return NamesForMessage(names); }

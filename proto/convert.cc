@@ -58,6 +58,7 @@ void ToProto(const MicrobatchDecision& d, v1::MicrobatchDecision* out) {
   out->set_seq(d.seq);
   out->set_epoch(d.epoch);
   out->set_digest(d.digest);
+  out->set_seal(d.seal);
   for (const auto& m : d.modules) {
     auto* pm = out->add_modules();
     pm->set_module(m.module);
@@ -73,6 +74,7 @@ MicrobatchDecision FromProto(const v1::MicrobatchDecision& d) {
   out.seq = d.seq();
   out.epoch = d.epoch();
   out.digest = d.digest();
+  out.seal = d.seal();
   for (const auto& m : d.modules()) {
     out.modules.push_back({m.module(), FromProto(m.decision()), FromProto(m.reason())});
   }

@@ -15,7 +15,7 @@ const std::vector<std::string>& BuiltinProjectorNames() {
   static const auto* names = new std::vector<std::string>{
       "embed_vision",         "embed_audio",      "mm_projector",
       "multi_modal_projector", "multimodal_projector", "vision_projector",
-      "vit_large_projector",  "audio_projector"};
+      "vit_large_projector",  "audio_projector",  "connector"};  // Idefics3 / SmolVLM: model.connector
   return *names;
 }
 

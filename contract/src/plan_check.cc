@@ -25,19 +25,68 @@ std::string ControlCharacterIn(const std::string& name) {
   return "";
 }
 
+namespace {
+
+// The length of the well-formed UTF-8 sequence at text[i] (1..4), or 0 when it is not one
+// (a stray continuation byte, an overlong form, a surrogate, past U+10FFFF, or cut short).
+size_t Utf8Length(const std::string& text, size_t i, uint32_t* code_point) {
+  const auto byte = [&](size_t k) { return static_cast<unsigned char>(text[k]); };
+  const unsigned char c = byte(i);
+  size_t n;
+  uint32_t cp, min;
+  if (c < 0x80) {
+    *code_point = c;
+    return 1;
+  } else if ((c & 0xe0) == 0xc0) {
+    n = 2, cp = c & 0x1f, min = 0x80;
+  } else if ((c & 0xf0) == 0xe0) {
+    n = 3, cp = c & 0x0f, min = 0x800;
+  } else if ((c & 0xf8) == 0xf0) {
+    n = 4, cp = c & 0x07, min = 0x10000;
+  } else {
+    return 0;
+  }
+  if (i + n > text.size()) return 0;
+  for (size_t k = 1; k < n; ++k) {
+    if ((byte(i + k) & 0xc0) != 0x80) return 0;
+    cp = (cp << 6) | (byte(i + k) & 0x3f);
+  }
+  if (cp < min || cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff)) return 0;
+  *code_point = cp;
+  return n;
+}
+
+// Characters that change how a terminal or a page shows what follows: C0 and C1 controls,
+// DEL, and the bidirectional embeddings, overrides and isolates (U+202A-U+202E, U+2066-U+2069).
+bool IsControl(uint32_t cp) {
+  return cp < 0x20 || (cp >= 0x7f && cp <= 0x9f) || (cp >= 0x202a && cp <= 0x202e) ||
+         (cp >= 0x2066 && cp <= 0x2069);
+}
+
+}  // namespace
+
 std::string Printable(const std::string& text, size_t max_bytes) {
   static const char kHex[] = "0123456789abcdef";
   std::string out;
-  for (size_t i = 0; i < text.size(); ++i) {
-    if (i == max_bytes) return out + "...";
-    const unsigned char c = static_cast<unsigned char>(text[i]);
-    if (c < 0x20 || c == 0x7f) {
-      out += "\\x";
-      out += kHex[c >> 4];
-      out += kHex[c & 15];
+  for (size_t i = 0; i < text.size();) {
+    uint32_t cp = 0;
+    size_t n = Utf8Length(text, i, &cp);
+    std::string piece;
+    if (n == 0 || IsControl(cp)) {
+      // Escaped byte by byte: an invalid sequence or a control is shown, never passed on.
+      if (n == 0) n = 1;
+      for (size_t k = 0; k < n; ++k) {
+        const unsigned char c = static_cast<unsigned char>(text[i + k]);
+        piece += "\\x";
+        piece += kHex[c >> 4];
+        piece += kHex[c & 15];
+      }
     } else {
-      out += static_cast<char>(c);
+      piece = text.substr(i, n);
     }
+    if (out.size() + piece.size() > max_bytes) return out + "...";  // Cut between characters.
+    out += piece;
+    i += n;
   }
   return out;
 }

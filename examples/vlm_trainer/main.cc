@@ -34,12 +34,17 @@ namespace {
 constexpr int kImageIn = 16, kPatches = 4, kVisionDim = 32, kVisionLayers = 3;
 constexpr int kTextIn = 12, kHidden = 24, kClasses = 5, kBatch = 4;
 
+// Laid out like a Hugging Face tower: a patch embedding before the layer list and a norm after
+// it, both outside the list (the manifest's rest unit ""), then the layers.
 struct VisionTowerImpl : torch::nn::Module {
+  torch::nn::Linear patch_embed{nullptr};
   torch::nn::ModuleList layers;
+  torch::nn::LayerNorm post_layernorm{nullptr};
   VisionTowerImpl() {
+    patch_embed = register_module("patch_embed", torch::nn::Linear(kImageIn, kVisionDim));
     layers = register_module("layers", torch::nn::ModuleList());
-    layers->push_back(torch::nn::Linear(kImageIn, kVisionDim));
-    for (int i = 1; i < kVisionLayers; ++i) layers->push_back(torch::nn::Linear(kVisionDim, kVisionDim));
+    for (int i = 0; i < kVisionLayers; ++i) layers->push_back(torch::nn::Linear(kVisionDim, kVisionDim));
+    post_layernorm = register_module("post_layernorm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({kVisionDim})));
   }
 };
 TORCH_MODULE(VisionTower);
@@ -233,22 +238,29 @@ int main(int argc, char** argv) {
       torch::Tensor x = torch::relu(model->text_embed(batch.text));
       if (batch.images) {
         torch::NoGradGuard frozen;  // Frozen modules need no backward collectives.
-        torch::Tensor v = batch.image;
+        // The tower's forward: its rest unit (patch embedding, norm) around the layers.
+        if (exec) {
+          if (absl::Status s = exec->BeginModule("vision_tower"); !s.ok()) Fail("gather", s);
+        }
+        torch::Tensor v = model->vision_tower->patch_embed(batch.image);
         for (int u = 0; u < kVisionLayers; ++u) {
+          const int unit = exec ? exec->UnitIndex("vision_tower", "layers." + std::to_string(u)) : u;
           if (exec) {
-            if (absl::Status s = exec->BeforeUnit("vision_tower", u); !s.ok()) Fail("gather", s);
+            if (absl::Status s = exec->BeforeUnit("vision_tower", unit); !s.ok()) Fail("gather", s);
           }
           v = torch::gelu(model->vision_tower->layers[u]->as<torch::nn::Linear>()->forward(v));
           if (exec) {
-            if (absl::Status s = exec->AfterUnit("vision_tower", u); !s.ok()) Fail("release", s);
+            if (absl::Status s = exec->AfterUnit("vision_tower", unit); !s.ok()) Fail("release", s);
           }
         }
+        v = model->vision_tower->post_layernorm(v);
         if (exec) {
-          if (absl::Status s = exec->BeforeUnit("multi_modal_projector", 0); !s.ok()) Fail("gather", s);
+          if (absl::Status s = exec->EndModule("vision_tower"); !s.ok()) Fail("release", s);
+          if (absl::Status s = exec->BeginModule("multi_modal_projector"); !s.ok()) Fail("gather", s);
         }
         torch::Tensor p = model->multi_modal_projector(v.mean(1));
         if (exec) {
-          if (absl::Status s = exec->AfterUnit("multi_modal_projector", 0); !s.ok()) Fail("release", s);
+          if (absl::Status s = exec->EndModule("multi_modal_projector"); !s.ok()) Fail("release", s);
         }
         x = x + p;
       }

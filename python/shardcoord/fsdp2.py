@@ -30,11 +30,21 @@ What each decision does, so that every rank of the shard group issues the same c
   module's forward runs the copy, so its FSDP units issue nothing. Holding FSDP units unsharded
   instead hangs at the second microbatch (the end-of-backward callback reshards them).
 
+- A controlled module's rest unit ("" beside layer units in the manifest: the parameters outside its
+  layer lists, such as patch embeddings, norms, mergers and pooling heads) is not wrapped on its own:
+  its parameters stay in the root unit, which every rank gathers in every forward, so it issues the
+  same collectives under every decision; the layers, the bulk of a tower, are the per-layer units.
+  (Wrapping the module itself, FSDP2's usual way of taking "the rest", was tried on the GPU machine
+  with transformers 5.17: ``fully_shard`` swaps the module's class, which hid a CLIP tower's
+  ``hidden_states`` from transformers' output recording (LLaVA's forward then fails), and the
+  module's own FSDP hooks would fire only on the ranks that call it. docs/GPU.md.)
+
 A controlled module without a layer list (one unit, "" in the manifest) is not wrapped on its own:
 it stays in the root unit, which every rank gathers in every forward - safe under every decision.
 """
 
 import copy
+import functools
 from typing import Dict, Iterable, List, Optional
 
 import torch
@@ -57,10 +67,11 @@ def available() -> bool:
 class _Controlled:
     """One controlled module with a layer list: its FSDP units and its replica."""
 
-    def __init__(self, name: str, module: nn.Module, units: List[nn.Module]):
+    def __init__(self, name: str, module: nn.Module, units: List[nn.Module], has_rest: bool):
         self.name = name
         self.module = module
         self.units = units
+        self.has_rest = has_rest  # Parameters outside the layer units, in the root unit.
         self.template = copy.deepcopy(module).to("meta")  # Structure for the replica; no memory.
         self.replica: Optional[nn.Module] = None
         self.decision = "skip"
@@ -70,7 +81,8 @@ class _Controlled:
 class Fsdp2Control:
     """Returned by :func:`shard`. Not thread-safe: call from the training loop."""
 
-    def __init__(self, controlled: Dict[str, _Controlled], left_in_root: List[str]):
+    def __init__(self, controlled: Dict[str, _Controlled], left_in_root: List[str], root: nn.Module):
+        self._root = root  # The model: its root unit holds the rest units' parameters.
         self._controlled = controlled
         self.left_in_root = left_in_root  # Controlled modules without a layer list.
         self._in_microbatch = False
@@ -94,7 +106,7 @@ class Fsdp2Control:
                     unit.unshard()
                 c.root_gathered = True
             elif md.decision == "replicate" and c.replica is None:
-                c.replica = _materialize(c)
+                c.replica = _materialize(c, self._root)
         self._in_microbatch = True
 
     def end_microbatch(self) -> None:
@@ -117,8 +129,18 @@ class Fsdp2Control:
             c.decision = "skip"
 
 
-def _materialize(c: _Controlled) -> nn.Module:
-    """A full, unsharded copy of the module (same order of all-gathers on every rank)."""
+def _materialize(c: _Controlled, root: nn.Module) -> nn.Module:
+    """A full, unsharded copy of the module, gathered with FSDP's own ``unshard()`` (the calls
+    ``root`` makes, in manifest order on every rank): each layer unit, then, when the module has
+    a rest unit, the root unit that holds those parameters; each resharded once copied.
+
+    (Gathering parameter by parameter with ``DTensor.full_tensor()``, as before, hung at the
+    first ``replicate`` of a real Gemma 3 model at two Gloo ranks, where ``per_layer`` and ``root``
+    had passed; not diagnosed further in that session. The unshard path is the one ``root``
+    decisions use; it has not yet run on the GPU machine: docs/GPU.md.)"""
+    gathered = list(c.units) + ([root] if c.has_rest else [])
+    for unit in gathered:  # Same order on every rank.
+        unit.unshard()
     replica = copy.deepcopy(c.template)
     device = None
     full = {}
@@ -133,16 +155,15 @@ def _materialize(c: _Controlled) -> nn.Module:
             p.requires_grad_(False)
         for bname, b in c.module.named_buffers():
             replica.get_buffer(bname).copy_(b)
+    del full
+    for unit in gathered:  # Local: no collective.
+        unit.reshard()
     return replica
 
 
 def _units_of(module: nn.Module, spec: ModuleSpec) -> List[nn.Module]:
-    units = []
-    for u in spec.units:
-        if u.name == "":
-            return []
-        units.append(module.get_submodule(u.name))
-    return units
+    """The layer unit modules, in manifest order; the rest unit "" stays in the root unit."""
+    return [module.get_submodule(u.name) for u in spec.units if u.name]
 
 
 def shard(model: nn.Module, manifest: Iterable[ModuleSpec], mesh=None, **fully_shard_kwargs) -> Fsdp2Control:
@@ -164,7 +185,7 @@ def shard(model: nn.Module, manifest: Iterable[ModuleSpec], mesh=None, **fully_s
         if not units:
             left_in_root.append(spec.name)
             continue
-        c = _Controlled(spec.name, module, units)
+        c = _Controlled(spec.name, module, units, any(u.name == "" for u in spec.units))
         for unit in units:
             fully_shard(unit, **kwargs)
             unit.set_unshard_in_backward(False)
@@ -177,13 +198,17 @@ def shard(model: nn.Module, manifest: Iterable[ModuleSpec], mesh=None, **fully_s
         _route_forward(c)
         controlled[spec.name] = c
     fully_shard(model, **kwargs)
-    return Fsdp2Control(controlled, left_in_root)
+    return Fsdp2Control(controlled, left_in_root, model)
 
 
 def _route_forward(c: _Controlled) -> None:
     """Under ``replicate`` the module's forward runs the replica (its FSDP units stay idle)."""
     original = c.module.forward
 
+    # functools.wraps keeps the signature visible (inspect.signature follows __wrapped__):
+    # Hugging Face models read their towers' forward signature to pass arguments such as
+    # output_hidden_states.
+    @functools.wraps(original)
     def forward(*args, **kwargs):
         if c.decision == "replicate" and c.replica is not None:
             return c.replica(*args, **kwargs)

@@ -17,10 +17,14 @@ On every rank, in the same order::
         ex.end_microbatch()                                      # root: released
 
 The executor mirrors the C++ ``shardcoord::torchx::FrozenShardExecutor`` (worker/torch/): each unit
-(an entry of a controlled module's layer list, or the whole module) is one flat buffer padded to a
-multiple of the group size; each rank keeps its 1/G shard; materializing all-gathers the buffer
-(as raw bytes, so the values are bitwise those of the unsharded parameters) and points the
-parameters at views of it. torch is imported lazily: ``import shardcoord`` works without it.
+(an entry of a controlled module's layer lists, or its rest unit "": the parameters outside them,
+such as a Hugging Face tower's embeddings, norms, merger or pooling head, or the whole module when
+it has no layer list) is one flat buffer padded to a multiple of the group size; each rank keeps
+its 1/G shard; materializing all-gathers the buffer (as raw bytes, so the values are bitwise those
+of the unsharded parameters) and points the parameters at views of it. Under ``per_layer`` the rest
+unit is gathered when the module's forward starts and released when it ends, each layer around its
+own forward: the peak is the rest plus one layer. torch is imported lazily: ``import shardcoord``
+works without it.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import functools
 import sys
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import (TYPE_CHECKING, Any, Callable, Deque, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence,
                     Tuple, TypeVar, Union)
@@ -47,9 +52,12 @@ __all__ = [
     "collective_failure", "manifest", "shard_process_group", "wait_collective", "with_keys",
 ]
 
-# Where a tower keeps its layers, tried in this order (Qwen-VL `blocks`, Whisper / Gemma `layers`,
-# ViT `encoder.layer`, CLIP / SigLIP `encoder.layers`). The first that is a ModuleList is the list.
-DEFAULT_LAYER_LISTS = ("layers", "blocks", "layer", "encoder.layers", "encoder.layer", "encoder.blocks")
+# Where a tower keeps its layers: ModuleLists with one of these names, anywhere in the module and
+# not inside another such list (Qwen-VL `blocks`; Whisper / Gemma `layers`; CLIP / SigLIP
+# `encoder.layers`; ViT / InternViT `encoder.layer`; Mllama's vision model has two,
+# `transformer.layers` and `global_transformer.layers`). Parameters outside them (patch embeddings,
+# position embeddings, pre / post norms, mergers, pooling heads) form the module's rest unit.
+DEFAULT_LAYER_LISTS = ("layers", "blocks", "layer")
 
 _MAX_NAMES = 16  # Error messages list at most this many names, as the coordinator's do.
 
@@ -69,72 +77,112 @@ def _param_bytes(params: Iterable[Any]) -> int:
 # Manifest
 
 
-def _layer_list(module: Any, path: str, given: Optional[str]) -> Optional[str]:
-    """The dotted attribute path of ``module``'s layer list, or None (the whole module is one unit)."""
+def _find_layer_lists(module: Any) -> List[str]:
+    """Dotted paths of ``module``'s layer lists: ModuleLists named like :data:`DEFAULT_LAYER_LISTS`
+    with at least one entry, outermost first, none inside another, in registration order."""
     import torch
 
-    containers = (torch.nn.ModuleList, torch.nn.Sequential)
-    if given is not None:
-        if given == "":
-            return None
-        try:
-            target = module.get_submodule(given)
-        except AttributeError:
-            raise InvalidArgument(f"layer_lists['{path}'] = '{given}': module '{path}' has no submodule "
-                                  f"'{given}'") from None
-        if not isinstance(target, containers):
-            raise InvalidArgument(f"layer_lists['{path}'] = '{given}' is a {type(target).__name__}, not a "
-                                  f"torch.nn.ModuleList")
-        return given
-    for candidate in DEFAULT_LAYER_LISTS:
-        try:
-            target = module.get_submodule(candidate)
-        except AttributeError:
+    found: List[str] = []
+    for path, child in module.named_modules():
+        if not path or not isinstance(child, torch.nn.ModuleList) or len(child) == 0:
             continue
-        if isinstance(target, torch.nn.ModuleList):
-            return candidate
-    return None
+        if path.rsplit(".", 1)[-1] not in DEFAULT_LAYER_LISTS:
+            continue
+        if any(path.startswith(f + ".") for f in found):
+            continue  # A list inside a layer is part of that layer's unit.
+        found.append(path)
+    return found
 
 
-def _unit_modules(module: Any, layer_list: Optional[str]) -> List[Tuple[str, Any]]:
-    """(unit name relative to the module, unit module): the layer list's entries, or ("", module)."""
-    units = []
-    if layer_list is not None:
-        units = [(f"{layer_list}.{name}", child) for name, child in module.get_submodule(layer_list).named_children()]
-    return units or [("", module)]
+def _layer_lists(module: Any, path: str, given: Union[str, Sequence[str], None]) -> List[str]:
+    """The layer lists of ``module``: as ``given`` ("" or [] for none: one whole-module unit), else found."""
+    import torch
+
+    if given is None:
+        return _find_layer_lists(module)
+    lists = [given] if isinstance(given, str) else list(given)
+    lists = [g for g in lists if g]
+    for g in lists:
+        try:
+            target = module.get_submodule(g)
+        except AttributeError:
+            raise InvalidArgument(f"layer_lists['{path}'] = '{g}': module '{path}' has no submodule '{g}'") from None
+        if not isinstance(target, (torch.nn.ModuleList, torch.nn.Sequential)):
+            raise InvalidArgument(f"layer_lists['{path}'] = '{g}' is a {type(target).__name__}, not a "
+                                  f"torch.nn.ModuleList")
+    nested = [(a, b) for a in lists for b in lists if a != b and (b + ".").startswith(a + ".")]
+    if nested:
+        raise InvalidArgument(f"layer_lists['{path}']: '{nested[0][1]}' lies inside '{nested[0][0]}'; name "
+                              f"layer lists that do not contain each other")
+    return lists
 
 
-def _check_partition(path: str, module: Any, units: Sequence[Tuple[str, Any]]) -> None:
-    """Every parameter of the module belongs to exactly one unit (as the C++ executor checks)."""
+@dataclass
+class _UnitParams:
+    """One unit of a controlled module: its name (relative to the module; "" is the rest unit),
+    the module whose forward it wraps (the layer, or the controlled module itself for the rest
+    unit) and its parameters, in ``named_parameters`` order."""
+
+    name: str
+    module: Any
+    params: List[Tuple[str, Any]]
+
+
+def _rest_of(path: str, module: Any, layers: Sequence[_UnitParams]) -> List[Tuple[str, Any]]:
+    """The module's parameters that none of ``layers`` holds, in ``named_parameters`` order.
+    Raises InvalidArgument for a parameter that two layers hold (it belongs to neither alone)."""
     owners: Dict[int, List[str]] = collections.defaultdict(list)
-    for unit_name, unit in units:
-        for p in unit.parameters():
-            owners[id(p)].append(unit_name)
-    stray = [name for name, p in module.named_parameters() if id(p) not in owners]
+    for unit in layers:
+        for _, p in unit.params:
+            owners[id(p)].append(unit.name)
     shared = [name for name, p in module.named_parameters() if len(owners.get(id(p), ())) > 1]
-    layer_list = units[0][0].rsplit(".", 1)[0] if units[0][0] else ""
-    if stray:
-        raise InvalidArgument(
-            f"module '{path}' has parameters outside its layer list '{layer_list}': {_names(stray)}; put every "
-            f"parameter in a layer, or make the whole module one unit (layer_lists={{'{path}': ''}}), so that each "
-            f"parameter belongs to exactly one unit")
     if shared:
-        raise InvalidArgument(f"module '{path}' has parameters shared by several units of its layer list "
-                              f"'{layer_list}': {_names(shared)}; each parameter must belong to exactly one unit "
-                              f"(use layer_lists={{'{path}': ''}} for one whole-module unit)")
+        raise InvalidArgument(f"module '{path}' has parameters shared by several of its layers: {_names(shared)}; "
+                              f"each parameter must belong to exactly one unit (untie them, or make the whole "
+                              f"module one unit with layer_lists={{'{path}': ''}})")
+    return [(name, p) for name, p in module.named_parameters() if id(p) not in owners]
 
 
-def manifest(model: "_torch_t.nn.Module", layer_lists: Optional[Mapping[str, str]] = None,
+def _units(path: str, module: Any, layer_lists: Sequence[str]) -> List[_UnitParams]:
+    """The module's units: the rest unit "" first (every parameter that no layer holds: the whole
+    module when it has no layer list; omitted when the layers hold everything), then every entry
+    of each layer list."""
+    layers = [_UnitParams(f"{lst}.{name}", child, list(child.named_parameters()))
+              for lst in layer_lists for name, child in module.get_submodule(lst).named_children()]
+    rest = _rest_of(path, module, layers)
+    if rest or not layers:
+        return [_UnitParams("", module, rest)] + layers
+    return layers
+
+
+def _frozen_roots(model: Any, controlled: Sequence[str]) -> List[Tuple[str, int]]:
+    """Outermost fully frozen submodules with parameters that no controlled module covers, by bytes."""
+    out: List[Tuple[str, int]] = []
+    for path, m in model.named_modules():
+        if not path or any(path == c or path.startswith(c + ".") for c in controlled):
+            continue
+        if any(path.startswith(f + ".") for f, _ in out):
+            continue
+        params = list(m.parameters())
+        if params and not any(p.requires_grad for p in params):
+            out.append((path, _param_bytes(params)))
+    return sorted(out, key=lambda item: -item[1])
+
+
+def manifest(model: "_torch_t.nn.Module", layer_lists: Optional[Mapping[str, Union[str, Sequence[str]]]] = None,
              extra_towers: Sequence[str] = (), extra_projectors: Sequence[str] = ()) -> List[ModuleSpec]:
     """The controlled modules of ``model`` (fully frozen towers and projectors, by the contract's
-    classifier), with their parameter bytes and layer units, in path order.
+    classifier), with their parameter bytes and units, in path order.
 
-    ``layer_lists`` maps a module path to the dotted attribute of its layer list (a ModuleList), or
-    to "" for one whole-module unit; otherwise the first of :data:`DEFAULT_LAYER_LISTS` that is a
-    ModuleList, else the whole module. Unit names are relative to the module ("blocks.0"; "" for
-    the whole module); ``param_bytes`` is numel * element_size. Raises InvalidArgument when a
-    parameter of a controlled module is outside its units (naming them) or shared between units,
-    or when ``layer_lists`` names a module the model does not have.
+    A module's units are the entries of its layer lists (``layer_lists[path]``: a dotted attribute
+    path or several; otherwise every ModuleList named like :data:`DEFAULT_LAYER_LISTS`, e.g.
+    ``encoder.layers`` or ``blocks``) and, first, the rest unit ``""``: every parameter no layer holds
+    (embeddings, norms, mergers, pooling heads), gathered when the module's forward starts and
+    released when it ends under ``per_layer``. A module without layer lists (or with
+    ``layer_lists[path] = ""``) is the rest unit alone: one whole-module unit. ``param_bytes`` is
+    numel * element_size. Raises InvalidArgument when a parameter is shared between units or
+    ``layer_lists`` names what the model does not have. When nothing is controlled, warns naming
+    the frozen modules it saw (pass their names as ``extra_towers`` / ``extra_projectors``).
     """
     layer_lists = dict(layer_lists or {})
     modules = dict(model.named_modules())
@@ -152,10 +200,17 @@ def manifest(model: "_torch_t.nn.Module", layer_lists: Optional[Mapping[str, str
         if not fully_frozen:
             continue  # A trainable tower or projector keeps normal FSDP sharding: no decisions.
         module = modules[path]
-        units = _unit_modules(module, _layer_list(module, path, layer_lists.get(path)))
-        _check_partition(path, module, units)
+        units = _units(path, module, _layer_lists(module, path, layer_lists.get(path)))
         specs.append(ModuleSpec(path, _param_bytes(module.parameters()),
-                                tuple(LayerUnit(name, _param_bytes(u.parameters())) for name, u in units)))
+                                tuple(LayerUnit(u.name, _param_bytes(p for _, p in u.params)) for u in units)))
+    if not specs:
+        frozen = _frozen_roots(model, [])
+        seen = ", ".join(f"'{p}' ({b / 2**20:.1f} MiB)" for p, b in frozen[:8]) or "none"
+        warnings.warn(f"shardcoord.torch.manifest: no controlled module in {type(model).__name__}: none of its fully "
+                      f"frozen modules has a tower or projector name (frozen modules seen: {seen}); pass their last "
+                      f"name component as extra_towers=[...] or extra_projectors=[...], e.g. "
+                      f"extra_towers=['{frozen[0][0].rsplit('.', 1)[-1] if frozen else 'vision'}']",
+                      RuntimeWarning, stacklevel=2)
     return specs
 
 
@@ -470,31 +525,43 @@ class _Unit:
 class _Module:
     spec: ModuleSpec
     units: List[_Unit] = field(default_factory=list)
+    rest: Optional[_Unit] = None  # The rest unit "" beside layer units (gathered around the module's forward).
     decision: Optional[str] = None  # None outside a microbatch.
     replicated: bool = False
 
 
-def _checked_units(spec: ModuleSpec, module: Any) -> List[Tuple[str, Any]]:
-    """The unit modules of a manifest entry, checked as the C++ executor does: every parameter in
-    exactly one unit, none trainable, one dtype and device per unit."""
-    units = []
-    for name in [u.name for u in spec.units] or [""]:
+def _checked_units(spec: ModuleSpec, module: Any) -> List[_UnitParams]:
+    """The units of a manifest entry, in the manifest's order, checked as the C++ executor does:
+    every parameter in exactly one unit (those outside the named layers in the rest unit ""),
+    none trainable, one dtype and device per unit."""
+    names = [u.name for u in spec.units] or [""]
+    if len(set(names)) != len(names):
+        raise InvalidArgument(f"manifest module '{spec.name}' lists a unit twice: {_names(names)}")
+    layers = []
+    for name in names:
+        if not name:
+            continue
         try:
-            units.append((name, module.get_submodule(name) if name else module))
+            child = module.get_submodule(name)
         except AttributeError:
             raise InvalidArgument(f"unit '{name}' of manifest module '{spec.name}' is not in the model") from None
-    _check_partition(spec.name, module, units)
+        layers.append(_UnitParams(name, child, list(child.named_parameters())))
+    rest = _rest_of(spec.name, module, layers)
+    if rest and "" not in names:
+        raise InvalidArgument(f"module '{spec.name}' has parameters outside the units its manifest names: "
+                              f"{_names([n for n, _ in rest])}; list the rest unit \"\" (shardcoord.torch.manifest does)")
+    by_name = {u.name: u for u in layers}
+    units = [by_name[n] if n else _UnitParams("", module, rest) for n in names]
     trainable = [n for n, p in module.named_parameters() if p.requires_grad]
     if trainable:
         raise InvalidArgument(f"module '{spec.name}' has trainable parameters {_names(trainable)}: only fully frozen "
                               f"modules are controlled")
-    for unit_name, unit_module in units:
-        params = list(unit_module.named_parameters())
-        if params:
-            first = params[0][1]
-            mixed = [n for n, p in params if p.dtype != first.dtype or p.device != first.device]
+    for unit in units:
+        if unit.params:
+            first = unit.params[0][1]
+            mixed = [n for n, p in unit.params if p.dtype != first.dtype or p.device != first.device]
             if mixed:
-                raise InvalidArgument(f"unit '{unit_name}' of '{spec.name}' mixes dtypes or devices ({first.dtype} on "
+                raise InvalidArgument(f"unit '{unit.name}' of '{spec.name}' mixes dtypes or devices ({first.dtype} on "
                                       f"{first.device}, and {_names(mixed)})")
     return units
 
@@ -576,13 +643,13 @@ class Executor:
 
     # -- construction
 
-    def _shard_module(self, spec: ModuleSpec, units: List[Tuple[str, Any]]) -> None:
+    def _shard_module(self, spec: ModuleSpec, units: List[_UnitParams]) -> None:
         import torch
 
         mod = _Module(spec)
         self._bytes[spec.name] = ModuleBytes()
-        for unit_name, unit_module in units:
-            params = list(unit_module.parameters())
+        for u in units:
+            params = [p for _, p in u.params]
             if not params:
                 continue  # Nothing to gather; no hooks, no collectives (the same on every rank).
             first, g, offset, flat, entries = params[0], self._size, 0, [], []
@@ -597,12 +664,17 @@ class Executor:
             del full, flat
             for e in entries:  # The Parameter objects stay (optimizers, hooks); their storage goes.
                 e.param.data = torch.empty(0, dtype=first.dtype, device=first.device)
-            unit = _Unit(unit_name, entries, shard, chunk * g)
+            unit = _Unit(u.name, entries, shard, chunk * g)
             mod.units.append(unit)
+            if u.name == "" and len(units) > 1:
+                mod.rest = unit
             self._bytes[spec.name].shard += unit.shard_bytes
             self._account(mod, unit.shard_bytes)
-            self._hooks.append(unit_module.register_forward_pre_hook(functools.partial(self._before, mod, unit)))
-            self._hooks.append(unit_module.register_forward_hook(functools.partial(self._after, mod, unit)))
+            # The rest unit (or the whole-module unit) wraps the module's own forward: under
+            # per_layer it is gathered when the forward starts, before any layer, and released
+            # when it ends, after every layer, so every rank gathers in the same order.
+            self._hooks.append(u.module.register_forward_pre_hook(functools.partial(self._before, mod, unit)))
+            self._hooks.append(u.module.register_forward_hook(functools.partial(self._after, mod, unit)))
         self._modules[spec.name] = mod
 
     # -- materialize / release
@@ -658,6 +730,11 @@ class Executor:
             raise FailedPrecondition(f"module '{mod.spec.name}' is decided `skip` for this microbatch, but this rank "
                                      f"runs it (unit '{unit.name}'): its plan said 0 calls")
         if mod.decision == "per_layer":
+            if mod.rest is not None and unit is not mod.rest and mod.rest.full is None:
+                raise FailedPrecondition(
+                    f"unit '{unit.name}' of '{mod.spec.name}' ran outside the module's own forward, so the module's "
+                    f"rest unit (its parameters outside the layer lists) is not gathered: per_layer gathers it when "
+                    f"'{mod.spec.name}' is called; call the module, not its layers directly")
             self._materialize(mod, unit)
 
     def _after(self, mod: _Module, unit: _Unit, _module: Any, _inputs: Any, output: Any) -> None:

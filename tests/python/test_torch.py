@@ -105,21 +105,60 @@ def test_manifest_layer_lists_and_extra_names():
     assert [u.name for u in specs["vision_tower"].units] == ["layers.0", "layers.1"]
 
 
-def test_manifest_rejects_stray_parameters_naming_them():
+def test_manifest_puts_parameters_outside_the_layer_lists_in_a_rest_unit():
     model = Vlm()
     model.model.visual.patch_embed = nn.Linear(4, 4).requires_grad_(False)  # Outside `blocks`.
-    with pytest.raises(shardcoord.InvalidArgument,
-                       match=r"'model.visual' has parameters outside its layer list 'blocks': "
-                             r"'patch_embed.weight', 'patch_embed.bias'"):
-        sct.manifest(model)
-    # The way out the message names: the whole module as one unit.
+    model.model.visual.post_norm = nn.LayerNorm(3).requires_grad_(False)
+    specs = {s.name: s for s in sct.manifest(model)}
+    visual = specs["model.visual"]
+    # The rest unit "" first (gathered when the module's forward starts), then the layers.
+    assert visual.units == (shardcoord.LayerUnit("", nbytes((4, 4)) + 2 * 3 * 4),
+                            shardcoord.LayerUnit("blocks.0", nbytes((4, 3))),
+                            shardcoord.LayerUnit("blocks.1", nbytes((3, 3))))
+    assert visual.param_bytes == sum(u.param_bytes for u in visual.units)
+    # The whole module as one unit, when asked.
     specs = {s.name: s for s in sct.manifest(model, layer_lists={"model.visual": ""})}
-    assert specs["model.visual"].units[0].name == ""
+    assert specs["model.visual"].units == (shardcoord.LayerUnit("", visual.param_bytes),)
     # A parameter tied between two units belongs to neither alone.
     tied = Vlm()
     tied.model.visual.blocks[1].weight = tied.model.visual.blocks[0].weight
-    with pytest.raises(shardcoord.InvalidArgument, match=r"shared by several units.*'blocks.0.weight'"):
+    with pytest.raises(shardcoord.InvalidArgument, match=r"shared by several of its layers: 'blocks.0.weight'"):
         sct.manifest(tied)
+
+
+def test_manifest_finds_nested_and_several_layer_lists():
+    class Mllama(nn.Module):  # Mllama's vision model: a local and a global transformer.
+        def __init__(self):
+            super().__init__()
+            self.patch_embedding = nn.Linear(2, 2)
+            self.transformer = Encoder()
+            self.global_transformer = Encoder()
+            self.transformer.layers[0].extra = nn.ModuleList([nn.Linear(1, 1)])  # Inside a layer: that layer's.
+
+    model = Vlm()
+    model.vision_model = Mllama().requires_grad_(False)
+    spec = {s.name: s for s in sct.manifest(model)}["vision_model"]
+    assert [u.name for u in spec.units] == ["", "transformer.layers.0", "transformer.layers.1",
+                                            "global_transformer.layers.0", "global_transformer.layers.1"]
+    assert spec.units[0].param_bytes == nbytes((2, 2))
+    assert spec.units[1].param_bytes == nbytes((2, 2), (1, 1))
+    # Named by hand: one list; the other's layers then belong to the rest unit.
+    spec = {s.name: s for s in sct.manifest(model, layer_lists={"vision_model": ["transformer.layers"]})}["vision_model"]
+    assert [u.name for u in spec.units] == ["", "transformer.layers.0", "transformer.layers.1"]
+    assert spec.units[0].param_bytes == nbytes((2, 2), (2, 2), (2, 2))
+
+
+def test_manifest_that_controls_nothing_says_which_frozen_modules_it_saw():
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.vision = Tower().requires_grad_(False)  # A tower under a name the classifier does not know.
+            self.head = nn.Linear(3, 2)
+
+    with pytest.warns(RuntimeWarning, match=r"no controlled module in Model.*frozen modules seen: 'vision' "
+                                            r"\(0.0 MiB\).*extra_towers=\['vision'\]"):
+        assert sct.manifest(Model()) == []
+    assert [s.name for s in sct.manifest(Model(), extra_towers=["vision"])] == ["vision"]
 
 
 def test_manifest_rejects_bad_layer_lists():
@@ -351,7 +390,8 @@ def test_executor_rejects_what_it_cannot_shard(group_of_one):
         sct.Executor(model, specs)
     model = frozen_vlm()
     model.model.visual.extra = nn.Linear(1, 1).requires_grad_(False)
-    with pytest.raises(shardcoord.InvalidArgument, match=r"outside its layer list 'blocks': 'extra.weight'"):
+    # A manifest made before the model grew a parameter outside its layers has no rest unit for it.
+    with pytest.raises(shardcoord.InvalidArgument, match=r"outside the units its manifest names: 'extra.weight'"):
         sct.Executor(model, specs)
     # Nothing was sharded by a refused construction (other modules were fine).
     assert model.model.visual.blocks[0].weight.numel() == 12

@@ -29,7 +29,7 @@ const std::vector<std::string> kTowerNames = {
 const std::vector<std::string> kProjectorNames = {
     "embed_vision",          "embed_audio",      "mm_projector",
     "multi_modal_projector", "multimodal_projector", "vision_projector",
-    "vit_large_projector",   "audio_projector"};
+    "vit_large_projector",   "audio_projector",  "connector"};
 
 ModuleNode Frozen(const std::string& path, int64_t params = 4) {
   return ModuleNode{path, params, 0};
@@ -531,6 +531,25 @@ TEST(PlanCheckTest, KeysAndCallsAreCheckedTheSameWayOnBothSides) {
   const std::string long_list = CheckPlanCall("x", 1, false, many);
   EXPECT_NE(long_list.find("m15, ... (4 more)]"), std::string::npos) << long_list;
   EXPECT_EQ(long_list.find("m16"), std::string::npos) << "at most 16 named";
+}
+
+TEST(PlanCheckTest, PrintableIsValidUtf8CutBetweenCharactersWithControlsEscaped) {
+  using shardcoord::Printable;
+  EXPECT_EQ(Printable("t\xc3\xa2" "che"), "t\xc3\xa2" "che");  // UTF-8 passes through.
+  // A cut inside a two-byte character keeps the text valid UTF-8 (a cut at byte 256 of a
+  // goodbye reason made every operator's query fail to parse).
+  std::string reason(255, 'a');
+  reason += "\xc3\xa9tait";
+  EXPECT_EQ(Printable(reason), std::string(255, 'a') + "...");
+  // C1 controls (U+009B is a terminal's CSI) and bidi overrides (U+202E) are shown, not passed.
+  EXPECT_EQ(Printable("a\xc2\x9b" "2Jb"), "a\\xc2\\x9b2Jb");
+  EXPECT_EQ(Printable("evil\xe2\x80\xaetxt.exe"), "evil\\xe2\\x80\\xaetxt.exe");
+  EXPECT_EQ(Printable("a\nb\x7f"), "a\\x0ab\\x7f");
+  // Invalid sequences are escaped byte by byte: a stray continuation, a truncated lead, an
+  // overlong slash, a surrogate.
+  EXPECT_EQ(Printable("\x80x\xe2\x82"), "\\x80x\\xe2\\x82");
+  EXPECT_EQ(Printable("\xc0\xaf"), "\\xc0\\xaf");
+  EXPECT_EQ(Printable("\xed\xa0\x80"), "\\xed\\xa0\\x80");
 }
 
 }  // namespace

@@ -633,11 +633,11 @@ TEST_F(CoreTest, RegistrationsOverTheCapsAreRefusedNamingTheCap) {
          for (int i = 0; i < 3; ++i) r.mutable_modules(0)->add_units()->set_name("u" + std::to_string(i));
        },
        absl::StatusCode::kResourceExhausted, "max_units_per_module (2)"},
-      {[](auto& r) {
-         r.mutable_modules(0)->add_units()->set_name("layers.0");
+      {[](auto& r) {  // The rest unit "" at most once.
+         r.mutable_modules(0)->add_units();
          r.mutable_modules(0)->add_units();
        },
-       absl::StatusCode::kInvalidArgument, "layer unit 1 has an empty name"},
+       absl::StatusCode::kInvalidArgument, "lists layer unit '' twice"},
       {[](auto& r) {
          r.mutable_modules(0)->add_units()->set_name("layers.0");
          r.mutable_modules(0)->add_units()->set_name("layers.0");

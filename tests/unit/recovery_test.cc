@@ -11,6 +11,11 @@
 #include "support/test_env.h"
 
 #include <fstream>
+#include <limits>
+
+#include "coordinator/resume_auth.h"
+#include "shardcoord/decide.h"
+#include "shardcoord/proto/convert.h"
 #include "support/core_fakes.h"
 
 namespace shardcoord::coordinator {
@@ -30,7 +35,7 @@ v1::MicrobatchDecision Decision(int64_t step, int mb, uint64_t seq, v1::Decision
   m->set_module("vision");
   m->set_decision(d);
   m->set_reason(reason);
-  out.set_digest(seq * 31 + static_cast<uint64_t>(d));
+  out.set_digest(DecisionDigest(FromProto(out)));  // As the coordinator computed it.
   return out;
 }
 
@@ -144,9 +149,10 @@ class CoreRecoveryTest : public ::testing::Test, protected shardcoord::testing::
     return r;
   }
 
-  void SendPlan(int rank, int64_t step, int mb, int calls) {
+  void SendPlan(int rank, int64_t step, int mb, int calls, int64_t epoch = 0) {
     v1::PlanBatch batch;
     *batch.add_plans() = Plan(step, mb, calls);
+    batch.set_epoch(epoch);
     core_->OnPlans(sessions_[rank], batch);
   }
 };
@@ -206,7 +212,54 @@ TEST_F(CoreRecoveryTest, AMemberThatDoesNotResumeWithinTheWindowIsDeclaredDeadBy
   EXPECT_EQ(core_->Groups("job").groups(0).state(), v1::GROUP_STATE_FAILED);
   auto failures = sinks_[0]->Where([](const auto& m) { return m.has_group_failure(); });
   ASSERT_EQ(failures.size(), 1u);
-  EXPECT_THAT(failures[0].group_failure().reason(), HasSubstr("ranks 1 did not resume within the recovery window"));
+  EXPECT_THAT(failures[0].group_failure().reason(), HasSubstr("1 of 2 ranks (1) did not resume within the recovery window"));
+}
+
+TEST_F(CoreRecoveryTest, AJobWhoseRanksAllLeftRunsAgainUnderTheSameIdFromTheFirstKey) {
+  for (int run = 0; run < 2; ++run) {
+    ASSERT_TRUE(Register(Request(0)).ok()) << "run " << run;
+    ASSERT_TRUE(Register(Request(1)).ok()) << "run " << run;
+    const int64_t epoch = core_->Groups("job").groups(0).epoch();  // As the workers are told.
+    for (int mb = 0; mb < 3; ++mb) {
+      SendPlan(0, 0, mb, 1, epoch);
+      SendPlan(1, 0, mb, 1, epoch);
+    }
+    auto decided = sinks_[0]->Decisions();
+    ASSERT_EQ(decided.size(), 3u) << "run " << run << ": every key of the run decided, none stale";
+    EXPECT_EQ(decided[0].step(), 0);
+    EXPECT_TRUE(sinks_[0]->Where([](const auto& m) { return m.has_plan_rejected(); }).empty()) << "run " << run;
+    core_->OnGoodbye(sessions_[0], "done");
+    core_->OnGoodbye(sessions_[1], "done");
+  }
+}
+
+TEST_F(CoreRecoveryTest, AnExpiredRecoveryOfALargeGroupWritesOneShortEvent) {
+  // One resume for a one-group job of 16,384 ranks: when the window expires, 16,383 ranks are
+  // missing. Each used to get its own event listing all of them (1.4 GB of log).
+  constexpr int kWorld = 16384;
+  v1::RegisterRequest r = Resume(0);
+  r.set_world_size(kWorld);
+  r.set_group_size(kWorld);
+  ASSERT_TRUE(Register(r).ok());
+  clock_->Advance(absl::Seconds(6));
+  core_->OnHeartbeat(sessions_[0]);
+  core_->Tick();
+  EXPECT_EQ(core_->Groups("job").groups(0).state(), v1::GROUP_STATE_FAILED);
+  size_t bytes = 0;
+  int expired = 0, dead_events = 0;
+  for (const v1::Event& e : core_->Events("job", 0, 100000)) {
+    bytes += e.message().size();
+    expired += e.kind() == "recovery_expired";
+    dead_events += e.kind() == "rank_dead";
+  }
+  EXPECT_EQ(expired, 1);
+  EXPECT_EQ(dead_events, 0);
+  EXPECT_LT(bytes, 16 * 1024) << "event text must not grow with the group";
+  auto failures = sinks_[0]->Where([](const auto& m) { return m.has_group_failure(); });
+  ASSERT_EQ(failures.size(), 1u);
+  EXPECT_THAT(failures[0].group_failure().reason(), HasSubstr("16383 of 16384 ranks (1,2,3,"));
+  EXPECT_THAT(failures[0].group_failure().reason(), HasSubstr(",... (16351 more)) did not resume"));
+  EXPECT_LT(failures[0].group_failure().reason().size(), 1024u);
 }
 
 TEST_F(CoreRecoveryTest, ChangedSettingsOrAnOlderIncarnationAreRefused) {
@@ -258,6 +311,144 @@ TEST(StateFileTest, IncarnationsKeepIncreasingAndABadFileIsIgnored) {
     EXPECT_EQ(ReadIncarnation(path).status().code(), absl::StatusCode::kDataLoss) << bad;
     EXPECT_EQ(NextIncarnation(path, now + absl::Seconds(1)), static_cast<uint64_t>(absl::ToUnixMicros(now)) + 1000000);
     EXPECT_TRUE(ReadIncarnation(path).ok()) << "rewritten after " << bad;
+  }
+}
+
+}  // namespace
+}  // namespace shardcoord::coordinator
+
+// ---------------------------------------------------------------------------------------
+// Resumes that prove themselves (resume_auth.h): a forged resume is refused
+
+namespace shardcoord::coordinator {
+namespace {
+
+const std::string kResumeKey(32, 'k');
+
+CoordinatorOptions KeyedOptions() {
+  CoordinatorOptions o = RecoveryOptions();
+  o.resume_key = kResumeKey;  // As a daemon with a state file (or tokens) has: it outlives the process.
+  return o;
+}
+
+// A decision of group 0 for "vision", digest filled in, sealed by `auth` when given.
+v1::MicrobatchDecision HeldDecision(int64_t step, int mb, uint64_t seq, v1::Decision kind,
+                                    const ResumeAuthority* auth) {
+  v1::MicrobatchDecision d;
+  d.set_group(0);
+  d.set_step(step);
+  d.set_microbatch(mb);
+  d.set_seq(seq);
+  d.set_epoch(0);
+  auto* m = d.add_modules();
+  m->set_module("vision");
+  m->set_decision(kind);
+  m->set_reason(kind == v1::DECISION_SKIP ? v1::REASON_ALL_SKIP : v1::REASON_UNIFORM);
+  d.set_digest(DecisionDigest(FromProto(d)));
+  if (auth != nullptr) d.set_seal(auth->Seal("job", d));
+  return d;
+}
+
+class KeyedRecoveryTest : public ::testing::Test, protected shardcoord::testing::CoreHarness {
+ protected:
+  KeyedRecoveryTest() : CoreHarness(KeyedOptions()) {}
+
+  // What a rank registered with an earlier daemon of the same key holds.
+  v1::RegisterRequest Resume(int rank, bool with_credential) {
+    v1::RegisterRequest r;
+    r.set_job_id("job");
+    r.set_rank(rank);
+    r.set_world_size(2);
+    r.set_group_size(2);
+    r.set_policy(v1::POLICY_AUTO);
+    r.set_fallback(v1::FALLBACK_ROOT);
+    r.set_wrap_outer_model(true);
+    r.set_lookahead(4);
+    auto* m = r.add_modules();
+    m->set_name("vision");
+    m->set_param_bytes(100);
+    v1::ResumeState* s = r.mutable_resume();
+    s->set_incarnation(900);
+    v1::RegisterResponse* prev = s->mutable_previous();
+    prev->set_policy(v1::POLICY_AUTO);
+    prev->set_fallback(v1::FALLBACK_ROOT);
+    prev->set_lookahead(4);
+    prev->set_config_digest(core_->config_digest());
+    if (with_credential) s->set_credential(earlier_.Credential("job", rank));
+    return r;
+  }
+
+  const ResumeAuthority earlier_{kResumeKey, true};  // The daemon before the restart.
+  const ResumeAuthority forger_ = ResumeAuthority::Ephemeral();
+};
+
+TEST_F(KeyedRecoveryTest, AResumeWithoutItsRanksCredentialIsRefusedAndChangesNothing) {
+  v1::RegisterRequest forged = Resume(1, /*with_credential=*/false);
+  *forged.mutable_resume()->add_held() = HeldDecision(0, 0, 0, v1::DECISION_PER_LAYER, &forger_);
+  absl::Status s = Register(forged);
+  EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << s;
+  EXPECT_THAT(s.message(), HasSubstr("carries no valid resume credential"));
+  // Another rank's credential does not do either.
+  forged.mutable_resume()->set_credential(earlier_.Credential("job", 0));
+  EXPECT_EQ(Register(forged).code(), absl::StatusCode::kPermissionDenied);
+  forged.mutable_resume()->set_credential(earlier_.Credential("other-job", 1));
+  EXPECT_EQ(Register(forged).code(), absl::StatusCode::kPermissionDenied);
+  // Nothing started: the honest rank 1 registers as usual.
+  v1::RegisterRequest honest = Resume(1, true);
+  honest.clear_resume();
+  EXPECT_TRUE(Register(honest).ok());
+}
+
+TEST_F(KeyedRecoveryTest, AHeldDecisionTheCoordinatorDidNotMakeIsRefused) {
+  v1::RegisterRequest r = Resume(0, /*with_credential=*/true);
+  *r.mutable_resume()->add_held() = HeldDecision(0, 0, 0, v1::DECISION_SKIP, &earlier_);
+  *r.mutable_resume()->add_held() = HeldDecision(0, 1, 1, v1::DECISION_PER_LAYER, &forger_);
+  absl::Status s = Register(r);
+  EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << s;
+  EXPECT_THAT(s.message(), HasSubstr("decision for (0,1) seq 1 that no coordinator with this resume key made"));
+  // A sealed decision whose value was changed after sealing fails the same way.
+  v1::MicrobatchDecision changed = HeldDecision(0, 1, 1, v1::DECISION_SKIP, &earlier_);
+  changed.mutable_modules(0)->set_decision(v1::DECISION_PER_LAYER);
+  changed.mutable_modules(0)->set_reason(v1::REASON_UNIFORM);
+  changed.set_digest(DecisionDigest(FromProto(changed)));
+  r.mutable_resume()->mutable_held(1)->CopyFrom(changed);
+  EXPECT_EQ(Register(r).code(), absl::StatusCode::kPermissionDenied);
+}
+
+TEST_F(KeyedRecoveryTest, AnHonestResumeWithSealedDecisionsIsTaken) {
+  v1::RegisterRequest r = Resume(0, /*with_credential=*/true);
+  *r.mutable_resume()->add_held() = HeldDecision(0, 0, 0, v1::DECISION_PER_LAYER, &earlier_);
+  ASSERT_TRUE(Register(r).ok());
+  EXPECT_EQ(core_->Groups("job").groups(0).state(), v1::GROUP_STATE_RECOVERING);
+  auto registered = sinks_[0]->Where([](const auto& m) { return m.has_registered(); });
+  ASSERT_EQ(registered.size(), 1u);
+  EXPECT_EQ(registered[0].registered().resume_credential(), earlier_.Credential("job", 0))
+      << "the same key gives the same credential after the restart";
+}
+
+TEST_F(KeyedRecoveryTest, FieldsOutsideTheirRangesAreRefusedNamingTheField) {
+  struct Case {
+    void (*mutate)(v1::ResumeState&);
+    std::string says;
+  };
+  const Case cases[] = {
+      {[](auto& s) { s.set_group_epoch(std::numeric_limits<int64_t>::max()); }, "outside 0..2^40"},
+      {[](auto& s) { s.mutable_held(0)->set_seq(std::numeric_limits<uint64_t>::max()); }, "beyond 2^62"},
+      {[](auto& s) { s.mutable_held(0)->mutable_modules(0)->set_decision(static_cast<v1::Decision>(77)); },
+       "decision 77"},
+      {[](auto& s) { s.mutable_held(0)->mutable_modules(0)->set_module("audio"); }, "names module 'audio'"},
+      {[](auto& s) { s.mutable_held(0)->clear_modules(); }, "0 module entries, the manifest 1"},
+      {[](auto& s) { s.mutable_held(0)->set_digest(0xdeadbeef); }, "digest does not match"},
+      {[](auto& s) { s.mutable_held(0)->set_group(3); }, "for group 3"},
+      {[](auto& s) { s.mutable_held(0)->set_epoch(5); }, "epoch 5 is outside 0..0"},
+  };
+  for (const Case& c : cases) {
+    v1::RegisterRequest r = Resume(0, true);
+    *r.mutable_resume()->add_held() = HeldDecision(0, 0, 0, v1::DECISION_ROOT, &earlier_);
+    c.mutate(*r.mutable_resume());
+    absl::Status s = Register(r);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.says << ": " << s;
+    EXPECT_THAT(s.message(), HasSubstr(c.says));
   }
 }
 

@@ -42,6 +42,15 @@ TEST(RegistrationTest, AWellFormedRequestPasses) {
   EXPECT_TRUE(ValidateRegisterRequest(Request(1), CoordinatorLimits{}, 64).ok());
 }
 
+TEST(RegistrationTest, ARestUnitBesideLayerUnitsPasses) {
+  // A Hugging Face tower: the rest unit "" (embeddings, norms, merger) and its layers.
+  v1::RegisterRequest r = Request(1);
+  auto* rest = r.mutable_modules(0)->add_units();
+  rest->set_name("");
+  rest->set_param_bytes(40);
+  EXPECT_TRUE(ValidateRegisterRequest(r, CoordinatorLimits{}, 64).ok());
+}
+
 TEST(RegistrationTest, EachBadFieldIsNamed) {
   struct Case {
     void (*mutate)(v1::RegisterRequest&);
@@ -58,8 +67,11 @@ TEST(RegistrationTest, EachBadFieldIsNamed) {
       {[](auto& r) { *r.add_modules() = r.modules(0); }, absl::StatusCode::kInvalidArgument, "module 'visual' twice"},
       {[](auto& r) { r.mutable_modules(0)->mutable_units(1)->set_name("blocks.0"); },
        absl::StatusCode::kInvalidArgument, "layer unit 'blocks.0' twice"},
-      {[](auto& r) { r.mutable_modules(0)->mutable_units(0)->set_name(""); }, absl::StatusCode::kInvalidArgument,
-       "layer unit 0 has an empty name (the whole module) but the module has 2 units"},
+      {[](auto& r) {
+         r.mutable_modules(0)->mutable_units(0)->set_name("");
+         r.mutable_modules(0)->mutable_units(1)->set_name("");
+       },
+       absl::StatusCode::kInvalidArgument, "lists layer unit '' twice"},
       {[](auto& r) { r.mutable_modules(0)->set_param_bytes(-1); }, absl::StatusCode::kInvalidArgument,
        "negative param_bytes -1"},
       {[](auto& r) { r.set_policy(static_cast<v1::Policy>(99)); }, absl::StatusCode::kInvalidArgument,

@@ -135,6 +135,102 @@ TEST(FrozenShardExecutorTest, MaterializesExactlyAndReleasesPerDecision) {
   EXPECT_EQ(bytes.resident, 2 * full);
 }
 
+struct EncoderImpl : torch::nn::Module {
+  torch::nn::ModuleList layers;
+  EncoderImpl() {
+    layers = register_module("layers", torch::nn::ModuleList(torch::nn::Linear(3, 3), torch::nn::Linear(3, 3)));
+  }
+};
+TORCH_MODULE(Encoder);
+
+// A Hugging Face-like tower: a patch embedding before the layer list and a norm after it.
+struct HfTowerImpl : torch::nn::Module {
+  torch::nn::Linear patch_embed{nullptr};
+  Encoder encoder{nullptr};
+  torch::nn::LayerNorm post_layernorm{nullptr};
+  HfTowerImpl() {
+    patch_embed = register_module("patch_embed", torch::nn::Linear(4, 3));
+    encoder = register_module("encoder", Encoder());
+    post_layernorm = register_module("post_layernorm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({3})));
+    for (auto& p : parameters()) p.set_requires_grad(false);
+  }
+};
+TORCH_MODULE(HfTower);
+
+struct HfModelImpl : torch::nn::Module {
+  HfTower vision_tower;
+  torch::nn::Linear head{nullptr};
+  HfModelImpl() {
+    vision_tower = register_module("vision_tower", HfTower());
+    head = register_module("head", torch::nn::Linear(3, 2));
+  }
+};
+TORCH_MODULE(HfModel);
+
+TEST(FrozenShardExecutorTest, ARestUnitIsGatheredAroundTheLayersOfItsModule) {
+  torch::manual_seed(0);
+  HfModel model;
+  ManifestOptions options;
+  options.layer_list = "encoder.layers";
+  auto manifest = BuildManifest(*model, options);
+  ASSERT_EQ(manifest.size(), 1u);
+  const int64_t rest_bytes = ((4 * 3 + 3) + (3 + 3)) * 4, layer_bytes = (3 * 3 + 3) * 4;
+  ASSERT_EQ(manifest[0].units.size(), 3u);
+  EXPECT_EQ(manifest[0].units[0].name, "");  // The rest unit first: patch_embed and post_layernorm.
+  EXPECT_EQ(manifest[0].units[0].param_bytes, rest_bytes);
+  EXPECT_EQ(manifest[0].units[1].name, "encoder.layers.0");
+  EXPECT_EQ(manifest[0].param_bytes, rest_bytes + 2 * layer_bytes);
+
+  std::vector<torch::Tensor> original;
+  for (auto& p : model->vision_tower->parameters()) original.push_back(p.detach().clone());
+  auto comm = std::make_shared<LoopbackCommunicator>();
+  auto ex = FrozenShardExecutor::Create(*model, manifest, comm);
+  ASSERT_TRUE(ex.ok()) << ex.status();
+  MicrobatchDecision d;
+  d.modules = {{"vision_tower", Decision::kPerLayer, DecisionReason::kUniform}};
+  ASSERT_TRUE((*ex)->BeginMicrobatch(d).ok());
+  const int layer1 = (*ex)->UnitIndex("vision_tower", "encoder.layers.1");
+  EXPECT_EQ(layer1, 2);
+  // A layer before the module's start would gather in another order than a rank that enters
+  // the module first: refused.
+  absl::Status early = (*ex)->BeforeUnit("vision_tower", layer1);
+  EXPECT_EQ(early.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(early.message(), HasSubstr("call BeginModule"));
+  EXPECT_EQ(comm->gathers, 0);
+
+  ASSERT_TRUE((*ex)->BeginModule("vision_tower").ok());
+  EXPECT_TRUE(torch::equal(model->vision_tower->patch_embed->weight, original[0]));
+  EXPECT_EQ(model->vision_tower->post_layernorm->weight.numel(), 3);
+  for (int u : {1, 2}) {
+    ASSERT_TRUE((*ex)->BeforeUnit("vision_tower", u).ok());
+    ASSERT_TRUE((*ex)->AfterUnit("vision_tower", u).ok());
+  }
+  ASSERT_TRUE((*ex)->EndModule("vision_tower").ok());
+  EXPECT_EQ(model->vision_tower->patch_embed->weight.numel(), 0);
+  EXPECT_EQ(comm->gathers, 3);
+  const auto& bytes = (*ex)->bytes().at("vision_tower");
+  // A group of one keeps every shard; per_layer adds the rest plus one layer at most.
+  EXPECT_EQ(bytes.peak, bytes.shard + rest_bytes + layer_bytes);
+  ASSERT_TRUE((*ex)->EndForward().ok());
+
+  // root: all three units, the rest first, bitwise the original values.
+  d.modules[0].decision = Decision::kRoot;
+  ASSERT_TRUE((*ex)->BeginMicrobatch(d).ok());
+  auto params = model->vision_tower->parameters();
+  ASSERT_EQ(params.size(), original.size());
+  for (size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(torch::equal(params[i], original[i])) << i;
+  EXPECT_EQ(comm->gathers, 6);
+  ASSERT_TRUE((*ex)->EndForward().ok());
+
+  // A manifest without the rest unit is refused, naming a parameter it leaves out.
+  HfModel other;
+  auto partial = BuildManifest(*other, options);
+  partial[0].units.erase(partial[0].units.begin());
+  auto refused = FrozenShardExecutor::Create(*other, partial, std::make_shared<LoopbackCommunicator>());
+  ASSERT_FALSE(refused.ok());
+  EXPECT_THAT(refused.status().message(), HasSubstr("outside the units its manifest names ('patch_embed.weight'"));
+}
+
 TEST(FrozenShardExecutorTest, RejectsWhatItCannotShard) {
   Model model;
   auto manifest = BuildManifest(*model);

@@ -197,6 +197,12 @@ absl::Status Worker::Impl::AwaitRegistered(absl::Time deadline) {
              Prefix(), address_, group_.group, RanksOf(group_.ranks), group_.epoch,
              PolicyName(group_.policy), FallbackName(group_.fallback), group_.lookahead);
   for (const auto& w : group_.warnings) log_->warn("{} {}", Prefix(), w);
+  if (options_.modules.empty()) {
+    log_->warn("{} registered with no controlled module: nothing is coordinated, and every decision is empty. "
+               "Build the manifest from the model (shardcoord.torch.manifest, torchx::BuildManifest) and pass "
+               "the names of frozen towers it does not recognize as extra tower names",
+               Prefix());
+  }
   return absl::OkStatus();
 }
 

@@ -142,6 +142,9 @@ class Worker::Impl {
     std::vector<std::pair<std::shared_ptr<internal::AbortableCommunicator>, std::string>> aborts;
     std::vector<std::pair<std::string, int64_t>> acks;
   };
+  // Why a decision from the coordinator cannot be carried out here ("" when it can): a
+  // module list other than the manifest's, or a decision value this worker does not know.
+  std::string UnusableDecision(const v1::MicrobatchDecision& d) const;
   void Handle(const v1::CoordinatorMessage& msg, PendingAborts* aborts) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void OnRegistered(const v1::RegisterResponse& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The answer to a resume: checks it, then the session goes on with the new process.

@@ -3,6 +3,8 @@
 // plans, heartbeats and the goodbye. See worker_impl.h.
 #include "worker_impl.h"
 
+#include "shardcoord/plan_check.h"
+
 namespace shardcoord {
 
 void Worker::Impl::ReaderLoop() {
@@ -187,6 +189,7 @@ v1::ResumeState Worker::Impl::ResumeStateLocked() {
     for (int rank : comm->ranks()) c->add_ranks(rank);
   }
   *r.mutable_previous() = previous_;
+  r.set_credential(previous_.resume_credential());
   // Held decisions, newest first, as many as fit the coordinator's 4 MiB message limit
   // (with the registration's manifest): the newest are the ones others may lack.
   const std::vector<MicrobatchDecision> held = queue_.Held();
@@ -241,6 +244,31 @@ void Worker::Impl::StartWriterLocked() {
   writer_ = std::thread([this] { WriterLoop(); });
 }
 
+std::string Worker::Impl::UnusableDecision(const v1::MicrobatchDecision& d) const {
+  // One entry per module of this rank's manifest, in its order, each a decision it can take.
+  if (d.modules_size() != static_cast<int>(options_.modules.size())) {
+    return absl::StrCat("it names ", d.modules_size(), " modules, the manifest has ", options_.modules.size());
+  }
+  for (int i = 0; i < d.modules_size(); ++i) {
+    const auto& m = d.modules(i);
+    if (m.module() != options_.modules[i].name) {
+      return absl::StrCat("entry ", i, " is for module '", Printable(m.module(), 64), "', not '",
+                          options_.modules[i].name, "'");
+    }
+    switch (m.decision()) {
+      case v1::DECISION_SKIP:
+      case v1::DECISION_PER_LAYER:
+      case v1::DECISION_ROOT:
+      case v1::DECISION_REPLICATE:
+        break;
+      default:
+        return absl::StrCat("module '", m.module(), "' has decision value ", static_cast<int>(m.decision()),
+                            ", which is no decision this worker knows");
+    }
+  }
+  return "";
+}
+
 void Worker::Impl::Handle(const v1::CoordinatorMessage& msg, PendingAborts* aborts) {
   if (msg.incarnation() != 0 && incarnation_ != 0 && msg.incarnation() != incarnation_ && !msg.has_registered()) {
     log_->warn("{} ignored a message of coordinator incarnation {} (registered with {})", Prefix(), msg.incarnation(),
@@ -253,7 +281,16 @@ void Worker::Impl::Handle(const v1::CoordinatorMessage& msg, PendingAborts* abor
       break;
     case v1::CoordinatorMessage::kDecisions:
       for (const auto& pd : msg.decisions().decisions()) {
-        queue_.Decide({pd.step(), pd.microbatch()}, FromProto(pd));  // Ignored unless pending.
+        const MicrobatchKey key{pd.step(), pd.microbatch()};
+        if (std::string why = UnusableDecision(pd); !why.empty()) {
+          // Never handed to the trainer: it could not carry it out (and a guess could hang).
+          log_->error("{} step={} mb={} refused a decision it cannot carry out: {}", Prefix(), key.step,
+                      key.microbatch, why);
+          queue_.Fail(key, absl::InternalError(absl::StrCat("the coordinator's decision for ", key.ToString(),
+                                                            " cannot be carried out: ", why)));
+          continue;
+        }
+        queue_.Decide(key, FromProto(pd));  // Ignored unless pending.
       }
       break;
     case v1::CoordinatorMessage::kPlanRejected:

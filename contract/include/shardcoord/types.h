@@ -106,6 +106,7 @@ struct MicrobatchDecision {
   int64_t epoch = 0;
   std::vector<ModuleDecision> modules;  // In manifest order.
   uint64_t digest = 0;
+  std::string seal;  // The coordinator's MAC (opaque): handed back when the rank resumes.
 
   // The decision for `module`, or nullptr when the module is not controlled.
   const ModuleDecision* Find(std::string_view module) const {

@@ -18,17 +18,44 @@ std::map<std::string, ModulePtr> ModulesByPath(torch::nn::Module& model) {
   return out;
 }
 
-// The unit modules of a controlled module: its layer list's entries, or itself.
-std::vector<std::pair<std::string, ModulePtr>> Units(const ModulePtr& module, const std::string& layer_list) {
+// The entries of a controlled module's layer list (a dotted path below it), or none.
+std::vector<std::pair<std::string, ModulePtr>> LayerUnits(const ModulePtr& module, const std::string& layer_list) {
   std::vector<std::pair<std::string, ModulePtr>> units;
-  for (const auto& child : module->named_children()) {
-    if (child.key() != layer_list) continue;
-    for (const auto& entry : child.value()->named_children()) {
+  if (layer_list.empty()) return units;
+  for (const auto& item : module->named_modules(/*name_prefix=*/"", /*include_self=*/false)) {
+    if (item.key() != layer_list) continue;
+    for (const auto& entry : item.value()->named_children()) {
       units.emplace_back(layer_list + "." + entry.key(), entry.value());
     }
   }
-  if (units.empty()) units.emplace_back("", module);  // Also when layer_list is "".
   return units;
+}
+
+// The parameters of `module` that none of `units` holds, in named_parameters order (the rest
+// unit ""). `shared` gets the names of parameters that two units hold.
+std::vector<std::pair<std::string, torch::Tensor>> RestParams(
+    const ModulePtr& module, const std::vector<std::pair<std::string, ModulePtr>>& units,
+    std::vector<std::string>* shared) {
+  std::map<const void*, int> owners;
+  for (const auto& [name, unit] : units) {
+    for (const auto& p : unit->parameters(/*recurse=*/true)) owners[p.unsafeGetTensorImpl()]++;
+  }
+  std::vector<std::pair<std::string, torch::Tensor>> rest;
+  for (const auto& item : module->named_parameters(/*recurse=*/true)) {
+    auto it = owners.find(item.value().unsafeGetTensorImpl());
+    if (it == owners.end()) {
+      rest.emplace_back(item.key(), item.value());
+    } else if (it->second > 1 && shared != nullptr) {
+      shared->push_back(item.key());
+    }
+  }
+  return rest;
+}
+
+int64_t Bytes(const std::vector<torch::Tensor>& params) {
+  int64_t bytes = 0;
+  for (const auto& p : params) bytes += p.numel() * static_cast<int64_t>(p.element_size());
+  return bytes;
 }
 
 int64_t ParamBytes(const torch::nn::Module& m) {
@@ -65,7 +92,12 @@ std::vector<ModuleSpec> BuildManifest(torch::nn::Module& model, const ManifestOp
     ModuleSpec spec;
     spec.name = c.path;
     spec.param_bytes = ParamBytes(*m);
-    for (const auto& [name, unit] : Units(m, options.layer_list)) spec.units.push_back({name, ParamBytes(*unit)});
+    // The rest unit "" first (what no layer holds; the whole module without layers), then the layers.
+    const auto layers = LayerUnits(m, options.layer_list);
+    std::vector<torch::Tensor> rest;
+    for (auto& [name, p] : RestParams(m, layers, nullptr)) rest.push_back(p);
+    if (!rest.empty() || layers.empty()) spec.units.push_back({"", Bytes(rest)});
+    for (const auto& [name, unit] : layers) spec.units.push_back({name, ParamBytes(*unit)});
     out.push_back(std::move(spec));
   }
   return out;
@@ -73,14 +105,15 @@ std::vector<ModuleSpec> BuildManifest(torch::nn::Module& model, const ManifestOp
 
 absl::StatusOr<FrozenShardExecutor::Unit> FrozenShardExecutor::ShardUnit(const std::string& module,
                                                                          const std::string& unit_name,
-                                                                         torch::nn::Module& unit_module) {
+                                                                         const std::vector<torch::Tensor>& params) {
   const int64_t g = group_->size();
   const int64_t me = group_->rank();
   Unit u;
+  u.name = unit_name;
   std::vector<torch::Tensor> flat;
   int64_t offset = 0;
   torch::Tensor first;
-  for (auto& p : unit_module.parameters(/*recurse=*/true)) {
+  for (auto p : params) {
     if (p.requires_grad()) {
       return absl::InvalidArgumentError(absl::StrCat("module '", module, "' has a trainable parameter in unit '",
                                                      unit_name, "': only fully frozen modules are controlled"));
@@ -119,31 +152,65 @@ absl::StatusOr<std::unique_ptr<FrozenShardExecutor>> FrozenShardExecutor::Create
     }
     Module mod;
     mod.spec = spec;
-    // The manifest names the layer list ("layers.0" -> "layers"); "" is a whole-module unit.
-    std::string layer_list;
-    if (!spec.units.empty() && spec.units[0].name.find('.') != std::string::npos) {
-      layer_list = spec.units[0].name.substr(0, spec.units[0].name.find('.'));
-    }
-    auto units = Units(it->second, layer_list);
-    int64_t unit_params = 0;
-    for (auto& [unit_name, unit_module] : units) unit_params += unit_module->parameters(true).size();
-    if (unit_params != static_cast<int64_t>(it->second->parameters(true).size())) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "module '", spec.name, "' has parameters outside its layer list '", layer_list,
-          "': put every parameter in a layer (or use no layer list) so each belongs to one unit"));
-    }
-    for (auto& [unit_name, unit_module] : units) {
-      auto unit = ex->ShardUnit(spec.name, unit_name, *unit_module);
-      if (!unit.ok()) return unit.status();
-      if (unit->params.empty()) continue;
-      const int64_t shard_bytes = unit->shard.numel() * static_cast<int64_t>(unit->shard.element_size());
-      mod.units.push_back(*std::move(unit));
-      ex->bytes_[spec.name].shard += shard_bytes;
-      ex->Account(mod, shard_bytes);
-    }
+    if (absl::Status st = ex->ShardModule(mod, it->second); !st.ok()) return st;
     ex->modules_.push_back(std::move(mod));
   }
   return ex;
+}
+
+absl::Status FrozenShardExecutor::ShardModule(Module& mod, const std::shared_ptr<torch::nn::Module>& module) {
+  const ModuleSpec& spec = mod.spec;
+  // The units the manifest names, in its order; "" is the rest unit (every parameter that no
+  // named unit holds: the whole module when it is the only unit).
+  std::vector<std::string> names;
+  for (const auto& u : spec.units) names.push_back(u.name);
+  if (names.empty()) names.push_back("");
+  std::vector<std::pair<std::string, ModulePtr>> layers;
+  const auto children = ModulesByPath(*module);
+  for (const auto& name : names) {
+    if (name.empty()) continue;
+    auto child = children.find(name);
+    if (child == children.end()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("unit '", name, "' of manifest module '", spec.name, "' is not in the model"));
+    }
+    layers.emplace_back(name, child->second);
+  }
+  std::vector<std::string> shared;
+  const auto rest = RestParams(module, layers, &shared);
+  const bool has_rest = std::find(names.begin(), names.end(), "") != names.end();
+  if (std::set<std::string>(names.begin(), names.end()).size() != names.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("manifest module '", spec.name, "' lists a unit twice"));
+  }
+  if (!shared.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("module '", spec.name, "' has parameters shared by several units: '",
+                                                   shared.front(), "'; each parameter must belong to exactly one"));
+  }
+  if (!rest.empty() && !has_rest) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "module '", spec.name, "' has parameters outside the units its manifest names ('", rest.front().first,
+        "', ...): list the rest unit \"\" (BuildManifest does), which holds them"));
+  }
+  for (const auto& name : names) {
+    std::vector<torch::Tensor> params;
+    if (name.empty()) {
+      for (const auto& [pname, p] : rest) params.push_back(p);
+      if (layers.size() > 0) mod.rest = static_cast<int>(mod.units.size());
+    } else {
+      for (const auto& [lname, unit] : layers) {
+        if (lname == name) params = unit->parameters(/*recurse=*/true);
+      }
+    }
+    auto unit = ShardUnit(spec.name, name, params);
+    if (!unit.ok()) return unit.status();
+    // A unit without parameters stays in the list (indices are the manifest's) and gathers nothing.
+    const int64_t shard_bytes =
+        unit->params.empty() ? 0 : unit->shard.numel() * static_cast<int64_t>(unit->shard.element_size());
+    mod.units.push_back(*std::move(unit));
+    bytes_[spec.name].shard += shard_bytes;
+    Account(mod, shard_bytes);
+  }
+  return absl::OkStatus();
 }
 
 void FrozenShardExecutor::Account(Module& m, int64_t delta) {
@@ -162,7 +229,7 @@ FrozenShardExecutor::Module* FrozenShardExecutor::Find(const std::string& module
 }
 
 absl::Status FrozenShardExecutor::Materialize(Module& m, Unit& u) {
-  if (u.full.defined()) return absl::OkStatus();
+  if (u.full.defined() || u.params.empty()) return absl::OkStatus();
   torch::NoGradGuard no_grad;
   torch::Tensor full = torch::empty({u.padded}, u.shard.options());
   auto dt = ToDataType(u.shard);
@@ -217,6 +284,11 @@ absl::Status FrozenShardExecutor::BeforeUnit(const std::string& module, int unit
                                                       "but this rank runs it: its plan said 0 calls"));
   }
   if (m->decision != Decision::kPerLayer) return absl::OkStatus();
+  if (m->rest >= 0 && unit != m->rest && !m->units[m->rest].params.empty() && !m->units[m->rest].full.defined()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "unit ", unit, " ('", m->units[unit].name, "') of '", module, "' runs before the module's rest unit (its "
+        "parameters outside the layer list) is gathered: call BeginModule when the module's forward starts"));
+  }
   return Materialize(*m, m->units[unit]);
 }
 
@@ -227,6 +299,38 @@ absl::Status FrozenShardExecutor::AfterUnit(const std::string& module, int unit)
   }
   if (m->decision == Decision::kPerLayer) Release(*m, m->units[unit]);
   return absl::OkStatus();
+}
+
+absl::Status FrozenShardExecutor::BeginModule(const std::string& module) {
+  Module* m = Find(module);
+  if (m == nullptr) return absl::InvalidArgumentError(absl::StrCat("no controlled module '", module, "'"));
+  const int rest = RestIndex(*m);
+  if (rest < 0) return m->decision == Decision::kSkip ? BeforeUnit(module, 0) : absl::OkStatus();
+  return BeforeUnit(module, rest);
+}
+
+absl::Status FrozenShardExecutor::EndModule(const std::string& module) {
+  Module* m = Find(module);
+  if (m == nullptr) return absl::InvalidArgumentError(absl::StrCat("no controlled module '", module, "'"));
+  const int rest = RestIndex(*m);
+  return rest < 0 ? absl::OkStatus() : AfterUnit(module, rest);
+}
+
+int FrozenShardExecutor::RestIndex(const Module& m) {
+  for (size_t i = 0; i < m.units.size(); ++i) {
+    if (m.units[i].name.empty()) return static_cast<int>(i);
+  }
+  return -1;
+}
+
+int FrozenShardExecutor::UnitIndex(const std::string& module, const std::string& unit) const {
+  for (const auto& m : modules_) {
+    if (m.spec.name != module) continue;
+    for (size_t i = 0; i < m.units.size(); ++i) {
+      if (m.units[i].name == unit) return static_cast<int>(i);
+    }
+  }
+  return -1;
 }
 
 absl::Status FrozenShardExecutor::EndForward() {

@@ -2,10 +2,14 @@
 // parameters of a torch::nn::Module. Built with SHARDCOORD_WITH_TORCH; builds against
 // LibTorch 1.13 and 2.x.
 //
-// Frozen parameters of each unit (an entry of a controlled module's layer list, or the
-// whole module) are flattened into one buffer, padded to a multiple of the group size and
-// sharded across the shard group: each rank keeps 1/G. Materialize = all-gather into a full
-// buffer and point the parameters at views of it; release = drop the full buffer.
+// Frozen parameters of each unit (an entry of a controlled module's layer list, or the rest
+// unit "": every parameter no layer holds, such as embeddings, norms and mergers, or the whole
+// module when it has no layer list) are flattened into one buffer, padded to a multiple of the
+// group size and sharded across the shard group: each rank keeps 1/G. Materialize = all-gather
+// into a full buffer and point the parameters at views of it; release = drop the full buffer.
+// Under per_layer the rest unit is gathered when the module's forward starts (BeginModule)
+// and released when it ends (EndModule), the layers one at a time in between: peak is the
+// rest plus one layer, and every rank gathers in the same order.
 //
 // Collective rule: every rank of the group calls the hooks below for the same microbatches
 // in the same order, with the group's identical decision. That is what the coordinator
@@ -31,7 +35,8 @@ namespace shardcoord::torchx {
 
 struct ManifestOptions {
   ClassifyOptions classify;
-  // The child that holds a module's layer units; a module without it is one unit.
+  // The descendant (dotted path) that holds a module's layer units; a module without it is
+  // one unit. Parameters outside it form the rest unit "".
   std::string layer_list = "layers";
 };
 
@@ -62,10 +67,20 @@ class FrozenShardExecutor {
   // are gathered whole now; `replicate` modules become resident (gathered once); `skip` and
   // `per_layer` do nothing yet.
   absl::Status BeginMicrobatch(const MicrobatchDecision& decision);
+  // When the rank's call of a module starts and ends: `per_layer` gathers its rest unit ""
+  // (or its one whole-module unit) and releases it; `skip` refuses BeginModule (the plan said
+  // 0 calls). No-ops for modules without a rest unit and for root / replicate.
+  absl::Status BeginModule(const std::string& module);
+  absl::Status EndModule(const std::string& module);
   // Around each unit of a module the rank runs: `per_layer` gathers it before and releases
-  // it after; other decisions need nothing. Unit index in the module's unit list.
+  // it after; other decisions need nothing. Unit index in the manifest's unit list of the
+  // module (UnitIndex finds it by name). A layer before the module's rest unit is gathered
+  // (BeginModule not called) is refused under per_layer: the order must be the same on
+  // every rank.
   absl::Status BeforeUnit(const std::string& module, int unit);
   absl::Status AfterUnit(const std::string& module, int unit);
+  // The index of `unit` in `module`'s unit list, or -1.
+  int UnitIndex(const std::string& module, const std::string& unit) const;
   // After the forward of the microbatch: `root` modules are released.
   absl::Status EndForward();
 
@@ -86,6 +101,7 @@ class FrozenShardExecutor {
     int64_t numel = 0;
   };
   struct Unit {
+    std::string name;      // As in the manifest; "" is the rest unit.
     std::vector<Param> params;
     torch::Tensor shard;   // This rank's slice of the padded flat buffer.
     torch::Tensor full;    // Materialized flat buffer, or undefined.
@@ -96,12 +112,16 @@ class FrozenShardExecutor {
     std::vector<Unit> units;
     Decision decision = Decision::kSkip;
     bool replicated = false;
+    int rest = -1;  // Index of the rest unit "" when the module also has layer units.
   };
 
   FrozenShardExecutor(std::shared_ptr<Communicator> group) : group_(std::move(group)) {}
   // Flattens the unit's parameters, keeps this rank's slice and frees the rest.
   absl::StatusOr<Unit> ShardUnit(const std::string& module, const std::string& unit_name,
-                                 torch::nn::Module& unit_module);
+                                 const std::vector<torch::Tensor>& params);
+  // Checks the module against its manifest entry and shards every unit.
+  absl::Status ShardModule(Module& mod, const std::shared_ptr<torch::nn::Module>& module);
+  static int RestIndex(const Module& m);
   absl::Status Materialize(Module& m, Unit& u);
   void Release(Module& m, Unit& u);
   void Account(Module& m, int64_t delta_bytes);
