@@ -317,8 +317,10 @@ int VerifyPerRankOutputs(const std::vector<std::string>& files, std::ostream& ou
     uint64_t seq;
     int rank;
   };
-  // (group, step, microbatch, module) -> first rank's decision
+  // (group, step, microbatch, module) -> first rank's decision, and the ranks that have it.
   std::map<std::tuple<int, int64_t, int32_t, std::string>, Seen> seen;
+  std::map<std::tuple<int, int64_t, int32_t, std::string>, std::set<int>> holders;
+  std::map<int, std::set<int>> group_ranks;  // The ranks each group's outputs came from.
   std::set<int> ranks;
   int mismatches = 0;
   for (const auto& path : files) {
@@ -340,6 +342,8 @@ int VerifyPerRankOutputs(const std::vector<std::string>& files, std::ostream& ou
                                    j.at("microbatch").get<int32_t>(), j.at("module").get<std::string>());
         Seen s{j.at("decision").get<std::string>(), j.at("seq").get<uint64_t>(), j.at("rank").get<int>()};
         ranks.insert(s.rank);
+        group_ranks[std::get<0>(key)].insert(s.rank);
+        holders[key].insert(s.rank);
         auto [it, inserted] = seen.try_emplace(key, s);
         if (!inserted && (it->second.decision != s.decision || it->second.seq != s.seq)) {
           if (++mismatches <= 10) {
@@ -357,14 +361,29 @@ int VerifyPerRankOutputs(const std::vector<std::string>& files, std::ostream& ou
       }
     }
   }
+  // Agreement needs every rank of a group to show the decision: a rank whose output lacks
+  // most microbatches (it failed, or its file was cut) must not pass as agreeing.
+  int64_t missing = 0;
+  for (const auto& [key, who] : holders) {
+    const std::set<int>& all = group_ranks[std::get<0>(key)];
+    if (who.size() == all.size()) continue;
+    for (int r : all) {
+      if (who.count(r) || ++missing > 10) continue;
+      err << "shardctl verify: MISSING: rank " << r << " of group " << std::get<0>(key) << " has no decision for ("
+          << std::get<1>(key) << "," << std::get<2>(key) << ") module " << std::get<3>(key)
+          << ", which other ranks of its group received\n";
+    }
+  }
   std::map<std::string, int64_t> counts;
   for (const auto& [key, s] : seen) counts[s.decision]++;
   out << "verified " << seen.size() << " group decisions from ranks " << absl::StrJoin(ranks, ",")
       << ": per_layer=" << counts["per_layer"] << " skip=" << counts["skip"]
       << " root=" << counts["root"] << " replicate=" << counts["replicate"] << "; "
-      << (mismatches ? absl::StrCat(mismatches, " MISMATCHES") : "all ranks of each group agree")
+      << (mismatches ? absl::StrCat(mismatches, " MISMATCHES")
+          : missing  ? absl::StrCat(missing, " decisions MISSING from some rank's output")
+                     : "all ranks of each group agree")
       << "\n";
-  return mismatches ? kReplayDiverged : kReplayOk;
+  return mismatches || missing ? kReplayDiverged : kReplayOk;
 }
 
 }  // namespace shardcoord::client

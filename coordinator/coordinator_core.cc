@@ -131,6 +131,15 @@ absl::Status CoordinatorCore::Register(uint64_t session_id, const v1::RegisterRe
 
   Locked lock(this);
   if (shut_down_) return absl::UnavailableError("coordinator is shutting down");
+  if (resuming && !verified && clock_->Now() - started_ > options_.recovery_window) {
+    // Honest resumes come within seconds of a restart (a worker reconnects for its reconnect
+    // window); an unverifiable one long after is no restart's.
+    return absl::PermissionDeniedError(absl::StrCat(
+        "register: rank ", req.rank(), " of job '", req.job_id(), "' resumes from an earlier coordinator ",
+        absl::ToInt64Seconds(clock_->Now() - started_), " s after this one started: without a resume key (--state-file "
+        "or --token-file) a resume is taken unverified only within the recovery window (",
+        absl::ToInt64Milliseconds(options_.recovery_window), " ms) after a start; register afresh"));
+  }
   Job* job = ReuseOrForgetEndedJob(req);
   if (job == nullptr) {
     if (absl::Status s = AdmitJob(req.job_id(), req.world_size()); !s.ok()) return s;
@@ -232,7 +241,7 @@ absl::Status CoordinatorCore::CheckJobAccepts(const Job& job, const v1::Register
   if (existing.state == v1::RANK_STATE_LIVE) {
     return absl::AlreadyExistsError(absl::StrCat(
         "register: duplicate rank ", req.rank(), " of job '", job.id,
-        "': it is already live (host ", existing.host, ", pid ", existing.pid,
+        "': it is already live (host ", existing.host,
         "). If that process is gone, it is declared dead after the heartbeat timeout (",
         absl::ToInt64Milliseconds(options_.heartbeat_timeout),
         " ms); register again then"));

@@ -49,8 +49,17 @@ absl::Status ValidateDurations(const CoordinatorOptions& o) {
                                                      " ms) must be at most 24 h (86400000 ms)"));
     }
   }
-  if (o.heartbeat_interval <= absl::ZeroDuration()) {
-    return absl::InvalidArgumentError("heartbeat interval must be > 0 ms");
+  // Below these the daemon's own scheduling jitter (the ticker runs every few ms) is as long
+  // as the timeout: silent ranks were never declared dead and pause events flooded the log.
+  if (o.heartbeat_interval < kMinHeartbeatInterval) {
+    return absl::InvalidArgumentError(absl::StrCat("heartbeat interval (", absl::ToInt64Milliseconds(o.heartbeat_interval),
+                                                   " ms) must be at least ",
+                                                   absl::ToInt64Milliseconds(kMinHeartbeatInterval), " ms"));
+  }
+  if (o.heartbeat_timeout < kMinHeartbeatTimeout) {
+    return absl::InvalidArgumentError(absl::StrCat("heartbeat timeout (", absl::ToInt64Milliseconds(o.heartbeat_timeout),
+                                                   " ms) must be at least ",
+                                                   absl::ToInt64Milliseconds(kMinHeartbeatTimeout), " ms"));
   }
   if (o.heartbeat_timeout < 2 * o.heartbeat_interval) {
     return absl::InvalidArgumentError(absl::StrCat(

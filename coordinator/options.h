@@ -72,6 +72,10 @@ struct PromotionOptions {
   int demote_threshold = kDefaultDemoteThreshold;
 };
 
+// The shortest heartbeat settings accepted (ValidateOptions).
+inline constexpr absl::Duration kMinHeartbeatInterval = absl::Milliseconds(10);
+inline constexpr absl::Duration kMinHeartbeatTimeout = absl::Milliseconds(100);
+
 struct CoordinatorOptions {
   std::string listen_address = kDefaultListenAddress;
   Policy default_policy = Policy::kAuto;

@@ -57,7 +57,11 @@ uint64_t NextIncarnation(const std::string& path, absl::Time now) {
   if (path.empty()) return next;
   auto log = logging::Get("coordinator");
   absl::StatusOr<uint64_t> stored = ReadIncarnation(path);
-  if (stored.ok()) {
+  if (stored.ok() && *stored >= (uint64_t{1} << 62)) {
+    // Far beyond any clock (microseconds since 1970 are about 2^50): a forged or corrupt file,
+    // whose +1 would one day wrap to 0 and make every later incarnation look older.
+    log->warn("state file {} holds incarnation {}, beyond any clock; ignored", path, *stored);
+  } else if (stored.ok()) {
     next = std::max(next, *stored + 1);
   } else if (!absl::IsNotFound(stored.status())) {
     log->warn("{}; ignored (it only keeps incarnations increasing if the clock steps back)",

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <map>
 #include <set>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -58,33 +59,70 @@ std::string Chart(const std::deque<DecisionSample>& h) {
                       "<p class=muted>module decisions given, all jobs, cumulative</p>");
 }
 
+// Rows of one table on the page, at most: the page stays small whatever the job's size.
+constexpr size_t kPageRows = 256;
+
+// "0,1,2,...": at most 32 ranks, then how many more (a group of 16,384 ranks in one cell).
+std::string ShortRanks(const google::protobuf::RepeatedField<int32_t>& ranks) {
+  constexpr int kShown = 32;
+  if (ranks.size() <= kShown) return absl::StrJoin(ranks, ",");
+  return absl::StrCat(absl::StrJoin(ranks.begin(), ranks.begin() + kShown, ","), ",... (", ranks.size() - kShown,
+                      " more)");
+}
+
 std::string GroupTable(const std::string& job, const v1::ListGroupsResponse& groups) {
   std::string out =
       "<table class=groups><tr><th>group<th>ranks<th>state<th>epoch<th>pending<th>per_layer<th>skip<th>root"
       "<th>replicate<th>divergent<th>why failed</tr>";
+  // At most kPageRows groups a job, the failed ones first.
+  std::vector<const v1::GroupStatus*> rows, others;
   for (const auto& g : groups.groups()) {
-    if (g.job_id() != job) continue;
+    if (g.job_id() == job) (g.state() == v1::GROUP_STATE_FAILED ? rows : others).push_back(&g);
+  }
+  rows.insert(rows.end(), others.begin(), others.end());
+  const size_t shown = std::min(rows.size(), kPageRows);
+  for (size_t i = 0; i < shown; ++i) {
+    const v1::GroupStatus& g = *rows[i];
     const std::string state = StateName(g.state());
     const auto& c = g.counts();
     out += absl::StrCat("<tr class='group ", state == "failed" ? "failed" : "", "' data-group=", g.group(), ">",
-                        Cell(std::to_string(g.group())), Cell(absl::StrJoin(g.ranks(), ",")), Cell(state),
+                        Cell(std::to_string(g.group())), Cell(ShortRanks(g.ranks())), Cell(state),
                         Cell(std::to_string(g.epoch())), Cell(std::to_string(g.pending_microbatches())),
                         Cell(std::to_string(c.per_layer())), Cell(std::to_string(c.skip())),
                         Cell(std::to_string(c.root())), Cell(std::to_string(c.replicate())),
                         Cell(std::to_string(c.divergent())), Cell(g.failure_reason()), "</tr>");
   }
-  return out + "</table>";
+  out += "</table>";
+  if (rows.size() > shown) {
+    out += absl::StrCat("<p class=muted>", rows.size() - shown, " more groups not shown (the failed come first): "
+                        "shardctl groups --job ", HtmlEscape(job), "</p>");
+  }
+  return out;
 }
 
 std::string RankTable(const std::string& job, const PageInput& in, const std::set<std::pair<std::string, int>>& behind) {
   std::string out =
       "<table class=ranks><tr><th>rank<th>group<th>state<th>host<th>heartbeat age<th>plans<th>pending<th>why dead"
       "</tr>";
+  // At most kPageRows ranks a job: the dead and the behind first, then the rest in rank order
+  // (65,536 ranks made an 11.7 MB page); `shardctl ranks --job` lists them all.
+  struct Row {
+    const v1::RankStatus* r;
+    bool is_behind;
+  };
+  std::vector<Row> attention, others;
   for (const auto& r : in.snapshot.ranks.ranks()) {
     if (r.job_id() != job) continue;
-    const std::string state = StateName(r.state());
-    const bool late = state == "live" && r.last_heartbeat_age_ms() > 2 * in.heartbeat_interval_ms;
+    const bool late = r.state() == v1::RANK_STATE_LIVE && r.last_heartbeat_age_ms() > 2 * in.heartbeat_interval_ms;
     const bool is_behind = late || behind.count({job, r.rank()}) > 0;
+    (r.state() == v1::RANK_STATE_DEAD || is_behind ? attention : others).push_back({&r, is_behind});
+  }
+  attention.insert(attention.end(), others.begin(), others.end());
+  const size_t shown = std::min(attention.size(), kPageRows);
+  for (size_t i = 0; i < shown; ++i) {
+    const v1::RankStatus& r = *attention[i].r;
+    const bool is_behind = attention[i].is_behind;
+    const std::string state = StateName(r.state());
     const std::string cls = state == "dead" ? "dead" : is_behind ? "behind" : "";
     const std::string age = r.last_heartbeat_age_ms() < 0 ? "-" : absl::StrCat(r.last_heartbeat_age_ms(), " ms");
     out += absl::StrCat("<tr class='rank ", cls, "' data-rank=", r.rank(), " data-state=", state, ">",
@@ -93,7 +131,12 @@ std::string RankTable(const std::string& job, const PageInput& in, const std::se
                         Cell(std::to_string(r.plans_received())), Cell(std::to_string(r.pending_plans())),
                         Cell(r.dead_reason()), "</tr>");
   }
-  return out + "</table>";
+  out += "</table>";
+  if (attention.size() > shown) {
+    out += absl::StrCat("<p class=muted>", attention.size() - shown, " more ranks not shown (the dead and the behind "
+                        "come first): shardctl ranks --job ", HtmlEscape(job), "</p>");
+  }
+  return out;
 }
 
 std::string CommTable(const std::string& job, const v1::ListCommsResponse& comms) {

@@ -50,21 +50,6 @@ def decision(specs, kind):
     return SimpleNamespace(modules={s.name: SimpleNamespace(decision=kind) for s in specs}, step=0, microbatch=0)
 
 
-def count_all_gathers():
-    import torch.distributed.fsdp._fully_shard._fsdp_collectives as C
-    import torch.distributed.fsdp._fully_shard._fsdp_param_group as G
-    counter = {"n": 0}
-    original = C.foreach_all_gather
-
-    def counted(*a, **k):
-        counter["n"] += 1
-        return original(*a, **k)
-
-    C.foreach_all_gather = counted
-    G.foreach_all_gather = counted
-    return counter
-
-
 def bits(t):
     import torch
     return t.detach().float().contiguous().view(torch.uint8).numpy().tobytes()
@@ -167,6 +152,8 @@ def rank_main(rank, families, store, queue):
     try:
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
                                 timeout=datetime.timedelta(seconds=30))
+        sys.path.insert(0, str(HERE.parents[1] / "tests/gpu"))
+        from fsdp2_check import count_all_gathers  # The same counter as the FSDP2 scenarios.
         counter = count_all_gathers()
         for name in families:
             try:

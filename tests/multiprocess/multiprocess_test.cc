@@ -32,6 +32,7 @@ namespace shardcoord {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 using testing::ReadFile;
 using testing::RunCommand;
 using testing::Subprocess;
@@ -304,7 +305,10 @@ TEST_F(MultiProcessTest, DaemonStopsCleanlyOnSigtermAndSigint) {
 // same address. Every rank reconnects, resumes with what it holds, and finishes; the ranks of
 // each group agree on every decision.
 TEST_F(MultiProcessTest, ADaemonKilledMidJobAndRestartedOnTheSameAddressCostsOnlyThePause) {
-  StartDaemon();
+  // With a state file the daemons share a resume key: every resume must carry its rank's
+  // credential and the seals of the decisions it holds (resume_auth.h), end to end.
+  const std::string state = dir_.File("state");
+  StartDaemon({"--state-file", state});
   const std::string trace = dir_.File("trace.jsonl");
   WriteTrace(trace, 8, 240);  // ~6 s of work per rank at 25 ms
   StartJob(trace, 25);
@@ -313,7 +317,7 @@ TEST_F(MultiProcessTest, ADaemonKilledMidJobAndRestartedOnTheSameAddressCostsOnl
     ASSERT_TRUE(daemon_->process().Wait(absl::Seconds(10)).has_value());
     auto d = testing::Daemon::Start(dir_.path(),
                                     {"--heartbeat-interval-ms", "100", "--heartbeat-timeout-ms",
-                                     std::to_string(kHeartbeatTimeoutMs)},
+                                     std::to_string(kHeartbeatTimeoutMs), "--state-file", state},
                                     address_, absl::StrCat("daemon", kill + 2));
     ASSERT_TRUE(d.ok()) << d.status();
     daemon_ = std::move(*d);
@@ -344,6 +348,9 @@ TEST_F(MultiProcessTest, ADaemonKilledMidJobAndRestartedOnTheSameAddressCostsOnl
   EXPECT_EQ(verify.exit_code, 0) << verify.err;
   EXPECT_THAT(verify.out, HasSubstr("all ranks of each group agree"));
   EXPECT_THAT(daemon_->Stderr(), HasSubstr("event=group_recovered"));
+  EXPECT_THAT(daemon_->Stderr(), HasSubstr("resumes after a restart are verified"));
+  EXPECT_THAT(daemon_->Stderr(), Not(HasSubstr("resume_unverified")));
+  EXPECT_THAT(daemon_->Stderr(), Not(HasSubstr("resume credential")));
 }
 
 TEST_F(MultiProcessTest, RanksRefuseToResumeWithADaemonRestartedUnderOtherSettings) {

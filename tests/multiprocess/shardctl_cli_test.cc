@@ -90,6 +90,17 @@ TEST(ShardctlCliTest, BadCoordinatorAddressIsAUsageErrorForEveryCommand) {
   auto verify = RunCommand(Shardctl({"verify", dir.File("rank0.jsonl")}), kCommandTimeout,
                            {"SHARDCOORD_ADDR=127.0.0.1:99999"});
   EXPECT_EQ(verify.exit_code, 0) << verify.err;
+  // A rank whose output lacks microbatches its group mates received does not pass as agreeing.
+  auto line = [](int rank, int mb) {
+    return absl::StrCat(R"({"rank":)", rank, R"(,"group":0,"step":0,"microbatch":)", mb,
+                        R"(,"module":"m","decision":"skip","seq":)", mb, R"(,"reason":"x"})", "\n");
+  };
+  std::ofstream(dir.File("r0.jsonl")) << line(0, 0) << line(0, 1) << line(0, 2);
+  std::ofstream(dir.File("r1.jsonl")) << line(1, 0);
+  auto partial = RunCommand(Shardctl({"verify", dir.File("r0.jsonl"), dir.File("r1.jsonl")}), kCommandTimeout);
+  EXPECT_EQ(partial.exit_code, 3) << partial.out << partial.err;
+  EXPECT_THAT(partial.err, HasSubstr("MISSING: rank 1 of group 0 has no decision for (0,1) module m"));
+  EXPECT_THAT(partial.out, HasSubstr("2 decisions MISSING"));
 }
 
 TEST(ShardctlCliTest, WellFormedAddressesAreAccepted) {

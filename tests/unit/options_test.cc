@@ -250,6 +250,20 @@ TEST(ValidateOptionsTest, RejectsTimeoutBelowTwiceIntervalNamingBothNumbers) {
   EXPECT_TRUE(ValidateOptions(o).ok()) << ValidateOptions(o);
 }
 
+TEST(ValidateOptionsTest, HeartbeatsFasterThanTheDaemonCanTellAreRefused) {
+  // 10 ms timeouts were accepted: silent ranks were then never declared dead, and ~190 pause
+  // events a second flooded the log.
+  CoordinatorOptions o;
+  o.heartbeat_interval = absl::Milliseconds(5);
+  o.heartbeat_timeout = absl::Milliseconds(200);
+  EXPECT_THAT(ValidateOptions(o).message(), HasSubstr("heartbeat interval (5 ms) must be at least 10 ms"));
+  o.heartbeat_interval = absl::Milliseconds(10);
+  o.heartbeat_timeout = absl::Milliseconds(20);
+  EXPECT_THAT(ValidateOptions(o).message(), HasSubstr("heartbeat timeout (20 ms) must be at least 100 ms"));
+  o.heartbeat_timeout = absl::Milliseconds(100);
+  EXPECT_TRUE(ValidateOptions(o).ok()) << ValidateOptions(o);
+}
+
 TEST(ValidateOptionsTest, SessionThreadsOutsideTheirRangeAreRefusedNamingTheRange) {
   CoordinatorOptions o;
   for (int bad : {-1, 1025}) {

@@ -116,7 +116,7 @@ CoordinatorOptions RecoveryOptions() {
 
 class CoreRecoveryTest : public ::testing::Test, protected shardcoord::testing::CoreHarness {
  protected:
-  CoreRecoveryTest() : CoreHarness(RecoveryOptions()) {}
+  explicit CoreRecoveryTest(const CoordinatorOptions& options = RecoveryOptions()) : CoreHarness(options) {}
 
   v1::RegisterRequest Request(int rank, v1::Policy policy = v1::POLICY_AUTO) {
     v1::RegisterRequest r;
@@ -213,6 +213,16 @@ TEST_F(CoreRecoveryTest, AMemberThatDoesNotResumeWithinTheWindowIsDeclaredDeadBy
   auto failures = sinks_[0]->Where([](const auto& m) { return m.has_group_failure(); });
   ASSERT_EQ(failures.size(), 1u);
   EXPECT_THAT(failures[0].group_failure().reason(), HasSubstr("1 of 2 ranks (1) did not resume within the recovery window"));
+}
+
+TEST_F(CoreRecoveryTest, WithoutAKeyAnUnverifiableResumeIsTakenOnlySoonAfterAStart) {
+  // No --state-file, no tokens: a resume cannot be checked, so it is believed only while a
+  // restart's honest resumes can still arrive (within the recovery window of the start).
+  clock_->Advance(absl::Seconds(6));
+  absl::Status s = Register(Resume(0));
+  EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << s;
+  EXPECT_THAT(s.message(), HasSubstr("resumes from an earlier coordinator 6 s after this one started"));
+  EXPECT_TRUE(core_->Status("").jobs().empty()) << "nothing was created";
 }
 
 TEST_F(CoreRecoveryTest, AJobWhoseRanksAllLeftRunsAgainUnderTheSameIdFromTheFirstKey) {
@@ -312,6 +322,10 @@ TEST(StateFileTest, IncarnationsKeepIncreasingAndABadFileIsIgnored) {
     EXPECT_EQ(NextIncarnation(path, now + absl::Seconds(1)), static_cast<uint64_t>(absl::ToUnixMicros(now)) + 1000000);
     EXPECT_TRUE(ReadIncarnation(path).ok()) << "rewritten after " << bad;
   }
+  // A well-formed file near 2^64 (forged, or a corrupt clock) would wrap the incarnation to 0
+  // a few starts later: ignored, the clock is taken.
+  ASSERT_TRUE(WriteIncarnation(path, std::numeric_limits<uint64_t>::max()).ok());
+  EXPECT_EQ(NextIncarnation(path, now), static_cast<uint64_t>(absl::ToUnixMicros(now)));
 }
 
 }  // namespace
@@ -331,50 +345,23 @@ CoordinatorOptions KeyedOptions() {
   return o;
 }
 
-// A decision of group 0 for "vision", digest filled in, sealed by `auth` when given.
+// Decision(...) sealed by `auth` (the daemon before the restart, or a forger's key).
 v1::MicrobatchDecision HeldDecision(int64_t step, int mb, uint64_t seq, v1::Decision kind,
                                     const ResumeAuthority* auth) {
-  v1::MicrobatchDecision d;
-  d.set_group(0);
-  d.set_step(step);
-  d.set_microbatch(mb);
-  d.set_seq(seq);
-  d.set_epoch(0);
-  auto* m = d.add_modules();
-  m->set_module("vision");
-  m->set_decision(kind);
-  m->set_reason(kind == v1::DECISION_SKIP ? v1::REASON_ALL_SKIP : v1::REASON_UNIFORM);
-  d.set_digest(DecisionDigest(FromProto(d)));
-  if (auth != nullptr) d.set_seal(auth->Seal("job", d));
+  v1::MicrobatchDecision d =
+      Decision(step, mb, seq, kind, kind == v1::DECISION_SKIP ? v1::REASON_ALL_SKIP : v1::REASON_UNIFORM);
+  d.set_seal(auth->Seal("job", d));
   return d;
 }
 
-class KeyedRecoveryTest : public ::testing::Test, protected shardcoord::testing::CoreHarness {
+class KeyedRecoveryTest : public CoreRecoveryTest {
  protected:
-  KeyedRecoveryTest() : CoreHarness(KeyedOptions()) {}
+  KeyedRecoveryTest() : CoreRecoveryTest(KeyedOptions()) {}
 
   // What a rank registered with an earlier daemon of the same key holds.
   v1::RegisterRequest Resume(int rank, bool with_credential) {
-    v1::RegisterRequest r;
-    r.set_job_id("job");
-    r.set_rank(rank);
-    r.set_world_size(2);
-    r.set_group_size(2);
-    r.set_policy(v1::POLICY_AUTO);
-    r.set_fallback(v1::FALLBACK_ROOT);
-    r.set_wrap_outer_model(true);
-    r.set_lookahead(4);
-    auto* m = r.add_modules();
-    m->set_name("vision");
-    m->set_param_bytes(100);
-    v1::ResumeState* s = r.mutable_resume();
-    s->set_incarnation(900);
-    v1::RegisterResponse* prev = s->mutable_previous();
-    prev->set_policy(v1::POLICY_AUTO);
-    prev->set_fallback(v1::FALLBACK_ROOT);
-    prev->set_lookahead(4);
-    prev->set_config_digest(core_->config_digest());
-    if (with_credential) s->set_credential(earlier_.Credential("job", rank));
+    v1::RegisterRequest r = CoreRecoveryTest::Resume(rank);
+    if (with_credential) r.mutable_resume()->set_credential(earlier_.Credential("job", rank));
     return r;
   }
 

@@ -32,14 +32,19 @@ CommunicatorBase::CommunicatorBase(std::shared_ptr<EpochRendezvous> rendezvous, 
       rendezvous_(std::move(rendezvous)),
       spec_(std::move(spec)) {}
 
-void CommunicatorBase::Abort(const std::string& reason) {
+void CommunicatorBase::Abort(const std::string& reason) { AbortLogged(reason, /*expected=*/false); }
+
+void CommunicatorBase::AbortOnClose(const std::string& reason) { AbortLogged(reason, /*expected=*/true); }
+
+void CommunicatorBase::AbortLogged(const std::string& reason, bool expected) {
   {
     absl::MutexLock lock(&mu_);
     if (!abort_reason_.empty()) return;
     abort_reason_ = reason.empty() ? "aborted" : reason;
   }
-  logging::Get("worker")->warn("job={} rank={} comm={} epoch={} aborting: {}", spec_.job_id, spec_.job_rank, name(),
-                               epoch(), reason);
+  logging::Get("worker")->log(expected ? spdlog::level::info : spdlog::level::warn,
+                              "job={} rank={} comm={} epoch={} {}: {}", spec_.job_id, spec_.job_rank, name(), epoch(),
+                              expected ? "closing" : "aborting", reason);
   AbortBackend();
 }
 

@@ -42,6 +42,9 @@ class AbortableCommunicator : public Communicator {
   // The coordinator aborted this epoch. Called from the worker's reader thread; must not
   // block on the network. Pending and later collectives fail with ABORTED and `reason`.
   virtual void Abort(const std::string& reason) = 0;
+  // The same, when this rank's worker closes on purpose: logged as information, not as a
+  // warning (a clean job logs no warning).
+  virtual void AbortOnClose(const std::string& reason) = 0;
   // Joins the rendezvous and connects to every member, within the join timeout.
   virtual absl::Status Connect() = 0;
   // Collectives started and finished in this epoch; sent with heartbeats so the
@@ -54,8 +57,12 @@ class CommunicatorBase : public AbortableCommunicator {
   // Records the first reason, logs it and stops the backend (AbortBackend); later calls
   // do nothing.
   void Abort(const std::string& reason) final;
+  void AbortOnClose(const std::string& reason) final;
   void Progress(int64_t* issued, int64_t* completed) const final;
   absl::Status Health() const final;
+
+ private:
+  void AbortLogged(const std::string& reason, bool expected);
 
  protected:
   CommunicatorBase(std::shared_ptr<EpochRendezvous> rendezvous, CommSpec spec);

@@ -89,8 +89,9 @@ void Worker::Impl::EndSession(absl::Status why) {
   // to abort, so our communicators must not go on waiting for them.
   std::vector<std::shared_ptr<internal::AbortableCommunicator>> open = comms_.Open();
   const std::string reason(session_status_.message());
+  const bool closing = closing_;
   mu_.Unlock();
-  for (auto& c : open) c->Abort(reason);
+  for (auto& c : open) closing ? c->AbortOnClose(reason) : c->Abort(reason);
   mu_.Lock();
 }
 
