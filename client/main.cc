@@ -38,6 +38,7 @@
 #include "shardcoord/internal/logging.h"
 #include "shardcoord/proto/convert.h"
 #include "shardcoord/v1/coordinator.grpc.pb.h"
+#include "shardcoord/version.h"
 #include "trace.h"
 
 namespace {
@@ -384,6 +385,7 @@ int CmdWatch(Client& client, const std::string& job, int interval_ms, int count)
 
 int main(int argc, char** argv) {
   CLI::App app{"shardctl: query a shardcoord coordinator, or replay a plan trace through one"};
+  app.set_version_flag("--version", std::string("shardctl ") + shardcoord::kVersion);
   app.require_subcommand(1);
   // Global options also work after the subcommand: `shardctl status --coordinator ADDR`.
   app.fallthrough();

@@ -2,13 +2,13 @@
 // groups, decisions). Read-only snapshots taken under the core's lock.
 #include "absl/strings/str_cat.h"
 #include "coordinator/coordinator_core.h"
+#include "shardcoord/version.h"
 #include "shardcoord/proto/convert.h"
 #include "coordinator/text.h"
 
 namespace shardcoord::coordinator {
 namespace {
 
-constexpr char kVersion[] = "0.1.0";
 // Largest answer to an operator's query (gRPC clients accept 4 MiB by default).
 constexpr size_t kMaxAnswerBytes = 3 << 20;
 
@@ -69,7 +69,7 @@ v1::StatusResponse CoordinatorCore::Status(const std::string& job_id) const {
   absl::MutexLock lock(&mu_);
   v1::StatusResponse out;
   const absl::Time now = clock_->Now();
-  out.set_version(kVersion);
+  out.set_version(shardcoord::kVersion);
   out.set_listen_address(bound_address_.empty() ? options_.listen_address : bound_address_);
   out.set_started_unix_ms(absl::ToUnixMillis(started_));
   out.set_uptime_ms(absl::ToInt64Milliseconds(now - started_));

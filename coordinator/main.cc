@@ -22,6 +22,7 @@
 #include "coordinator/options.h"
 #include "coordinator/resume_auth.h"
 #include "coordinator/state_file.h"
+#include "shardcoord/version.h"
 #include "coordinator/auth.h"
 #include "coordinator/tls.h"
 #include "shardcoord/internal/logging.h"
@@ -296,6 +297,7 @@ int Serve(CoordinatorOptions options, const std::string& http_address_file) {
 
 int main(int argc, char** argv) {
   CLI::App app{"shardcoordd: coordinator for frozen multimodal FSDP sharding decisions"};
+  app.set_version_flag("--version", std::string("shardcoordd ") + shardcoord::kVersion);
   Flags f;
   AddFlags(app, f);
   try {

@@ -27,6 +27,7 @@ def classify(nodes, extra_towers=(), extra_projectors=()):
                                 list(extra_projectors))
 
 
+__version__ = _shardcoord.__version__  # CMakeLists.txt's project() version, as the daemon reports.
 BUILTIN_TOWER_NAMES = tuple(_shardcoord.builtin_tower_names())
 BUILTIN_PROJECTOR_NAMES = tuple(_shardcoord.builtin_projector_names())
 

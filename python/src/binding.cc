@@ -19,6 +19,7 @@
 #include "absl/time/time.h"
 #include "shardcoord/classify.h"
 #include "shardcoord/types.h"
+#include "shardcoord/version.h"
 #include "shardcoord/worker.h"
 
 namespace py = pybind11;
@@ -214,6 +215,7 @@ std::vector<std::tuple<std::string, std::string, bool>> Classify(
 PYBIND11_MODULE(_shardcoord, m) {
   using namespace shardcoord;
   m.doc() = "Native part of the shardcoord package; use `import shardcoord`.";
+  m.attr("__version__") = shardcoord::kVersion;
   py::class_<PyWorker>(m, "NativeWorker")
       .def("report_plan", &PyWorker::ReportPlan, py::arg("step"), py::arg("microbatch"), py::arg("calls"))
       .def("get_decision", &PyWorker::GetDecision, py::arg("step"), py::arg("microbatch"), py::arg("timeout"))

@@ -30,6 +30,7 @@ done
 # LibTorch): Abseil (Debian's inline namespace must match the bundled libraries) and CLI11.
 mkdir -p "$out/include"
 cp -r /usr/include/absl /usr/include/CLI "$out/include/"
+mkdir -p "$out/include/shardcoord" && cp "$build/generated/include/shardcoord/version.h" "$out/include/shardcoord/"
 strip --strip-unneeded "$out"/bin/* "$out"/lib/*.so* 2>/dev/null || true
 # Test certificates for SECURED=1 runs (a CA, the daemon's for 127.0.0.1, a client's), so the
 # GPU machine needs no openssl.

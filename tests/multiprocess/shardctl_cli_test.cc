@@ -103,6 +103,14 @@ TEST(ShardctlCliTest, BadCoordinatorAddressIsAUsageErrorForEveryCommand) {
   EXPECT_THAT(partial.out, HasSubstr("2 decisions MISSING"));
 }
 
+TEST(ShardctlCliTest, BothProgramsSayTheirVersion) {
+  for (const std::string program : {std::string(SHARDCTL_PATH), std::string(SHARDCOORDD_PATH)}) {
+    auto r = RunCommand({program, "--version"}, kCommandTimeout);
+    EXPECT_EQ(r.exit_code, 0) << program << ": " << r.err;
+    EXPECT_THAT(r.out, ::testing::MatchesRegex("(shardctl|shardcoordd) [0-9]+\\.[0-9]+\\.[0-9]+\n")) << r.out;
+  }
+}
+
 TEST(ShardctlCliTest, WellFormedAddressesAreAccepted) {
   testing::RefusingPort closed;
   const std::string port = std::to_string(closed.port());

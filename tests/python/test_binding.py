@@ -22,6 +22,14 @@ def connect(daemon, rank, world=2, group=2, **kw):
     return shardcoord.Worker("job", MODULES, group, rank=rank, world_size=world, address=daemon.address, **kw)
 
 
+def test_the_package_version_is_the_daemons(daemon):
+    import re
+    assert re.fullmatch(r"\d+\.\d+\.\d+", shardcoord.__version__), shardcoord.__version__
+    out = subprocess.run([os.environ["SHARDCTL"], "status", "--coordinator", daemon.address], capture_output=True,
+                         text=True, timeout=30)
+    assert f"version {shardcoord.__version__} " in out.stdout, out.stdout + out.stderr
+
+
 def test_a_group_gets_one_identical_decision(daemon):
     with connect(daemon, 0) as w0, connect(daemon, 1) as w1:
         assert w0.group.ranks == [0, 1]
