@@ -90,7 +90,12 @@ TEST(ShardctlCliTest, BadCoordinatorAddressIsAUsageErrorForEveryCommand) {
   auto verify = RunCommand(Shardctl({"verify", dir.File("rank0.jsonl")}), kCommandTimeout,
                            {"SHARDCOORD_ADDR=127.0.0.1:99999"});
   EXPECT_EQ(verify.exit_code, 0) << verify.err;
-  // A rank whose output lacks microbatches its group mates received does not pass as agreeing.
+}
+
+TEST(ShardctlCliTest, VerifyFailsWhenARankLacksDecisionsItsGroupMatesReceived) {
+  TempDir dir;
+  // A rank whose output lacks microbatches its group mates received does not pass as agreeing
+  // (it did: "all ranks of each group agree" with one rank holding 1 of 3 decisions).
   auto line = [](int rank, int mb) {
     return absl::StrCat(R"({"rank":)", rank, R"(,"group":0,"step":0,"microbatch":)", mb,
                         R"(,"module":"m","decision":"skip","seq":)", mb, R"(,"reason":"x"})", "\n");
@@ -100,6 +105,8 @@ TEST(ShardctlCliTest, BadCoordinatorAddressIsAUsageErrorForEveryCommand) {
   auto partial = RunCommand(Shardctl({"verify", dir.File("r0.jsonl"), dir.File("r1.jsonl")}), kCommandTimeout);
   EXPECT_EQ(partial.exit_code, 3) << partial.out << partial.err;
   EXPECT_THAT(partial.err, HasSubstr("MISSING: rank 1 of group 0 has no decision for (0,1) module m"));
+  auto whole = RunCommand(Shardctl({"verify", dir.File("r0.jsonl")}), kCommandTimeout);
+  EXPECT_EQ(whole.exit_code, 0) << whole.err;
   EXPECT_THAT(partial.out, HasSubstr("2 decisions MISSING"));
 }
 
