@@ -479,6 +479,10 @@ int main(int argc, char** argv) {
       "verify", "check that per-rank replay outputs (--per-rank) of one job agree within each group");
   std::vector<std::string> verify_files;
   verify->add_option("files", verify_files, "outputs of `shardctl replay --per-rank`")->required()->check(CLI::ExistingFile);
+  bool verify_complete = false;
+  verify->add_flag("--complete", verify_complete,
+                   "also fail (exit 3) when a rank's output lacks a decision its group mates received (a rank "
+                   "that failed or was killed lacks some legitimately; without the flag they are counted)");
 
   const std::vector<CLI::App*> commands = {status, ranks, groups, decisions, comms, events, replay, verify};
   try {
@@ -503,7 +507,9 @@ int main(int argc, char** argv) {
     }
     return app.exit(e) == 0 ? kExitOk : kExitUsage;
   }
-  if (verify->parsed()) return shardcoord::client::VerifyPerRankOutputs(verify_files, std::cout, std::cerr);
+  if (verify->parsed()) {
+    return shardcoord::client::VerifyPerRankOutputs(verify_files, std::cout, std::cerr, verify_complete);
+  }
   if (replay->parsed() && std::getenv(shardcoord::logging::kLevelEnv) == nullptr) {
     // The embedded coordinator and the simulated workers log only problems by default.
     shardcoord::logging::SetLevel("warn");

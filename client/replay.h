@@ -55,8 +55,11 @@ int RunReplay(const Trace& trace, ReplayOptions options, std::ostream& out, std:
 // that all ranks of each group received the same decision and seq for every microbatch
 // and module. Prints a summary by decision kind (each group decision counted once).
 // Returns kReplayOk, kReplayBadInput or kReplayDiverged.
+// Decisions some rank of a group lacks while others received them are counted and named;
+// with `complete` they also fail the check (a rank that failed or was killed lacks the
+// decisions after its end legitimately, so by default they do not).
 int VerifyPerRankOutputs(const std::vector<std::string>& files, std::ostream& out,
-                         std::ostream& err);
+                         std::ostream& err, bool complete = false);
 
 }  // namespace shardcoord::client
 
