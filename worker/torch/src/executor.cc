@@ -58,11 +58,7 @@ int64_t Bytes(const std::vector<torch::Tensor>& params) {
   return bytes;
 }
 
-int64_t ParamBytes(const torch::nn::Module& m) {
-  int64_t bytes = 0;
-  for (const auto& p : m.parameters(/*recurse=*/true)) bytes += p.numel() * static_cast<int64_t>(p.element_size());
-  return bytes;
-}
+int64_t ParamBytes(const torch::nn::Module& m) { return Bytes(m.parameters(/*recurse=*/true)); }
 
 absl::StatusOr<DataType> ToDataType(const torch::Tensor& t) {
   if (t.scalar_type() == torch::kFloat32) return DataType::kFloat32;
@@ -195,7 +191,6 @@ absl::Status FrozenShardExecutor::ShardModule(Module& mod, const std::shared_ptr
     std::vector<torch::Tensor> params;
     if (name.empty()) {
       for (const auto& [pname, p] : rest) params.push_back(p);
-      if (layers.size() > 0) mod.rest = static_cast<int>(mod.units.size());
     } else {
       for (const auto& [lname, unit] : layers) {
         if (lname == name) params = unit->parameters(/*recurse=*/true);
@@ -284,7 +279,9 @@ absl::Status FrozenShardExecutor::BeforeUnit(const std::string& module, int unit
                                                       "but this rank runs it: its plan said 0 calls"));
   }
   if (m->decision != Decision::kPerLayer) return absl::OkStatus();
-  if (m->rest >= 0 && unit != m->rest && !m->units[m->rest].params.empty() && !m->units[m->rest].full.defined()) {
+  // Beside layer units, the rest unit is gathered from BeginModule on: a layer before it is refused.
+  const int rest = m->units.size() > 1 ? RestIndex(*m) : -1;
+  if (rest >= 0 && unit != rest && !m->units[rest].params.empty() && !m->units[rest].full.defined()) {
     return absl::FailedPreconditionError(absl::StrCat(
         "unit ", unit, " ('", m->units[unit].name, "') of '", module, "' runs before the module's rest unit (its "
         "parameters outside the layer list) is gathered: call BeginModule when the module's forward starts"));

@@ -112,7 +112,6 @@ class FrozenShardExecutor {
     std::vector<Unit> units;
     Decision decision = Decision::kSkip;
     bool replicated = false;
-    int rest = -1;  // Index of the rest unit "" when the module also has layer units.
   };
 
   FrozenShardExecutor(std::shared_ptr<Communicator> group) : group_(std::move(group)) {}
