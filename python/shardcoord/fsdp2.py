@@ -41,10 +41,23 @@ What each decision does, so that every rank of the shard group issues the same c
 
 A controlled module without a layer list (one unit, "" in the manifest) is not wrapped on its own:
 it stays in the root unit, which every rank gathers in every forward - safe under every decision.
+
+Trainable parameters that only media batches use (LLaVA-NeXT's ``image_newline``, a trainable
+projector kept in the root unit) get a gradient on the ranks whose microbatch had media and none on
+the others. FSDP2 reduce-scatters only the parameters that have a gradient, so under ``root`` or
+``replicate`` (media on some ranks only) the ranks would reduce-scatter different sizes: a
+collective mismatch (seen on the GPU machine: Gloo's "Received data size doesn't match expected
+size", a hang on NCCL). ``shard(..., fill_missing_grads=True)`` (the default) gives every trainable
+parameter of each FSDP unit that was gathered for the backward a zero gradient where autograd gave
+none, just before FSDP reduces the unit: every rank then reduces the same parameters, and the mean
+gradient is the one DDP's ``find_unused_parameters`` would give (a rank that did not use a parameter
+contributes zero). This reaches into FSDP2's parameter groups (not public API; checked with torch
+2.11): where a torch lacks them, ``shard`` warns and goes on without it.
 """
 
 import copy
 import functools
+import warnings
 from typing import Dict, Iterable, List, Optional
 
 import torch
@@ -131,33 +144,48 @@ class Fsdp2Control:
 
 def _materialize(c: _Controlled, root: nn.Module) -> nn.Module:
     """A full, unsharded copy of the module, gathered with FSDP's own ``unshard()`` (the calls
-    ``root`` makes, in manifest order on every rank): each layer unit, then, when the module has
-    a rest unit, the root unit that holds those parameters; each resharded once copied.
+    ``root`` makes, in manifest order on every rank) one unit at a time: each layer unit is
+    gathered, copied into the replica and resharded before the next, then, when the module has a
+    rest unit, the root unit that holds those parameters. Peak: the replica plus one unit.
 
-    (Gathering parameter by parameter with ``DTensor.full_tensor()``, as before, hung at the
-    first ``replicate`` of a real Gemma 3 model at two Gloo ranks, where ``per_layer`` and ``root``
-    had passed; not diagnosed further in that session. The unshard path is the one ``root``
-    decisions use; it has not yet run on the GPU machine: docs/GPU.md.)"""
-    gathered = list(c.units) + ([root] if c.has_rest else [])
-    for unit in gathered:  # Same order on every rank.
+    (Gathering parameter by parameter with ``DTensor.full_tensor()``, as at first, hung at the
+    first ``replicate`` of a real Gemma 3 model at two Gloo ranks; gathering every unit before
+    copying, as next, held the tower twice: 2502 MiB for a 1252 MiB Qwen2.5-VL tower. docs/GPU.md.)"""
+    where = {id(m): name for name, m in c.module.named_modules()}
+    replica: Optional[nn.Module] = None
+    copied = set()
+
+    def copy_from(module: nn.Module, prefix: str) -> None:
+        nonlocal replica
+        for pname, p in module.named_parameters():
+            full_name = prefix + pname
+            if full_name in copied or hasattr(p, "full_tensor"):  # Another unit's, still sharded.
+                continue
+            if replica is None:
+                replica = copy.deepcopy(c.template).to_empty(device=p.device)
+            with torch.no_grad():
+                replica.get_parameter(full_name).copy_(p)
+            copied.add(full_name)
+
+    for unit in c.units:  # Same order on every rank.
         unit.unshard()
-    replica = copy.deepcopy(c.template)
-    device = None
-    full = {}
-    for pname, p in c.module.named_parameters():
-        t = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
-        full[pname] = t
-        device = t.device
-    replica = replica.to_empty(device=device)
+        copy_from(unit, where[id(unit)] + ".")
+        unit.reshard()  # Local: no collective.
+    if c.has_rest:
+        root.unshard()
+        copy_from(c.module, "")
+        root.reshard()
+    assert replica is not None
+    missing = [n for n, _ in replica.named_parameters() if n not in copied]
+    if missing:
+        raise FailedPrecondition(f"fsdp2: the replica of '{c.name}' lacks {len(missing)} parameters after gathering "
+                                 f"its units ({', '.join(missing[:5])}): were they wrapped by another fully_shard? "
+                                 f"Leave controlled modules' submodules to fsdp2.shard")
     with torch.no_grad():
         for pname, p in replica.named_parameters():
-            p.copy_(full[pname])
             p.requires_grad_(False)
         for bname, b in c.module.named_buffers():
             replica.get_buffer(bname).copy_(b)
-    del full
-    for unit in gathered:  # Local: no collective.
-        unit.reshard()
     return replica
 
 
@@ -166,11 +194,13 @@ def _units_of(module: nn.Module, spec: ModuleSpec) -> List[nn.Module]:
     return [module.get_submodule(u.name) for u in spec.units if u.name]
 
 
-def shard(model: nn.Module, manifest: Iterable[ModuleSpec], mesh=None, **fully_shard_kwargs) -> Fsdp2Control:
+def shard(model: nn.Module, manifest: Iterable[ModuleSpec], mesh=None, fill_missing_grads: bool = True,
+          **fully_shard_kwargs) -> Fsdp2Control:
     """Applies ``fully_shard`` to each layer unit of every controlled module and then to ``model``
     (the root unit), and returns the controller that carries out decisions. Other submodules you
     want as separate units: ``fully_shard`` them yourself before calling this (not inside
-    controlled modules)."""
+    controlled modules). ``fill_missing_grads``: see the module's documentation (trainable
+    parameters only media batches use)."""
     if fully_shard is None:
         raise FailedPrecondition(f"FSDP2 needs torch >= 2.6 (torch.distributed.fsdp.fully_shard); this is torch "
                                  f"{torch.__version__}: use shardcoord.torch.Executor instead")
@@ -198,7 +228,44 @@ def shard(model: nn.Module, manifest: Iterable[ModuleSpec], mesh=None, **fully_s
         _route_forward(c)
         controlled[spec.name] = c
     fully_shard(model, **kwargs)
+    if fill_missing_grads:
+        _fill_missing_grads(model)
     return Fsdp2Control(controlled, left_in_root, model)
+
+
+def _fill_missing_grads(model: nn.Module) -> None:
+    """Before FSDP2 reduces a unit after backward, a zero gradient for each trainable parameter of
+    the unit that autograd left without one (see the module's documentation). Only while the unit
+    is gathered (it was used in this forward: the same on every rank, since every rank gathers
+    the same units), so a unit no rank used stays silent."""
+    groups = []
+    for module in model.modules():
+        state = getattr(module, "_get_fsdp_state", None)
+        group = getattr(state(), "_fsdp_param_group", None) if state is not None else None
+        if group is None:
+            continue
+        if not (hasattr(group, "post_backward") and hasattr(group, "fsdp_params") and hasattr(group, "is_unsharded")):
+            warnings.warn(f"shardcoord.fsdp2: this torch {torch.__version__} has FSDP2 parameter groups without "
+                          f"post_backward/fsdp_params/is_unsharded, so fill_missing_grads is off: a trainable "
+                          f"parameter only media batches use can hang backward under root or replicate "
+                          f"(freeze it, or make every rank use it)", stacklevel=3)
+            return
+        groups.append(group)
+    for group in groups:
+        if not any(p.requires_grad for fp in group.fsdp_params for p in [fp.sharded_param]):
+            continue  # Frozen unit (a tower's layers): FSDP reduces nothing for it.
+        original = group.post_backward
+
+        def post_backward(*args, _group=group, _original=original):
+            if _group.is_unsharded:
+                for fp in _group.fsdp_params:
+                    param = getattr(fp, "_unsharded_param", None)
+                    if (param is not None and param.requires_grad and param.grad is None
+                            and getattr(fp, "unsharded_accumulated_grad", None) is None):
+                        param.grad = torch.zeros_like(param)
+            return _original(*args)
+
+        group.post_backward = post_backward
 
 
 def _route_forward(c: _Controlled) -> None:

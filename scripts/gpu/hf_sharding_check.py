@@ -14,8 +14,9 @@ only; skip with text only):
   - ``shardcoord.fsdp2``: the loss equal to the unsharded model's, and the same number of FSDP
     all-gathers per microbatch on both ranks (with equal-sized units a mismatch can complete
     silently, so "it did not hang" is not enough).
-Part 2, "memory" (one GPU, NCCL, world of 1, bf16): a LLaVA whose CLIP tower is scaled up (and a
-Qwen2.5-VL whose tower is), under FSDP2: the peak of CUDA memory above the resident shards during
+Part 2, "memory" (one GPU, NCCL, world of 1, bf16): a LLaVA whose CLIP tower is scaled up, a
+Qwen2.5-VL whose tower is, and Gemma 3, Idefics3, InternVL, Mllama and Qwen2-Audio with their towers
+widened to 1024 and deepened to 24 layers, under FSDP2: the peak of CUDA memory above the resident shards during
 a microbatch's forward, per decision, against the tower in the root unit (the one-unit tower the
 manifest had to make before rest units existed). per_layer must stay far below root.
 
@@ -25,6 +26,7 @@ manifest had to make before rest units existed). per_layer must stay far below r
 import argparse
 import copy
 import datetime
+import gc
 import os
 import sys
 import tempfile
@@ -122,7 +124,7 @@ def rank_family(name, rank, counter):
     model = build()
     specs = sct.manifest(model)
     ctl = fsdp2.shard(model, specs)
-    gathers, losses = [], []
+    gathers, losses, with_grad = [], [], []
     for (kind, _, _), batch in zip(plan, batches):
         print(f"  rank {rank} {name} fsdp2 {kind}", file=sys.stderr, flush=True)
         before = counter["n"]
@@ -131,6 +133,9 @@ def rank_family(name, rank, counter):
         loss.backward()
         ctl.end_microbatch()
         gathers.append(counter["n"] - before)
+        # Which trainable parameters hold a gradient (FSDP2 reduce-scatters only those): the same
+        # set on both ranks, or the next reduce-scatter mismatches (fsdp2's fill_missing_grads).
+        with_grad.append(sorted(n for n, p in model.named_parameters() if p.grad is not None))
         with torch.no_grad():
             expected = reference(**batch).loss
         losses.append((float(loss), float(expected)))
@@ -139,6 +144,10 @@ def rank_family(name, rank, counter):
     everyone = [None, None]
     dist.all_gather_object(everyone, gathers)
     assert everyone[0] == everyone[1], f"{name}: FSDP2 all-gathers per microbatch differ: {everyone}"
+    everyone = [None, None]
+    dist.all_gather_object(everyone, with_grad)
+    assert everyone[0] == everyone[1], f"{name}: the parameters with a gradient differ between ranks: {everyone}"
+    assert with_grad[-1], f"{name}: no trainable parameter has a gradient after five backwards"
     exact = sum(a == b for a, b in losses)
     return (f"ok {name}: {executor_line}; fsdp2: all-gathers per microbatch {gathers} on both ranks, losses equal "
             f"the unsharded model's ({exact} of {len(losses)} bitwise, all within 1e-5)")
@@ -218,6 +227,26 @@ def scaled_qwen25(tf):
     return tf.Qwen2_5_VLForConditionalGeneration, cfg, calls.qwen_batch, "image"
 
 
+def scaled(family, width=1024, depth=24, heads=16):
+    """A family's tiny config with its tower (vision or audio) widened and deepened, whatever the
+    config names those sizes; the batch makers do not depend on them."""
+    def make(tf):
+        cls_name, make_config, make_batch, kinds = calls.FAMILIES[family]
+        cfg = make_config(tf)
+        tower = getattr(cfg, "vision_config", None) or cfg.audio_config
+        for names, value in ((("hidden_size", "d_model"), width), (("intermediate_size", "encoder_ffn_dim"), 4 * width),
+                             (("num_hidden_layers", "encoder_layers"), depth),
+                             (("num_attention_heads", "attention_heads", "encoder_attention_heads"), heads)):
+            for attr in names:
+                if hasattr(tower, attr):
+                    setattr(tower, attr, value)
+        if hasattr(tower, "vision_output_dim"):  # Mllama: the layer outputs it concatenates.
+            tower.vision_output_dim = width * (len(tower.intermediate_layers_indices) + 1)
+        return getattr(tf, cls_name), cfg, make_batch, media_kinds(kinds)[0]
+    make.__name__ = f"scaled_{family}"
+    return make
+
+
 def part_memory():
     import torch
     import torch.distributed as dist
@@ -233,7 +262,8 @@ def part_memory():
     dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
     ok = True
     print("family            tower params  rest params  placement                 peak above shards (MiB)")
-    for make in (scaled_qwen25, scaled_llava):
+    more = [scaled(f) for f in ("gemma3", "idefics3", "internvl", "mllama", "qwen2_audio")]
+    for make in [scaled_qwen25, scaled_llava] + more:
         try:
             cls, cfg, make_batch, kind = make(tf)
         except Exception as e:  # noqa: BLE001
@@ -242,7 +272,7 @@ def part_memory():
         name = make.__name__
         peaks = {}
         try:
-            measure_family(name, cls, cfg, make_batch, kind, peaks)
+            measure_family(name, cls, cfg, make_batch, kind, peaks, family_of(name))
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             print(f"FAIL memory {name}: {type(e).__name__}: {str(e)[:300]}")
@@ -255,19 +285,27 @@ def part_memory():
     return ok
 
 
-def measure_family(name, cls, cfg, make_batch, kind, peaks):
+def family_of(name):
+    return {"scaled_qwen25": "qwen2_5_vl"}.get(name, name[len("scaled_"):])
+
+
+def measure_family(name, cls, cfg, make_batch, kind, peaks, family):
     import torch
 
     import shardcoord.torch as sct
     from shardcoord import fsdp2
     for placement in ("per_layer", "root", "replicate", "one_unit_tower_in_root"):
+        # The previous placement's model is garbage in reference cycles (FSDP's hooks): collected
+        # now, not in the middle of this measurement (where freeing it lowered one root peak to
+        # 72 MiB in a run of Qwen2-Audio, whose tower alone is 583 MiB).
+        gc.collect()
         torch.cuda.empty_cache()
         torch.manual_seed(0)
         torch.set_default_dtype(torch.bfloat16)
         with torch.device("cuda"):  # Initialized on the GPU: seconds, not minutes on the CPU.
             model = cls(cfg)
         torch.set_default_dtype(torch.float32)
-        tower_path = "model.vision_tower" if "llava" in name else "model.visual"
+        tower_path = calls.frozen(family)[0]
         model.get_submodule(tower_path).requires_grad_(False)
         layer_lists = {tower_path: ""} if placement == "one_unit_tower_in_root" else None
         specs = [s for s in sct.manifest(model, layer_lists=layer_lists) if s.name == tower_path]
