@@ -10,6 +10,7 @@
 #include "shardcoord/decide.h"
 #include "shardcoord/internal/logging.h"
 #include "shardcoord/proto/convert.h"
+#include "shardcoord/version.h"
 #include "coordinator/registration.h"
 #include "coordinator/secrets.h"
 #include "coordinator/text.h"
@@ -307,6 +308,7 @@ v1::CoordinatorMessage CoordinatorCore::Registered(const Group& group, const v1:
   resp->set_fallback(req.fallback());
   resp->set_lookahead(req.lookahead());
   resp->set_accepts_bundles(true);
+  resp->set_coordinator_version(shardcoord::kVersion);
   if (FromProto(req.policy()) == Policy::kPerLayer) {
     resp->add_warnings("policy per_layer: microbatches where ranks of the group diverge fall back to " +
                        std::string(FallbackName(FromProto(req.fallback()))) +

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Installs the Debian 12 packages a shardcoord command needs, only those missing.
 #
-#   scripts/install-deps.sh [build|demo|python|test|clang|deploy|all]...   (default: build)
+#   scripts/install-deps.sh [build|demo|python|package|test|clang|deploy|all]...   (default: build)
 #
 #   build   compile the daemon, the CLI, the worker library, the LibTorch executor, the
 #           example trainer, the tests and benchmarks (what scripts/build.sh needs)
 #   demo    build, nothing more: scripts/demo.sh installs no browser, Python or Slurm
-#   python  the Python package and its tests (python3-dev, pybind11, python3-torch, pytest)
+#   python  the Python package and its tests (python3-dev, pybind11, python3-torch, pytest), and
+#           `pip install --no-build-isolation .` (setuptools, wheel, venv)
+#   package python + dpkg-dev: scripts/package.sh (cpack's .deb, dependencies by dpkg-shlibdeps)
 #   test    build + python + what the suite drives: Chromium (the status page), Slurm and
 #           munge (the Slurm end to end test), clang (scripts/clang-build.sh), shellcheck
 #   clang   the clang build: lock analysis, ASan+UBSan, libFuzzer
@@ -21,10 +23,12 @@ build=(
   libabsl-dev libspdlog-dev libcli11-dev nlohmann-json3-dev libyaml-cpp-dev libcpp-httplib-dev prometheus-cpp-dev
   libsqlite3-dev libgtest-dev libgmock-dev libbenchmark-dev libgloo-dev libtorch-dev
 )
-python=(python3-dev pybind11-dev python3-torch python3-pytest python3-numpy python3-venv python3-pip)
+python=(python3-dev pybind11-dev python3-torch python3-pytest python3-numpy python3-venv python3-pip python3-setuptools
+        python3-wheel)
+package=(dpkg-dev)
 clang=(clang libclang-rt-14-dev)
 deploy=(shellcheck)
-test=("${build[@]}" "${python[@]}" "${clang[@]}" "${deploy[@]}" chromium slurm-wlm munge)
+test=("${build[@]}" "${python[@]}" "${package[@]}" "${clang[@]}" "${deploy[@]}" chromium slurm-wlm munge)
 
 packages=()
 [[ $# -eq 0 ]] && set -- build
@@ -32,10 +36,11 @@ for profile in "$@"; do
   case "$profile" in
     build|demo) packages+=("${build[@]}") ;;
     python) packages+=("${build[@]}" "${python[@]}") ;;
+    package) packages+=("${build[@]}" "${python[@]}" "${package[@]}") ;;
     clang) packages+=("${build[@]}" "${clang[@]}") ;;
     deploy) packages+=("${deploy[@]}") ;;
     test|all) packages+=("${test[@]}") ;;
-    *) echo "install-deps: unknown profile '$profile'; use build, demo, python, test, clang, deploy or all" >&2; exit 2 ;;
+    *) echo "install-deps: unknown profile '$profile'; use build, demo, python, package, test, clang, deploy or all" >&2; exit 2 ;;
   esac
 done
 

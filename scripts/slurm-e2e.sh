@@ -7,7 +7,8 @@
 # rank printed its summary, all ranks end with the same parameters, and the coordinator was
 # stopped and its secrets removed. The one change to the batch script: its GPU request is
 # dropped (no GPU here); nodes and tasks are given on the sbatch command line. The node is
-# declared with 8 CPUs (config_overrides) so that 4 trainer tasks and the coordinator fit.
+# declared with 8 CPUs (config_overrides) so that 4 trainer tasks and the coordinator fit. Then
+# the same script runs the Python example trainer as 2 srun tasks (ranks from SLURM_PROCID).
 #
 #   scripts/slurm-e2e.sh            (BUILD_DIR: a build with SHARDCOORD_WITH_TORCH, default build/)
 # shellcheck disable=SC2016  # check's conditions are evaluated later, on purpose
@@ -103,6 +104,23 @@ check "all 4 ranks printed their summary" '[[ $(grep -c "^summary rank" "$work/j
 check "every rank ends with the same parameters" '[[ $(grep "^final" "$work/job.out" | awk "{print \$4}" | sort -u | wc -l) == 1 ]]'
 check "the coordinator served TLS with tokens" 'grep -q "tls=on tokens=on" "$work"/*shardcoordd.log'
 check "the per-job token and CA were removed" '! ls "$work"/.shardcoord-* >/dev/null 2>&1'
+# A Python trainer under the same batch script: examples/python/vlm_train.py as 2 srun tasks with
+# no rank flags (shardcoord.launcher_rank reads SLURM_PROCID and SLURM_NTASKS; torch's env://
+# rendezvous the MASTER_ADDR/MASTER_PORT the script exports). Needs the build's Python package.
+if [[ -f $build/python/shardcoord/__init__.py ]]; then
+  SHARDCOORD_BIN_DIR="$work/bin" SHARDCOORD_PORT=$((20000 + RANDOM % 20000)) \
+    SHARDCOORD_TRAINER="env PYTHONPATH=$build/python /usr/bin/python3 $root/examples/python/vlm_train.py --job slurm-py --steps 2 --accum 2 --media mixed --group-size 2" \
+    timeout 300 sbatch --wait -N1 --ntasks-per-node=2 --time=10 -o "$work/job-py.out" "$work/train.sbatch"
+  rc=$?
+  check "python: the batch job exited 0 (sbatch rc $rc)" '[[ $rc == 0 ]]'
+  check "python: ranks 0 and 1 (from SLURM_PROCID) printed their summary" \
+    '[[ $(grep -oE "^summary rank [0-9]+" "$work/job-py.out" | sort -u | wc -l) == 2 ]]'
+  check "python: both ranks end with the same parameters" \
+    '[[ $(grep "^final params hash" "$work/job-py.out" | sort -u | wc -l) == 1 ]]'
+  if [[ $fail != 0 ]]; then echo "--- python job output"; tail -40 "$work/job-py.out"; fi
+else
+  echo "slurm-e2e: no Python package in $build/python: the Python trainer job is not run"
+fi
 if [[ $fail != 0 ]]; then
   echo "--- job output"; tail -40 "$work/job.out"
   echo "--- coordinator log"; tail -20 "$work"/*shardcoordd.log 2>/dev/null

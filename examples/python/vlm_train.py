@@ -3,7 +3,8 @@
 tower and projector are sharded by ``shardcoord.torch.Executor`` and placed, per microbatch, by the
 coordinator's decisions. The Python counterpart of examples/vlm_trainer (C++).
 
-Started like torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/MASTER_PORT) or with flags;
+Started like torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/MASTER_PORT), by srun (SLURM_PROCID,
+SLURM_NTASKS, SLURM_LOCALID; MASTER_ADDR/MASTER_PORT exported, as deploy/slurm/train.sbatch does) or with flags;
 ``--nproc N`` launches N ranks locally (a FileStore in a temporary folder: no ports to choose)::
 
     SHARDCOORD_ADDR=127.0.0.1:7871 python3 examples/python/vlm_train.py --nproc 2 --media mixed
@@ -181,8 +182,10 @@ def params_hash(model: nn.Module) -> str:
 
 def fsdp2_device(args: argparse.Namespace) -> torch.device:
     """cuda:$LOCAL_RANK when every local rank has a GPU of its own, else the CPU (Gloo)."""
-    local = int(os.environ.get("LOCAL_RANK", args.rank))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", args.world_size))
+    local = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", args.rank)))
+    # srun: SLURM_NTASKS_PER_NODE is set with --ntasks-per-node ("8"; the leading count if "8(x2)").
+    per_node = os.environ.get("SLURM_NTASKS_PER_NODE", "").split("(")[0].split(",")[0]
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", per_node if per_node.isdigit() else args.world_size))
     if torch.cuda.is_available() and torch.cuda.device_count() >= local_world:
         torch.cuda.set_device(local)
         return torch.device("cuda", local)
@@ -195,8 +198,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     ap.add_argument("--coordinator", default=env(shardcoord.ADDRESS_ENV, ""),
                     help="shardcoordd HOST:PORT (default $SHARDCOORD_ADDR)")
     ap.add_argument("--job", default="vlm-py")
-    ap.add_argument("--rank", type=int, default=None, help="default $RANK")
-    ap.add_argument("--world-size", type=int, default=None, help="default $WORLD_SIZE")
+    ap.add_argument("--rank", type=int, default=None, help="default $RANK (torchrun) or $SLURM_PROCID (srun)")
+    ap.add_argument("--world-size", type=int, default=None, help="default $WORLD_SIZE (torchrun) or $SLURM_NTASKS (srun)")
     ap.add_argument("--group-size", type=int, default=None, help="shard group size (default: the world)")
     ap.add_argument("--init-method", default=None,
                     help="torch.distributed init method (default env:// when $MASTER_ADDR is set)")
@@ -225,11 +228,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.nproc:
         return args
-    for name, var in (("rank", "RANK"), ("world_size", "WORLD_SIZE")):
-        if getattr(args, name) is None:
-            if var not in os.environ:
-                ap.error(f"--{name.replace('_', '-')} not given and ${var} is not set")
-            setattr(args, name, int(os.environ[var]))
+    try:  # torchrun's RANK/WORLD_SIZE, or srun's SLURM_PROCID/SLURM_NTASKS.
+        args.rank, args.world_size, _ = shardcoord.launcher_rank(args.rank, args.world_size)
+    except shardcoord.InvalidArgument as e:
+        ap.error(f"--rank/--world-size: {e}")
     if args.group_size is None:
         args.group_size = args.world_size
     if args.init_method is None:

@@ -61,22 +61,47 @@ class GroupInfo:
     warnings: List[str]
 
 
-def _env_int(name: str, value: Optional[int]) -> int:
-    if value is not None:
-        return value
+# Where a launcher puts a task's rank and the number of tasks: torchrun first (torchrun inside an
+# srun step sets both, and its RANK is the one its process groups use), then Slurm's srun.
+LAUNCHERS = (("torchrun", "RANK", "WORLD_SIZE"), ("Slurm", "SLURM_PROCID", "SLURM_NTASKS"))
+
+
+def _env_int(name: str, who: str) -> int:
     raw = os.environ.get(name)
     if raw is None:
-        raise InvalidArgument(f"{name.lower()} not given and ${name} is not set (torchrun sets it)")
+        raise InvalidArgument(f"${name} is not set, though this looks like a {who} task: pass rank= and "
+                              f"world_size= explicitly")
     try:
-        return int(raw)
+        value = int(raw)
     except ValueError:
-        raise InvalidArgument(f"${name}={raw!r} is not an integer") from None
+        raise InvalidArgument(f"${name}={raw!r} ({who}) is not an integer") from None
+    if value < 0:
+        raise InvalidArgument(f"${name}={raw!r} ({who}) is negative")
+    return value
+
+
+def launcher_rank(rank: Optional[int] = None, world_size: Optional[int] = None) -> Tuple[int, int, str]:
+    """(rank, world_size, where they came from): the arguments where given, else torchrun's
+    ``RANK``/``WORLD_SIZE``, else Slurm's ``SLURM_PROCID``/``SLURM_NTASKS`` (a task started by
+    ``srun``). Raises InvalidArgument naming the variables when neither launcher set them."""
+    if rank is not None and world_size is not None:
+        return rank, world_size, "arguments"
+    for who, rank_var, size_var in LAUNCHERS:
+        if rank_var in os.environ or (rank is not None and size_var in os.environ):
+            r = rank if rank is not None else _env_int(rank_var, who)
+            w = world_size if world_size is not None else _env_int(size_var, who)
+            return r, w, who
+    missing = "rank" if rank is None else "world_size"
+    raise InvalidArgument(f"{missing} not given, and no launcher set it: torchrun sets $RANK and $WORLD_SIZE, "
+                          f"srun sets $SLURM_PROCID and $SLURM_NTASKS; pass rank= and world_size= otherwise")
 
 
 class Worker:
     """Connects to the coordinator and registers this rank (within ``connect_timeout`` seconds).
 
-    ``rank`` and ``world_size`` default to torchrun's ``RANK`` and ``WORLD_SIZE``; ``address`` to
+    ``rank`` and ``world_size`` default to torchrun's ``RANK`` and ``WORLD_SIZE``, or, in a task started
+    by Slurm's ``srun`` without torchrun, ``SLURM_PROCID`` and ``SLURM_NTASKS`` (:func:`launcher_rank`;
+    ``self.launcher`` says which); ``address`` to
     ``$SHARDCOORD_ADDR``. ``group_size`` is the FSDP shard group size (contiguous blocks of ranks).
     If the coordinator goes away (killed, restarted), the worker reconnects for ``reconnect_window``
     seconds and resumes, keeping the decisions it holds; 0 fails at once instead. ``token`` (a ``rank``
@@ -95,8 +120,7 @@ class Worker:
                  memory_budget_bytes: int = 0, connect_timeout: float = 30.0, reconnect_window: float = 30.0,
                  token: str = "", tls_ca: str = "", tls_cert: str = "", tls_key: str = "",
                  tls_server_name: str = ""):
-        rank = _env_int("RANK", rank)
-        world_size = _env_int("WORLD_SIZE", world_size)
+        rank, world_size, self.launcher = launcher_rank(rank, world_size)
         address = address if address is not None else os.environ.get(ADDRESS_ENV, "")
         native_modules = []
         for m in modules:

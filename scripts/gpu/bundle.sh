@@ -32,6 +32,15 @@ mkdir -p "$out/include"
 cp -r /usr/include/absl /usr/include/CLI "$out/include/"
 mkdir -p "$out/include/shardcoord" && cp "$build/generated/include/shardcoord/version.h" "$out/include/shardcoord/"
 strip --strip-unneeded "$out"/bin/* "$out"/lib/*.so* 2>/dev/null || true
+# The worker library finds the libraries bundled beside it, and those find theirs (DT_RPATH, which
+# serves the whole chain, unlike RUNPATH), then the GPU machine's CUDA: `pip install` with
+# SHARDCOORD_PREBUILT=.gpu copies them into the package and needs no LD_LIBRARY_PATH there.
+command -v patchelf >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq patchelf >/dev/null
+# shellcheck disable=SC2016  # $ORIGIN is for the loader
+for lib in "$out"/lib/libshardcoord_worker.so.*; do
+  [[ -L $lib ]] || patchelf --force-rpath --set-rpath \
+    '$ORIGIN:/usr/local/cuda/lib64:/usr/local/cuda-13.0/targets/x86_64-linux/lib' "$lib"
+done
 # Test certificates for SECURED=1 runs (a CA, the daemon's for 127.0.0.1, a client's), so the
 # GPU machine needs no openssl.
 (

@@ -11,7 +11,7 @@ them).
 
 One line per family and batch (``ok`` / ``MISMATCH`` / ``skip``), then a summary; exits 1 on any
 mismatch, 0 otherwise. A family whose classes the installed transformers lacks is skipped with a
-message. ``shardcoord`` is imported from PYTHONPATH when its binding is built there; otherwise
+message. ``shardcoord`` is imported as installed (scripts/gpu/python_env.sh pip-installs it); otherwise
 ``python/shardcoord/hf.py`` is loaded alone, with the contract's names read from
 ``contract/src/classify.cc``.
 

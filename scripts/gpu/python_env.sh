@@ -1,20 +1,18 @@
 # Sourced by the GPU scripts, on the GPU machine, from the repository root, with the bundle
-# from scripts/gpu/bundle.sh in .gpu/: sets the library path and NCCL settings, builds the
-# Python binding against this machine's Python and torch (the worker library and its Abseil
-# come from the bundle, built on Debian) into build-gpu-python/, and exports PYTHONPATH and
-# $py. Needs $root.
+# from scripts/gpu/bundle.sh in .gpu/: sets the library path and NCCL settings for the bundled
+# programs (shardcoordd, shardctl, comm_rank), installs the shardcoord Python package into the
+# machine's torch venv the way a user would, `pip install --no-build-isolation .` with
+# SHARDCOORD_PREBUILT=.gpu (setup.py: the binding is compiled there against that Python and the
+# bundle's worker library, which goes into the package with the libraries it needs), checks that
+# it imports with no PYTHONPATH and no LD_LIBRARY_PATH, and exports $py. Needs $root.
 b=$root/.gpu
 out=${OUT:-/tmp}
 py=${PYTHON:-/opt/torch/.venv/bin/python}
 export LD_LIBRARY_PATH=/usr/lib/x86_64-linux-gnu:/usr/local/cuda-13.0/targets/x86_64-linux/lib:/usr/local/cuda/lib64:$b/lib
 export NCCL_NVLS_ENABLE=0
 export SHARDCOORD_LOG_LEVEL=warn
-pkg=$root/build-gpu-python/shardcoord
-mkdir -p "$pkg"
-cp "$root"/python/shardcoord/*.py "$pkg/"
-suffix=$("$py" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
-echo "== building the binding for $("$py" -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__)')"
-g++ -O2 -shared -fPIC -std=c++17 $("$py" -m pybind11 --includes) -I"$root/worker/include" -I"$root/contract/include" \
-  -I"$b/include" "$root/python/src/binding.cc" -o "$pkg/_shardcoord$suffix" \
-  -L"$b/lib" -lshardcoord_worker "$b"/lib/libabsl_*.so* -Wl,-rpath,"$b/lib" || { echo "FAIL: binding build"; exit 1; }
-export PYTHONPATH=$root/build-gpu-python
+echo "== pip install of shardcoord into $("$py" -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__)')"
+SHARDCOORD_PREBUILT=$b "$py" -m pip install --no-build-isolation --no-index --no-deps -q "$root" >"$out/pip-install.log" 2>&1 ||
+  { tail -30 "$out/pip-install.log"; echo "FAIL: pip install"; exit 1; }
+(cd / && env -u LD_LIBRARY_PATH -u PYTHONPATH "$py" -c 'import shardcoord, sys; print("== installed:", shardcoord.__version__, shardcoord.__file__); assert "torch" not in sys.modules') ||
+  { echo "FAIL: the installed package does not import"; exit 1; }

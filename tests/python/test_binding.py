@@ -30,6 +30,17 @@ def test_the_package_version_is_the_daemons(daemon):
     assert f"version {shardcoord.__version__} " in out.stdout, out.stdout + out.stderr
 
 
+def test_the_worker_logs_which_daemon_version_it_reached(daemon):
+    import sys
+    code = ("import shardcoord; shardcoord.Worker('v', [shardcoord.ModuleSpec('model.visual', 8)], 1, rank=0, "
+            f"world_size=1, address={daemon.address!r}, connect_timeout=10).close()")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, SHARDCOORD_LOG_LEVEL="info"))
+    assert out.returncode == 0, out.stderr
+    line = next((x for x in out.stderr.splitlines() if "registered coordinator=" in x), "")
+    assert f"coordinator={daemon.address} (shardcoordd {shardcoord.__version__})" in line, out.stderr
+
+
 def test_a_group_gets_one_identical_decision(daemon):
     with connect(daemon, 0) as w0, connect(daemon, 1) as w1:
         assert w0.group.ranks == [0, 1]
@@ -56,8 +67,31 @@ def test_rank_and_world_come_from_torchrun_variables(daemon, monkeypatch):
     with shardcoord.Worker("job", MODULES, 2, connect_timeout=10) as w:
         assert w.rank == 1 and w.world_size == 2
     monkeypatch.delenv("RANK")
-    with pytest.raises(shardcoord.InvalidArgument, match="RANK"):
+    with pytest.raises(shardcoord.InvalidArgument, match=r"torchrun sets \$RANK.*srun sets \$SLURM_PROCID"):
         shardcoord.Worker("job", MODULES, 2)
+
+
+def test_rank_and_world_come_from_slurm_when_torchrun_did_not_start_the_task(daemon, monkeypatch):
+    from shardcoord.worker import launcher_rank
+    for var in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    monkeypatch.setenv("SHARDCOORD_ADDR", daemon.address)
+    with shardcoord.Worker("job", MODULES, 2, connect_timeout=10) as w:
+        assert (w.rank, w.world_size, w.launcher) == (1, 2, "Slurm")
+    # torchrun inside an srun step: torchrun's numbering wins (its process groups use it).
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert launcher_rank() == (0, 4, "torchrun")
+    assert launcher_rank(3, 8) == (3, 8, "arguments")
+    monkeypatch.delenv("RANK")
+    monkeypatch.setenv("SLURM_NTASKS", "two")
+    with pytest.raises(shardcoord.InvalidArgument, match=r"\$SLURM_NTASKS='two' \(Slurm\) is not an integer"):
+        launcher_rank()
+    monkeypatch.delenv("SLURM_NTASKS")
+    with pytest.raises(shardcoord.InvalidArgument, match=r"\$SLURM_NTASKS is not set.*Slurm task"):
+        launcher_rank()
 
 
 def test_bad_input_raises_typed_errors_with_the_message(daemon):

@@ -301,3 +301,30 @@ def test_policy_matrix_harness_parses_its_flags_without_torch():
     r = subprocess.run([sys.executable, str(matrix), "--shardcoordd", "x", "--gpus", "6", "--group-size", "4"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--gpus 6 must be >= 1 and a multiple of --group-size 4" in r.stderr, r.stderr
+
+
+def test_the_readmes_minimal_loop_trains_two_ranks_to_the_same_parameters(trainer_daemon, tmp_path):
+    """examples/python/minimal_loop.py, the loop the README shows, as torchrun would start it."""
+    import socket
+    with socket.socket() as s:  # A free port for torch's env:// rendezvous (never a fixed one).
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    job = f"minimal-{next(_jobs)}"
+    procs = [start(tmp_path, f"{job}-{r}", [sys.executable, str(ROOT / "examples" / "python" / "minimal_loop.py")],
+                   {"RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                    "SHARDCOORD_ADDR": trainer_daemon.address, "JOB": job, "SHARDCOORD_LOG_LEVEL": "warn"})
+             for r in range(2)]
+    try:
+        deadline = time.monotonic() + RUN_DEADLINE
+        codes = [wait_code(p, deadline) for p in procs]
+    finally:
+        stop_all(procs)
+    outs = [(tmp_path / f"{job}-{r}.out").read_text().splitlines() for r in range(2)]
+    errs = [(tmp_path / f"{job}-{r}.err").read_text() for r in range(2)]
+    assert codes == [0, 0], errs
+    decisions = [[line.split(" ", 2)[2] for line in out if " step " in line] for out in outs]
+    assert decisions[0] == decisions[1] and len(decisions[0]) == 8, outs
+    kinds = {d.rsplit(" ", 1)[1] for d in decisions[0]}
+    assert {"per_layer", "skip", "root"} <= kinds, decisions[0]
+    finals = [out[-1].rsplit(" ", 1)[1] for out in outs]
+    assert finals[0] == finals[1] and outs[0][-1].startswith("rank 0 final params hash"), outs

@@ -193,8 +193,10 @@ absl::Status Worker::Impl::AwaitRegistered(absl::Time deadline) {
     return s;
   }
   StartWriterLocked();
-  log_->info("{} registered coordinator={} group={} ranks={} epoch={} policy={} fallback={} lookahead={}",
-             Prefix(), address_, group_.group, RanksOf(group_.ranks), group_.epoch,
+  log_->info("{} registered coordinator={} (shardcoordd {}) group={} ranks={} epoch={} policy={} fallback={} "
+             "lookahead={}",
+             Prefix(), address_, coordinator_version_.empty() ? "version not reported" : coordinator_version_, group_.group,
+             RanksOf(group_.ranks), group_.epoch,
              PolicyName(group_.policy), FallbackName(group_.fallback), group_.lookahead);
   for (const auto& w : group_.warnings) log_->warn("{} {}", Prefix(), w);
   if (options_.modules.empty()) {

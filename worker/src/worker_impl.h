@@ -193,6 +193,7 @@ class Worker::Impl {
   bool writer_done_ ABSL_GUARDED_BY(mu_) = false;
   // Resume (DESIGN 12): the coordinator process we are registered with and what it answered.
   uint64_t incarnation_ ABSL_GUARDED_BY(mu_) = 0;
+  std::string coordinator_version_ ABSL_GUARDED_BY(mu_);  // RegisterResponse.coordinator_version.
   // Shared with communicators' rendezvous (they may outlive us); set at each registration.
   const std::shared_ptr<internal::SessionKey> session_key_ = std::make_shared<internal::SessionKey>();
   v1::RegisterResponse previous_ ABSL_GUARDED_BY(mu_);

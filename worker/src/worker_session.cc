@@ -330,6 +330,7 @@ void Worker::Impl::Handle(const v1::CoordinatorMessage& msg, PendingAborts* abor
 
 void Worker::Impl::OnRegistered(const v1::RegisterResponse& r) {
   incarnation_ = r.incarnation();
+  coordinator_version_ = r.coordinator_version();
   session_key_->Set(r.session_key());
   previous_ = r;
   group_.group = r.group();
