@@ -55,6 +55,7 @@ class CMakeBuild(build_ext):
     def build_extension(self, ext):
         out = Path(self.get_ext_fullpath(ext.name)).resolve().parent  # <build_lib>/shardcoord
         out.mkdir(parents=True, exist_ok=True)
+        (out / "_version.py").write_text(f'__version__ = "{version()}"\n')  # Read without loading the binding.
         prebuilt = os.environ.get("SHARDCOORD_PREBUILT")
         if prebuilt:
             self.build_prebuilt(ext, Path(prebuilt).resolve(), out)

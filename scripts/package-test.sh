@@ -156,7 +156,8 @@ part_deb() {
   [[ $rc == 0 ]] || { tail -20 "$work/cpp.log"; return; }
   local linked
   linked=$(ldd "$work/cpp_worker/cpp_worker")
-  check "it links the installed library" '[[ $linked == *"libshardcoord_worker.so.0 => /usr/lib/"* ]]'
+  check "it links the installed library" \
+    '[[ $linked =~ libshardcoord_worker\.so\.0\ =\>\ (/usr)?/lib/x86_64-linux-gnu/libshardcoord_worker\.so\.0 ]]'
   SHARDCOORD_ADDR=$addr timeout 60 "$work/cpp_worker/cpp_worker" 0 2 >"$work/rank0.out" 2>"$work/rank0.err" &
   local r0=$!
   SHARDCOORD_ADDR=$addr timeout 60 "$work/cpp_worker/cpp_worker" 1 2 >"$work/rank1.out" 2>"$work/rank1.err"

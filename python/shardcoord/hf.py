@@ -55,7 +55,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from . import BUILTIN_PROJECTOR_NAMES, BUILTIN_TOWER_NAMES
+import shardcoord as _shardcoord_pkg  # Its builtin names load the binding at first use, not here.
 from .errors import InvalidArgument
 
 __all__ = ["FAMILIES", "family_of", "plan_fn", "tower_calls"]
@@ -262,7 +262,8 @@ def _getter(batch: Any) -> _Get:
 
 def _controlled_name(path: str, extra_towers: Iterable[str], extra_projectors: Iterable[str]) -> bool:
     last = path.rsplit(".", 1)[-1]
-    return last in BUILTIN_TOWER_NAMES or last in BUILTIN_PROJECTOR_NAMES or last in tuple(extra_towers) \
+    return last in _shardcoord_pkg.BUILTIN_TOWER_NAMES or last in _shardcoord_pkg.BUILTIN_PROJECTOR_NAMES \
+        or last in tuple(extra_towers) \
         or last in tuple(extra_projectors)
 
 

@@ -4,7 +4,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from . import _shardcoord
+from ._native import native
 from .errors import InvalidArgument
 
 ADDRESS_ENV = "SHARDCOORD_ADDR"
@@ -128,7 +128,7 @@ class Worker:
                 raise InvalidArgument(f"modules must be shardcoord.ModuleSpec, got {type(m).__name__}")
             native_modules.append((m.name, int(m.param_bytes), [(u.name, int(u.param_bytes)) for u in m.units],
                                    bool(m.outside_inner_root)))
-        self._native = _shardcoord.connect(address, job_id, rank, world_size, group_size, native_modules, policy,
+        self._native = native().connect(address, job_id, rank, world_size, group_size, native_modules, policy,
                                            fallback, wrap_outer_model, lookahead, memory_budget_bytes,
                                            float(connect_timeout), float(reconnect_window), token,
                                            (tls_ca, tls_cert, tls_key, tls_server_name))

@@ -32,15 +32,7 @@ mkdir -p "$out/include"
 cp -r /usr/include/absl /usr/include/CLI "$out/include/"
 mkdir -p "$out/include/shardcoord" && cp "$build/generated/include/shardcoord/version.h" "$out/include/shardcoord/"
 strip --strip-unneeded "$out"/bin/* "$out"/lib/*.so* 2>/dev/null || true
-# The worker library finds the libraries bundled beside it, and those find theirs (DT_RPATH, which
-# serves the whole chain, unlike RUNPATH), then the GPU machine's CUDA: `pip install` with
-# SHARDCOORD_PREBUILT=.gpu copies them into the package and needs no LD_LIBRARY_PATH there.
 command -v patchelf >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq patchelf >/dev/null
-# shellcheck disable=SC2016  # $ORIGIN is for the loader
-for lib in "$out"/lib/libshardcoord_worker.so.*; do
-  [[ -L $lib ]] || patchelf --force-rpath --set-rpath \
-    '$ORIGIN:/usr/local/cuda/lib64:/usr/local/cuda-13.0/targets/x86_64-linux/lib' "$lib"
-done
 # Test certificates for SECURED=1 runs (a CA, the daemon's for 127.0.0.1, a client's), so the
 # GPU machine needs no openssl.
 (
@@ -54,4 +46,26 @@ done
   done
   printf 'rank rank-gpu-token-0123456789abcdef\nread read-gpu-token-0123456789abcdef\n' > tokens
 ) >/dev/null 2>&1
+# The Python package's worker library (SHARDCOORD_PREBUILT=.gpu/python, scripts/gpu/python_env.sh):
+# built without NCCL. Linked with NCCL it would load /usr/local/cuda's libcudart and the system's
+# libnccl into the trainer, and a torch imported after it then runs on those instead of its own
+# (seen on the GPU machine: `import shardcoord, torch` aborts with "free(): invalid pointer"
+# when the system's NCCL is not torch's). Python trainers use torch's NCCL, not shardcoord's.
+pybuild=$root/build-gpu-python-worker
+[[ -f "$pybuild/build.ninja" ]] || cmake -S "$root" -B "$pybuild" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  -DSHARDCOORD_WITH_NCCL=OFF -DSHARDCOORD_BUILD_TESTS=OFF -DSHARDCOORD_BUILD_BENCHMARKS=OFF \
+  -DSHARDCOORD_WITH_PYTHON=OFF >/dev/null
+cmake --build "$pybuild" -- shardcoord_worker
+mkdir -p "$out/python/lib" "$out/python/include"
+cp -P "$pybuild"/worker/libshardcoord_worker.so* "$out/python/lib/"
+ldd "$pybuild/worker/libshardcoord_worker.so" | awk '/=> \// {print $1, $3}' | while read -r name path; do
+  [[ "$name" =~ $skip ]] && continue
+  cp -nL "$path" "$out/python/lib/$name"
+done
+cp -r "$out"/include/* "$out/python/include/"
+strip --strip-unneeded "$out"/python/lib/*.so* 2>/dev/null || true
+# shellcheck disable=SC2016  # $ORIGIN is for the loader
+for lib in "$out"/python/lib/libshardcoord_worker.so.*; do
+  [[ -L $lib ]] || patchelf --force-rpath --set-rpath '$ORIGIN' "$lib"
+done
 du -sh "$out"

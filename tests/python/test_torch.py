@@ -179,6 +179,19 @@ def test_import_shardcoord_and_its_torch_module_without_torch():
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
 
 
+def test_import_shardcoord_loads_no_native_code_until_first_use():
+    """Imports at the top of a script must not load gRPC, protobuf, ... before torch (python/shardcoord/_native.py)."""
+    code = ("import sys, shardcoord, shardcoord.torch, shardcoord.hf, shardcoord.sampler\n"
+            "assert 'shardcoord._shardcoord' not in sys.modules, 'loaded at import'\n"
+            "assert shardcoord.__version__\n"
+            "assert 'shardcoord._shardcoord' not in sys.modules, 'loaded for __version__'\n"
+            "assert 'visual' in shardcoord.BUILTIN_TOWER_NAMES\n"
+            "assert 'shardcoord._shardcoord' in sys.modules\n"
+            "print('ok')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
 # -- PlanAhead
 
 MODULES = [shardcoord.ModuleSpec("model.visual", 64, (shardcoord.LayerUnit("blocks.0", 32),
