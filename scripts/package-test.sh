@@ -5,13 +5,15 @@
 #          for torch 1.13 and pytest), import from another folder, run the Python tests against
 #          the installed package (no PYTHONPATH, no LD_LIBRARY_PATH); then `pip wheel` and the
 #          wheel into a second venv without system packages: imports, no torch imported.
+#   cmake  `cmake --install` of the build (DESTDIR): the Python package lands where that prefix's
+#          python3 looks, and imports through its RPATH.
 #   deb    scripts/package.sh, `apt-get install ./shardcoord_*.deb` (root), shardcoordd and
 #          shardctl from /usr/bin serve and answer, Debian's python3 imports the package, the
 #          README's C++ example (examples/cpp_worker) builds against the installed headers and
 #          CMake package and runs two ranks that get identical decisions; then the package is
 #          removed again.
 #
-#   scripts/package-test.sh [pip] [deb]     (BUILD_DIR: a build with shardcoordd for the pip
+#   scripts/package-test.sh [pip] [cmake] [deb]     (BUILD_DIR: a build with shardcoordd for the pip
 #                                            part's tests, default build/)
 # Prints "package test: all checks passed" when every check passed.
 # shellcheck disable=SC2016,SC2034  # check's conditions are evaluated later (and use variables set for them)
@@ -19,7 +21,7 @@ set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=$(cd "${BUILD_DIR:-$root/build}" 2>/dev/null && pwd || echo "")
 parts=("$@")
-[[ ${#parts[@]} == 0 ]] && parts=(pip deb)
+[[ ${#parts[@]} == 0 ]] && parts=(pip cmake deb)
 work=$(mktemp -d /tmp/shardcoord-package.XXXXXX)
 daemon_pid=""
 deb_installed=0
@@ -104,6 +106,26 @@ except ImportError as e:
   check "the wheel's package imports without torch ($out)" '[[ $out == "$version "* ]]'
 }
 
+part_cmake() {
+  echo "== cmake --install of the test build (prefix /usr/local), into a staging folder"
+  [[ -n $build && -f $build/CMakeCache.txt ]] || { echo "package-test: no build in '${BUILD_DIR:-build}'"; fail=1; return; }
+  local prefix site
+  prefix=$(sed -n 's/^CMAKE_INSTALL_PREFIX:PATH=//p' "$build/CMakeCache.txt")
+  site=$(sed -n 's/^SHARDCOORD_PYTHON_INSTALL_DIR:STRING=//p' "$build/CMakeCache.txt")
+  DESTDIR=$work/stage cmake --install "$build" >"$work/install.log" 2>&1
+  local rc=$?
+  check "cmake --install (rc $rc)" '[[ $rc == 0 ]]'
+  local on_path
+  on_path=$(/usr/bin/python3 -c 'import sys; print("\n".join(sys.path))')
+  check "the package goes where ${prefix}'s python3 looks: $prefix/$site" \
+    '[[ -f $work/stage$prefix/$site/shardcoord/__init__.py && $on_path == *"$prefix/$site"* ]]'
+  local out
+  out=$(cd / && env -u LD_LIBRARY_PATH PYTHONPATH="$work/stage$prefix/$site" /usr/bin/python3 -c \
+    'import shardcoord; print(len(shardcoord.BUILTIN_TOWER_NAMES), shardcoord.__file__)' 2>&1)
+  check "it imports and finds the installed worker library through its RPATH ($out)" \
+    '[[ $out == *"$work/stage$prefix/$site/shardcoord/__init__.py" ]]'
+}
+
 part_deb() {
   echo "== the Debian package"
   [[ $(id -u) == 0 ]] || { echo "package-test: SKIP deb: apt-get install needs root"; return; }
@@ -179,8 +201,9 @@ part_deb() {
 for part in "${parts[@]}"; do
   case "$part" in
     pip) part_pip ;;
+    cmake) part_cmake ;;
     deb) part_deb ;;
-    *) echo "package-test: unknown part '$part' (pip, deb)"; exit 2 ;;
+    *) echo "package-test: unknown part '$part' (pip, cmake, deb)"; exit 2 ;;
   esac
 done
 [[ $fail == 0 ]] && echo "package test: all checks passed" || echo "package test: FAILED"
