@@ -1,6 +1,15 @@
 #include "coordinator/http_server.h"
 
-#include <httplib.h>
+#include <sys/stat.h>
+
+#include <atomic>
+#include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/ssl.hpp>
+#include <boost/asio/strand.hpp>
+#include <boost/beast/core.hpp>
+#include <boost/beast/http.hpp>
+#include <boost/beast/ssl.hpp>
+#include <functional>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
@@ -9,10 +18,19 @@
 #include "shardcoord/internal/logging.h"
 
 namespace shardcoord::coordinator {
+
+namespace beast = boost::beast;
+namespace http = boost::beast::http;
+namespace net = boost::asio;
+namespace ssl = boost::asio::ssl;
+using tcp = boost::asio::ip::tcp;
+
 namespace {
 
 constexpr size_t kHistory = 300;                           // Chart points kept (10 min at 2 s).
 constexpr absl::Duration kSampleInterval = absl::Seconds(2);
+constexpr uint32_t kHeaderLimit = 16 << 10;                // Request line and headers, all together.
+constexpr int kIoThreads = 2;
 
 // "Basic base64(user:TOKEN)" -> "Bearer TOKEN"; anything else unchanged.
 std::string AsBearer(const std::string& authorization) {
@@ -36,7 +54,187 @@ DecisionSample Totals(const v1::ListGroupsResponse& groups) {
   return p;
 }
 
+int64_t MtimeNs(const std::string& path) {
+  struct stat st {};
+  if (stat(path.c_str(), &st) != 0) return -1;
+  return static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+}
+
+http::response<http::string_body> Plain(unsigned version, http::status status, std::string body) {
+  http::response<http::string_body> res{status, version};
+  res.set(http::field::content_type, "text/plain");
+  res.body() = std::move(body);
+  res.keep_alive(false);
+  res.prepare_payload();
+  return res;
+}
+
 }  // namespace
+
+// The HTTPS certificate and key, re-read when their files change (checked at most every
+// reload interval, at a new connection). A pair that does not load (a renewal caught between
+// writing the certificate and the key) keeps the previous one in service, with a warning.
+class HttpServer::TlsContexts {
+ public:
+  explicit TlsContexts(const TlsSettings& tls) : tls_(tls) {}
+
+  absl::Status Load() {
+    auto ctx = Build();
+    if (!ctx.ok()) return ctx.status();
+    absl::MutexLock lock(&mu_);
+    current_ = *std::move(ctx);
+    stamp_ = Stamp();
+    checked_ = absl::Now();
+    return absl::OkStatus();
+  }
+
+  std::shared_ptr<ssl::context> Current() {
+    absl::MutexLock lock(&mu_);
+    if (absl::Now() - checked_ >= tls_.reload_interval) {
+      checked_ = absl::Now();
+      const auto stamp = Stamp();
+      if (stamp != stamp_) {
+        auto ctx = Build();
+        if (ctx.ok()) {
+          current_ = *std::move(ctx);
+          stamp_ = stamp;
+          logging::Get("coordinator")->info("http: TLS certificate and key reloaded from {}", tls_.cert_file);
+        } else {
+          logging::Get("coordinator")->warn("http: keeping the previous TLS certificate: {} (retried in {} s)",
+                                            std::string(ctx.status().message()), absl::ToInt64Seconds(tls_.reload_interval));
+        }
+      }
+    }
+    return current_;
+  }
+
+ private:
+  std::pair<int64_t, int64_t> Stamp() const { return {MtimeNs(tls_.cert_file), MtimeNs(tls_.key_file)}; }
+
+  absl::StatusOr<std::shared_ptr<ssl::context>> Build() const {
+    auto ctx = std::make_shared<ssl::context>(ssl::context::tls_server);
+    ctx->set_options(ssl::context::default_workarounds | ssl::context::no_sslv2 | ssl::context::no_sslv3 |
+                     ssl::context::no_tlsv1 | ssl::context::no_tlsv1_1);
+    beast::error_code ec;
+    ctx->use_certificate_chain_file(tls_.cert_file, ec);
+    if (!ec) ctx->use_private_key_file(tls_.key_file, ssl::context::pem, ec);
+    if (!ec && SSL_CTX_check_private_key(ctx->native_handle()) != 1) {
+      return absl::InvalidArgumentError(absl::StrCat("HTTPS: the key ", tls_.key_file, " does not match the certificate ",
+                                                     tls_.cert_file));
+    }
+    if (ec) {
+      return absl::InvalidArgumentError(absl::StrCat("HTTPS: the certificate ", tls_.cert_file, " or key ",
+                                                     tls_.key_file, " cannot be used: ", ec.message()));
+    }
+    return ctx;
+  }
+
+  const TlsSettings tls_;
+  absl::Mutex mu_;
+  std::shared_ptr<ssl::context> current_ ABSL_GUARDED_BY(mu_);
+  std::pair<int64_t, int64_t> stamp_ ABSL_GUARDED_BY(mu_);
+  absl::Time checked_ ABSL_GUARDED_BY(mu_);
+};
+
+struct HttpServer::Io {
+  net::io_context context{kIoThreads};
+  tcp::acceptor acceptor{net::make_strand(context)};
+  ~Io() {
+    beast::error_code ignored;
+    acceptor.close(ignored);
+  }
+};
+
+// One connection: (TLS handshake,) one request, one response, close; the whole exchange under
+// the request deadline, so a slow or silent client costs a descriptor and a little memory
+// until then, never a thread.
+template <class Stream>
+class HttpServer::Connection : public std::enable_shared_from_this<Connection<Stream>> {
+ public:
+  Connection(HttpServer* server, tcp::socket socket, std::shared_ptr<ssl::context> ctx)
+      : server_(server), ctx_(std::move(ctx)), stream_(MakeStream(std::move(socket), ctx_.get())) {
+    server_->open_.fetch_add(1);
+  }
+  ~Connection() { server_->open_.fetch_sub(1); }
+
+  void Start() {
+    beast::get_lowest_layer(stream_).expires_after(server_->request_timeout_);
+    if constexpr (std::is_same_v<Stream, beast::tcp_stream>) {
+      Read();
+    } else {
+      stream_.async_handshake(ssl::stream_base::server,
+                              [self = this->shared_from_this()](beast::error_code ec) {
+                                if (!ec) self->Read();
+                              });
+    }
+  }
+
+ private:
+  void Read() {
+    parser_.header_limit(kHeaderLimit);
+    parser_.body_limit(64 << 10);
+    http::async_read_header(stream_, buffer_, parser_,
+                            [self = this->shared_from_this()](beast::error_code ec, size_t) { self->OnHeader(ec); });
+  }
+
+  void OnHeader(beast::error_code ec) {
+    if (ec == http::error::header_limit || ec == http::error::buffer_overflow) {
+      return Write(Plain(11, http::status::request_header_fields_too_large,
+                         absl::StrCat("the request line and headers exceed ", kHeaderLimit, " bytes\n")));
+    }
+    if (ec) return;  // Timed out, closed, or not HTTP: nothing to answer.
+    const auto& req = parser_.get();
+    if (req.method() != http::verb::get && req.method() != http::verb::head) {
+      auto res = Plain(req.version(), http::status::method_not_allowed, "only GET and HEAD\n");
+      res.set(http::field::allow, "GET, HEAD");
+      return Write(std::move(res));
+    }
+    std::string target(req.target());
+    const std::string path = target.substr(0, target.find('?'));
+    Reply reply = server_->Serve(path, std::string(req[http::field::authorization]));
+    http::response<http::string_body> res{static_cast<http::status>(reply.status), req.version()};
+    res.set(http::field::content_type, reply.content_type);
+    if (reply.challenge) res.set(http::field::www_authenticate, "Basic realm=\"shardcoord (password: a read token)\"");
+    res.body() = std::move(reply.body);
+    res.keep_alive(false);
+    res.prepare_payload();
+    if (req.method() == http::verb::head) {
+      const auto length = res.body().size();
+      res.body().clear();
+      res.content_length(length);
+    }
+    Write(std::move(res));
+  }
+
+  void Write(http::response<http::string_body> res) {
+    response_ = std::move(res);
+    beast::get_lowest_layer(stream_).expires_after(server_->request_timeout_);
+    http::async_write(stream_, response_, [self = this->shared_from_this()](beast::error_code ec, size_t) {
+      if (ec) return;
+      if constexpr (std::is_same_v<Stream, beast::tcp_stream>) {
+        beast::error_code ignored;
+        self->stream_.socket().shutdown(tcp::socket::shutdown_send, ignored);
+      } else {
+        self->stream_.async_shutdown([self](beast::error_code) {});
+      }
+    });
+  }
+
+  static Stream MakeStream(tcp::socket socket, ssl::context* ctx) {
+    if constexpr (std::is_same_v<Stream, beast::tcp_stream>) {
+      return beast::tcp_stream(std::move(socket));
+    } else {
+      return Stream(beast::tcp_stream(std::move(socket)), *ctx);
+    }
+  }
+
+  HttpServer* server_;
+  std::shared_ptr<ssl::context> ctx_;  // Outlives stream_ (TLS): a reload may replace the server's.
+  Stream stream_;
+  beast::flat_buffer buffer_;  // Grows to the header limit at most (the parser stops there).
+  http::request_parser<http::empty_body> parser_;
+  http::response<http::string_body> response_;
+};
 
 absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(CoordinatorCore* core,
                                                                const CoordinatorOptions& options, Tokens tokens) {
@@ -44,20 +242,12 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(CoordinatorCore* c
   s->core_ = core;
   s->tokens_ = std::move(tokens);
   s->heartbeat_interval_ms_ = absl::ToInt64Milliseconds(options.heartbeat_interval);
+  s->max_connections_ = options.http_max_connections;
+  s->request_timeout_ = std::chrono::milliseconds(absl::ToInt64Milliseconds(options.http_request_timeout));
   if (options.tls.enabled()) {
-    s->server_ = std::make_unique<httplib::SSLServer>(options.tls.cert_file.c_str(), options.tls.key_file.c_str());
-  } else {
-    s->server_ = std::make_unique<httplib::Server>();
+    s->tls_ = std::make_unique<TlsContexts>(options.tls);
+    if (absl::Status st = s->tls_->Load(); !st.ok()) return st;
   }
-  if (!s->server_->is_valid()) {
-    return absl::InvalidArgumentError("HTTP listener: the TLS certificate or key cannot be used for HTTPS");
-  }
-  // Bounded: 4 threads, 5 s to read a request, 64 KiB bodies (no route takes one).
-  s->server_->new_task_queue = [] { return new httplib::ThreadPool(4); };
-  s->server_->set_read_timeout(5, 0);
-  s->server_->set_write_timeout(5, 0);
-  s->server_->set_payload_max_length(64 << 10);
-  s->Routes();
   const std::string& listen = options.http_listen;
   const size_t colon = listen.rfind(':');
   std::string host = listen.substr(0, colon);
@@ -66,19 +256,31 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(CoordinatorCore* c
   if (colon == std::string::npos || !absl::SimpleAtoi(listen.substr(colon + 1), &port) || port < 0 || port > 65535) {
     return absl::InvalidArgumentError(absl::StrCat("http_listen '", listen, "' must be HOST:PORT with a port in 0..65535"));
   }
-  port = port == 0 ? s->server_->bind_to_any_port(host) : s->server_->bind_to_port(host, port) ? port : -1;
-  if (port <= 0) {
-    return absl::UnavailableError(absl::StrCat("cannot listen for HTTP on ", listen,
-                                               ": address in use or not local; pick another --http-listen HOST:PORT"));
+  if (host == "localhost") host = "127.0.0.1";
+  beast::error_code ec;
+  const auto address = net::ip::make_address(host.empty() ? "0.0.0.0" : host, ec);
+  if (ec) {
+    return absl::InvalidArgumentError(absl::StrCat("http_listen '", listen, "': '", host,
+                                                   "' is not an IP address (or localhost)"));
   }
-  s->address_ = absl::StrCat(listen.substr(0, colon), ":", port);
-  s->listener_ = std::thread([srv = s->server_.get()] { srv->listen_after_bind(); });
-  // stop() does nothing until the listener runs: wait for it, so that a server stopped at once
-  // cannot leave its thread listening forever.
-  const absl::Time deadline = absl::Now() + absl::Seconds(10);
-  while (!s->server_->is_running() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(1));
+  s->io_ = std::make_unique<Io>();
+  auto& acceptor = s->io_->acceptor;
+  const tcp::endpoint endpoint(address, static_cast<unsigned short>(port));
+  acceptor.open(endpoint.protocol(), ec);
+  if (!ec) acceptor.set_option(net::socket_base::reuse_address(true), ec);
+  if (!ec) acceptor.bind(endpoint, ec);
+  if (!ec) acceptor.listen(net::socket_base::max_listen_connections, ec);
+  if (ec) {
+    return absl::UnavailableError(absl::StrCat("cannot listen for HTTP on ", listen, ": ", ec.message(),
+                                               "; pick another --http-listen HOST:PORT"));
+  }
+  s->address_ = absl::StrCat(listen.substr(0, colon), ":", acceptor.local_endpoint().port());
+  s->Accept();
+  for (int i = 0; i < kIoThreads; ++i) s->threads_.emplace_back([io = &s->io_->context] { io->run(); });
   s->sampler_ = std::thread([p = s.get()] { p->SampleLoop(); });
-  logging::Get("coordinator")->info("http serving address={} tls={}", s->address_, options.tls.enabled() ? "on" : "off");
+  logging::Get("coordinator")->info("http serving address={} tls={} max_connections={} request_timeout_ms={}",
+                                    s->address_, options.tls.enabled() ? "on" : "off", s->max_connections_,
+                                    s->request_timeout_.count());
   return s;
 }
 
@@ -87,9 +289,44 @@ HttpServer::~HttpServer() {
     absl::MutexLock lock(&mu_);
     stopping_ = true;
   }
-  if (server_) server_->stop();
-  if (listener_.joinable()) listener_.join();
+  if (io_) io_->context.stop();
+  for (auto& t : threads_) t.join();
   if (sampler_.joinable()) sampler_.join();
+  io_.reset();  // Closes the listener and destroys the connections still pending, closing their sockets.
+}
+
+void HttpServer::Accept() {
+  io_->acceptor.async_accept(net::make_strand(io_->context), [this](beast::error_code ec, tcp::socket socket) {
+    if (ec == net::error::operation_aborted) return;
+    if (!ec) {
+      if (open_.load() >= max_connections_) {
+        // Refused at once: the descriptor is freed now, not held until a deadline.
+        beast::error_code ignored;
+        socket.close(ignored);
+        const int64_t refused = ++refused_;
+        const absl::Time now = absl::Now();
+        absl::MutexLock lock(&mu_);
+        if (now - last_refusal_log_ >= absl::Seconds(10)) {
+          last_refusal_log_ = now;
+          logging::Get("coordinator")->warn(
+              "http: {} connections open, the limit (http_max_connections); refused {} so far. Slow or idle "
+              "clients hold them until http_request_timeout_ms",
+              max_connections_, refused);
+        }
+      } else if (tls_) {
+        std::make_shared<Connection<beast::ssl_stream<beast::tcp_stream>>>(this, std::move(socket), tls_->Current())
+            ->Start();
+      } else {
+        std::make_shared<Connection<beast::tcp_stream>>(this, std::move(socket), nullptr)->Start();
+      }
+    } else {
+      // EMFILE and the like: the gRPC listener's self-check owns the verdict on descriptors;
+      // here, wait a little instead of spinning.
+      logging::Get("coordinator")->warn("http: accept failed: {}", ec.message());
+      absl::SleepFor(absl::Milliseconds(100));
+    }
+    Accept();
+  });
 }
 
 std::optional<Grant> HttpServer::Allowed(const std::string& authorization, const char* what) const {
@@ -102,41 +339,26 @@ Snapshot HttpServer::Take(const std::string& job) const {
   return Snapshot{core_->Status(job), core_->Groups(job), core_->Ranks(job), core_->Comms(job)};
 }
 
-void HttpServer::Routes() {
-  // The caller's grant (a token limited to one job sees that job only), or a 401.
-  auto guard = [this](const httplib::Request& req, httplib::Response& res, const char* what) {
-    std::optional<Grant> grant = Allowed(req.get_header_value("Authorization"), what);
-    if (grant) return grant;
-    res.status = 401;
-    res.set_header("WWW-Authenticate", "Basic realm=\"shardcoord (password: a read token)\"");
-    res.set_content("a read token is required: Authorization: Bearer TOKEN, or Basic auth with it as password\n",
-                    "text/plain");
-    return grant;
-  };
-  server_->Get("/healthz", [](const httplib::Request&, httplib::Response& res) { res.set_content("ok\n", "text/plain"); });
-  server_->Get("/metrics", [this, guard](const httplib::Request& req, httplib::Response& res) {
-    auto grant = guard(req, res, "GET /metrics");
-    if (!grant) return;
-    res.set_content(MetricsText(Take(grant->job)), "text/plain; version=0.0.4; charset=utf-8");
-  });
-  server_->Get("/", [this, guard](const httplib::Request& req, httplib::Response& res) {
-    auto grant = guard(req, res, "GET /");
-    if (!grant) return;
-    PageInput in;
-    in.snapshot = Take(grant->job);
-    in.events = core_->Events(grant->job, 0, 20);
-    std::reverse(in.events.begin(), in.events.end());
-    in.heartbeat_interval_ms = heartbeat_interval_ms_;
-    if (grant->job.empty()) {  // The chart sums every job: only for callers who may see them all.
-      absl::MutexLock lock(&mu_);
-      in.history = history_;
-    }
-    in.history.push_back(Totals(in.snapshot.groups));  // The chart ends now.
-    res.set_content(StatusPage(in), "text/html; charset=utf-8");
-  });
-  server_->set_error_handler([](const httplib::Request& req, httplib::Response& res) {
-    if (res.status == 404) res.set_content("no such page; try /, /metrics or /healthz\n", "text/plain");
-  });
+HttpServer::Reply HttpServer::Serve(const std::string& path, const std::string& authorization) {
+  if (path == "/healthz") return {200, "text/plain", "ok\n"};
+  if (path != "/metrics" && path != "/") return {404, "text/plain", "no such page; try /, /metrics or /healthz\n"};
+  std::optional<Grant> grant = Allowed(authorization, path == "/" ? "GET /" : "GET /metrics");
+  if (!grant) {
+    return {401, "text/plain", "a read token is required: Authorization: Bearer TOKEN, or Basic auth with it as password\n",
+            true};
+  }
+  if (path == "/metrics") return {200, "text/plain; version=0.0.4; charset=utf-8", MetricsText(Take(grant->job))};
+  PageInput in;
+  in.snapshot = Take(grant->job);
+  in.events = core_->Events(grant->job, 0, 20);
+  std::reverse(in.events.begin(), in.events.end());
+  in.heartbeat_interval_ms = heartbeat_interval_ms_;
+  if (grant->job.empty()) {  // The chart sums every job: only for callers who may see them all.
+    absl::MutexLock lock(&mu_);
+    in.history = history_;
+  }
+  in.history.push_back(Totals(in.snapshot.groups));  // The chart ends now.
+  return {200, "text/html; charset=utf-8", StatusPage(in)};
 }
 
 void HttpServer::SampleLoop() {

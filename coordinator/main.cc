@@ -82,6 +82,8 @@ struct Flags {
   std::optional<int64_t> journal_retention_hours, journal_max_events;
   bool check_config = false;
   std::optional<int64_t> tls_reload_s;
+  std::optional<int> http_max_connections;
+  std::optional<int64_t> http_request_timeout_ms;
   bool insecure = false;
   std::optional<int64_t> hb_interval_ms, hb_timeout_ms, plan_timeout_ms, behind_threshold_ms, recovery_window_ms;
   std::optional<int> max_lookahead, promote_window, promote_threshold, demote_threshold, event_capacity,
@@ -98,6 +100,10 @@ void AddSecurityAndObservabilityFlags(CLI::App& app, Flags& f) {
   app.add_option("--http-listen", f.http_listen,
                  "serve the status page, /metrics and /healthz over HTTP on HOST:PORT (off by default)")
       ->envname("SHARDCOORD_HTTP_LISTEN");
+  app.add_option("--http-max-connections", f.http_max_connections,
+                 "HTTP connections open at once; more are closed at accept (default 64)");
+  app.add_option("--http-request-timeout-ms", f.http_request_timeout_ms,
+                 "the time one HTTP exchange (TLS handshake, request, response) may take (default 5000)");
   app.add_flag("--check-config", f.check_config,
                "check the settings (config file, flags, TLS files, token file) and exit: 0 when they would serve");
   app.add_option("--journal-file", f.journal_file,
@@ -207,6 +213,8 @@ void ApplyFlags(const Flags& f, CoordinatorOptions& options) {
   if (!f.token_file.empty()) options.token_file = f.token_file;
   if (f.insecure) options.insecure = true;
   if (!f.http_listen.empty()) options.http_listen = f.http_listen;
+  if (f.http_max_connections) options.http_max_connections = *f.http_max_connections;
+  if (f.http_request_timeout_ms) options.http_request_timeout = absl::Milliseconds(*f.http_request_timeout_ms);
   if (!f.journal_file.empty()) options.journal_file = f.journal_file;
   if (f.journal_retention_hours) options.journal_retention = absl::Hours(*f.journal_retention_hours);
   if (f.journal_max_events) options.journal_max_events = *f.journal_max_events;

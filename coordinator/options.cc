@@ -144,6 +144,14 @@ absl::Status ValidateOptions(const CoordinatorOptions& o) {
           "/metrics then need a read token, over HTTPS), or --insecure to accept that"));
     }
   }
+  if (o.http_max_connections < 1 || o.http_max_connections > 65536) {
+    return absl::InvalidArgumentError(absl::StrCat("http_max_connections must be in 1..65536, got ",
+                                                   o.http_max_connections));
+  }
+  if (o.http_request_timeout < absl::Milliseconds(100) || o.http_request_timeout > absl::Minutes(10)) {
+    return absl::InvalidArgumentError(absl::StrCat("http_request_timeout_ms must be in 100..600000, got ",
+                                                   absl::ToInt64Milliseconds(o.http_request_timeout)));
+  }
   if (o.journal_retention < absl::Hours(1) || o.journal_max_events < 1) {
     return absl::InvalidArgumentError(absl::StrCat("journal_retention_hours must be >= 1 and journal_max_events >= 1, got ",
                                                    absl::ToInt64Hours(o.journal_retention), " and ",
@@ -201,6 +209,8 @@ absl::Status ApplyConfigKey(const std::string& path, const std::string& key, con
   if (key == "token_file") o.token_file = v.as<std::string>();
   if (key == "insecure") o.insecure = v.as<bool>();
   if (key == "http_listen") o.http_listen = v.as<std::string>();
+  if (key == "http_max_connections") o.http_max_connections = v.as<int>();
+  if (key == "http_request_timeout_ms") o.http_request_timeout = absl::Milliseconds(v.as<int64_t>());
   if (key == "journal_file") o.journal_file = v.as<std::string>();
   if (key == "journal_retention_hours") o.journal_retention = absl::Hours(v.as<int64_t>());
   if (key == "journal_max_events") o.journal_max_events = v.as<int64_t>();
@@ -256,6 +266,7 @@ absl::StatusOr<CoordinatorOptions> LoadConfigFile(const std::string& path,
       "self_check_interval_ms", "state_file", "recovery_window_ms", "max_communicators_per_job",
       "max_store_value_bytes", "token_file", "insecure",
       "tls_cert_file", "tls_key_file", "tls_client_ca_file", "tls_reload_interval_s", "http_listen",
+      "http_max_connections", "http_request_timeout_ms",
       "journal_file", "journal_retention_hours", "journal_max_events", "session_threads"};
   for (const auto& kv : root) {
     if (!kv.first.IsScalar()) {

@@ -116,6 +116,10 @@ struct CoordinatorOptions {
   // HOST:PORT of the HTTP status page, /metrics and /healthz (http_server.h); empty: off.
   // Beyond loopback, the same rule as `listen_address`: TLS and tokens, or `insecure`.
   std::string http_listen;
+  // Bounds of that listener (http_server.h): connections open at once (more are closed at
+  // accept), and the time one exchange (TLS handshake, request, response) may take.
+  int http_max_connections = 64;
+  absl::Duration http_request_timeout = absl::Seconds(5);
   // SQLite file keeping every event across restarts (event_journal.h); empty: memory only.
   std::string journal_file;
   absl::Duration journal_retention = absl::Hours(24 * 7);  // Older events are deleted.

@@ -21,7 +21,7 @@ build=(
   cmake ninja-build g++ pkg-config ccache openssl libssl-dev
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libspdlog-dev libcli11-dev nlohmann-json3-dev libyaml-cpp-dev libcpp-httplib-dev prometheus-cpp-dev
-  libsqlite3-dev libgtest-dev libgmock-dev libbenchmark-dev libgloo-dev libtorch-dev
+  libsqlite3-dev libgtest-dev libgmock-dev libbenchmark-dev libgloo-dev libtorch-dev libboost-dev
 )
 python=(python3-dev pybind11-dev python3-torch python3-pytest python3-numpy python3-venv python3-pip python3-setuptools
         python3-wheel)

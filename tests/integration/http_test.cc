@@ -4,8 +4,18 @@
 #include <gmock/gmock.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
+#define CPPHTTPLIB_OPENSSL_SUPPORT  // httplib::SSLClient for the HTTPS checks (Debian's library has it).
+#include <arpa/inet.h>
+#include <dirent.h>
 #include <httplib.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <thread>
 
 #include <fstream>
 #include <map>
@@ -18,6 +28,7 @@
 #include "coordinator/status_page.h"
 #include "integration/inprocess_fixture.h"
 #include "shardcoord/v1/coordinator.grpc.pb.h"
+#include "support/certs.h"
 #include "support/test_env.h"
 
 namespace shardcoord {
@@ -148,23 +159,199 @@ TEST_F(HttpTest, MetricsParseStrictlyAndMatchTheGrpcStatusAndThePageShowsTheJob)
   EXPECT_THAT(page->body, ::testing::Not(HasSubstr("<script")));
 }
 
-TEST_F(HttpTest, BadRequestsGetACleanClientErrorAndTheServerGoesOn) {
+// A raw TCP connection to the HTTP port (-1 on failure).
+int RawConnect(int port) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+// Whether the peer closed the connection (EOF or reset) within `timeout`; any bytes it sent
+// before are appended to *got.
+bool ClosedWithin(int fd, absl::Duration timeout, std::string* got = nullptr) {
+  const absl::Time deadline = absl::Now() + timeout;
+  char buf[4096];
+  while (absl::Now() < deadline) {
+    pollfd p{fd, POLLIN, 0};
+    if (poll(&p, 1, 50) <= 0) continue;
+    const ssize_t n = recv(fd, buf, sizeof(buf), 0);
+    if (n <= 0) return true;
+    if (got) got->append(buf, static_cast<size_t>(n));
+  }
+  return false;
+}
+
+bool StillOpen(int fd) {
+  pollfd p{fd, POLLIN, 0};
+  return poll(&p, 1, 0) == 0;  // Nothing to read and no hang-up.
+}
+
+int OpenDescriptors() {
+  int n = 0;
+  if (DIR* d = opendir("/proc/self/fd")) {
+    while (readdir(d) != nullptr) ++n;
+    closedir(d);
+  }
+  return n;
+}
+
+int PortOf(const std::string& address) { return std::stoi(address.substr(address.rfind(':') + 1)); }
+
+TEST_F(HttpTest, BadRequestsAreRefusedAndTheServerGoesOn) {
   StartWithHttp();
   auto missing = client_->Get("/no/such/page");
   ASSERT_TRUE(missing);
   EXPECT_EQ(missing->status, 404);
   EXPECT_THAT(missing->body, HasSubstr("try /, /metrics or /healthz"));
+  // Refused: a 4xx, or the connection closed before the client finished sending.
   auto huge = client_->Get("/metrics?" + std::string(64 << 10, 'x'));
-  ASSERT_TRUE(huge);
-  EXPECT_GE(huge->status, 400);
-  EXPECT_LT(huge->status, 500);
+  if (huge) EXPECT_EQ(huge->status, 431);
   auto post = client_->Post("/metrics", std::string(1 << 20, 'y'), "text/plain");
-  ASSERT_TRUE(post);
-  EXPECT_GE(post->status, 400);
-  EXPECT_LT(post->status, 500);
+  if (post) EXPECT_EQ(post->status, 405);
+  auto head = client_->Head("/healthz");
+  ASSERT_TRUE(head);
+  EXPECT_EQ(head->status, 200);
+  EXPECT_EQ(head->get_header_value("Content-Length"), "3");
+  // Header lines past 16 KiB: 431, and the server reads no more of them.
+  const int fd = RawConnect(PortOf(server_->http_address()));
+  ASSERT_GE(fd, 0);
+  std::string request = "GET /healthz HTTP/1.1\r\nHost: x\r\n";
+  while (request.size() < (17 << 10)) request += "X-Padding: " + std::string(100, 'p') + "\r\n";
+  request += "\r\n";
+  ASSERT_EQ(send(fd, request.data(), request.size(), MSG_NOSIGNAL), static_cast<ssize_t>(request.size()));
+  std::string got;
+  EXPECT_TRUE(ClosedWithin(fd, absl::Seconds(10), &got));
+  EXPECT_THAT(got, HasSubstr("431"));
+  close(fd);
   auto health = client_->Get("/healthz");
   ASSERT_TRUE(health);
   EXPECT_EQ(health->status, 200);
+}
+
+// The review's slowloris and idle connections: they held all four threads of the old listener,
+// and /healthz (the liveness probe) went unanswered while they did.
+TEST_F(HttpTest, IdleAndSlowClientsHoldNoThreadAndAreCutAtTheDeadline) {
+  coordinator::CoordinatorOptions o;
+  o.http_request_timeout = absl::Seconds(3);
+  StartWithHttp(o);
+  const int port = PortOf(server_->http_address());
+  std::vector<int> idle;
+  for (int i = 0; i < 12; ++i) idle.push_back(RawConnect(port));
+  const int slow = RawConnect(port);
+  ASSERT_GE(slow, 0);
+  const std::string start = "GET / HTTP/1.1\r\nHost: x\r\nX-Slow: ";
+  ASSERT_GT(send(slow, start.data(), start.size(), MSG_NOSIGNAL), 0);
+  std::atomic<bool> stop{false};
+  std::thread drip([&] {  // One header byte every 100 ms, never the end of the headers.
+    while (!stop.load() && send(slow, "a", 1, MSG_NOSIGNAL) == 1) absl::SleepFor(absl::Milliseconds(100));
+  });
+  for (int fd : idle) ASSERT_GE(fd, 0);
+  auto health = client_->Get("/healthz");
+  ASSERT_TRUE(health);
+  EXPECT_EQ(health->status, 200);
+  auto metrics = client_->Get("/metrics");
+  ASSERT_TRUE(metrics);
+  EXPECT_EQ(metrics->status, 200);
+  int held = 0;  // Answered while the idle ones were still held (the deadline is 3 s).
+  for (int fd : idle) held += StillOpen(fd);
+  EXPECT_GT(held, 0);
+  for (int fd : idle) EXPECT_TRUE(ClosedWithin(fd, absl::Seconds(15)));
+  EXPECT_TRUE(ClosedWithin(slow, absl::Seconds(15))) << "the slow client was not cut at the deadline";
+  stop = true;
+  drip.join();
+  for (int fd : idle) close(fd);
+  close(slow);
+}
+
+// Idle connections used to pile up until the daemon ran out of descriptors and exited.
+TEST_F(HttpTest, ConnectionsPastTheLimitAreClosedAtOnceAndDescriptorsStayBounded) {
+  coordinator::CoordinatorOptions o;
+  o.http_max_connections = 4;
+  o.http_request_timeout = absl::Seconds(60);
+  StartWithHttp(o);
+  const int port = PortOf(server_->http_address());
+  std::vector<int> held;
+  for (int i = 0; i < 4; ++i) held.push_back(RawConnect(port));
+  for (int fd : held) ASSERT_GE(fd, 0);
+  ASSERT_TRUE(ClosedWithin(RawConnect(port), absl::Seconds(10)) ||
+              ClosedWithin(RawConnect(port), absl::Seconds(10)));  // The four are in: the next is refused.
+  const int before = OpenDescriptors();
+  std::vector<int> more;
+  for (int i = 0; i < 60; ++i) more.push_back(RawConnect(port));
+  int refused = 0;
+  for (int fd : more) refused += fd >= 0 && ClosedWithin(fd, absl::Seconds(10));
+  EXPECT_EQ(refused, 60);
+  // This process holds both ends: 60 client sockets, and no server-side ones for them.
+  EXPECT_LE(OpenDescriptors() - before, 60 + 4);
+  for (int fd : held) EXPECT_TRUE(StillOpen(fd));
+  for (int fd : more) close(fd);
+  for (int fd : held) close(fd);
+  // Freed: the server sees the four close and serves again.
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  int status = 0;
+  while (status != 200 && absl::Now() < deadline) {
+    auto health = client_->Get("/healthz");
+    status = health ? health->status : 0;
+    if (status != 200) absl::SleepFor(absl::Milliseconds(50));
+  }
+  EXPECT_EQ(status, 200);
+}
+
+// HTTPS serves the daemon's certificate and, like gRPC, takes a renewed one without a restart;
+// a renewal caught half-written (a key that does not match) keeps the previous pair serving.
+TEST_F(HttpTest, HttpsReloadsARenewedCertificateAndKeepsServingThroughAHalfWrittenOne) {
+  testing::TempDir dir;
+  auto certs = testing::MakeCertificates(dir.path());
+  if (!certs.ok()) GTEST_SKIP() << certs.status();
+  const std::string cert = dir.path() + "/tls.crt", key = dir.path() + "/tls.key";
+  auto copy = [](const std::string& from, const std::string& to) {
+    std::ifstream in(from, std::ios::binary);
+    std::string data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    const std::string tmp = to + ".tmp";
+    std::ofstream(tmp, std::ios::binary) << data;
+    chmod(tmp.c_str(), 0600);
+    rename(tmp.c_str(), to.c_str());
+  };
+  copy(certs->server_cert, cert);
+  copy(certs->server_key, key);
+  coordinator::CoordinatorOptions o;
+  o.tls.cert_file = cert;
+  o.tls.key_file = key;
+  o.tls.reload_interval = absl::Seconds(1);
+  o.http_listen = "127.0.0.1:0";
+  StartServer(o);
+  const int port = PortOf(server_->http_address());
+  auto get = [&](const std::string& ca) {
+    httplib::SSLClient c("127.0.0.1", port);
+    c.set_ca_cert_path(ca.c_str());
+    c.enable_server_certificate_verification(true);
+    c.set_connection_timeout(10, 0);
+    c.set_read_timeout(10, 0);
+    auto r = c.Get("/healthz");
+    return r ? r->status : -1;
+  };
+  EXPECT_EQ(get(certs->ca), 200);
+  EXPECT_EQ(get(certs->other_ca), -1);  // Not the CA that signed it.
+  // Half-written renewal: the other certificate with the old key.
+  copy(certs->other_server_cert, cert);
+  absl::SleepFor(absl::Milliseconds(1100));  // Past the reload interval: the next handshake checks.
+  EXPECT_EQ(get(certs->ca), 200) << "the mismatched pair replaced the serving one";
+  // Completed: served from the next check on.
+  copy(certs->other_server_key, key);
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  int status = -1;
+  while (status != 200 && absl::Now() < deadline) {
+    status = get(certs->other_ca);
+    if (status != 200) absl::SleepFor(absl::Milliseconds(200));
+  }
+  EXPECT_EQ(status, 200) << "the renewed certificate was not served";
 }
 
 TEST_F(HttpTest, WithTokensThePageAndMetricsNeedAReadTokenAndHealthDoesNot) {
