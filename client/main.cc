@@ -15,6 +15,7 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <limits>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -228,14 +229,21 @@ int CmdRanks(Client& c, const std::string& job, bool json) {
                                "GROUP", "STATE", "HOST", "PID", "HB_AGE_MS", "LAST_PLANNED",
                                "PENDING", "PLANS", "REJECTED", "PEAK_FROZEN", "REASON");
   for (const auto& r : resp.ranks()) {
+    // Summed without overflow: the reports are the client's numbers (each >= 0, any size).
     int64_t peak = 0;
-    for (const auto& m : r.memory()) peak += m.peak_bytes();
+    bool overflow = false;
+    for (const auto& m : r.memory()) {
+      const int64_t b = std::max<int64_t>(0, m.peak_bytes());
+      overflow = overflow || b > std::numeric_limits<int64_t>::max() - peak;
+      peak = overflow ? std::numeric_limits<int64_t>::max() : peak + b;
+    }
     std::cout << absl::StrFormat(
         "%-10s %5d %5d %-12s %-16s %8d %10d %12s %7d %8d %8d %12s  %s\n", r.job_id(), r.rank(), r.group(),
         shardcoord::StateName(r.state()), r.host(), r.pid(),
         r.last_heartbeat_age_ms(), r.has_last_planned() ? KeyText(r.last_planned()) : "-",
         r.pending_plans(), r.plans_received(), r.plans_rejected(),
-        r.memory().empty() ? std::string("-") : absl::StrCat(peak), r.dead_reason());
+        r.memory().empty() ? std::string("-") : overflow ? std::string("overflow") : absl::StrCat(peak),
+        r.dead_reason());
   }
   return kExitOk;
 }

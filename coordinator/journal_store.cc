@@ -65,6 +65,25 @@ absl::StatusOr<std::unique_ptr<JournalStore>> JournalStore::Open(const std::stri
   }
   Statement probe(db, "SELECT id, unix_ms, severity, kind, job_id, rank, grp, message FROM shardcoord_events LIMIT 1");
   if (probe.get() == nullptr) return fail("has a shardcoord_events table of another shape");
+  // A damaged file (a torn page, bytes overwritten) is refused now rather than found page by
+  // page later, when a query or an append reaches it.
+  {
+    Statement check(db, "PRAGMA quick_check(1)");
+    const std::string verdict =
+        check.get() != nullptr && sqlite3_step(check.get()) == SQLITE_ROW ? Column(check.get(), 0) : "no answer";
+    if (verdict != "ok") {
+      return absl::InvalidArgumentError(absl::StrCat("journal file ", path, " is damaged (SQLite quick_check: ",
+                                                     verdict.substr(0, 200),
+                                                     "); move it away or give another --journal-file"));
+    }
+  }
+  // Ids continue from the newest; one near the top of int64 (a file written by something else)
+  // would leave no room for new events, which would then be hidden or refused.
+  if (const uint64_t max_id = store->MaxId(); max_id > kMaxEventId) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "journal file ", path, ": its newest event id ", max_id, " is past 2^62, leaving no room for new ids (a file "
+        "written by something else?); move it away or give another --journal-file"));
+  }
   return store;
 }
 

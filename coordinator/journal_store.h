@@ -32,7 +32,10 @@ class JournalStore {
  public:
   // Opens or creates the file (mode 600). INVALID_ARGUMENT names the file and why (not a
   // database, another schema, cannot be written) and what to do.
+  // Refuses (INVALID_ARGUMENT, naming the file) what is not a shardcoord journal, a damaged
+  // file (SQLite's quick_check) and one whose newest id is past kMaxEventId.
   static absl::StatusOr<std::unique_ptr<JournalStore>> Open(const std::string& path);
+  static constexpr uint64_t kMaxEventId = uint64_t{1} << 62;
   ~JournalStore();
 
   absl::Status Append(const std::vector<v1::Event>& events);  // One transaction.

@@ -94,6 +94,22 @@ def test_rank_and_world_come_from_slurm_when_torchrun_did_not_start_the_task(dae
         launcher_rank()
 
 
+def test_shardctl_ranks_sums_huge_memory_reports_without_overflow(daemon):
+    """A client's memory report is its own numbers: two of 2^62 bytes summed to a negative
+    PEAK_FROZEN (signed overflow) in `shardctl ranks`."""
+    with connect(daemon, 0, world=1, group=1) as w:
+        w.report_memory([("model.visual", 2**62, 2**62, 0), ("model.audio_tower", 2**62, 2**62, 0)])
+        deadline, line = time.monotonic() + 20, ""
+        while time.monotonic() < deadline:
+            out = subprocess.run([os.environ["SHARDCTL"], "ranks", "--job", "job", "--coordinator", daemon.address],
+                                 capture_output=True, text=True, timeout=30)
+            line = next((x for x in out.stdout.splitlines() if x.startswith("job ")), "")
+            if "overflow" in line:  # The report arrives with a heartbeat: wait for it.
+                break
+            time.sleep(0.05)
+        assert "overflow" in line, out.stdout + out.stderr
+
+
 def test_bad_input_raises_typed_errors_with_the_message(daemon):
     with connect(daemon, 0) as w:
         with pytest.raises(shardcoord.InvalidArgument, match="unknown module 'vison'"):

@@ -2,6 +2,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <climits>
 #include <fstream>
 
 #include "coordinator/event_journal.h"
@@ -61,6 +62,50 @@ TEST(JournalStoreTest, AFileThatIsNotAJournalIsRefusedNamingIt) {
   EXPECT_THAT(store.status().message(), HasSubstr("journal file " + path));
   EXPECT_THAT(store.status().message(), HasSubstr("give another --journal-file"));
   EXPECT_FALSE(JournalStore::Open(dir.File("no/such/folder/j.db")).ok());
+}
+
+// The review's journals: one whose newest id is 2^63-1 hid every new event; a damaged page was
+// accepted with a rate-limited warning. Both are refused at open, naming the file.
+TEST(JournalStoreTest, AJournalWithNoRoomForNewIdsIsRefused) {
+  testing::TempDir dir;
+  const std::string path = dir.File("j.db");
+  {
+    auto store = JournalStore::Open(path);
+    ASSERT_TRUE(store.ok()) << store.status();
+    ASSERT_TRUE((*store)->Append({At(1, 1000, "a", "k"), At(uint64_t{INT64_MAX}, 2000, "a", "k")}).ok());
+  }
+  auto reopened = JournalStore::Open(path);
+  ASSERT_FALSE(reopened.ok());
+  EXPECT_EQ(reopened.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(reopened.status().message(), HasSubstr("journal file " + path));
+  EXPECT_THAT(reopened.status().message(), HasSubstr("past 2^62"));
+}
+
+TEST(JournalStoreTest, ADamagedJournalIsRefusedNamingIt) {
+  testing::TempDir dir;
+  const std::string path = dir.File("j.db");
+  {
+    auto store = JournalStore::Open(path);
+    ASSERT_TRUE(store.ok()) << store.status();
+    std::vector<v1::Event> events;
+    for (uint64_t id = 1; id <= 3000; ++id) {
+      events.push_back(At(id, 1000 + static_cast<int64_t>(id), "job", "rank_registered"));
+      events.back().set_message(std::string(200, 'm'));
+    }
+    ASSERT_TRUE((*store)->Append(events).ok());
+  }  // Closed: the WAL is checkpointed into the file.
+  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekp(0, std::ios::end);
+  const std::streamoff size = f.tellp();
+  ASSERT_GT(size, 16 * 4096) << "too few pages to damage one in the middle";
+  f.seekp(size / 2 / 4096 * 4096);  // A whole page in the middle of the table, overwritten.
+  const std::string garbage(4096, '\xA5');
+  f.write(garbage.data(), static_cast<std::streamsize>(garbage.size()));
+  f.close();
+  auto reopened = JournalStore::Open(path);
+  ASSERT_FALSE(reopened.ok());
+  EXPECT_THAT(reopened.status().message(), HasSubstr("journal file " + path + " is damaged"));
+  EXPECT_THAT(reopened.status().message(), HasSubstr("give another --journal-file"));
 }
 
 TEST(EventJournalTest, EventsSurviveAndIdsContinueAcrossAReopen) {
