@@ -1,7 +1,11 @@
 // The listener self-check of CoordinatorServer (see StartSelfCheck in coordinator_server.h):
 // gRPC 1.51 stops accepting for good once accept() fails with EMFILE, so the daemon calls
-// itself every `self_check_interval` and, after three calls that got no answer, reports the
-// listener lost (shardcoordd then exits 3 for its supervisor to restart it).
+// itself every `self_check_interval` and, once its calls have got no answer for
+// kMinDeafFor (and at least three in a row), reports the listener lost (shardcoordd then exits
+// 3 for its supervisor to restart it). A deaf listener stays deaf, so waiting costs little; a
+// daemon that was only stalled (SIGSTOP, a VM pause, a backlog after one) answers again before
+// then. A call that itself took far past its deadline (the process, not the listener, stalled)
+// is not counted.
 #include <dirent.h>
 #include <grpcpp/grpcpp.h>
 #include <sys/resource.h>
@@ -34,6 +38,9 @@ void CoordinatorServer::StartSelfCheck(const CoordinatorOptions& options) {
 
 namespace {
 
+// How long the listener must stay deaf before the daemon gives up on it.
+constexpr absl::Duration kMinDeafFor = absl::Seconds(10);
+
 // Open descriptors of this process (for the self-check's message).
 int OpenDescriptors() {
   int n = 0;
@@ -61,6 +68,8 @@ void CoordinatorServer::SelfCheckLoop() {
   if (absl::StartsWith(target, "0.0.0.0:")) target = "127.0.0.1:" + target.substr(8);
   if (absl::StartsWith(target, "[::]:")) target = "[::1]:" + target.substr(5);
   int failures = 0;
+  bool reported = false;
+  absl::Time deaf_since = absl::InfinitePast();
   absl::MutexLock lock(&mu_);
   while (!stopping_) {
     mu_.AwaitWithTimeout(absl::Condition(&stopping_), interval);
@@ -70,18 +79,28 @@ void CoordinatorServer::SelfCheckLoop() {
     args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);  // A new connection: it must be accepted.
     auto stub = v1::Coordinator::NewStub(grpc::CreateCustomChannel(target, SelfCheckCredentials(tls), args));
     grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + std::min(interval, absl::Seconds(2))));
+    const absl::Time started = absl::Now();
+    const absl::Duration timeout = std::min(interval, absl::Seconds(2));
+    ctx.set_deadline(absl::ToChronoTime(started + timeout));
     v1::StatusRequest req;
     req.set_job_id("\x01self-check");  // Matches no job: a small answer.
     v1::StatusResponse resp;
     const grpc::Status st = stub->GetStatus(&ctx, req, &resp);
-    failures = ListenerAnswered(st) ? 0 : failures + 1;
-    if (failures == 3) {
+    const bool stalled = absl::Now() - started > timeout + absl::Seconds(1);  // This process was paused.
+    if (ListenerAnswered(st)) {
+      failures = 0;
+      reported = false;
+    } else if (!stalled) {
+      if (failures++ == 0) deaf_since = started;
+    }
+    if (failures >= 3 && !reported && absl::Now() - deaf_since >= std::max(3 * interval, kMinDeafFor)) {
+      reported = true;
       rlimit lim{};
       getrlimit(RLIMIT_NOFILE, &lim);
       const std::string why = absl::StrCat(
-          "the server no longer accepts connections on ", address_, " (3 self-checks failed, last: ",
-          st.error_message(), "); open descriptors ", OpenDescriptors(), " of limit ", lim.rlim_cur,
+          "the server no longer accepts connections on ", address_, " (", failures, " self-checks over ",
+          absl::ToInt64Seconds(absl::Now() - deaf_since), " s got no answer, last: ", st.error_message(),
+          "); open descriptors ", OpenDescriptors(), " of limit ", lim.rlim_cur,
           ": with descriptors exhausted gRPC stops accepting for good. Raise the open file limit "
           "(LimitNOFILE, ulimit -n) to about one per rank plus 64");
       logging::Get("coordinator")->critical("{}", why);

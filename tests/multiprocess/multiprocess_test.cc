@@ -495,6 +495,28 @@ TEST_F(MultiProcessTest, APausedDaemonDeclaresNoRankDeadWhenItResumes) {
   EXPECT_THAT(events.out, HasSubstr("coordinator_paused"));
 }
 
+// The review saw the listener self-check exit (3) a daemon that had only been stalled for 2 s:
+// the checks right after a stall time out while it catches up. Now a stall of 2.5 s under a
+// 200 ms self-check, with 8 ranks running, leaves it serving (a deaf listener must stay deaf
+// for 10 s, and a check the stall itself delayed does not count).
+TEST_F(MultiProcessTest, ADaemonStalledForTwoSecondsIsNotTakenForADeafOne) {
+  StartDaemon({"--self-check-interval-ms", "200"});
+  const std::string trace = dir_.File("trace.jsonl");
+  WriteTrace(trace, 8, 160);
+  StartJob(trace, 25);
+  daemon_->process().Signal(SIGSTOP);
+  absl::SleepFor(absl::Milliseconds(2500));
+  daemon_->process().Signal(SIGCONT);
+  for (int r = 0; r < 8; ++r) {
+    auto code = ranks_[r]->Wait(absl::Seconds(60));
+    ASSERT_TRUE(code.has_value()) << "rank " << r << " hangs";
+    EXPECT_EQ(*code, 0) << "rank " << r << ": " << ReadFile(ranks_[r]->stderr_path());
+  }
+  EXPECT_TRUE(daemon_->process().Running()) << "the daemon exited after a stall";
+  auto status = RunCommand({SHARDCTL_PATH, "status", "--coordinator", address_}, absl::Seconds(30));
+  EXPECT_EQ(status.exit_code, 0) << status.err;
+}
+
 // gRPC 1.51 stops accepting for good once accept() fails with EMFILE. The daemon raises its
 // soft descriptor limit to the hard one, and exits (3) when its listener is gone, so that a
 // supervisor restarts it instead of leaving a deaf daemon bound to the port.
