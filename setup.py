@@ -107,14 +107,10 @@ class CMakeBuild(build_ext):
         # DT_RPATH (not RUNPATH): it also serves the dependencies of the worker library.
         ext.extra_link_args = ["-Wl,--disable-new-dtags", "-Wl,-rpath,$ORIGIN"]
         super().build_extension(ext)
-        for so in sorted(lib.glob("*.so*")):
-            if so.is_symlink():
-                continue
-            shutil.copy2(so, out / so.name)
-        # Sonames the linker recorded that are only symlinks in DIR/lib: copied under that name too.
+        # Every versioned library, a soname symlink copied as a file under its own name (the name
+        # the loader asks for).
         for so in sorted(lib.glob("*.so.*")):
-            if so.is_symlink() and not (out / so.name).exists():
-                shutil.copy2(so.resolve(), out / so.name)
+            shutil.copy2(so.resolve(), out / so.name)
 
 
 setup(

@@ -60,15 +60,6 @@ int64_t MtimeNs(const std::string& path) {
   return static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
 }
 
-http::response<http::string_body> Plain(unsigned version, http::status status, std::string body) {
-  http::response<http::string_body> res{status, version};
-  res.set(http::field::content_type, "text/plain");
-  res.body() = std::move(body);
-  res.keep_alive(false);
-  res.prepare_payload();
-  return res;
-}
-
 }  // namespace
 
 // The HTTPS certificate and key, re-read when their files change (checked at most every
@@ -179,31 +170,34 @@ class HttpServer::Connection : public std::enable_shared_from_this<Connection<St
 
   void OnHeader(beast::error_code ec) {
     if (ec == http::error::header_limit || ec == http::error::buffer_overflow) {
-      return Write(Plain(11, http::status::request_header_fields_too_large,
-                         absl::StrCat("the request line and headers exceed ", kHeaderLimit, " bytes\n")));
+      return Write(Response(11, {431, "text/plain",
+                                 absl::StrCat("the request line and headers exceed ", kHeaderLimit, " bytes\n")}));
     }
     if (ec) return;  // Timed out, closed, or not HTTP: nothing to answer.
     const auto& req = parser_.get();
     if (req.method() != http::verb::get && req.method() != http::verb::head) {
-      auto res = Plain(req.version(), http::status::method_not_allowed, "only GET and HEAD\n");
-      res.set(http::field::allow, "GET, HEAD");
-      return Write(std::move(res));
+      return Write(Response(req.version(), {405, "text/plain", "only GET and HEAD\n", {"Allow", "GET, HEAD"}}));
     }
     std::string target(req.target());
     const std::string path = target.substr(0, target.find('?'));
-    Reply reply = server_->Serve(path, std::string(req[http::field::authorization]));
-    http::response<http::string_body> res{static_cast<http::status>(reply.status), req.version()};
-    res.set(http::field::content_type, reply.content_type);
-    if (reply.challenge) res.set(http::field::www_authenticate, "Basic realm=\"shardcoord (password: a read token)\"");
-    res.body() = std::move(reply.body);
-    res.keep_alive(false);
-    res.prepare_payload();
+    auto res = Response(req.version(), server_->Serve(path, std::string(req[http::field::authorization])));
     if (req.method() == http::verb::head) {
       const auto length = res.body().size();
       res.body().clear();
       res.content_length(length);
     }
     Write(std::move(res));
+  }
+
+  // Every answer: one request per connection, so each says it closes.
+  static http::response<http::string_body> Response(unsigned version, Reply reply) {
+    http::response<http::string_body> res{static_cast<http::status>(reply.status), version};
+    res.set(http::field::content_type, reply.content_type);
+    if (!reply.header.first.empty()) res.set(reply.header.first, reply.header.second);
+    res.body() = std::move(reply.body);
+    res.keep_alive(false);
+    res.prepare_payload();
+    return res;
   }
 
   void Write(http::response<http::string_body> res) {
@@ -345,7 +339,7 @@ HttpServer::Reply HttpServer::Serve(const std::string& path, const std::string& 
   std::optional<Grant> grant = Allowed(authorization, path == "/" ? "GET /" : "GET /metrics");
   if (!grant) {
     return {401, "text/plain", "a read token is required: Authorization: Bearer TOKEN, or Basic auth with it as password\n",
-            true};
+            {"WWW-Authenticate", "Basic realm=\"shardcoord (password: a read token)\""}};
   }
   if (path == "/metrics") return {200, "text/plain; version=0.0.4; charset=utf-8", MetricsText(Take(grant->job))};
   PageInput in;

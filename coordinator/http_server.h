@@ -21,6 +21,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -50,7 +51,7 @@ class HttpServer {
   struct Reply {
     int status = 200;
     std::string content_type, body;
-    bool challenge = false;  // 401: ask for Basic auth.
+    std::pair<std::string, std::string> header;  // One more header (name empty: none).
   };
 
   HttpServer() = default;

@@ -17,22 +17,27 @@ rm -rf "$out"
 mkdir -p "$out/bin" "$out/lib"
 cp "$build/coordinator/shardcoordd" "$build/client/shardctl" "$build/tests/comm_rank" "$out/bin/"
 cp -P "$build"/worker/libshardcoord_worker.so* "$out/lib/"
-# Everything ldd lists except the C/C++ runtime, the loader and the GPU stack.
-skip='^(libc|libm|libstdc\+\+|libgcc_s|libpthread|libdl|librt|ld-linux-x86-64|linux-vdso|libcuda|libcudart|libnccl)\.'
-for bin in "$out"/bin/* "$out"/lib/libshardcoord_worker.so; do
-  ldd "$bin" | awk '/=> \// {print $1, $3}' | while read -r name path; do
-    [[ "$name" =~ $skip ]] && continue
-    [[ "$path" == "$out"/* ]] && continue
-    cp -nL "$path" "$out/lib/$name"
+# bundle_deps DEST FILE...: copies into DEST every library ldd lists for the FILEs, except the
+# C/C++ runtime, the loader, the GPU stack and what is already in the bundle.
+bundle_deps() {
+  local dest=$1 skip name path
+  shift
+  skip='^(libc|libm|libstdc\+\+|libgcc_s|libpthread|libdl|librt|ld-linux-x86-64|linux-vdso|libcuda|libcudart|libnccl)\.'
+  for file in "$@"; do
+    ldd "$file" | awk '/=> \// {print $1, $3}' | while read -r name path; do
+      [[ "$name" =~ $skip ]] && continue
+      [[ "$path" == "$out"/* ]] && continue
+      cp -nL "$path" "$dest/$name"
+    done
   done
-done
+}
+bundle_deps "$out/lib" "$out"/bin/* "$out"/lib/libshardcoord_worker.so
 # Headers the trainer is compiled against there (it is built on that machine, against its
 # LibTorch): Abseil (Debian's inline namespace must match the bundled libraries) and CLI11.
 mkdir -p "$out/include"
 cp -r /usr/include/absl /usr/include/CLI "$out/include/"
 mkdir -p "$out/include/shardcoord" && cp "$build/generated/include/shardcoord/version.h" "$out/include/shardcoord/"
 strip --strip-unneeded "$out"/bin/* "$out"/lib/*.so* 2>/dev/null || true
-command -v patchelf >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq patchelf >/dev/null
 # Test certificates for SECURED=1 runs (a CA, the daemon's for 127.0.0.1, a client's), so the
 # GPU machine needs no openssl.
 (
@@ -58,12 +63,10 @@ pybuild=$root/build-gpu-python-worker
 cmake --build "$pybuild" -- shardcoord_worker
 mkdir -p "$out/python/lib" "$out/python/include"
 cp -P "$pybuild"/worker/libshardcoord_worker.so* "$out/python/lib/"
-ldd "$pybuild/worker/libshardcoord_worker.so" | awk '/=> \// {print $1, $3}' | while read -r name path; do
-  [[ "$name" =~ $skip ]] && continue
-  cp -nL "$path" "$out/python/lib/$name"
-done
+bundle_deps "$out/python/lib" "$pybuild/worker/libshardcoord_worker.so"
 cp -r "$out"/include/* "$out/python/include/"
 strip --strip-unneeded "$out"/python/lib/*.so* 2>/dev/null || true
+command -v patchelf >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq patchelf >/dev/null
 # shellcheck disable=SC2016  # $ORIGIN is for the loader
 for lib in "$out"/python/lib/libshardcoord_worker.so.*; do
   [[ -L $lib ]] || patchelf --force-rpath --set-rpath '$ORIGIN' "$lib"

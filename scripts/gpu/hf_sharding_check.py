@@ -213,30 +213,17 @@ def part_ranks(families, timeout_s=300):
 
 # -- Part 2: memory on one GPU
 
-def scaled_llava(tf):
-    cfg = calls.llava_config(tf)
-    v = cfg.vision_config
-    v.hidden_size, v.intermediate_size, v.num_hidden_layers, v.num_attention_heads = 2048, 8192, 24, 16
-    return tf.LlavaForConditionalGeneration, cfg, calls.llava_batch, "image"
-
-
-def scaled_qwen25(tf):
-    cfg = calls.qwen_config(tf, True)
-    v = cfg.vision_config
-    v.hidden_size, v.intermediate_size, v.depth, v.num_heads = 1280, 5120, 24, 16
-    return tf.Qwen2_5_VLForConditionalGeneration, cfg, calls.qwen_batch, "image"
-
-
 def scaled(family, width=1024, depth=24, heads=16):
-    """A family's tiny config with its tower (vision or audio) widened and deepened, whatever the
-    config names those sizes; the batch makers do not depend on them."""
+    """A family's tiny config with its tower (vision or audio) widened to ``width`` (feed-forward
+    4x), deepened to ``depth`` layers with ``heads`` heads, whatever the config names those sizes;
+    the batch makers do not depend on them."""
     def make(tf):
         cls_name, make_config, make_batch, kinds = calls.FAMILIES[family]
         cfg = make_config(tf)
         tower = getattr(cfg, "vision_config", None) or cfg.audio_config
         for names, value in ((("hidden_size", "d_model"), width), (("intermediate_size", "encoder_ffn_dim"), 4 * width),
-                             (("num_hidden_layers", "encoder_layers"), depth),
-                             (("num_attention_heads", "attention_heads", "encoder_attention_heads"), heads)):
+                             (("num_hidden_layers", "encoder_layers", "depth"), depth),
+                             (("num_attention_heads", "attention_heads", "encoder_attention_heads", "num_heads"), heads)):
             for attr in names:
                 if hasattr(tower, attr):
                     setattr(tower, attr, value)
@@ -244,6 +231,7 @@ def scaled(family, width=1024, depth=24, heads=16):
             tower.vision_output_dim = width * (len(tower.intermediate_layers_indices) + 1)
         return getattr(tf, cls_name), cfg, make_batch, media_kinds(kinds)[0]
     make.__name__ = f"scaled_{family}"
+    make.family = family
     return make
 
 
@@ -262,8 +250,9 @@ def part_memory():
     dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
     ok = True
     print("family            tower params  rest params  placement                 peak above shards (MiB)")
-    more = [scaled(f) for f in ("gemma3", "idefics3", "internvl", "mllama", "qwen2_audio")]
-    for make in [scaled_qwen25, scaled_llava] + more:
+    makes = [scaled("qwen2_5_vl", width=1280), scaled("llava", width=2048)]  # Wider, as measured first.
+    makes += [scaled(f) for f in ("gemma3", "idefics3", "internvl", "mllama", "qwen2_audio")]
+    for make in makes:
         try:
             cls, cfg, make_batch, kind = make(tf)
         except Exception as e:  # noqa: BLE001
@@ -272,7 +261,7 @@ def part_memory():
         name = make.__name__
         peaks = {}
         try:
-            measure_family(name, cls, cfg, make_batch, kind, peaks, family_of(name))
+            measure_family(name, cls, cfg, make_batch, kind, peaks, make.family)
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             print(f"FAIL memory {name}: {type(e).__name__}: {str(e)[:300]}")
@@ -283,10 +272,6 @@ def part_memory():
             ok = False
     dist.destroy_process_group()
     return ok
-
-
-def family_of(name):
-    return {"scaled_qwen25": "qwen2_5_vl"}.get(name, name[len("scaled_"):])
 
 
 def measure_family(name, cls, cfg, make_batch, kind, peaks, family):

@@ -5,10 +5,8 @@
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 #define CPPHTTPLIB_OPENSSL_SUPPORT  // httplib::SSLClient for the HTTPS checks (Debian's library has it).
-#include <arpa/inet.h>
 #include <dirent.h>
 #include <httplib.h>
-#include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -159,20 +157,6 @@ TEST_F(HttpTest, MetricsParseStrictlyAndMatchTheGrpcStatusAndThePageShowsTheJob)
   EXPECT_THAT(page->body, ::testing::Not(HasSubstr("<script")));
 }
 
-// A raw TCP connection to the HTTP port (-1 on failure).
-int RawConnect(int port) {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(static_cast<uint16_t>(port));
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) {
-    close(fd);
-    return -1;
-  }
-  return fd;
-}
-
 // Whether the peer closed the connection (EOF or reset) within `timeout`; any bytes it sent
 // before are appended to *got.
 bool ClosedWithin(int fd, absl::Duration timeout, std::string* got = nullptr) {
@@ -220,7 +204,7 @@ TEST_F(HttpTest, BadRequestsAreRefusedAndTheServerGoesOn) {
   EXPECT_EQ(head->status, 200);
   EXPECT_EQ(head->get_header_value("Content-Length"), "3");
   // Header lines past 16 KiB: 431, and the server reads no more of them.
-  const int fd = RawConnect(PortOf(server_->http_address()));
+  const int fd = testing::ConnectLoopback(PortOf(server_->http_address()));
   ASSERT_GE(fd, 0);
   std::string request = "GET /healthz HTTP/1.1\r\nHost: x\r\n";
   while (request.size() < (17 << 10)) request += "X-Padding: " + std::string(100, 'p') + "\r\n";
@@ -243,8 +227,8 @@ TEST_F(HttpTest, IdleAndSlowClientsHoldNoThreadAndAreCutAtTheDeadline) {
   StartWithHttp(o);
   const int port = PortOf(server_->http_address());
   std::vector<int> idle;
-  for (int i = 0; i < 12; ++i) idle.push_back(RawConnect(port));
-  const int slow = RawConnect(port);
+  for (int i = 0; i < 12; ++i) idle.push_back(testing::ConnectLoopback(port));
+  const int slow = testing::ConnectLoopback(port);
   ASSERT_GE(slow, 0);
   const std::string start = "GET / HTTP/1.1\r\nHost: x\r\nX-Slow: ";
   ASSERT_GT(send(slow, start.data(), start.size(), MSG_NOSIGNAL), 0);
@@ -278,13 +262,13 @@ TEST_F(HttpTest, ConnectionsPastTheLimitAreClosedAtOnceAndDescriptorsStayBounded
   StartWithHttp(o);
   const int port = PortOf(server_->http_address());
   std::vector<int> held;
-  for (int i = 0; i < 4; ++i) held.push_back(RawConnect(port));
+  for (int i = 0; i < 4; ++i) held.push_back(testing::ConnectLoopback(port));
   for (int fd : held) ASSERT_GE(fd, 0);
-  ASSERT_TRUE(ClosedWithin(RawConnect(port), absl::Seconds(10)) ||
-              ClosedWithin(RawConnect(port), absl::Seconds(10)));  // The four are in: the next is refused.
+  ASSERT_TRUE(ClosedWithin(testing::ConnectLoopback(port), absl::Seconds(10)) ||
+              ClosedWithin(testing::ConnectLoopback(port), absl::Seconds(10)));  // The four are in: the next is refused.
   const int before = OpenDescriptors();
   std::vector<int> more;
-  for (int i = 0; i < 60; ++i) more.push_back(RawConnect(port));
+  for (int i = 0; i < 60; ++i) more.push_back(testing::ConnectLoopback(port));
   int refused = 0;
   for (int fd : more) refused += fd >= 0 && ClosedWithin(fd, absl::Seconds(10));
   EXPECT_EQ(refused, 60);
@@ -294,14 +278,12 @@ TEST_F(HttpTest, ConnectionsPastTheLimitAreClosedAtOnceAndDescriptorsStayBounded
   for (int fd : more) close(fd);
   for (int fd : held) close(fd);
   // Freed: the server sees the four close and serves again.
-  const absl::Time deadline = absl::Now() + absl::Seconds(20);
-  int status = 0;
-  while (status != 200 && absl::Now() < deadline) {
-    auto health = client_->Get("/healthz");
-    status = health ? health->status : 0;
-    if (status != 200) absl::SleepFor(absl::Milliseconds(50));
-  }
-  EXPECT_EQ(status, 200);
+  EXPECT_TRUE(testing::WaitUntil(
+      [&] {
+        auto health = client_->Get("/healthz");
+        return health && health->status == 200;
+      },
+      absl::Seconds(20), absl::Milliseconds(50)));
 }
 
 // HTTPS serves the daemon's certificate and, like gRPC, takes a renewed one without a restart;
@@ -311,16 +293,8 @@ TEST_F(HttpTest, HttpsReloadsARenewedCertificateAndKeepsServingThroughAHalfWritt
   auto certs = testing::MakeCertificates(dir.path());
   if (!certs.ok()) GTEST_SKIP() << certs.status();
   const std::string cert = dir.path() + "/tls.crt", key = dir.path() + "/tls.key";
-  auto copy = [](const std::string& from, const std::string& to) {
-    std::ifstream in(from, std::ios::binary);
-    std::string data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    const std::string tmp = to + ".tmp";
-    std::ofstream(tmp, std::ios::binary) << data;
-    chmod(tmp.c_str(), 0600);
-    rename(tmp.c_str(), to.c_str());
-  };
-  copy(certs->server_cert, cert);
-  copy(certs->server_key, key);
+  ASSERT_TRUE(testing::ReplaceFile(certs->server_cert, cert));
+  ASSERT_TRUE(testing::ReplaceFile(certs->server_key, key));
   coordinator::CoordinatorOptions o;
   o.tls.cert_file = cert;
   o.tls.key_file = key;
@@ -340,18 +314,14 @@ TEST_F(HttpTest, HttpsReloadsARenewedCertificateAndKeepsServingThroughAHalfWritt
   EXPECT_EQ(get(certs->ca), 200);
   EXPECT_EQ(get(certs->other_ca), -1);  // Not the CA that signed it.
   // Half-written renewal: the other certificate with the old key.
-  copy(certs->other_server_cert, cert);
+  ASSERT_TRUE(testing::ReplaceFile(certs->other_server_cert, cert));
   absl::SleepFor(absl::Milliseconds(1100));  // Past the reload interval: the next handshake checks.
   EXPECT_EQ(get(certs->ca), 200) << "the mismatched pair replaced the serving one";
   // Completed: served from the next check on.
-  copy(certs->other_server_key, key);
-  const absl::Time deadline = absl::Now() + absl::Seconds(20);
-  int status = -1;
-  while (status != 200 && absl::Now() < deadline) {
-    status = get(certs->other_ca);
-    if (status != 200) absl::SleepFor(absl::Milliseconds(200));
-  }
-  EXPECT_EQ(status, 200) << "the renewed certificate was not served";
+  ASSERT_TRUE(testing::ReplaceFile(certs->other_server_key, key));
+  EXPECT_TRUE(testing::WaitUntil([&] { return get(certs->other_ca) == 200; }, absl::Seconds(20),
+                                 absl::Milliseconds(200)))
+      << "the renewed certificate was not served";
 }
 
 TEST_F(HttpTest, WithTokensThePageAndMetricsNeedAReadTokenAndHealthDoesNot) {

@@ -130,13 +130,7 @@ TEST_F(TlsTest, MutualTlsServesOnlyCallersWithACertificateFromTheClientCa) {
 TEST_F(TlsTest, ARenewedCertificateIsServedWithoutARestart) {
   coordinator::CoordinatorOptions o = Secured();
   const std::string cert = dir_.File("live.pem"), key = dir_.File("live.key");
-  auto copy = [](const std::string& from, const std::string& to) {
-    std::ifstream in(from, std::ios::binary);
-    const std::string tmp = to + ".tmp";
-    std::ofstream(tmp, std::ios::binary) << in.rdbuf();
-    chmod(tmp.c_str(), 0600);
-    ASSERT_EQ(std::rename(tmp.c_str(), to.c_str()), 0);
-  };
+  auto copy = [](const std::string& from, const std::string& to) { ASSERT_TRUE(testing::ReplaceFile(from, to)); };
   copy(certs_.server_cert, cert);
   copy(certs_.server_key, key);
   o.tls.cert_file = cert;

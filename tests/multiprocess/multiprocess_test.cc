@@ -541,15 +541,7 @@ TEST_F(MultiProcessTest, DaemonUsesItsHardFileLimitAndExitsWhenItCanNoLongerAcce
   auto flood = [](const std::string& address, int n) {
     const int port = std::stoi(address.substr(address.rfind(':') + 1));
     std::vector<int> fds;
-    for (int i = 0; i < n; ++i) {
-      int fd = socket(AF_INET, SOCK_STREAM, 0);
-      sockaddr_in sa{};
-      sa.sin_family = AF_INET;
-      sa.sin_port = htons(port);
-      sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-      connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa));
-      fds.push_back(fd);
-    }
+    for (int i = 0; i < n; ++i) fds.push_back(testing::ConnectLoopback(port));
     return fds;
   };
   {

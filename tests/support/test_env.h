@@ -50,6 +50,13 @@ bool WaitUntil(const std::function<bool()>& cond, absl::Duration timeout,
 
 std::string ReadFile(const std::string& path);
 
+// Puts a copy of `from` in place of `to` at once (written beside it, mode 0600, renamed over it),
+// as a certificate renewal does. False when either file cannot be used.
+bool ReplaceFile(const std::string& from, const std::string& to);
+
+// A plain TCP connection to 127.0.0.1:port (a raw client: idle, slow or flooding); -1 on failure.
+int ConnectLoopback(int port);
+
 }  // namespace shardcoord::testing
 
 #endif  // SHARDCOORD_TESTS_SUPPORT_TEST_ENV_H_
