@@ -29,7 +29,8 @@ CoordinatorCore::CoordinatorCore(CoordinatorOptions options, std::shared_ptr<con
       config_digest_(DecisionConfigDigest(options_)),
       resume_auth_(options_.resume_key.empty() ? ResumeAuthority::Ephemeral()
                                                : ResumeAuthority(options_.resume_key, /*persistent=*/true)),
-      journal_(options_.event_capacity) {}
+      journal_(options_.event_capacity),
+      buffers_(std::make_shared<BufferBudget>(options_.limits.max_buffered_bytes)) {}
 
 CoordinatorCore::~CoordinatorCore() = default;
 
@@ -148,6 +149,13 @@ absl::Status CoordinatorCore::Register(uint64_t session_id, const v1::RegisterRe
     return s;
   }
 
+  BufferCharge resume_charge;
+  if (resuming) {
+    absl::StatusOr<BufferCharge> charge = ChargeResume(req);
+    if (!charge.ok()) return charge.status();
+    resume_charge = std::move(*charge);
+  }
+
   // Accepted: from here on state changes.
   if (job == nullptr) job = &CreateJob(req);
   Member& m = job->members[req.rank()];
@@ -162,7 +170,7 @@ absl::Status CoordinatorCore::Register(uint64_t session_id, const v1::RegisterRe
           "or --token-file so that resumes are checked)");
   }
   if (group.state == v1::GROUP_STATE_RECOVERING) {
-    ResumeMember(*job, group, m, session_id, std::move(sink), req);
+    ResumeMember(*job, group, m, session_id, std::move(sink), req, std::move(resume_charge));
     return absl::OkStatus();
   }
   const bool rejoin = m.state == v1::RANK_STATE_DEAD || m.state == v1::RANK_STATE_LEFT;
@@ -291,7 +299,7 @@ void CoordinatorCore::SetLive(Job& job, Member& m, uint64_t session_id, std::sha
   m.registrations++;
   m.lookahead = req.lookahead();
   m.memory_budget = req.memory_budget_bytes();
-  m.outbox_overflow = false;
+  m.cut_reason.clear();
   m.session_key = NewSessionKey();
   job.ended = absl::InfinitePast();
   sessions_[session_id] = SessionRef{&job, req.rank()};

@@ -38,7 +38,9 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "coordinator/buffer_budget.h"
 #include "coordinator/clock.h"
 #include "coordinator/decision_engine.h"
 #include "coordinator/event_journal.h"
@@ -53,9 +55,11 @@ class RankSink {
  public:
   virtual ~RankSink() = default;
   // Queues `msg` for the rank. Must not block and must not call into CoordinatorCore.
-  // Returns false, and queues nothing, when the rank's queue is over its bound (the rank
-  // does not read its stream): the core then fails the rank.
-  virtual bool Send(const v1::CoordinatorMessage& msg) = 0;
+  // Refuses (RESOURCE_EXHAUSTED naming the bound), and queues nothing, when the rank's
+  // queue is over its bound or the daemon's buffers are full while the rank holds a large
+  // share of them (it does not read its stream): the core then fails the rank with that
+  // message.
+  virtual absl::Status Send(const v1::CoordinatorMessage& msg) = 0;
   // Starts writing what Send queued, if no write is in flight. The core calls it after
   // releasing its mutex, once per call that queued something for the rank: starting a
   // network write is the costly part of sending, and must not hold up every other rank.
@@ -78,6 +82,9 @@ class CoordinatorCore {
   // Digest of the settings that change decisions; a resuming rank must have registered
   // under the same (RegisterResponse.config_digest).
   uint64_t config_digest() const { return config_digest_; }
+  // The daemon-wide budget of memory held for clients (max_buffered_bytes): sinks charge
+  // their queues to it, the core the resumes it holds.
+  const std::shared_ptr<BufferBudget>& buffers() const { return buffers_; }
   // The address actually bound (port 0 resolved), for status.
   void SetBoundAddress(const std::string& address) {
     absl::MutexLock lock(&mu_);
@@ -177,11 +184,15 @@ class CoordinatorCore {
     int64_t registrations = 0;
     int lookahead = kDefaultLookahead;
     int64_t memory_budget = 0;
-    bool outbox_overflow = false;  // A Send was refused: the rank does not read its stream.
+    // Why the rank is to be failed at the next tick ("" while it is not): its sink refused a
+    // send (it does not read), or it broke the protocol. Nothing more is sent to it.
+    std::string cut_reason;
     std::vector<v1::ModuleMemory> memory;  // As last reported.
     std::string session_key;  // Of the live session (RegisterResponse.session_key).
-    // What the rank held when it resumed after a restart, until its group recovered.
+    // What the rank held when it resumed after a restart, until its group recovered;
+    // its memory is charged to buffers_ meanwhile.
     std::optional<v1::ResumeState> resume;
+    BufferCharge resume_charge;
     v1::CoordinatorMessage outgoing;  // Decisions batched during one call; see Flush.
   };
 
@@ -280,7 +291,8 @@ class CoordinatorCore {
   void TakePlans(Job& job, Member& m, const v1::PlanBatch& batch) ABSL_SHARED_LOCKS_REQUIRED(mu_);
   void TakeHeartbeat(Job& job, Member& m, const v1::Heartbeat& heartbeat) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The part of a heartbeat that concerns the member alone (liveness, memory).
-  void TakeMemberHeartbeat(Member& m, const v1::Heartbeat& heartbeat) ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  void TakeMemberHeartbeat(const Group& group, Member& m, const v1::Heartbeat& heartbeat)
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
   void TakeCommAborted(Job& job, Member& m, const v1::CommAborted& ack) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Returns the session's member if it is the rank's current live session.
   Member* LiveMember(uint64_t session_id, Job** job) ABSL_SHARED_LOCKS_REQUIRED(mu_);
@@ -314,7 +326,7 @@ class CoordinatorCore {
   // Sends the decisions batched in members' `outgoing`.
   void Flush(Job& job, const Group& group) ABSL_SHARED_LOCKS_REQUIRED(mu_);
   void SendTo(Member& member, const v1::CoordinatorMessage& msg) ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  // Sends through the member's sink; marks a refused send (see Member::outbox_overflow).
+  // Sends through the member's sink; a refused send sets Member::cut_reason.
   void SinkSend(Member& member, const v1::CoordinatorMessage& msg) ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Makes room for a new job (evicting the oldest ended one) or says why there is none.
   // (The checks that need no state are in registration.h.)
@@ -399,7 +411,9 @@ class CoordinatorCore {
   void StartRecovery(Job& job, Group& group) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A rank (resuming, or registering for the first time) joins a recovering group.
   void ResumeMember(Job& job, Group& group, Member& m, uint64_t session_id, std::shared_ptr<RankSink> sink,
-                    const v1::RegisterRequest& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                    const v1::RegisterRequest& req, BufferCharge charge) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Takes the memory a resume will be held in from buffers_, or says which bound refuses it.
+  absl::StatusOr<BufferCharge> ChargeResume(const v1::RegisterRequest& req);
   // Every member is back: applies the recovery rule, or fails the group.
   void FinishRecovery(Job& job, Group& group) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FailRecovery(Job& job, Group& group, const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -492,6 +506,8 @@ class CoordinatorCore {
   // Credentials for resumes and seals on decisions (resume_auth.h). Immutable: no lock.
   const ResumeAuthority resume_auth_;
   EventJournal journal_;
+  // Before jobs_: their members' charges give back to it as they are destroyed.
+  const std::shared_ptr<BufferBudget> buffers_;
 
   mutable absl::Mutex mu_;
   std::map<std::string, std::unique_ptr<Job>> jobs_ ABSL_GUARDED_BY(mu_);

@@ -24,23 +24,26 @@ void CoordinatorCore::OnHeartbeat(uint64_t session_id, const v1::Heartbeat& hear
 }
 
 void CoordinatorCore::TakeHeartbeat(Job& job, Member& m, const v1::Heartbeat& heartbeat) {
-  TakeMemberHeartbeat(m, heartbeat);
+  TakeMemberHeartbeat(job.groups[m.group], m, heartbeat);
   if (heartbeat.comms_size() > 0) RecordProgress(job, m.rank, heartbeat, m.last_seen);
 }
 
-void CoordinatorCore::TakeMemberHeartbeat(Member& m, const v1::Heartbeat& heartbeat) {
+void CoordinatorCore::TakeMemberHeartbeat(const Group& group, Member& m, const v1::Heartbeat& heartbeat) {
   m.last_seen = clock_->Now();
   if (heartbeat.memory_size() == 0) return;
-  // Bounded whatever the client sends: at most max_modules entries (a manifest has no more),
-  // names no longer than max_name_bytes, no negative counts; the rest is not kept.
-  const CoordinatorLimits& lim = options_.limits;
+  // Bounded by the manifest whatever the client sends: one entry per module of the group's
+  // manifest (the first for each), no negative counts; the rest is not kept. A rank's
+  // reports then cost no more than its share of the manifest (DESIGN 11).
   m.memory.clear();
+  std::vector<bool> seen(group.modules.size(), false);
   for (const auto& e : heartbeat.memory()) {
-    if (static_cast<int>(m.memory.size()) >= lim.max_modules) break;
-    if (static_cast<int>(e.module().size()) > lim.max_name_bytes || e.resident_bytes() < 0 || e.peak_bytes() < 0 ||
+    if (m.memory.size() >= group.modules.size()) break;
+    auto it = group.module_index.find(e.module());
+    if (it == group.module_index.end() || seen[it->second] || e.resident_bytes() < 0 || e.peak_bytes() < 0 ||
         e.gathered_bytes() < 0) {
       continue;
     }
+    seen[it->second] = true;
     m.memory.push_back(e);
   }
 }
@@ -171,11 +174,8 @@ void CoordinatorCore::Tick() {
     ExpireRecovery(*job, now);
     for (Member& m : job->members) {
       if (m.state != v1::RANK_STATE_LIVE) continue;
-      if (m.outbox_overflow) {
-        RemoveMember(*job, m, /*clean=*/false,
-                     absl::StrCat("not reading its session stream: more than ", options_.limits.max_outbox_bytes,
-                                  " bytes were queued for it (max_outbox_bytes); a rank must keep reading "
-                                  "its decisions"));
+      if (!m.cut_reason.empty()) {
+        RemoveMember(*job, m, /*clean=*/false, std::string(m.cut_reason));
         continue;
       }
       absl::Duration silent = now - m.last_seen;

@@ -63,13 +63,23 @@ void CoordinatorCore::OnBundle(uint64_t session_id, const v1::WorkerBundle& bund
   Member* m = LiveMember(session_id, &job);
   if (m == nullptr) return;
   absl::MutexLock group_lock(job->groups[m->group].mu.get());
-  if (bundle.has_heartbeat()) TakeMemberHeartbeat(*m, bundle.heartbeat());
+  if (bundle.has_heartbeat()) TakeMemberHeartbeat(job->groups[m->group], *m, bundle.heartbeat());
   if (bundle.has_plans()) TakePlans(*job, *m, bundle.plans());
 }
 
 void CoordinatorCore::TakePlans(Job& job, Member& m, const v1::PlanBatch& batch) {
   m.last_seen = clock_->Now();
   Group& group = job.groups[m.group];
+  if (batch.plans_size() > m.lookahead) {
+    // No worker sends more plans at once than its window holds: one that does would get a
+    // rejection for each plan past it, and those alone could fill its outbox.
+    if (m.cut_reason.empty()) {
+      m.cut_reason = absl::StrCat("broke the protocol: sent ", batch.plans_size(),
+                                  " plans in one batch, more than its lookahead window of ", m.lookahead,
+                                  " (a worker has at most that many undecided plans)");
+    }
+    return;
+  }
   if (group.state == v1::GROUP_STATE_RECOVERING) {
     // Decided once every member has resumed (a static decision made now could contradict
     // one a member not back yet holds). Bounded like the pending microbatches.
@@ -365,11 +375,11 @@ void CoordinatorCore::SendTo(Member& m, const v1::CoordinatorMessage& msg) {
 }
 
 void CoordinatorCore::SinkSend(Member& m, const v1::CoordinatorMessage& msg) {
-  if (!m.sink || m.outbox_overflow) return;
+  if (!m.sink || !m.cut_reason.empty()) return;
   // Refused: the rank is not reading. Tick fails it (not here: we may be deep inside a
   // group's state change); until then nothing more is queued for it.
-  if (!m.sink->Send(msg)) {
-    m.outbox_overflow = true;
+  if (absl::Status s = m.sink->Send(msg); !s.ok()) {
+    m.cut_reason = std::string(s.message());
     return;
   }
   // The write starts once mu_ is released (see RunDeferred).

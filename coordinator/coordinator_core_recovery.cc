@@ -27,11 +27,26 @@ void CoordinatorCore::StartRecovery(Job& job, Group& group) {
                      " ms for its members to report what they hold"));
 }
 
+absl::StatusOr<BufferCharge> CoordinatorCore::ChargeResume(const v1::RegisterRequest& req) {
+  // Held until the group recovers (up to recovery_window_ms): its memory, not its wire size.
+  const auto bytes = static_cast<int64_t>(req.resume().SpaceUsedLong());
+  if (!buffers_->TryTakeStrict(bytes)) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "register: the resume of rank ", req.rank(), " of job '", req.job_id(), "' would be held in ", bytes,
+        " bytes until its group recovers, and the daemon's buffers for all clients hold ", buffers_->used(),
+        " of max_buffered_bytes ", buffers_->limit(), "; the worker retries within its reconnect window (raise "
+        "max_buffered_bytes if honest resumes of this size are refused)"));
+  }
+  return BufferCharge(buffers_.get(), bytes);
+}
+
 void CoordinatorCore::ResumeMember(Job& job, Group& group, Member& m, uint64_t session_id,
-                                   std::shared_ptr<RankSink> sink, const v1::RegisterRequest& req) {
+                                   std::shared_ptr<RankSink> sink, const v1::RegisterRequest& req,
+                                   BufferCharge charge) {
   SetLive(job, m, session_id, std::move(sink), req);
   // A rank that never registered before the restart holds nothing.
   m.resume = req.has_resume() ? req.resume() : v1::ResumeState{};
+  m.resume_charge = std::move(charge);
   v1::CoordinatorMessage msg = Registered(group, req);
   msg.mutable_registered()->set_epoch(m.resume->group_epoch());
   msg.mutable_registered()->set_session_key(m.session_key);
@@ -50,8 +65,9 @@ void CoordinatorCore::ResumeMember(Job& job, Group& group, Member& m, uint64_t s
 void CoordinatorCore::FinishRecovery(Job& job, Group& group) {
   std::vector<MemberResume> reports;
   for (int r : group.ranks) {
-    reports.push_back({r, *job.members[r].resume});
+    reports.push_back({r, std::move(*job.members[r].resume)});
     job.members[r].resume.reset();
+    job.members[r].resume_charge = BufferCharge();
   }
   GroupRecovery rec = PlanGroupRecovery(group.index, reports);
   group.recovery_deadline = absl::InfiniteFuture();
@@ -211,7 +227,10 @@ void CoordinatorCore::ExpireRecovery(Job& job, absl::Time now) {
     group.state = v1::GROUP_STATE_FAILED;
     group.recovery_deadline = absl::InfiniteFuture();
     group.deferred_plans.clear();
-    for (int r : group.ranks) job.members[r].resume.reset();
+    for (int r : group.ranks) {
+      job.members[r].resume.reset();
+      job.members[r].resume_charge = BufferCharge();
+    }
     if (!missing.empty()) Event("error", "recovery_expired", job.id, -1, group.index, why);
     const std::string each = absl::StrCat("did not resume within ", window);
     for (int r : missing) {

@@ -171,7 +171,7 @@ class HttpServer::Connection : public std::enable_shared_from_this<Connection<St
   void OnHeader(beast::error_code ec) {
     if (ec == http::error::header_limit || ec == http::error::buffer_overflow) {
       return Write(Response(11, {431, "text/plain",
-                                 absl::StrCat("the request line and headers exceed ", kHeaderLimit, " bytes\n")}));
+                                 absl::StrCat("the request line and headers exceed ", kHeaderLimit, " bytes\n"), {}}));
     }
     if (ec) return;  // Timed out, closed, or not HTTP: nothing to answer.
     const auto& req = parser_.get();

@@ -88,7 +88,7 @@ struct Flags {
   std::optional<int64_t> hb_interval_ms, hb_timeout_ms, plan_timeout_ms, behind_threshold_ms, recovery_window_ms;
   std::optional<int> max_lookahead, promote_window, promote_threshold, demote_threshold, event_capacity,
       decision_history, max_world_size, max_total_ranks, max_jobs, max_modules, max_units, max_name_bytes, max_pending;
-  std::optional<int64_t> max_outbox_bytes, job_retention_ms, handshake_timeout_ms, self_check_ms;
+  std::optional<int64_t> max_outbox_bytes, max_buffered_bytes, job_retention_ms, handshake_timeout_ms, self_check_ms;
   std::optional<int> max_comms, max_store_value, session_threads;
 };
 
@@ -160,6 +160,9 @@ void AddFlags(CLI::App& app, Flags& f) {
   app.add_option("--max-store-value-bytes", f.max_store_value, "largest value in a communicator epoch's store");
   app.add_option("--max-outbox-bytes", f.max_outbox_bytes,
                  "per rank: most bytes queued for a rank that does not read; over it the rank is failed");
+  app.add_option("--max-buffered-bytes", f.max_buffered_bytes,
+                 "daemon-wide: memory held for all clients (queues, resumes); past it the ranks holding "
+                 "most are failed and resumes refused");
   app.add_option("--job-retention-ms", f.job_retention_ms, "forget a job this long after its last rank ended");
   app.add_option("--handshake-timeout-ms", f.handshake_timeout_ms,
                  "close connections that have not completed the HTTP/2 handshake by then");
@@ -201,6 +204,7 @@ void ApplyFlags(const Flags& f, CoordinatorOptions& options) {
   if (f.max_name_bytes) options.limits.max_name_bytes = *f.max_name_bytes;
   if (f.max_pending) options.limits.max_pending_microbatches = *f.max_pending;
   if (f.max_outbox_bytes) options.limits.max_outbox_bytes = *f.max_outbox_bytes;
+  if (f.max_buffered_bytes) options.limits.max_buffered_bytes = *f.max_buffered_bytes;
   if (f.max_comms) options.limits.max_communicators_per_job = *f.max_comms;
   if (f.max_store_value) options.limits.max_store_value_bytes = *f.max_store_value;
   if (f.job_retention_ms) options.limits.job_retention = absl::Milliseconds(*f.job_retention_ms);

@@ -104,12 +104,18 @@ absl::Status ValidateCounts(const CoordinatorOptions& o) {
            {"max_pending_microbatches", l.max_pending_microbatches},
            {"max_communicators_per_job", l.max_communicators_per_job},
            {"max_store_value_bytes", l.max_store_value_bytes},
-           {"max_outbox_bytes", l.max_outbox_bytes}}) {
+           {"max_outbox_bytes", l.max_outbox_bytes},
+           {"max_buffered_bytes", l.max_buffered_bytes}}) {
     if (v < 1) return absl::InvalidArgumentError(absl::StrCat(name, " must be >= 1, got ", v));
   }
   if (l.max_outbox_bytes < (64 << 10)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "max_outbox_bytes must be >= 65536 (one decision batch must fit), got ", l.max_outbox_bytes));
+  }
+  if (l.max_buffered_bytes < (1 << 20)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_buffered_bytes must be >= 1048576 (the daemon's buffers for all clients together), got ",
+        l.max_buffered_bytes));
   }
   if (l.job_retention < absl::ZeroDuration() || l.self_check_interval < absl::ZeroDuration() ||
       l.handshake_timeout <= absl::ZeroDuration()) {
@@ -227,6 +233,7 @@ absl::Status ApplyConfigKey(const std::string& path, const std::string& key, con
   if (key == "max_name_bytes") o.limits.max_name_bytes = v.as<int>();
   if (key == "max_pending_microbatches") o.limits.max_pending_microbatches = v.as<int>();
   if (key == "max_outbox_bytes") o.limits.max_outbox_bytes = v.as<int64_t>();
+  if (key == "max_buffered_bytes") o.limits.max_buffered_bytes = v.as<int64_t>();
   if (key == "max_communicators_per_job") o.limits.max_communicators_per_job = v.as<int>();
   if (key == "max_store_value_bytes") o.limits.max_store_value_bytes = v.as<int>();
   if (key == "job_retention_ms") o.limits.job_retention = absl::Milliseconds(v.as<int64_t>());
@@ -262,7 +269,7 @@ absl::StatusOr<CoordinatorOptions> LoadConfigFile(const std::string& path,
       "promote_threshold", "demote_threshold", "event_capacity",    "decision_history",
       "log_level",        "address_file",      "behind_threshold_ms", "max_world_size", "max_total_ranks",
       "max_jobs",         "max_modules",       "max_units_per_module", "max_name_bytes",
-      "max_pending_microbatches", "max_outbox_bytes", "job_retention_ms", "handshake_timeout_ms",
+      "max_pending_microbatches", "max_outbox_bytes", "max_buffered_bytes", "job_retention_ms", "handshake_timeout_ms",
       "self_check_interval_ms", "state_file", "recovery_window_ms", "max_communicators_per_job",
       "max_store_value_bytes", "token_file", "insecure",
       "tls_cert_file", "tls_key_file", "tls_client_ca_file", "tls_reload_interval_s", "http_listen",

@@ -34,7 +34,8 @@ inline constexpr absl::Duration kMaxDuration = absl::Hours(24);
 // Bounds on what clients may make the daemon hold (rule: every bound is a setting, and a
 // request over it is refused with RESOURCE_EXHAUSTED or INVALID_ARGUMENT naming it).
 // Memory per job is O(world_size + modules x units); per group O(pending microbatches x
-// modules x group size); per rank O(outbox).
+// modules x group size); per rank O(outbox); all buffers held for clients together at
+// most max_buffered_bytes (plus 64 KiB per rank: a short queue is never refused).
 // DESIGN 11.
 struct CoordinatorLimits {
   int max_world_size = 65536;        // ranks in one job
@@ -44,7 +45,11 @@ struct CoordinatorLimits {
   int max_units_per_module = 4096;   // layer units of one module
   int max_name_bytes = 256;          // job id, module and unit names, host name
   int max_pending_microbatches = 1024;  // per group: reported by some ranks, not yet by all
-  int64_t max_outbox_bytes = 16 << 20;  // per rank: queued, not yet written to its stream
+  int64_t max_outbox_bytes = 16 << 20;  // per rank: queued, not yet written to its stream (wire bytes)
+  // Daemon-wide: memory held for clients across all sessions (buffer_budget.h): queued
+  // messages (about 4x their wire size) and resumes waiting for their group. Past it, a rank
+  // holding more than 64 KiB of queue is failed as not reading, and resumes are refused.
+  int64_t max_buffered_bytes = int64_t{512} << 20;
   int max_communicators_per_job = 1024;  // named communicators one job may open
   // A communicator epoch's store: each value at most this big (Gloo addresses and NCCL ids
   // are small); at most 2 x members + 16 keys.

@@ -40,12 +40,17 @@ class SessionCall;
 // after the stream is gone; it then drops messages. Thread-safe.
 class SessionSink final : public RankSink {
  public:
-  SessionSink(SessionCall* call, int64_t max_bytes, uint64_t incarnation)
-      : call_(call), max_bytes_(max_bytes), incarnation_(incarnation) {}
+  SessionSink(SessionCall* call, int64_t max_bytes, std::shared_ptr<BufferBudget> budget, uint64_t incarnation)
+      : call_(call), max_bytes_(max_bytes), budget_(std::move(budget)), incarnation_(incarnation) {}
+  ~SessionSink() override {
+    absl::MutexLock lock(&mu_);
+    budget_->Give(charged_);
+  }
 
-  // Queues only (the core calls it under its mutex); refuses (false) once more than
-  // max_bytes are queued: the rank does not read.
-  bool Send(const v1::CoordinatorMessage& msg) override;
+  // Queues only (the core calls it under its mutex); refuses once more than max_bytes are
+  // queued, or the daemon's buffers are full and this rank holds more than a short queue:
+  // the rank does not read.
+  absl::Status Send(const v1::CoordinatorMessage& msg) override;
   // Starts the write of what is queued (the core calls it after unlocking).
   void Kick() override {
     absl::MutexLock lock(&mu_);
@@ -66,10 +71,20 @@ class SessionSink final : public RankSink {
 
   absl::Mutex mu_;
   SessionCall* call_ ABSL_GUARDED_BY(mu_);
+  // Gives back what the queued messages of `wire_bytes` were charged.
+  void DequeuedLocked(size_t wire_bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    queued_bytes_ -= static_cast<int64_t>(wire_bytes);
+    const int64_t cost = QueuedMessageCost(static_cast<int64_t>(wire_bytes));
+    charged_ -= cost;
+    budget_->Give(cost);
+  }
+
   const int64_t max_bytes_;
+  const std::shared_ptr<BufferBudget> budget_;
   const uint64_t incarnation_;  // Stamped on every message (DESIGN 12).
-  std::deque<std::pair<v1::CoordinatorMessage, size_t>> queue_ ABSL_GUARDED_BY(mu_);  // (message, size)
-  int64_t queued_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  std::deque<std::pair<v1::CoordinatorMessage, size_t>> queue_ ABSL_GUARDED_BY(mu_);  // (message, wire size)
+  int64_t queued_bytes_ ABSL_GUARDED_BY(mu_) = 0;   // Wire bytes in queue_.
+  int64_t charged_ ABSL_GUARDED_BY(mu_) = 0;        // Taken from budget_ for queue_.
   bool overflowed_ ABSL_GUARDED_BY(mu_) = false;  // A Send was refused.
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
   std::optional<grpc::Status> finish_ ABSL_GUARDED_BY(mu_);
@@ -156,7 +171,8 @@ class SessionCall {
     id_ = shared_->next_session.fetch_add(1);
     peer_ = ctx_.peer();
     CoordinatorCore* core = shared_->core;
-    sink_ = std::make_shared<SessionSink>(this, core->options().limits.max_outbox_bytes, core->incarnation());
+    sink_ = std::make_shared<SessionSink>(this, core->options().limits.max_outbox_bytes, core->buffers(),
+                                          core->incarnation());
     auto scope = shared_->authorize(&ctx_);
     if (!scope.ok()) {
       sink_->Close(scope.status());
@@ -288,18 +304,30 @@ void SessionCall::OnRead(bool ok) {
   Read();
 }
 
-bool SessionSink::Send(const v1::CoordinatorMessage& msg) {
+absl::Status SessionSink::Send(const v1::CoordinatorMessage& msg) {
   const size_t size = msg.ByteSizeLong();
+  const int64_t cost = QueuedMessageCost(static_cast<int64_t>(size));
   absl::MutexLock lock(&mu_);
-  if (call_ == nullptr || finish_.has_value()) return true;  // Closing: not the rank's fault.
-  if (overflowed_ || queued_bytes_ + static_cast<int64_t>(size) > max_bytes_) {
+  if (call_ == nullptr || finish_.has_value()) return absl::OkStatus();  // Closing: not the rank's fault.
+  if (overflowed_) return absl::ResourceExhaustedError("not reading its session stream");
+  if (queued_bytes_ + static_cast<int64_t>(size) > max_bytes_) {
     overflowed_ = true;
-    return false;
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "not reading its session stream: more than ", max_bytes_,
+        " bytes were queued for it (max_outbox_bytes); a rank must keep reading its decisions"));
+  }
+  if (!budget_->TryTake(cost, charged_)) {
+    overflowed_ = true;
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "not reading its session stream: the daemon's buffers for all clients are full (max_buffered_bytes ",
+        budget_->limit(), ") and ", charged_, " bytes of them are queued for this rank; a rank must keep "
+        "reading its decisions (if many ranks fall behind at once, raise max_buffered_bytes)"));
   }
   queue_.emplace_back(msg, size);
   queue_.back().first.set_incarnation(incarnation_);
   queued_bytes_ += static_cast<int64_t>(size);
-  return true;
+  charged_ += cost;
+  return absl::OkStatus();
 }
 
 void SessionSink::Close(const absl::Status& status) {
@@ -310,6 +338,8 @@ void SessionSink::Close(const absl::Status& status) {
     // The rank stopped reading: what is queued would only wait behind the stuck write.
     queue_.clear();
     queued_bytes_ = 0;
+    budget_->Give(charged_);
+    charged_ = 0;
   }
   if (!writing_) StartNextLocked();
 }
@@ -333,7 +363,7 @@ void SessionSink::StartNextLocked() {
   if (!queue_.empty()) {
     current_ = std::move(queue_.front().first);
     size_t bytes = queue_.front().second;
-    queued_bytes_ -= static_cast<int64_t>(bytes);
+    DequeuedLocked(bytes);
     queue_.pop_front();
     if (current_.has_decisions()) {
       auto* batch = current_.mutable_decisions();
@@ -344,7 +374,7 @@ void SessionSink::StartNextLocked() {
           *batch->add_decisions() = std::move(d);
         }
         bytes += queue_.front().second;
-        queued_bytes_ -= static_cast<int64_t>(queue_.front().second);
+        DequeuedLocked(queue_.front().second);
         queue_.pop_front();
       }
     }

@@ -545,24 +545,28 @@ TEST_F(InProcessTest, ASessionThatNeverRegistersIsClosedAtTheHandshakeTimeoutSay
   EXPECT_EQ(ranks.ranks(0).state(), v1::RANK_STATE_LIVE);
 }
 
-TEST_F(InProcessTest, ARankThatNeverReadsIsFailedWithAReasonAndOthersAreServed) {
-  server_->Shutdown(absl::Milliseconds(10));
-  coordinator::CoordinatorOptions o;
-  o.limits.max_outbox_bytes = 64 << 10;
-  StartServer(o);
-  // Rank 0 (group 0, replicate: one decision per plan, at once) plans and never reads.
-  RawSession raw(server_->address());
+class NonReaderTest : public InProcessTest {
+ protected:
+  // Starts a daemon with `o`; rank 0 (group 0, replicate: one decision per plan, at once)
+  // plans and never reads; rank 1 must be served throughout. Returns rank 0's state once
+  // it was failed (or after 60 s).
+  v1::RankStatus FailANonReader(coordinator::CoordinatorOptions o);
+};
+
+v1::RankStatus NonReaderTest::FailANonReader(coordinator::CoordinatorOptions o) {
+  NonReaderTest& t = *this;
+  o.max_lookahead = 2000;  // Plans go in batches of 2000: within the window.
+  t.StartServer(o);
+  RawSession raw(t.server_->address());
   v1::RegisterRequest r = RawRequest(0, 2, 1);
   r.set_policy(v1::POLICY_REPLICATE);
+  r.set_lookahead(2000);
   v1::WorkerMessage reg;
   *reg.mutable_register_() = r;
-  ASSERT_TRUE(raw.stream->Write(reg));
-  auto w1 = Connect(Options(1, 2, 1, Policy::kReplicate));
-  ASSERT_TRUE(w1);
-  auto rank0_state = [&] {
-    auto ranks = server_->core().Ranks("job");
-    return ranks.ranks(0);
-  };
+  EXPECT_TRUE(raw.stream->Write(reg));
+  auto w1 = t.Connect(t.Options(1, 2, 1, Policy::kReplicate));
+  EXPECT_TRUE(w1);
+  auto rank0_state = [&] { return t.server_->core().Ranks("job").ranks(0); };
   int64_t step = 0;
   // Flow control fills the transport's buffers first, then the daemon's queue for the rank.
   const bool failed = testing::WaitUntil(
@@ -577,14 +581,57 @@ TEST_F(InProcessTest, ARankThatNeverReadsIsFailedWithAReasonAndOthersAreServed) 
         return rank0_state().state() == v1::RANK_STATE_DEAD;
       },
       absl::Seconds(60), absl::Milliseconds(1));
-  ASSERT_TRUE(failed) << "after " << step << " plans: " << rank0_state().DebugString();
-  EXPECT_THAT(rank0_state().dead_reason(), HasSubstr("not reading its session stream"));
+  EXPECT_TRUE(failed) << "after " << step << " plans: " << rank0_state().DebugString();
   // The other rank is served as before.
-  ASSERT_TRUE(w1->ReportPlan(PlanOf(0, 0, 1)).ok());
+  EXPECT_TRUE(w1->ReportPlan(PlanOf(0, 0, 1)).ok());
   auto d = w1->GetDecision({0, 0}, kDecisionTimeout);
-  ASSERT_TRUE(d.ok()) << d.status();
-  EXPECT_EQ(d->Find("vision_tower")->decision, Decision::kReplicate);
+  EXPECT_TRUE(d.ok()) << d.status();
+  if (d.ok()) EXPECT_EQ(d->Find("vision_tower")->decision, Decision::kReplicate);
   raw.ctx.TryCancel();
+  return rank0_state();
+}
+
+TEST_F(NonReaderTest, ARankThatNeverReadsIsFailedWithAReasonAndOthersAreServed) {
+  server_->Shutdown(absl::Milliseconds(10));
+  coordinator::CoordinatorOptions o;
+  o.limits.max_outbox_bytes = 64 << 10;
+  const v1::RankStatus rank0 = FailANonReader(o);
+  EXPECT_THAT(rank0.dead_reason(), HasSubstr("not reading its session stream"));
+  EXPECT_THAT(rank0.dead_reason(), HasSubstr("(max_outbox_bytes)"));
+  EXPECT_EQ(server_->core().buffers()->used(), 0) << "its queue was given back";
+}
+
+TEST_F(NonReaderTest, ANonReaderIsFailedOnceTheDaemonsBuffersAreFullWhateverItsOwnBound) {
+  // Issue 25: 8 ranks that stop reading held 8 x 16 MiB; the daemon-wide budget fails the
+  // ranks that hold most of it, long before their own bound.
+  server_->Shutdown(absl::Milliseconds(10));
+  coordinator::CoordinatorOptions o;
+  o.limits.max_outbox_bytes = 1 << 30;
+  o.limits.max_buffered_bytes = 1 << 20;
+  const v1::RankStatus rank0 = FailANonReader(o);
+  EXPECT_THAT(rank0.dead_reason(), HasSubstr("not reading its session stream"));
+  EXPECT_THAT(rank0.dead_reason(), HasSubstr("max_buffered_bytes 1048576"));
+  EXPECT_EQ(server_->core().buffers()->used(), 0) << "its queue was given back";
+}
+
+TEST_F(InProcessTest, APlanBatchBeyondTheLookaheadWindowFailsTheSenderForWhatItDid) {
+  // Issue 25: one batch of 10^5 plans made 10^5 rejections that filled the sender's own
+  // outbox: it was failed as "not reading". The batch breaks the protocol; it says so.
+  RawSession raw(server_->address());
+  ASSERT_TRUE(raw.Register(RawRequest(0, 2, 1)).ok());
+  v1::WorkerMessage m;
+  for (int i = 0; i < 100000; ++i) {
+    auto* p = m.mutable_plans()->add_plans();
+    p->set_step(i);
+    (*p->mutable_calls())["vision_tower"] = 1;
+  }
+  ASSERT_TRUE(raw.stream->Write(m));
+  auto rank0 = [&] { return server_->core().Ranks("job").ranks(0); };
+  ASSERT_TRUE(testing::WaitUntil([&] { return rank0().state() == v1::RANK_STATE_DEAD; }, absl::Seconds(30)))
+      << rank0().DebugString();
+  EXPECT_THAT(rank0().dead_reason(), HasSubstr("broke the protocol: sent 100000 plans in one batch, more than its "
+                                               "lookahead window of 4"));
+  EXPECT_EQ(rank0().plans_rejected(), 0) << "not one rejection was queued for them";
 }
 
 TEST_F(InProcessTest, TheWorkerLibraryKeepsSigpipeFromKillingItsHost) {

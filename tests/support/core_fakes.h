@@ -39,10 +39,10 @@ class FakeClock final : public Clock {
 // Records what the core sends to one rank.
 class RecordingSink final : public RankSink {
  public:
-  bool Send(const v1::CoordinatorMessage& msg) override {
-    if (refuse) return false;
+  absl::Status Send(const v1::CoordinatorMessage& msg) override {
+    if (refuse) return absl::ResourceExhaustedError("not reading its session stream (test sink refuses)");
     messages.push_back(msg);
-    return true;
+    return absl::OkStatus();
   }
   bool refuse = false;  // Acts as a rank that stopped reading: its queue is full.
   void Close(const absl::Status& status) override {

@@ -362,6 +362,7 @@ TEST(ValidateOptionsTest, RejectsLimitsBelowOneNamingThem) {
            [](CoordinatorOptions& o) { o.limits.max_world_size = 0; },
            [](CoordinatorOptions& o) { o.limits.max_jobs = -1; },
            [](CoordinatorOptions& o) { o.limits.max_outbox_bytes = 1000; },
+           [](CoordinatorOptions& o) { o.limits.max_buffered_bytes = 1000; },
            [](CoordinatorOptions& o) { o.limits.handshake_timeout = absl::ZeroDuration(); }}) {
     CoordinatorOptions o;
     set(o);
@@ -373,12 +374,13 @@ TEST(LoadConfigFileTest, ReadsTheLimits) {
   shardcoord::testing::TempDir dir;
   auto o = LoadConfigFile(WriteConfig(dir, "max_world_size: 128\nmax_total_ranks: 512\nmax_jobs: 3\n"
                                            "max_outbox_bytes: 1048576\njob_retention_ms: 5000\n"
-                                           "self_check_interval_ms: 0\n"));
+                                           "self_check_interval_ms: 0\nmax_buffered_bytes: 2097152\n"));
   ASSERT_TRUE(o.ok()) << o.status();
   EXPECT_EQ(o->limits.max_world_size, 128);
   EXPECT_EQ(o->limits.max_total_ranks, 512);
   EXPECT_EQ(o->limits.max_jobs, 3);
   EXPECT_EQ(o->limits.max_outbox_bytes, 1048576);
+  EXPECT_EQ(o->limits.max_buffered_bytes, 2097152);
   EXPECT_EQ(o->limits.job_retention, absl::Seconds(5));
   EXPECT_EQ(o->limits.self_check_interval, absl::ZeroDuration());
   EXPECT_TRUE(ValidateOptions(*o).ok());

@@ -339,6 +339,61 @@ namespace {
 
 const std::string kResumeKey(32, 'k');
 
+CoordinatorOptions SmallBuffersOptions() {
+  CoordinatorOptions o = RecoveryOptions();
+  o.limits.max_buffered_bytes = 1 << 20;
+  return o;
+}
+
+class BufferedRecoveryTest : public CoreRecoveryTest {
+ protected:
+  BufferedRecoveryTest() : CoreRecoveryTest(SmallBuffersOptions()) {}
+};
+
+TEST_F(BufferedRecoveryTest, AResumeTheDaemonsBuffersCannotHoldIsRefusedAndHeldOnesAreGivenBack) {
+  // Issue 25: a 4 MB resume cost about 120 MB for the whole recovery window; resumes are
+  // now charged to max_buffered_bytes while they wait for their group.
+  v1::RegisterRequest big = Resume(0);
+  for (int mb = 0; mb < 20000; ++mb) *big.mutable_resume()->add_undecided() = Plan(1, mb, 1);
+  absl::Status s = Register(big);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_THAT(s.message(), HasSubstr("max_buffered_bytes 1048576"));
+  EXPECT_TRUE(core_->Status("").jobs().empty()) << "nothing was created";
+  EXPECT_EQ(core_->buffers()->used(), 0);
+  // Honest resumes fit; what they hold is charged until the group recovers, then given back.
+  ASSERT_TRUE(Register(Resume(0)).ok());
+  EXPECT_GT(core_->buffers()->used(), 0);
+  ASSERT_TRUE(Register(Resume(1)).ok());
+  EXPECT_EQ(core_->Groups("job").groups(0).state(), v1::GROUP_STATE_HEALTHY);
+  EXPECT_EQ(core_->buffers()->used(), 0);
+}
+
+TEST_F(BufferedRecoveryTest, AResumeLeftToExpireGivesItsBytesBack) {
+  ASSERT_TRUE(Register(Resume(0)).ok());
+  EXPECT_GT(core_->buffers()->used(), 0);
+  clock_->Advance(absl::Seconds(6));
+  core_->OnHeartbeat(sessions_[0]);
+  core_->Tick();
+  EXPECT_EQ(core_->Groups("job").groups(0).state(), v1::GROUP_STATE_FAILED);
+  EXPECT_EQ(core_->buffers()->used(), 0);
+}
+
+TEST(BufferBudgetTest, ShortQueuesAreNeverRefusedAndTheBiggestHoldersArePastTheLimit) {
+  BufferBudget budget(1000);
+  EXPECT_TRUE(budget.TryTake(900, 0));
+  EXPECT_TRUE(budget.TryTake(500, 0)) << "a holder of under 64 KiB is served past the limit";
+  EXPECT_FALSE(budget.TryTake(100, BufferBudget::kSmallHolder)) << "a big holder past the limit is refused";
+  EXPECT_EQ(budget.used(), 1400) << "a refusal takes nothing";
+  EXPECT_FALSE(budget.TryTakeStrict(1)) << "resumes are never exempt";
+  {
+    BufferCharge charge(&budget, 400);
+    BufferCharge moved = std::move(charge);
+  }
+  EXPECT_EQ(budget.used(), 1000) << "a charge gives back once, when its last owner goes";
+  budget.Give(1000);
+  EXPECT_TRUE(budget.TryTakeStrict(1000));
+}
+
 CoordinatorOptions KeyedOptions() {
   CoordinatorOptions o = RecoveryOptions();
   o.resume_key = kResumeKey;  // As a daemon with a state file (or tokens) has: it outlives the process.
