@@ -185,7 +185,7 @@ absl::Status CoordinatorServer::Listen(const CoordinatorOptions& options) {
   // NOT_SERVING): for load balancers, Kubernetes gRPC probes and grpc_health_probe.
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(options.listen_address, ServerCredentialsFor(options.tls), &port_);
+  builder.AddListeningPort(options.listen_address, ServerCredentialsFor(tls_), &port_);
   builder.RegisterService(service_.get());
   const int threads = options.session_threads > 0 ? options.session_threads
                                                   : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
@@ -225,6 +225,13 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   std::unique_ptr<CoordinatorServer> server(new CoordinatorServer);
   server->core_ = std::make_unique<CoordinatorCore>(options, clock);
   if (absl::Status s = CheckTls(options.tls); !s.ok()) return s;
+  server->tls_ = options.tls;
+  if (options.tls.enabled()) {
+    auto files = TlsCopy::Start(options.tls);
+    if (!files.ok()) return files.status();
+    server->tls_copy_ = std::move(*files);
+    server->tls_ = server->tls_copy_->served();
+  }
   if (absl::Status s = server->core_->OpenJournal(); !s.ok()) return s;
   Tokens tokens = Tokens::None();
   if (!options.token_file.empty()) {

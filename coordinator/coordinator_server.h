@@ -18,6 +18,7 @@
 #include "absl/synchronization/mutex.h"
 #include "coordinator/clock.h"
 #include "coordinator/coordinator_core.h"
+#include "coordinator/tls.h"
 #include "coordinator/ticker.h"
 #include "coordinator/options.h"
 
@@ -68,6 +69,10 @@ class CoordinatorServer {
   void SelfCheckLoop();  // coordinator_server_self_check.cc
 
   std::unique_ptr<CoordinatorCore> core_;
+  // With TLS: the checked copy of the certificate files that gRPC serves from (tls.h);
+  // destroyed after server_. tls_ names what the listener and the self-check read.
+  std::unique_ptr<TlsCopy> tls_copy_;
+  TlsSettings tls_;
   std::unique_ptr<CoordinatorService> service_;
   std::unique_ptr<SessionStreams> sessions_;  // Destroyed after server_.
   std::unique_ptr<grpc::Server> server_;

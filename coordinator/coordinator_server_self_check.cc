@@ -62,7 +62,7 @@ bool ListenerAnswered(const grpc::Status& st) {
 
 void CoordinatorServer::SelfCheckLoop() {
   const absl::Duration interval = core_->options().limits.self_check_interval;
-  const TlsSettings& tls = core_->options().tls;
+  const TlsSettings& tls = tls_;  // The checked copy, as the listener serves.
   // Our own address, reached over loopback when we listen on every interface.
   std::string target = address_;
   if (absl::StartsWith(target, "0.0.0.0:")) target = "127.0.0.1:" + target.substr(8);

@@ -10,12 +10,23 @@
 #include <openssl/x509.h>
 #include <openssl/x509v3.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <optional>
+#include <sstream>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_replace.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "shardcoord/internal/logging.h"
 
 namespace shardcoord::coordinator {
 namespace {
@@ -83,6 +94,12 @@ absl::Status CheckCertificateAndKey(const TlsSettings& tls) {
     return absl::InvalidArgumentError(
         absl::StrCat("TLS certificate ", tls.cert_file, " has expired; renew it"));
   }
+  if (X509_cmp_current_time(X509_get0_notBefore(cert.get())) > 0) {
+    // Served, every client would fail with only "certificate verify failed".
+    return absl::InvalidArgumentError(absl::StrCat(
+        "TLS certificate ", tls.cert_file, " is not valid yet (its notBefore is in the future): every client would "
+        "refuse it; check this host's clock (timedatectl) or issue the certificate with an earlier start"));
+  }
   if (absl::Status s = CheckKeyMode(tls.key_file); !s.ok()) return s;
   auto key_file = Open(tls.key_file, "TLS key");
   if (!key_file.ok()) return key_file.status();
@@ -126,6 +143,152 @@ absl::Status CheckTls(const TlsSettings& tls) {
     }
   }
   return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------------------------------
+// TlsCopy
+
+namespace {
+
+// A file's bytes; nullopt when it cannot be read.
+std::optional<std::string> ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return std::nullopt;
+  std::ostringstream out;
+  out << in.rdbuf();
+  return out.str();
+}
+
+bool WriteFile(const std::string& path, const std::string& bytes) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out << bytes;
+  out.close();
+  return out.good() && chmod(path.c_str(), 0600) == 0;
+}
+
+}  // namespace
+
+struct TlsCopy::Impl {
+  TlsSettings configured;
+  std::string dir;  // The private copy: dir/gen-N/{cert,key,ca}.pem, dir/current -> gen-N.
+  int generation = 0;
+  std::string installed;  // The configured files' bytes as last installed.
+  std::string refused;    // As last refused (warned about once).
+  absl::Mutex refresh_mu;  // One Refresh at a time (the watcher's, a test's).
+  absl::Mutex mu;
+  bool stopping ABSL_GUARDED_BY(mu) = false;
+  std::thread watcher;
+
+  std::string Path(int gen, const char* name) const { return absl::StrCat(dir, "/gen-", gen, "/", name); }
+
+  // Writes `bytes` (cert, key, ca) as the next generation and checks it; installs it by
+  // renaming the `current` link over, or says why not (naming the configured files).
+  absl::Status Install(const std::string& cert, const std::string& key, const std::string& ca) {
+    const int gen = generation + 1;
+    std::error_code ec;
+    std::filesystem::create_directory(absl::StrCat(dir, "/gen-", gen), ec);
+    TlsSettings staged{Path(gen, "cert.pem"), Path(gen, "key.pem"), configured.mutual() ? Path(gen, "ca.pem") : "",
+                       configured.reload_interval};
+    if (!WriteFile(staged.cert_file, cert) || !WriteFile(staged.key_file, key) ||
+        (configured.mutual() && !WriteFile(staged.client_ca_file, ca))) {
+      std::filesystem::remove_all(absl::StrCat(dir, "/gen-", gen), ec);
+      return absl::InternalError(absl::StrCat("cannot write the private copy of the TLS files in ", dir));
+    }
+    absl::Status s = CheckTls(staged);
+    if (s.ok()) s = CheckKeyMode(configured.key_file);
+    if (!s.ok()) {
+      std::filesystem::remove_all(absl::StrCat(dir, "/gen-", gen), ec);
+      return absl::Status(s.code(), absl::StrReplaceAll(s.message(), {{staged.cert_file, configured.cert_file},
+                                                                      {staged.key_file, configured.key_file},
+                                                                      {Path(gen, "ca.pem"), configured.client_ca_file}}));
+    }
+    const std::string link = absl::StrCat(dir, "/current"), tmp = absl::StrCat(dir, "/current.new");
+    std::filesystem::remove(tmp, ec);
+    if (symlink(absl::StrCat("gen-", gen).c_str(), tmp.c_str()) != 0 || rename(tmp.c_str(), link.c_str()) != 0) {
+      return absl::InternalError(absl::StrCat("cannot switch the private copy of the TLS files in ", dir));
+    }
+    generation = gen;
+    // The one before stays: gRPC may be reading it right now.
+    std::filesystem::remove_all(absl::StrCat(dir, "/gen-", gen - 2), ec);
+    return absl::OkStatus();
+  }
+};
+
+TlsCopy::TlsCopy(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {
+  served_ = impl_->configured;
+  served_.cert_file = impl_->dir + "/current/cert.pem";
+  served_.key_file = impl_->dir + "/current/key.pem";
+  if (served_.mutual()) served_.client_ca_file = impl_->dir + "/current/ca.pem";
+  served_.reload_interval = absl::Seconds(1);  // gRPC's re-read of the copy.
+}
+
+absl::StatusOr<std::unique_ptr<TlsCopy>> TlsCopy::Start(const TlsSettings& configured) {
+  auto impl = std::make_unique<Impl>();
+  impl->configured = configured;
+  const char* tmpdir = std::getenv("TMPDIR");
+  std::string templ = absl::StrCat(tmpdir != nullptr && *tmpdir != 0 ? tmpdir : "/tmp", "/shardcoordd-tls-XXXXXX");
+  if (mkdtemp(templ.data()) == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "cannot create a private directory for the TLS files under ", templ.substr(0, templ.rfind('/')),
+        "; set TMPDIR to a writable directory"));
+  }
+  impl->dir = templ;
+  std::unique_ptr<TlsCopy> files(new TlsCopy(std::move(impl)));
+  if (absl::Status s = files->Refresh(); !s.ok()) return s;
+  Impl* i = files->impl_.get();
+  i->watcher = std::thread([i, files = files.get()] {
+    absl::MutexLock lock(&i->mu);
+    while (!i->mu.AwaitWithTimeout(absl::Condition(&i->stopping), i->configured.reload_interval)) {
+      i->mu.Unlock();
+      files->Refresh().IgnoreError();  // Refresh logs what it refused.
+      i->mu.Lock();
+    }
+  });
+  return files;
+}
+
+TlsCopy::~TlsCopy() {
+  {
+    absl::MutexLock lock(&impl_->mu);
+    impl_->stopping = true;
+  }
+  if (impl_->watcher.joinable()) impl_->watcher.join();
+  std::error_code ec;
+  std::filesystem::remove_all(impl_->dir, ec);
+}
+
+absl::Status TlsCopy::Refresh() {
+  Impl& i = *impl_;
+  absl::MutexLock lock(&i.refresh_mu);
+  const auto cert = ReadFile(i.configured.cert_file);
+  const auto key = ReadFile(i.configured.key_file);
+  const auto ca = i.configured.mutual() ? ReadFile(i.configured.client_ca_file) : std::optional<std::string>("");
+  absl::Status s;
+  std::string now = "(unreadable)";
+  if (!cert || !key || !ca) {
+    s = absl::InvalidArgumentError(absl::StrCat("TLS certificate ", i.configured.cert_file, ", key ",
+                                                i.configured.key_file, " or client CA cannot be read"));
+  } else {
+    now = absl::StrCat(cert->size(), ":", *cert, key->size(), ":", *key, *ca);
+    if (now == i.installed) return absl::OkStatus();
+    s = i.Install(*cert, *key, *ca);
+  }
+  static const auto log = logging::Get("coordinator");
+  if (s.ok()) {
+    if (i.generation > 1) log->info("TLS files renewed: serving {} from now on", i.configured.cert_file);
+    i.installed = std::move(now);
+    i.refused.clear();
+    return s;
+  }
+  if (now != i.refused) {
+    if (i.generation > 0) {
+      log->warn("TLS files changed but are not served: {}; the previous certificate keeps serving (checked again "
+                "every {} s)",
+                std::string(s.message()), absl::ToInt64Seconds(i.configured.reload_interval));
+    }
+    i.refused = now;
+  }
+  return s;
 }
 
 std::shared_ptr<grpc::ServerCredentials> ServerCredentialsFor(const TlsSettings& tls) {

@@ -30,9 +30,39 @@ struct TlsSettings {
 };
 
 // Checks the settings before serving: both files given, readable, parseable; the key matches
-// the certificate; the key is not open to others; the certificate is not expired; the CA
-// bundle holds at least one certificate. Each error names the file and what to do.
+// the certificate; the key is not open to others; the certificate is valid now (not expired,
+// not before its start); the CA bundle holds at least one certificate. Each error names the
+// file and what to do.
 absl::Status CheckTls(const TlsSettings& tls);
+
+// The files gRPC serves TLS from: a private copy of the configured certificate, key and CA
+// (a 0700 directory of its own), replaced whole, by one rename, only with files that pass
+// CheckTls. A renewal caught half-written (the certificate before its key), a certificate not
+// yet valid or one already expired leaves the previous set serving, with one warning naming
+// the file and why, instead of failing every handshake (and then the listener self-check).
+// A thread re-reads the configured files every `reload_interval`; gRPC re-reads the copy
+// every second.
+class TlsCopy {
+ public:
+  // Copies the configured files (which must pass CheckTls) and starts watching them.
+  static absl::StatusOr<std::unique_ptr<TlsCopy>> Start(const TlsSettings& configured);
+  ~TlsCopy();  // Stops watching; removes the copy.
+  TlsCopy(const TlsCopy&) = delete;
+  TlsCopy& operator=(const TlsCopy&) = delete;
+
+  // The settings naming the copy: serve and self-check from these.
+  const TlsSettings& served() const { return served_; }
+  // Re-reads the configured files now (the watcher's step; tests call it directly). OK when
+  // nothing changed or the change is installed; otherwise why it was not (the previous set
+  // keeps serving).
+  absl::Status Refresh();
+
+ private:
+  struct Impl;
+  explicit TlsCopy(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+  TlsSettings served_;
+};
 
 // The listening credentials: TLS from the watched files, or plaintext when not enabled.
 std::shared_ptr<grpc::ServerCredentials> ServerCredentialsFor(const TlsSettings& tls);

@@ -3,10 +3,14 @@
 #include <gmock/gmock.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
+#include <openssl/evp.h>
+#include <openssl/pem.h>
+#include <openssl/x509.h>
 #include <sys/stat.h>
 
 #include <cstdio>
 #include <fstream>
+#include <sstream>
 
 #include "coordinator/tls.h"
 #include "integration/inprocess_fixture.h"
@@ -147,6 +151,81 @@ TEST_F(TlsTest, ARenewedCertificateIsServedWithoutARestart) {
       << "the renewed certificate was not served";
   EXPECT_EQ(Query(TlsFiles{certs_.ca}).code(), absl::StatusCode::kUnavailable);
   RunMicrobatch(*w0, *w1, 0);
+}
+
+// A copy of `cert` whose validity starts a day from now, signed again with `key`.
+std::string NotYetValidCopy(const std::string& cert, const std::string& key, const std::string& out) {
+  FILE* cf = std::fopen(cert.c_str(), "r");
+  FILE* kf = std::fopen(key.c_str(), "r");
+  X509* x = cf ? PEM_read_X509(cf, nullptr, nullptr, nullptr) : nullptr;
+  EVP_PKEY* k = kf ? PEM_read_PrivateKey(kf, nullptr, nullptr, nullptr) : nullptr;
+  if (cf) std::fclose(cf);
+  if (kf) std::fclose(kf);
+  if (x && k) {
+    X509_gmtime_adj(X509_getm_notBefore(x), 24 * 3600);
+    X509_gmtime_adj(X509_getm_notAfter(x), 48 * 3600);
+    X509_sign(x, k, EVP_sha256());
+    FILE* of = std::fopen(out.c_str(), "w");
+    if (of) {
+      PEM_write_X509(of, x);
+      std::fclose(of);
+    }
+  }
+  X509_free(x);
+  EVP_PKEY_free(k);
+  return out;
+}
+
+TEST_F(TlsTest, ANotYetValidCertificateIsRefusedAtStartAndAtRenewal) {
+  // Issue 25: served, every client failed with only "certificate verify failed".
+  const std::string future = NotYetValidCopy(certs_.server_cert, certs_.server_key, dir_.File("future.pem"));
+  absl::Status s = coordinator::CheckTls({future, certs_.server_key});
+  EXPECT_THAT(s.message(), HasSubstr("future.pem is not valid yet"));
+  EXPECT_THAT(s.message(), HasSubstr("check this host's clock"));
+  // As a renewal: refused, naming the configured file; the previous pair stays served.
+  const std::string cert = dir_.File("live.pem"), key = dir_.File("live.key");
+  ASSERT_TRUE(testing::ReplaceFile(certs_.server_cert, cert));
+  ASSERT_TRUE(testing::ReplaceFile(certs_.server_key, key));
+  auto copy = coordinator::TlsCopy::Start({cert, key});
+  ASSERT_TRUE(copy.ok()) << copy.status();
+  ASSERT_TRUE(testing::ReplaceFile(future, cert));
+  s = (*copy)->Refresh();
+  EXPECT_THAT(s.message(), HasSubstr("live.pem is not valid yet"));
+  std::ifstream served((*copy)->served().cert_file), original(certs_.server_cert);
+  std::stringstream a, b;
+  a << served.rdbuf();
+  b << original.rdbuf();
+  EXPECT_EQ(a.str(), b.str()) << "the previous certificate is still the one served";
+}
+
+TEST_F(TlsTest, ACertificateRenewedBeforeItsKeyKeepsThePreviousPairServing) {
+  // Issue 25: a renewal writing the certificate first made every handshake fail until the
+  // key came, and the self-check then took the listener for deaf and exited the daemon.
+  coordinator::CoordinatorOptions o = Secured();
+  const std::string cert = dir_.File("live.pem"), key = dir_.File("live.key");
+  ASSERT_TRUE(testing::ReplaceFile(certs_.server_cert, cert));
+  ASSERT_TRUE(testing::ReplaceFile(certs_.server_key, key));
+  o.tls.cert_file = cert;
+  o.tls.key_file = key;
+  o.tls.reload_interval = absl::Seconds(1);
+  o.limits.self_check_interval = absl::Milliseconds(200);
+  StartServer(o);
+  auto w0 = Connect(RankOptions(0, TlsFiles{certs_.ca}));
+  auto w1 = Connect(RankOptions(1, TlsFiles{certs_.ca}));
+  ASSERT_TRUE(w0 && w1);
+  ASSERT_TRUE(testing::ReplaceFile(certs_.other_server_cert, cert));  // The key comes later.
+  // Three reload intervals: every new connection is still served the previous pair.
+  const absl::Time until = absl::Now() + absl::Seconds(3);
+  int queries = 0;
+  while (absl::Now() < until) {
+    ASSERT_TRUE(Query(TlsFiles{certs_.ca}).ok()) << "query " << queries;
+    ++queries;
+  }
+  RunMicrobatch(*w0, *w1, 0);
+  ASSERT_TRUE(testing::ReplaceFile(certs_.other_server_key, key));
+  EXPECT_TRUE(testing::WaitUntil([&] { return Query(TlsFiles{certs_.other_ca}).ok(); }, absl::Seconds(20)))
+      << "the complete renewal was not served";
+  RunMicrobatch(*w0, *w1, 1);
 }
 
 TEST_F(TlsTest, BadTlsSettingsAreRefusedBeforeServingNamingTheFile) {
