@@ -17,6 +17,13 @@ library) and injects one fault, at seeded random times:
                world), odd operator queries, and raw TCP abuse of the daemon port (garbage
                bytes, idle and half-closed connections, HTTP/1.1, hand-made HTTP/2 and gRPC
                frames with a 4 GiB length prefix, bad protobuf and oversized fields)
+  hostile      a client holding the `rank` role attacks (bench/hostile_client): forged
+               resumes, for a live rank of job A and for a rank of a job nobody runs, with
+               well-formed held decisions and the daemon's settings digest (the daemon runs
+               with --state-file, so it has a resume key: every forgery must be refused);
+               3 ranks that plan without ever reading (each must be cut as "not reading"
+               within 20 s, by --max-buffered-bytes); 16 slowloris connections to the
+               HTTP listener (each must be cut, /healthz must answer while they are held)
   normal       nothing: the jobs must just finish
 
 Job B (a healthy job) runs alongside every trial. Per trial it records:
@@ -39,7 +46,8 @@ Job B (a healthy job) runs alongside every trial. Per trial it records:
   job failures    a rank of a healthy group exited nonzero
   bad accepted    a registration that must be refused (world/group size mismatch, a live
                   duplicate, an oversized name, too many modules/units, a world over the
-                  limit) was not refused
+                  limit) or a forged resume was not refused; a non-reader or slowloris
+                  connection the daemon did not cut counts as a hang
 and samples the daemon's VmRSS (and open descriptors) every second.
 
 Logs go to --out (default: a new temporary directory): per trial a folder (kept only when the
@@ -68,7 +76,7 @@ import tempfile
 import threading
 import time
 
-KINDS = ["kill9", "rank_stop", "daemon_stop", "bad_input", "normal"]
+KINDS = ["kill9", "rank_stop", "daemon_stop", "bad_input", "hostile", "normal"]
 MODULE_POOL = ["vision_tower", "audio_tower", "mm_projector"]
 
 # ---------------------------------------------------------------------------------------
@@ -224,6 +232,7 @@ class Daemon:
         self.outdir = outdir
         self.proc = None
         self.address = None
+        self.http_address = None
         self.generation = 0
         self.crashes = []
         self.binaries = []
@@ -238,11 +247,19 @@ class Daemon:
         addr_file = os.path.join(self.outdir, "daemon%d.addr" % self.generation)
         if os.path.exists(addr_file):
             os.remove(addr_file)  # A previous run's, in a reused --out.
+        http_file = os.path.join(self.outdir, "daemon%d.http" % self.generation)
+        if os.path.exists(http_file):
+            os.remove(http_file)
         argv = [self.args.shardcoordd, "--listen", "127.0.0.1:0", "--address-file", addr_file,
                 "--heartbeat-interval-ms", str(self.args.heartbeat_interval_ms),
                 "--heartbeat-timeout-ms", str(self.args.heartbeat_timeout_ms),
                 "--handshake-timeout-ms", str(self.args.handshake_timeout_ms),
-                "--log-level", self.args.daemon_log_level] + self.args.daemon_arg
+                "--log-level", self.args.daemon_log_level,
+                # A resume key (forged resumes must be refused), the HTTP listener (slowloris),
+                # a small daemon-wide buffer budget (non-readers are cut by it).
+                "--state-file", os.path.join(self.outdir, "daemon.state"),
+                "--http-listen", "127.0.0.1:0", "--http-address-file", http_file,
+                "--max-buffered-bytes", str(self.args.max_buffered_bytes)] + self.args.daemon_arg
         base = os.path.join(self.outdir, "daemon%d" % self.generation)
         try:
             built = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(os.path.getmtime(argv[0])))
@@ -257,6 +274,11 @@ class Daemon:
             if ":" in text and text.rsplit(":", 1)[1].isdigit():
                 time.sleep(0.05)  # Let a write in progress finish.
                 self.address = read_file(addr_file).strip()
+                for _ in range(100):
+                    self.http_address = read_file(http_file).strip()
+                    if ":" in self.http_address:
+                        break
+                    time.sleep(0.05)
                 log("shardcoordd pid %d serving on %s (%s)" % (self.proc.pid, self.address, " ".join(argv[1:])))
                 return
             if self.proc.poll() is not None:
@@ -976,6 +998,8 @@ class Harness:
                     res.info.append("daemon SIGSTOP %.1fs" % took)
                 elif kind == "bad_input":
                     self.bad_input_burst(res, rng, tdir, a, extra_procs, extra_jobs, threads, raw_results)
+                elif kind == "hostile":
+                    self.hostile_burst(res, rng, tdir, a)
             # Bounds: a faulted group's survivors must be released within the heartbeat
             # timeout plus slack; everything else within its own run time plus slack.
             slack = self.args.slack
@@ -1066,6 +1090,106 @@ class Harness:
         if not res.failed() and not res.pause_leave_deaths and not self.daemon.crashes and not self.args.keep_logs:
             shutil.rmtree(tdir, ignore_errors=True)
         return res
+
+    def hostile_burst(self, res, rng, tdir, a):
+        """Forged resumes, non-reading ranks and HTTP slowloris, at once, while A and B run."""
+        hc = self.args.hostile_client
+        addr = self.daemon.address
+        procs = []  # (label, RankProc-like, what it must do)
+
+        def start(label, argv, must):
+            base = os.path.join(tdir, "hostile%02d" % len(procs))
+            p = spawn([hc] + argv + ["--coordinator", addr], base + ".out", base + ".err")
+            procs.append((label, RankProc(None, [0], p, base + ".out", base + ".err"), must))
+
+        victim = rng.randrange(a.world)
+        start("forged resume of live rank %d of %s" % (victim, a.job_id),
+              ["forge-resume", "--job", a.job_id, "--rank", str(victim), "--world", str(a.world),
+               "--group", str(a.group), "--seconds", "10"], "refused")
+        start("forged resume of a job nobody runs", ["forge-resume", "--job", a.job_id + "-ghost", "--rank", "1",
+                                                     "--world", "2", "--group", "2", "--seconds", "10"], "refused")
+        nr_job = a.job_id + "-nr"
+        for r in range(3):
+            start("non-reader rank %d of %s" % (r, nr_job),
+                  ["non-reader", "--job", nr_job, "--rank", str(r), "--world", "3", "--group", "1",
+                   "--seconds", "20"], "cut")
+        slow = {"cut": 0, "held": 0, "healthz": []}
+        host, port = self.daemon.http_address.rsplit(":", 1)
+
+        def slowloris():
+            socks = []
+            for _ in range(16):
+                try:
+                    c = socket.create_connection((host, int(port)), timeout=2)
+                    c.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n")
+                    socks.append(c)
+                except OSError:
+                    slow["cut"] += 1  # Refused at once: fine.
+            end = time.monotonic() + 12  # The daemon cuts at http_request_timeout_ms (5 s).
+            while socks and time.monotonic() < end and not _stopping.is_set():
+                for c in list(socks):
+                    try:
+                        c.sendall(b"X-Slow: 1\r\n")
+                    except OSError:
+                        slow["cut"] += 1
+                        socks.remove(c)
+                        c.close()
+                time.sleep(0.5)
+            slow["held"] = len(socks)
+            for c in socks:
+                c.close()
+
+        th = threading.Thread(target=slowloris, name="slowloris")
+        th.start()
+        time.sleep(0.5)
+        for _ in range(3):  # The liveness probe, while the slow connections are held.
+            t = time.monotonic()
+            try:
+                c = socket.create_connection((host, int(port)), timeout=3)
+                c.settimeout(3)
+                c.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                ok = c.recv(64).startswith(b"HTTP/1.1 200")
+                c.close()
+            except OSError:
+                ok = False
+            slow["healthz"].append((ok, time.monotonic() - t))
+            time.sleep(0.5)
+        for label, rp, must in procs:
+            bound = time.monotonic() + 40
+            while rp.proc.poll() is None and time.monotonic() < bound:
+                time.sleep(0.1)
+            if rp.proc.poll() is None:
+                kill_proc(rp.proc)
+                res.hangs += 1
+                res.note("HANG: %s did not end: %s" % (label, tail(read_file(rp.out, 2000))))
+                continue
+            out = read_file(rp.out, 2000).strip()
+            rc = rp.proc.returncode
+            if must == "refused" and rc != 0:
+                res.bad_accepted += 1
+                res.note("BAD ACCEPTED: %s: %s" % (label, out))
+            elif must == "cut" and rc != 0:
+                res.hangs += 1
+                res.note("HANG: %s was still served after 20 s: %s" % (label, out))
+            else:
+                res.info.append("%s: %s" % (label, tail(out, 160)))
+        th.join(timeout=30)
+        if th.is_alive() or slow["held"]:
+            res.hangs += 1
+            res.note("HANG: %d slowloris connections still open after 12 s" % slow["held"])
+        bad_probe = [d for ok, d in slow["healthz"] if not ok or d > 2.0]
+        if bad_probe:
+            res.hangs += 1
+            res.note("HANG: /healthz unanswered or slow while slowloris held connections: %s" % slow["healthz"])
+        res.info.append("slowloris: %d of 16 cut by the daemon; /healthz %s" % (
+            slow["cut"], ", ".join("%.0f ms" % (d * 1000) for _, d in slow["healthz"])))
+        ranks = self.ranks(tdir, nr_job) or []
+        reasons = [r.get("dead_reason", r.get("deadReason", "")) for r in ranks]
+        if any("not reading" not in x for x in reasons):
+            res.hangs += 1
+            res.note("HANG: a non-reader was not failed as not reading: %s" % reasons)
+        elif reasons:
+            res.info.append("non-readers failed: %s" % tail(reasons[0], 200))
 
     def bad_input_burst(self, res, rng, tdir, a, extra_procs, extra_jobs, threads, raw_results):
         sh = self.args.shardctl
@@ -1288,6 +1412,8 @@ def main():
     ap.add_argument("--daemon-log-level", default="info")
     ap.add_argument("--daemon-arg", action="append", default=[],
                     help="extra shardcoordd flag, e.g. --daemon-arg=--job-retention-ms=2000 (repeatable)")
+    ap.add_argument("--max-buffered-bytes", type=int, default=16 << 20,
+                    help="the daemon's max_buffered_bytes (small, so that hostile non-readers are cut quickly)")
     ap.add_argument("--kinds", default=",".join(KINDS), help="fault kinds to run (comma-separated)")
     ap.add_argument("--no-leave-during-pause", action="store_true",
                     help="daemon_stop: do not run job D, whose ranks finish and leave while the daemon is stopped")
@@ -1305,12 +1431,13 @@ def main():
     args.build = os.path.abspath(args.build)
     args.shardcoordd = os.path.join(args.build, "coordinator", "shardcoordd")
     args.shardctl = os.path.join(args.build, "client", "shardctl")
+    args.hostile_client = os.path.join(args.build, "bench", "hostile_client")
     kinds = [k for k in args.kinds.split(",") if k]
     for k in kinds:
         if k not in KINDS:
             print("chaos.py: unknown fault kind %r (kinds: %s)" % (k, ", ".join(KINDS)), file=sys.stderr)
             return 2
-    for b in (args.shardcoordd, args.shardctl):
+    for b in (args.shardcoordd, args.shardctl, args.hostile_client):
         for _ in range(30):
             if os.access(b, os.X_OK):
                 break
@@ -1353,7 +1480,7 @@ def main():
         sampler.start()
         threading.Thread(target=reaper, name="reaper", daemon=True).start()
         # Rough cost per kind, to stop starting trials that cannot finish in time.
-        est = {"kill9": 8, "rank_stop": 10, "daemon_stop": 8 + 4 * h.H, "bad_input": 12, "normal": 8}
+        est = {"kill9": 8, "rank_stop": 10, "daemon_stop": 8 + 4 * h.H, "bad_input": 12, "hostile": 16, "normal": 8}
         queue = list(enumerate(schedule, 1))
         qlock = threading.Lock()
         skipped = []
@@ -1364,7 +1491,7 @@ def main():
                     if not queue:
                         return
                     idx, kind = queue[0]
-                    if time.monotonic() - start + est[kind] > args.seconds:
+                    if time.monotonic() - start + est.get(kind, 16) > args.seconds:
                         skipped.extend(queue)
                         queue.clear()
                         return

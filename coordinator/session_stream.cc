@@ -165,6 +165,9 @@ class SessionCall {
     BeginOp();
     stream_.Finish(status, &finish_tag_);
   }
+  // Ends the stream now, failing the write in flight (a rank that does not read would hold
+  // it, its message and the stream's buffers until it went away).
+  void Cancel() { ctx_.TryCancel(); }
 
  private:
   void OnAccepted() {
@@ -335,11 +338,16 @@ void SessionSink::Close(const absl::Status& status) {
   if (call_ == nullptr || finish_.has_value()) return;
   finish_ = ToGrpcStatus(status);
   if (overflowed_) {
-    // The rank stopped reading: what is queued would only wait behind the stuck write.
+    // The rank stopped reading: what is queued would only wait behind the stuck write, and
+    // the stuck write would hold the stream until the client went away: cancel it.
     queue_.clear();
     queued_bytes_ = 0;
     budget_->Give(charged_);
     charged_ = 0;
+    if (writing_) {
+      call_->Cancel();
+      return;
+    }
   }
   if (!writing_) StartNextLocked();
 }
@@ -351,6 +359,8 @@ void SessionSink::OnWriteDone(bool ok) {
     // The stream is broken; nothing more can be written.
     queue_.clear();
     queued_bytes_ = 0;
+    budget_->Give(charged_);
+    charged_ = 0;
     if (!finish_) finish_ = grpc::Status(grpc::StatusCode::UNAVAILABLE, "write failed");
   }
   StartNextLocked();
