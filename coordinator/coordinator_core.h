@@ -410,6 +410,9 @@ class CoordinatorCore {
   // The group waits for every member to resume (or register) before it decides again.
   void StartRecovery(Job& job, Group& group) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A rank (resuming, or registering for the first time) joins a recovering group.
+  // Why `missing` (ranks of a communicator, none live) keep an epoch from starting: the
+  // dead first, with the first one's reason, then those that left or never registered.
+  static std::string MissingRanks(const Job& job, const std::vector<int>& missing);
   void ResumeMember(Job& job, Group& group, Member& m, uint64_t session_id, std::shared_ptr<RankSink> sink,
                     const v1::RegisterRequest& req, BufferCharge charge) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Takes the memory a resume will be held in from buffers_, or says which bound refuses it.

@@ -371,6 +371,26 @@ void CoordinatorCore::OnMemberBack(Job& job, int rank) {
   }
 }
 
+std::string CoordinatorCore::MissingRanks(const Job& job, const std::vector<int>& missing) {
+  // Dead first, with the first one's reason: ranks that left after it usually left because
+  // of it, and an operator must see the cause, not the last casualty.
+  std::vector<int> dead, left, never;
+  for (int r : missing) {
+    const v1::RankState st = job.members[r].state;
+    (st == v1::RANK_STATE_DEAD ? dead : st == v1::RANK_STATE_LEFT ? left : never).push_back(r);
+  }
+  std::vector<std::string> parts;
+  if (!dead.empty()) {
+    parts.push_back(absl::StrCat(dead.size() == 1 ? "rank " : "ranks ", RankList(dead), " dead (rank ", dead[0], ": ",
+                                 job.members[dead[0]].dead_reason, ")"));
+  }
+  if (!left.empty()) parts.push_back(absl::StrCat(left.size() == 1 ? "rank " : "ranks ", RankList(left), " left"));
+  if (!never.empty()) {
+    parts.push_back(absl::StrCat(never.size() == 1 ? "rank " : "ranks ", RankList(never), " not registered"));
+  }
+  return absl::StrCat("not every member is live: ", absl::StrJoin(parts, "; "));
+}
+
 void CoordinatorCore::ExpireCommWaiters(Job& job, absl::Time now) {
   for (auto& [name, comm] : job.comms) {
     std::vector<Comm::JoinWaiter> keep_join;
@@ -388,7 +408,7 @@ void CoordinatorCore::ExpireCommWaiters(Job& job, absl::Time now) {
         }
       }
       std::string why = !missing.empty()
-                            ? absl::StrCat("ranks ", RankList(missing), " are not live")
+                            ? MissingRanks(job, missing)
                             : absl::StrCat("ranks ", RankList(unacked), " have not aborted epoch ", comm.epoch, " yet");
       Complete(w.done, absl::DeadlineExceededError(absl::StrCat(
           "communicator '", comm.name, "' cannot start epoch ", comm.epoch + 1, ": ", why,

@@ -25,6 +25,7 @@
 #include <map>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
 #include "shardcoord/torch/executor.h"
 #include "shardcoord/plan_ahead.h"
 #include "shardcoord/worker.h"
@@ -109,8 +110,13 @@ uint64_t HashParams(Vlm& model) {
   return h;
 }
 
+shardcoord::Worker* g_worker = nullptr;  // Once connected: Fail says goodbye with the cause.
+
 void Fail(const std::string& what, const absl::Status& s) {
   std::cerr << "vlm_trainer: " << what << ": " << s << "\n";
+  // A clean leave naming the cause: the ranks left behind then name it too, instead of
+  // "rank N declared dead: session stream lost" for every rank that stops after the first.
+  if (g_worker != nullptr) g_worker->Close(absl::StrCat("vlm_trainer stopped: ", what, ": ", s.ToString()), absl::Seconds(2));
   std::exit(3);
 }
 
@@ -179,6 +185,7 @@ int main(int argc, char** argv) {
   wo.reconnect_window = absl::Milliseconds(reconnect_window_ms);
   auto worker = shardcoord::Worker::Connect(wo);
   if (!worker.ok()) Fail("connect", worker.status());
+  g_worker = worker->get();
   shardcoord::CommunicatorOptions world_opts;
   world_opts.name = "world";
   if (cuda) {

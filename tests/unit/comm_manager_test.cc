@@ -224,7 +224,7 @@ TEST_F(CommManagerTest, AJoinThatCannotCompleteFailsAtItsDeadlineNamingTheMissin
   core_->Tick();
   ASSERT_TRUE(j0.has_value());
   EXPECT_EQ(j0->status().code(), absl::StatusCode::kDeadlineExceeded);
-  EXPECT_THAT(j0->status().message(), HasSubstr("ranks 1 are not live"));
+  EXPECT_THAT(j0->status().message(), HasSubstr("rank 1 dead (rank 1: session stream lost (killed))"));
 }
 
 TEST_F(CommManagerTest, BadCallsFromTheRankItselfAreRefusedNamingWhatIsWrong) {

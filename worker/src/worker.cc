@@ -259,7 +259,7 @@ absl::StatusOr<MicrobatchDecision> Worker::Impl::GetDecision(const MicrobatchKey
   return queue_.Take(key);  // Entries up to this key are done with: the trainer moves forward.
 }
 
-void Worker::Impl::Close(absl::Duration timeout) {
+void Worker::Impl::Close(absl::Duration timeout, const std::string& reason) {
   absl::MutexLock close_lock(&close_mu_);
   if (closed_) return;
   closed_ = true;
@@ -267,6 +267,7 @@ void Worker::Impl::Close(absl::Duration timeout) {
   {
     absl::MutexLock lock(&mu_);
     closing_ = true;
+    close_reason_ = reason;
     if (!writer_started_) {
       // Never registered: there is no session to leave.
       if (ctx_) ctx_->TryCancel();
@@ -371,5 +372,6 @@ int Worker::UndecidedPlans() const { return impl_->UndecidedPlans(); }
 absl::Status Worker::Health() const { return impl_->Health(); }
 absl::Status Worker::JobHealth() const { return impl_->JobHealth(); }
 void Worker::Close(absl::Duration timeout) { impl_->Close(timeout); }
+void Worker::Close(const std::string& reason, absl::Duration timeout) { impl_->Close(timeout, reason); }
 
 }  // namespace shardcoord

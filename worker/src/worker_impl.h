@@ -111,7 +111,7 @@ class Worker::Impl {
     }
     return absl::OkStatus();
   }
-  void Close(absl::Duration timeout);
+  void Close(absl::Duration timeout, const std::string& reason = "worker closed");
   absl::StatusOr<std::shared_ptr<Communicator>> OpenCommunicator(const CommunicatorOptions& options);
 
  private:
@@ -190,6 +190,7 @@ class Worker::Impl {
   // CommAbort acknowledgements for the writer, queued once the aborts ran.
   std::vector<std::pair<std::string, int64_t>> ready_acks_ ABSL_GUARDED_BY(mu_);
   bool closing_ ABSL_GUARDED_BY(mu_) = false;
+  std::string close_reason_ ABSL_GUARDED_BY(mu_);  // The goodbye's reason.
   bool writer_done_ ABSL_GUARDED_BY(mu_) = false;
   // Resume (DESIGN 12): the coordinator process we are registered with and what it answered.
   uint64_t incarnation_ ABSL_GUARDED_BY(mu_) = 0;

@@ -453,7 +453,7 @@ void Worker::Impl::WriterLoop() {
       } else if (!outbox_.empty()) {
         TakeOutbox(msg.mutable_plans());
       } else if (closing_) {
-        msg.mutable_goodbye()->set_reason("worker closed");
+        msg.mutable_goodbye()->set_reason(close_reason_);
         goodbye = true;
       } else {
         continue;  // Woken early with nothing to send.

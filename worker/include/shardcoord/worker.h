@@ -192,6 +192,10 @@ class SHARDCOORD_EXPORT Worker {
   // Says goodbye (a clean leave: the rank becomes LEFT, not dead) and stops the
   // background threads, within `timeout`. Idempotent.
   void Close(absl::Duration timeout = kDefaultCloseTimeout);
+  // The same, with the reason operators and the other ranks see ("left cleanly: REASON"):
+  // a trainer that stops on an error says which, so that the ranks it leaves behind name
+  // the first cause instead of "rank N declared dead: session stream lost".
+  void Close(const std::string& reason, absl::Duration timeout = kDefaultCloseTimeout);
 
   class Impl;
 
