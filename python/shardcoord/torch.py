@@ -350,9 +350,14 @@ def wait_collective(work: Any, worker: Optional[Worker], what: str, *, poll: flo
         try:
             work.wait(interval)
             return
-        except RuntimeError as e:  # "Operation timed out!" (the poll) or the collective's failure.
+        except RuntimeError:  # "Operation timed out!" (the poll) or the collective's failure.
             if work.is_completed():
-                raise collective_failure(worker, what, e, verdict_wait) from e
+                # Completed: but maybe just after the poll timed out (the poll's "Operation timed
+                # out!" is no failure; taking it for one failed a healthy job on a loaded host,
+                # issue 25). Its own outcome decides: waiting again returns at once.
+                with collective(worker, what, verdict_wait):
+                    work.wait()
+                return
         worker.job_health()  # Raises the coordinator's verdict (GroupFailed names the rank).
 
 

@@ -173,15 +173,16 @@ class Worker:
     def group(self) -> GroupInfo:
         return GroupInfo(**self._native.group())
 
-    def close(self, timeout: float = 10.0) -> None:
+    def close(self, timeout: float = 10.0, reason: Optional[str] = None) -> None:
         """Says goodbye (the rank becomes LEFT, not dead), waiting at most ``timeout`` seconds for the
         coordinator to end the session (if it does not read the goodbye in time, e.g. it is paused,
-        the rank counts as dead). Idempotent."""
+        the rank counts as dead). ``reason``, when the trainer stops on an error, is what operators
+        and the other ranks see ("left cleanly: REASON"), so they name the first cause. Idempotent."""
         self.closed = True
-        self._native.close(float(timeout))
+        self._native.close(float(timeout), reason or "")
 
     def __enter__(self) -> "Worker":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(reason=f"{exc_type.__name__}: {exc}" if exc_type is not None else None)

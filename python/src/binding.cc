@@ -141,11 +141,15 @@ class PyWorker {
     return out;
   }
 
-  void Close(double timeout_s) {
+  void Close(double timeout_s, const std::string& reason) {
     const absl::Duration timeout = Seconds(timeout_s, "timeout");
     if (!w_) return;
     py::gil_scoped_release nogil;
-    w_->Close(timeout);
+    if (reason.empty()) {
+      w_->Close(timeout);
+    } else {
+      w_->Close(reason, timeout);
+    }
   }
 
  private:
@@ -225,7 +229,7 @@ PYBIND11_MODULE(_shardcoord, m) {
       .def("undecided_plans", &PyWorker::UndecidedPlans)
       .def("await_group_ready", &PyWorker::AwaitGroupReady, py::arg("timeout"))
       .def("group", &PyWorker::Group)
-      .def("close", &PyWorker::Close, py::arg("timeout"));
+      .def("close", &PyWorker::Close, py::arg("timeout"), py::arg("reason") = "");
   m.def("connect", &Connect, py::arg("address"), py::arg("job_id"), py::arg("rank"), py::arg("world_size"),
         py::arg("group_size"), py::arg("modules"), py::arg("policy"), py::arg("fallback"),
         py::arg("wrap_outer_model"), py::arg("lookahead"), py::arg("memory_budget_bytes"),

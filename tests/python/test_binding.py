@@ -110,6 +110,22 @@ def test_shardctl_ranks_sums_huge_memory_reports_without_overflow(daemon):
         assert "overflow" in line, out.stdout + out.stderr
 
 
+def test_a_trainer_stopping_on_an_error_leaves_cleanly_naming_it(daemon):
+    """Issue 25: ranks that stopped because another died were themselves "declared dead: session
+    stream lost", and the ranks left behind named them instead of the first cause."""
+    with pytest.raises(RuntimeError):
+        with shardcoord.Worker("stops", MODULES, 1, rank=0, world_size=1, address=daemon.address,
+                               connect_timeout=10):
+            raise RuntimeError("rank 3 of another group was lost")
+    out = subprocess.run([os.environ["SHARDCTL"], "ranks", "--job", "stops", "--json", "--coordinator",
+                          daemon.address], capture_output=True, text=True, timeout=30)
+    import json
+    rank = json.loads(out.stdout)["ranks"][0]
+    assert rank["state"] == "RANK_STATE_LEFT", rank
+    reason = rank.get("dead_reason", rank.get("deadReason"))
+    assert reason == "left cleanly: RuntimeError: rank 3 of another group was lost", rank
+
+
 def test_bad_input_raises_typed_errors_with_the_message(daemon):
     with connect(daemon, 0) as w:
         with pytest.raises(shardcoord.InvalidArgument, match="unknown module 'vison'"):

@@ -512,3 +512,46 @@ def test_abort_process_group_on_this_torch(group_of_one):
         t = torch.ones(2)
         dist.all_reduce(t, group=pg)
         assert t.tolist() == [1.0, 1.0]
+
+
+class _WorkCompletingRightAfterThePollTimedOut:
+    """A torch.distributed Work whose collective completes (successfully) just after a poll's
+    wait timed out: wait(timeout) raises "Operation timed out!", is_completed() is then True."""
+
+    def __init__(self):
+        self.polls = 0
+
+    def wait(self, timeout=None):
+        if timeout is not None:
+            self.polls += 1
+            raise RuntimeError("Operation timed out!")
+        return True
+
+    def is_completed(self):
+        return self.polls > 0
+
+
+class _HealthyWorker:
+    def job_health(self):
+        return None
+
+
+def test_a_collective_completing_just_after_a_poll_timed_out_is_no_failure():
+    """Issue 25: python.trainer failed once on a loaded host with "gradient all-reduce failed:
+    Operation timed out!": the poll's own timeout, taken for the collective's failure because
+    the collective completed between the poll's timeout and the completion check."""
+    work = _WorkCompletingRightAfterThePollTimedOut()
+    sct.wait_collective(work, _HealthyWorker(), "gradient all-reduce", verdict_wait=0.01)
+    assert work.polls == 1
+
+
+class _FailedWork(_WorkCompletingRightAfterThePollTimedOut):
+    def wait(self, timeout=None):
+        if timeout is not None:
+            self.polls += 1
+        raise RuntimeError("Connection closed by peer")
+
+
+def test_a_collective_that_failed_raises_its_own_error():
+    with pytest.raises(shardcoord.GroupFailed, match="gradient all-reduce failed: Connection closed by peer"):
+        sct.wait_collective(_FailedWork(), _HealthyWorker(), "gradient all-reduce", verdict_wait=0.01)
