@@ -26,6 +26,7 @@ namespace shardcoord {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 using testing::ReadFile;
 using testing::Subprocess;
 using testing::TempDir;
@@ -256,9 +257,25 @@ TEST_F(TrainerTest, KillNineOneTrainerAndEveryOtherRankStopsWithItsName) {
     auto code = procs[r]->Wait(absl::Seconds(10) + testing::kLoadSlack);
     ASSERT_TRUE(code.has_value()) << "rank " << r << " hangs after rank 1 died";
     EXPECT_EQ(*code, 3);
-    EXPECT_THAT(ReadFile(procs[r]->stderr_path()), HasSubstr("rank 1 declared dead")) << "rank " << r;
+    const std::string err = ReadFile(procs[r]->stderr_path());
+    EXPECT_THAT(err, HasSubstr("rank 1 declared dead")) << "rank " << r;
+    // Issue 25: survivors used to exit without a goodbye, be declared dead in turn, and the
+    // others' last error then named them. Each now leaves naming the first cause.
+    for (int other : {0, 2, 3}) {
+      EXPECT_THAT(err, Not(HasSubstr(absl::StrCat("rank ", other, " declared dead")))) << "rank " << r << ":\n" << err;
+    }
   }
   EXPECT_LT(absl::Now() - killed, absl::Seconds(5) + testing::kLoadSlack);
+  // The daemon's view: each survivor left cleanly, naming the first cause.
+  const std::string log = daemon_->Stderr();
+  for (int r : {0, 2, 3}) {
+    const std::string event = absl::StrCat("event=rank_left job=killed rank=", r, " ");
+    const size_t at = log.find(event);
+    ASSERT_NE(at, std::string::npos) << "rank " << r << " did not leave cleanly:\n" << log;
+    const std::string line = log.substr(at, log.find('\n', at) - at);
+    EXPECT_THAT(line, HasSubstr("vlm_trainer stopped:"));
+    EXPECT_THAT(line, HasSubstr("rank 1 declared dead"));
+  }
 }
 
 }  // namespace
