@@ -1,6 +1,12 @@
 #include "coordinator/ticker.h"
 
+#include <malloc.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cstdio>
+
+#include "shardcoord/internal/logging.h"
 
 namespace shardcoord::coordinator {
 
@@ -10,8 +16,41 @@ Ticker::Ticker(CoordinatorCore* core)
                        std::min(absl::Milliseconds(100), core->options().heartbeat_interval / 2))),
       pause_(core->options().heartbeat_timeout / 2) {}
 
+namespace {
+
+constexpr absl::Duration kTrimEvery = absl::Seconds(10);
+
+int64_t ResidentBytes() {
+  long pages = 0, resident = 0;
+  if (FILE* f = std::fopen("/proc/self/statm", "r")) {
+    if (std::fscanf(f, "%ld %ld", &pages, &resident) != 2) resident = 0;
+    std::fclose(f);
+  }
+  return static_cast<int64_t>(resident) * sysconf(_SC_PAGESIZE);
+}
+
+}  // namespace
+
 void Ticker::Start() {
   if (!thread_.joinable()) thread_ = std::thread([this] { Loop(); });
+  if (!trim_thread_.joinable()) trim_thread_ = std::thread([this] { TrimLoop(); });
+}
+
+void Ticker::TrimLoop() {
+  absl::MutexLock lock(&mu_);
+  while (!mu_.AwaitWithTimeout(absl::Condition(&stopping_), kTrimEvery)) {
+    mu_.Unlock();
+    const int64_t before = ResidentBytes();
+    const absl::Time start = absl::Now();
+    malloc_trim(0);
+    const int64_t released = before - ResidentBytes();
+    if (released > (16 << 20)) {
+      logging::Get("coordinator")
+          ->debug("gave {} MB of freed heap back to the system in {} ms", released >> 20,
+                  absl::ToInt64Milliseconds(absl::Now() - start));
+    }
+    mu_.Lock();
+  }
 }
 
 void Ticker::Stop() {
@@ -20,6 +59,7 @@ void Ticker::Stop() {
     stopping_ = true;
   }
   if (thread_.joinable()) thread_.join();
+  if (trim_thread_.joinable()) trim_thread_.join();
 }
 
 void Ticker::Loop() {
