@@ -296,6 +296,8 @@ void CoordinatorCore::SetLive(Job& job, Member& m, uint64_t session_id, std::sha
   m.last_planned.reset();
   m.pending = 0;
   m.dead_reason.clear();
+  m.resume.reset();  // A resume is held only from ResumeMember on (which sets it after this).
+  m.resume_charge = BufferCharge();
   m.registrations++;
   m.lookahead = req.lookahead();
   m.memory_budget = req.memory_budget_bytes();

@@ -130,6 +130,14 @@ void CoordinatorCore::OnLeft(Job& job, Group& group, const Member& m) {
 void CoordinatorCore::FailGroup(Job& job, Group& group, const Member& m, const std::string& full) {
   // A death fails the group: cancel everything pending and tell every live member.
   const bool was_failed = group.state == v1::GROUP_STATE_FAILED;
+  if (group.state == v1::GROUP_STATE_RECOVERING) {
+    // The recovery is over: what the members resumed with is held no longer (nor charged).
+    for (int r : group.ranks) {
+      job.members[r].resume.reset();
+      job.members[r].resume_charge = BufferCharge();
+    }
+    group.recovery_deadline = absl::InfiniteFuture();
+  }
   v1::CoordinatorMessage msg;
   auto* gf = msg.mutable_group_failure();
   gf->set_group(group.index);

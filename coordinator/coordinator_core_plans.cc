@@ -70,13 +70,15 @@ void CoordinatorCore::OnBundle(uint64_t session_id, const v1::WorkerBundle& bund
 void CoordinatorCore::TakePlans(Job& job, Member& m, const v1::PlanBatch& batch) {
   m.last_seen = clock_->Now();
   Group& group = job.groups[m.group];
-  if (batch.plans_size() > m.lookahead) {
-    // No worker sends more plans at once than its window holds: one that does would get a
-    // rejection for each plan past it, and those alone could fill its outbox.
+  if (batch.plans_size() > MaxPlansPerBatch(m.lookahead)) {
+    // A worker sends at most its window per message (a window and as many again while plans
+    // of entries that failed locally wait to be sent, in an older worker): a client sending
+    // more would get a rejection for each plan past the window, and those alone could fill
+    // its outbox.
     if (m.cut_reason.empty()) {
       m.cut_reason = absl::StrCat("broke the protocol: sent ", batch.plans_size(),
-                                  " plans in one batch, more than its lookahead window of ", m.lookahead,
-                                  " (a worker has at most that many undecided plans)");
+                                  " plans in one batch; with a lookahead window of ", m.lookahead,
+                                  " a worker sends at most ", MaxPlansPerBatch(m.lookahead));
     }
     return;
   }

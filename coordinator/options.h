@@ -77,6 +77,11 @@ struct PromotionOptions {
   int demote_threshold = kDefaultDemoteThreshold;
 };
 
+// Most plans one PlanBatch may carry for a rank of lookahead `window` (the worker sends at
+// most `window`; twice that plus 16 leaves room for plans of entries that failed locally).
+// A bigger batch cuts the rank for breaking the protocol.
+inline int MaxPlansPerBatch(int window) { return 2 * window + 16; }
+
 // The shortest heartbeat settings accepted (ValidateOptions).
 inline constexpr absl::Duration kMinHeartbeatInterval = absl::Milliseconds(10);
 inline constexpr absl::Duration kMinHeartbeatTimeout = absl::Milliseconds(100);

@@ -9,10 +9,12 @@
 #include <openssl/pem.h>
 #include <openssl/x509.h>
 #include <openssl/x509v3.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -166,6 +168,22 @@ bool WriteFile(const std::string& path, const std::string& bytes) {
   return out.good() && chmod(path.c_str(), 0600) == 0;
 }
 
+// A daemon killed with SIGKILL leaves its copy (a private key among it): the copies of
+// processes that are gone are removed at the next start.
+void RemoveCopiesOfDeadDaemons(const std::string& parent) {
+  std::error_code ec;
+  const std::string prefix = "shardcoordd-tls-";
+  for (const auto& entry : std::filesystem::directory_iterator(parent, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind(prefix, 0) != 0) continue;
+    const long pid = std::strtol(name.c_str() + prefix.size(), nullptr, 10);
+    struct stat st {};
+    if (pid <= 0 || stat(entry.path().c_str(), &st) != 0 || st.st_uid != getuid()) continue;
+    if (kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH) continue;  // Alive (or not ours to judge).
+    std::filesystem::remove_all(entry.path(), ec);
+  }
+}
+
 }  // namespace
 
 struct TlsCopy::Impl {
@@ -226,7 +244,9 @@ absl::StatusOr<std::unique_ptr<TlsCopy>> TlsCopy::Start(const TlsSettings& confi
   auto impl = std::make_unique<Impl>();
   impl->configured = configured;
   const char* tmpdir = std::getenv("TMPDIR");
-  std::string templ = absl::StrCat(tmpdir != nullptr && *tmpdir != 0 ? tmpdir : "/tmp", "/shardcoordd-tls-XXXXXX");
+  const std::string parent = tmpdir != nullptr && *tmpdir != 0 ? tmpdir : "/tmp";
+  RemoveCopiesOfDeadDaemons(parent);
+  std::string templ = absl::StrCat(parent, "/shardcoordd-tls-", getpid(), "-XXXXXX");
   if (mkdtemp(templ.data()) == nullptr) {
     return absl::FailedPreconditionError(absl::StrCat(
         "cannot create a private directory for the TLS files under ", templ.substr(0, templ.rfind('/')),

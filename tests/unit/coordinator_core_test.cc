@@ -872,9 +872,9 @@ TEST_F(CoreTest, MemoryReportsKeepOneEntryPerModuleOfTheManifest) {
 }
 
 TEST_F(CoreTest, APlanBatchLargerThanTheLookaheadWindowCutsTheRankNamingWhy) {
-  RegisterAll();  // lookahead 4
+  RegisterAll();  // lookahead 4: at most 2 x 4 + 16 plans a batch
   v1::PlanBatch batch;
-  for (int mb = 0; mb < 5; ++mb) {
+  for (int mb = 0; mb < 25; ++mb) {
     auto* p = batch.add_plans();
     p->set_microbatch(mb);
     (*p->mutable_calls())["vision_tower"] = 1;
@@ -884,7 +884,8 @@ TEST_F(CoreTest, APlanBatchLargerThanTheLookaheadWindowCutsTheRankNamingWhy) {
   core_->Tick();
   EXPECT_EQ(RankStatusOf(0).state(), v1::RANK_STATE_DEAD);
   EXPECT_THAT(RankStatusOf(0).dead_reason(),
-              HasSubstr("broke the protocol: sent 5 plans in one batch, more than its lookahead window of 4"));
+              HasSubstr("broke the protocol: sent 25 plans in one batch; with a lookahead window of 4 a worker "
+                        "sends at most 24"));
   auto failures = sinks_[1]->Where([](const auto& m) { return m.has_group_failure(); });
   ASSERT_EQ(failures.size(), 1u);
   EXPECT_THAT(failures[0].group_failure().reason(), HasSubstr("broke the protocol"));

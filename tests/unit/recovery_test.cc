@@ -378,6 +378,16 @@ TEST_F(BufferedRecoveryTest, AResumeLeftToExpireGivesItsBytesBack) {
   EXPECT_EQ(core_->buffers()->used(), 0);
 }
 
+TEST_F(BufferedRecoveryTest, AGroupFailingWhileItRecoversGivesItsResumesBack) {
+  // Review: a death during recovery failed the group, and the resumes already held stayed
+  // charged for the life of the job.
+  ASSERT_TRUE(Register(Resume(0)).ok());
+  ASSERT_GT(core_->buffers()->used(), 0);
+  core_->OnSessionClosed(sessions_[0], "killed");
+  EXPECT_NE(core_->Groups("job").groups(0).state(), v1::GROUP_STATE_RECOVERING);
+  EXPECT_EQ(core_->buffers()->used(), 0);
+}
+
 TEST(BufferBudgetTest, ShortQueuesAreNeverRefusedAndTheBiggestHoldersArePastTheLimit) {
   BufferBudget budget(1000);
   EXPECT_TRUE(budget.TryTake(900, 0));

@@ -3,6 +3,8 @@
 // plans, heartbeats and the goodbye. See worker_impl.h.
 #include "worker_impl.h"
 
+#include <algorithm>
+
 #include "shardcoord/plan_check.h"
 
 namespace shardcoord {
@@ -398,7 +400,10 @@ void Worker::Impl::FillHeartbeat(v1::Heartbeat* hb) {
 
 void Worker::Impl::TakeOutbox(v1::PlanBatch* batch) {
   batch->set_epoch(group_.epoch);
-  while (!outbox_.empty()) {
+  // At most a window's worth per message (the coordinator cuts a rank whose batch is far
+  // beyond its window); the writer loops at once for the rest.
+  const int most = std::max(1, group_.lookahead);
+  while (!outbox_.empty() && batch->plans_size() < most) {
     *batch->add_plans() = std::move(outbox_.front());
     outbox_.pop_front();
   }
