@@ -120,7 +120,11 @@ class CoordinatorCore {
 
   // Declares dead every live rank silent for longer than the heartbeat timeout and fails
   // microbatches pending for longer than the plan timeout. Called periodically.
-  void Tick();
+  // `started`: when the ticker decided to tick (real time; InfinitePast: no check). If the
+  // core's clock is past it by more than half the heartbeat timeout once the lock is taken,
+  // the daemon was stopped in between (the ticker's own gap check came before the pause):
+  // deadlines restart as after OnPaused instead of declaring every silent rank dead.
+  void Tick(absl::Time started = absl::InfinitePast());
 
   // The daemon itself did not run for `gap` (SIGSTOP, VM pause, starvation, clock jump):
   // heartbeats sat in socket buffers meanwhile, so every live rank's heartbeat deadline
@@ -410,6 +414,8 @@ class CoordinatorCore {
   // The group waits for every member to resume (or register) before it decides again.
   void StartRecovery(Job& job, Group& group) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A rank (resuming, or registering for the first time) joins a recovering group.
+  // OnPaused's work, under the lock.
+  void RestartHeartbeatDeadlines(absl::Duration gap) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Why `missing` (ranks of a communicator, none live) keep an epoch from starting: the
   // dead first, with the first one's reason, then those that left or never registered.
   static std::string MissingRanks(const Job& job, const std::vector<int>& missing);

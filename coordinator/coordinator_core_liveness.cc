@@ -174,9 +174,14 @@ void CoordinatorCore::NotifyRankLost(Job& job, const Group& group, int rank, con
   }
 }
 
-void CoordinatorCore::Tick() {
+void CoordinatorCore::Tick(absl::Time started) {
   Locked lock(this);
   const absl::Time now = clock_->Now();
+  if (started != absl::InfinitePast() && now - started > options_.heartbeat_timeout / 2) {
+    // Stopped between the ticker's gap check and here (waiting for the lock, say): a pause,
+    // not silence. Heartbeats held up meanwhile arrive now.
+    RestartHeartbeatDeadlines(now - started);
+  }
   EvictEndedJobs(now);
   for (auto& [id, job] : jobs_) {
     ExpireRecovery(*job, now);
@@ -220,6 +225,10 @@ void CoordinatorCore::Tick() {
 
 void CoordinatorCore::OnPaused(absl::Duration gap) {
   Locked lock(this);
+  RestartHeartbeatDeadlines(gap);
+}
+
+void CoordinatorCore::RestartHeartbeatDeadlines(absl::Duration gap) {
   const absl::Time now = clock_->Now();
   int extended = 0;
   for (auto& [id, job] : jobs_) {

@@ -72,7 +72,7 @@ void Ticker::Loop() {
     const absl::Time now = absl::Now();
     if (now - last > pause_ || now < last) core_->OnPaused(now - last);
     last = now;
-    core_->Tick();
+    core_->Tick(now);  // Checks again once it holds the core's lock (a pause may fall in between).
     mu_.Lock();
   }
 }

@@ -780,6 +780,21 @@ TEST_F(CoreTest, APausedCoordinatorDoesNotDeclareEveryRankDead) {
   EXPECT_EQ(RankStatusOf(0).state(), v1::RANK_STATE_LIVE);
 }
 
+TEST_F(CoreTest, APauseBetweenTheTickersCheckAndTheTickIsStillAPause) {
+  // The chaos run: the ticker checked the gap, was stopped (SIGSTOP of the daemon) while it
+  // waited for the core's lock, then ticked with the clock past every heartbeat deadline:
+  // 40 ranks declared dead. Tick checks again once it holds the lock.
+  RegisterAll();
+  const absl::Time decided_to_tick = clock_->Now();
+  clock_->Advance(absl::Seconds(6));
+  core_->Tick(decided_to_tick);
+  for (int r = 0; r < 4; ++r) EXPECT_EQ(RankStatusOf(r).state(), v1::RANK_STATE_LIVE) << "rank " << r;
+  // Without the ticker's time (a test's direct call) silence past the timeout is death, as before.
+  clock_->Advance(absl::Seconds(6));
+  core_->Tick();
+  EXPECT_EQ(RankStatusOf(0).state(), v1::RANK_STATE_DEAD);
+}
+
 TEST_F(CoreTest, RejectionsOfHugeManifestsStayShort) {
   CoordinatorOptions o = options_;
   o.limits.max_modules = 1000;
