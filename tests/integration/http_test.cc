@@ -196,9 +196,13 @@ TEST_F(HttpTest, BadRequestsAreRefusedAndTheServerGoesOn) {
   EXPECT_THAT(missing->body, HasSubstr("try /, /metrics or /healthz"));
   // Refused: a 4xx, or the connection closed before the client finished sending.
   auto huge = client_->Get("/metrics?" + std::string(64 << 10, 'x'));
-  if (huge) EXPECT_EQ(huge->status, 431);
+  if (huge) {
+    EXPECT_EQ(huge->status, 431);
+  }
   auto post = client_->Post("/metrics", std::string(1 << 20, 'y'), "text/plain");
-  if (post) EXPECT_EQ(post->status, 405);
+  if (post) {
+    EXPECT_EQ(post->status, 405);
+  }
   auto head = client_->Head("/healthz");
   ASSERT_TRUE(head);
   EXPECT_EQ(head->status, 200);

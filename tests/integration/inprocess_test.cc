@@ -634,6 +634,73 @@ TEST_F(InProcessTest, APlanBatchBeyondTheLookaheadWindowFailsTheSenderForWhatItD
   EXPECT_EQ(rank0().plans_rejected(), 0) << "not one rejection was queued for them";
 }
 
+// A coordinator that registers the rank and answers each plan with a decision no worker
+// can carry out: decision value 77 for microbatch 0, one module missing for the others.
+class UnusableDecisionCoordinator final : public v1::Coordinator::Service {
+ public:
+  grpc::Status Session(grpc::ServerContext*,
+                       grpc::ServerReaderWriter<v1::CoordinatorMessage, v1::WorkerMessage>* stream) override {
+    v1::WorkerMessage in;
+    if (!stream->Read(&in) || !in.has_register_()) return grpc::Status::OK;
+    v1::CoordinatorMessage reg;
+    reg.set_incarnation(7);
+    auto* r = reg.mutable_registered();
+    r->add_group_ranks(0);
+    r->set_heartbeat_interval_ms(100);
+    r->set_heartbeat_timeout_ms(5000);
+    r->set_policy(v1::POLICY_AUTO);
+    r->set_fallback(v1::FALLBACK_ROOT);
+    r->set_lookahead(4);
+    r->set_incarnation(7);
+    r->set_accepts_bundles(true);
+    stream->Write(reg);
+    while (stream->Read(&in)) {
+      const v1::PlanBatch& plans = in.has_bundle() ? in.bundle().plans() : in.plans();
+      for (const auto& p : plans.plans()) {
+        v1::CoordinatorMessage out;
+        out.set_incarnation(7);
+        auto* d = out.mutable_decisions()->add_decisions();
+        d->set_step(p.step());
+        d->set_microbatch(p.microbatch());
+        for (size_t i = 0; i < (p.microbatch() == 0 ? kModules.size() : 1); ++i) {
+          auto* m = d->add_modules();
+          m->set_module(kModules[i]);
+          m->set_decision(p.microbatch() == 0 ? static_cast<v1::Decision>(77) : v1::DECISION_SKIP);
+          m->set_reason(v1::REASON_ALL_SKIP);
+        }
+        stream->Write(out);
+      }
+    }
+    return grpc::Status::OK;
+  }
+};
+
+TEST_F(InProcessTest, ADecisionTheWorkerCannotCarryOutIsAnErrorNeverHandedToTheTrainer) {
+  // Issue 25: the Python worker handed its trainer 'unspecified' decisions, or one missing a
+  // module (KeyError). The worker refuses them whatever the coordinator sends.
+  UnusableDecisionCoordinator service;
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> forger = builder.BuildAndStart();
+  ASSERT_TRUE(forger && port != 0);
+  WorkerOptions o = Options(0, 1, 1);
+  o.coordinator_address = absl::StrCat("127.0.0.1:", port);
+  auto w = Connect(o);
+  ASSERT_TRUE(w);
+  ASSERT_TRUE(w->ReportPlan(PlanOf(0, 0, 1)).ok());
+  ASSERT_TRUE(w->ReportPlan(PlanOf(0, 1, 1)).ok());
+  auto unknown = w->GetDecision({0, 0}, kDecisionTimeout);
+  EXPECT_EQ(unknown.status().code(), absl::StatusCode::kInternal) << unknown.status();
+  EXPECT_THAT(unknown.status().message(), HasSubstr("has decision value 77, which is no decision this worker knows"));
+  auto missing = w->GetDecision({0, 1}, kDecisionTimeout);
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kInternal) << missing.status();
+  EXPECT_THAT(missing.status().message(), HasSubstr("it names 1 modules, the manifest has 2"));
+  w->Close(absl::Seconds(1));
+  forger->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+}
+
 TEST_F(InProcessTest, TheWorkerLibraryKeepsSigpipeFromKillingItsHost) {
   signal(SIGPIPE, SIG_DFL);
   auto w0 = Connect(Options(0, 2, 2));

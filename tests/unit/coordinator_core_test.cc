@@ -17,6 +17,7 @@ namespace shardcoord::coordinator {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 using shardcoord::testing::FakeClock;
 using shardcoord::testing::RecordingSink;
@@ -141,11 +142,16 @@ TEST_F(CoreTest, WorldSizeMismatchIsFailedPrecondition) {
 }
 
 TEST_F(CoreTest, DuplicateLiveRankIsAlreadyExists) {
-  ASSERT_TRUE(Register(Request(0)).ok());
+  v1::RegisterRequest first = Request(0);
+  first.set_host("node-7");
+  first.set_pid(424242);
+  ASSERT_TRUE(Register(first).ok());
   auto first_sink = sinks_[0];
   absl::Status s = core_->Register(99, Request(0), std::make_shared<RecordingSink>());
   EXPECT_EQ(s.code(), absl::StatusCode::kAlreadyExists);
   EXPECT_THAT(s.message(), HasSubstr("duplicate rank 0"));
+  EXPECT_THAT(s.message(), HasSubstr("node-7")) << "the host holding it, to find it";
+  EXPECT_THAT(s.message(), Not(HasSubstr("424242"))) << "no pid to a rank-token holder (issue 25)";
   EXPECT_FALSE(first_sink->closed) << "the live session must be left alone";
   EXPECT_EQ(RankStatusOf(0).registrations(), 1);
 }
