@@ -10,7 +10,6 @@
 
 #include <cstdio>
 #include <fstream>
-#include <sstream>
 
 #include "coordinator/tls.h"
 #include "integration/inprocess_fixture.h"
@@ -191,11 +190,8 @@ TEST_F(TlsTest, ANotYetValidCertificateIsRefusedAtStartAndAtRenewal) {
   ASSERT_TRUE(testing::ReplaceFile(future, cert));
   s = (*copy)->Refresh();
   EXPECT_THAT(s.message(), HasSubstr("live.pem is not valid yet"));
-  std::ifstream served((*copy)->served().cert_file), original(certs_.server_cert);
-  std::stringstream a, b;
-  a << served.rdbuf();
-  b << original.rdbuf();
-  EXPECT_EQ(a.str(), b.str()) << "the previous certificate is still the one served";
+  EXPECT_EQ(testing::ReadFile((*copy)->served().cert_file), testing::ReadFile(certs_.server_cert))
+      << "the previous certificate is still the one served";
 }
 
 TEST_F(TlsTest, ACertificateRenewedBeforeItsKeyKeepsThePreviousPairServing) {
