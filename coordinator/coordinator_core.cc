@@ -11,6 +11,7 @@
 #include "shardcoord/internal/logging.h"
 #include "shardcoord/proto/convert.h"
 #include "shardcoord/version.h"
+#include "coordinator/daemon_metrics.h"
 #include "coordinator/registration.h"
 #include "coordinator/secrets.h"
 #include "coordinator/text.h"
@@ -30,6 +31,7 @@ CoordinatorCore::CoordinatorCore(CoordinatorOptions options, std::shared_ptr<con
       resume_auth_(options_.resume_key.empty() ? ResumeAuthority::Ephemeral()
                                                : ResumeAuthority(options_.resume_key, /*persistent=*/true)),
       journal_(options_.event_capacity),
+      metrics_(std::make_unique<DaemonMetrics>()),
       buffers_(std::make_shared<BufferBudget>(options_.limits.max_buffered_bytes)) {}
 
 CoordinatorCore::~CoordinatorCore() = default;
@@ -38,10 +40,17 @@ void CoordinatorCore::Event(const std::string& severity, const std::string& kind
                             const std::string& job, int rank, int group,
                             const std::string& message) {
   journal_.Add(clock_->Now(), severity, kind, job, rank, group, message);
+  metrics_->CountEvent(kind);
   const auto level = severity == "error"     ? spdlog::level::err
                      : severity == "warning" ? spdlog::level::warn
                                              : spdlog::level::info;
-  Defer([level, line = absl::StrCat("event=", kind, " job=", job, " rank=", rank, " group=", group, " ", message)] {
+  // Only what the event concerns: a daemon event has no job, a job's none of rank or group.
+  std::string line = absl::StrCat("event=", kind);
+  if (!job.empty()) absl::StrAppend(&line, " job=", job);
+  if (rank >= 0) absl::StrAppend(&line, " rank=", rank);
+  if (group >= 0) absl::StrAppend(&line, " group=", group);
+  absl::StrAppend(&line, " ", message);
+  Defer([level, line = std::move(line)] {
     static const auto log = logging::Get("coordinator");
     log->log(level, "{}", line);
   });
@@ -59,6 +68,7 @@ void CoordinatorCore::SetReference(Group& group, const v1::RegisterRequest& req)
   group.modules.clear();
   group.module_index.clear();
   for (const auto& m : req.modules()) {
+    group.module_counts[m.name()];  // Every module's counts exist, at zero, from the start.
     group.module_index[m.name()] = static_cast<int>(group.modules.size());
     group.modules.push_back(FromProto(m));
   }

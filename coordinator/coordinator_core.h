@@ -50,6 +50,8 @@
 
 namespace shardcoord::coordinator {
 
+class DaemonMetrics;
+
 // The core's handle on one rank's session stream.
 class RankSink {
  public:
@@ -85,6 +87,8 @@ class CoordinatorCore {
   // The daemon-wide budget of memory held for clients (max_buffered_bytes): sinks charge
   // their queues to it, the core the resumes it holds.
   const std::shared_ptr<BufferBudget>& buffers() const { return buffers_; }
+  // Counters and histograms fed as things happen (daemon_metrics.h), for /metrics.
+  const DaemonMetrics& metrics() const { return *metrics_; }
   // The address actually bound (port 0 resolved), for status.
   void SetBoundAddress(const std::string& address) {
     absl::MutexLock lock(&mu_);
@@ -133,6 +137,10 @@ class CoordinatorCore {
 
   // Sends a shutdown notice to every live session and closes it with UNAVAILABLE.
   void Shutdown();
+
+  // Records the daemon starting to serve, or stopping, in the journal ("daemon_started",
+  // "daemon_stopped"), with its version and incarnation and `detail`.
+  void RecordDaemonEvent(bool started, const std::string& detail);
 
   // --- Communicators (DESIGN 4). Callers must be live ranks of the job and members of
   // the communicator. Waiting calls complete through `done` exactly once, possibly later
@@ -227,6 +235,7 @@ class CoordinatorCore {
     std::deque<v1::MicrobatchDecision> history;
     uint64_t static_seq = 0;  // Next seq for static policies, one per key (restarts at 0 per epoch).
     v1::DecisionCounts counts;
+    std::map<std::string, v1::DecisionCounts> module_counts;  // The same, by module (metrics).
     std::string failure_reason;
     // GROUP_STATE_RECOVERING (DESIGN 12): fails its missing members at this deadline;
     // plans resumed members send meanwhile wait here, in arrival order.
@@ -515,6 +524,7 @@ class CoordinatorCore {
   // Credentials for resumes and seals on decisions (resume_auth.h). Immutable: no lock.
   const ResumeAuthority resume_auth_;
   EventJournal journal_;
+  const std::unique_ptr<DaemonMetrics> metrics_;  // Thread-safe by itself.
   // Before jobs_: their members' charges give back to it as they are destroyed.
   const std::shared_ptr<BufferBudget> buffers_;
 

@@ -7,6 +7,8 @@
 #include "shardcoord/decide.h"
 #include "shardcoord/internal/logging.h"
 #include "shardcoord/proto/convert.h"
+#include "shardcoord/version.h"
+#include "coordinator/daemon_metrics.h"
 #include "coordinator/text.h"
 
 namespace shardcoord::coordinator {
@@ -86,6 +88,7 @@ void CoordinatorCore::RemoveMember(Job& job, Member& m, bool clean, const std::s
   m.state = clean ? v1::RANK_STATE_LEFT : v1::RANK_STATE_DEAD;
   m.dead_reason = reason;
   Event(clean ? "info" : "error", clean ? "rank_left" : "rank_dead", job.id, m.rank, group.index, full);
+  if (!clean) metrics_->ObserveDeathDetection(clock_->Now() - m.last_seen);
   MaybeEndJob(job);
   OnMemberLost(job, m.rank, clean, full);
   if (clean) {
@@ -242,6 +245,12 @@ void CoordinatorCore::RestartHeartbeatDeadlines(absl::Duration gap) {
                                         " ms (paused, starved or the clock jumped); heartbeat deadlines of ",
                                         extended, " live ranks restarted instead of declaring them dead");
   Event("warning", "coordinator_paused", "", -1, -1, what);
+}
+
+void CoordinatorCore::RecordDaemonEvent(bool started, const std::string& detail) {
+  Locked lock(this);
+  Event("info", started ? "daemon_started" : "daemon_stopped", "", -1, -1,
+        absl::StrCat("shardcoord ", kVersion, " incarnation ", incarnation_, ": ", detail));
 }
 
 void CoordinatorCore::Shutdown() {

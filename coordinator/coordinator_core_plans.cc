@@ -7,6 +7,7 @@
 #include "shardcoord/internal/logging.h"
 #include "shardcoord/plan_check.h"
 #include "shardcoord/proto/convert.h"
+#include "coordinator/daemon_metrics.h"
 #include "coordinator/text.h"
 
 namespace shardcoord::coordinator {
@@ -314,6 +315,7 @@ void CoordinatorCore::DrainGroup(Job& job, Group& group) {
     if (it->second.num_reported < size) break;
     std::vector<EngineTransition> transitions;
     MicrobatchDecision d = group.engine->Decide(it->first, group.epoch, it->second.calls, &transitions);
+    metrics_->ObserveDecisionLatency(clock_->Now() - it->second.first_report);
     v1::MicrobatchDecision pd;
     ToProto(d, &pd);
     pd.set_seal(resume_auth_.Seal(job.id, pd));
@@ -334,17 +336,26 @@ void CoordinatorCore::DrainGroup(Job& job, Group& group) {
   }
 }
 
+namespace {
+
+void CountDecision(const v1::ModuleDecision& md, v1::DecisionCounts* c) {
+  switch (md.decision()) {
+    case v1::DECISION_PER_LAYER: c->set_per_layer(c->per_layer() + 1); break;
+    case v1::DECISION_SKIP: c->set_skip(c->skip() + 1); break;
+    case v1::DECISION_ROOT: c->set_root(c->root() + 1); break;
+    case v1::DECISION_REPLICATE: c->set_replicate(c->replicate() + 1); break;
+    default: break;
+  }
+  if (md.reason() == v1::REASON_DIVERGENT) c->set_divergent(c->divergent() + 1);
+}
+
+}  // namespace
+
 void CoordinatorCore::RecordDecision(Job& job, Group& group, const v1::MicrobatchDecision& d) {
   job.microbatches_decided++;
   for (const auto& md : d.modules()) {
-    switch (md.decision()) {
-      case v1::DECISION_PER_LAYER: group.counts.set_per_layer(group.counts.per_layer() + 1); break;
-      case v1::DECISION_SKIP: group.counts.set_skip(group.counts.skip() + 1); break;
-      case v1::DECISION_ROOT: group.counts.set_root(group.counts.root() + 1); break;
-      case v1::DECISION_REPLICATE: group.counts.set_replicate(group.counts.replicate() + 1); break;
-      default: break;
-    }
-    if (md.reason() == v1::REASON_DIVERGENT) group.counts.set_divergent(group.counts.divergent() + 1);
+    CountDecision(md, &group.counts);
+    CountDecision(md, &group.module_counts[md.module()]);
   }
   group.last_decided = MicrobatchKey{d.step(), d.microbatch()};
   group.history.push_back(d);

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "coordinator/coordinator_core.h"
+#include "coordinator/daemon_metrics.h"
 #include "coordinator/recovery.h"
 #include "coordinator/text.h"
 #include "shardcoord/proto/convert.h"
@@ -108,6 +109,7 @@ void CoordinatorCore::FinishRecovery(Job& job, Group& group) {
                                 ": its decision was lost in the coordinator restart (no member holds it any more)"));
     SendTo(job.members[rank], msg);
   }
+  metrics_->ObserveGroupRecovery(clock_->Now() - started_);
   Event("info", "group_recovered", job.id, -1, group.index,
         absl::StrCat("epoch ", group.epoch, ": ", rec.binding.size(), " held decisions kept, ", rec.resend.size(),
                      " re-sent, ", rec.undecided.size(), " plans to decide, ", rec.lost.size(), " lost; seq goes on from ",

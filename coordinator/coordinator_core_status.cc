@@ -121,6 +121,7 @@ void CoordinatorCore::FillGroupStatus(const Job& job, const Group& g, v1::GroupS
   gs->set_epoch(g.epoch);
   gs->set_pending_microbatches(static_cast<int32_t>(g.pending.size()));
   *gs->mutable_counts() = g.counts;
+  for (const auto& [module, c] : g.module_counts) (*gs->mutable_module_counts())[module] = c;
   gs->set_failure_reason(g.failure_reason);
   if (g.engine) {
     gs->set_next_seq(g.engine->next_seq());

@@ -256,9 +256,11 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   server->ticker_->Start();
   server->on_listener_lost_ = std::move(on_listener_lost);
   server->StartSelfCheck(options);
+  const char* tls = !options.tls.enabled() ? "off" : options.tls.mutual() ? "mutual" : "on";
   logging::Get("coordinator")
-      ->info("serving address={} tls={} tokens={}", server->address_,
-             !options.tls.enabled() ? "off" : options.tls.mutual() ? "mutual" : "on", tokens_enabled ? "on" : "off");
+      ->info("serving address={} tls={} tokens={}", server->address_, tls, tokens_enabled ? "on" : "off");
+  server->core_->RecordDaemonEvent(
+      true, absl::StrCat("serving ", server->address_, " (tls ", tls, ", tokens ", tokens_enabled ? "on" : "off", ")"));
   return server;
 }
 
@@ -279,6 +281,7 @@ void CoordinatorServer::Shutdown(absl::Duration grace) {
   http_.reset();
   // NOT_SERVING first, so that health checkers stop sending work while sessions are told.
   if (auto* health = server_->GetHealthCheckService()) health->Shutdown();
+  core_->RecordDaemonEvent(false, absl::StrCat("stopping; serving ", address_, " until now"));
   core_->Shutdown();
   core_->FlushJournal();
   server_->Shutdown(absl::ToChronoTime(absl::Now() + grace));

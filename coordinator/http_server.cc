@@ -330,7 +330,13 @@ std::optional<Grant> HttpServer::Allowed(const std::string& authorization, const
 }
 
 Snapshot HttpServer::Take(const std::string& job) const {
-  return Snapshot{core_->Status(job), core_->Groups(job), core_->Ranks(job), core_->Comms(job)};
+  Snapshot s{core_->Status(job), core_->Groups(job), core_->Ranks(job), core_->Comms(job)};
+  s.daemon = &core_->metrics();
+  s.buffered_bytes = core_->buffers()->used();
+  s.buffered_bytes_limit = core_->buffers()->limit();
+  s.rank_series_max = core_->options().metrics_rank_series_max;
+  s.process = true;
+  return s;
 }
 
 HttpServer::Reply HttpServer::Serve(const std::string& path, const std::string& authorization) {

@@ -10,7 +10,8 @@
 #           `pip install --no-build-isolation .` (setuptools, wheel, venv)
 #   package python + dpkg-dev: scripts/package.sh (cpack's .deb, dependencies by dpkg-shlibdeps)
 #   test    build + python + what the suite drives: Chromium (the status page), Slurm and
-#           munge (the Slurm end to end test), clang (scripts/clang-build.sh), shellcheck
+#           munge (the Slurm end to end test), Prometheus (the metrics test), clang
+#           (scripts/clang-build.sh), shellcheck
 #   clang   the clang build: lock analysis, ASan+UBSan, libFuzzer
 #   deploy  scripts/check-deploy.sh: shellcheck (systemd-analyze is used where systemd is installed)
 #
@@ -28,7 +29,7 @@ python=(python3-dev pybind11-dev python3-torch python3-pytest python3-numpy pyth
 package=(dpkg-dev)
 clang=(clang libclang-rt-14-dev)
 deploy=(shellcheck)
-test=("${build[@]}" "${python[@]}" "${package[@]}" "${clang[@]}" "${deploy[@]}" chromium slurm-wlm munge)
+test=("${build[@]}" "${python[@]}" "${package[@]}" "${clang[@]}" "${deploy[@]}" chromium slurm-wlm munge prometheus)
 
 packages=()
 [[ $# -eq 0 ]] && set -- build

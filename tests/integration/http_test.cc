@@ -17,6 +17,7 @@
 
 #include <fstream>
 #include <map>
+#include <cstring>
 #include <regex>
 #include <set>
 
@@ -53,7 +54,7 @@ std::vector<Sample> ParseMetrics(const std::string& text) {
     if (l.rfind("# TYPE ", 0) == 0) {
       std::vector<std::string> f = absl::StrSplit(l.substr(7), ' ');
       EXPECT_EQ(f.size(), 2u) << l;
-      EXPECT_TRUE(f[1] == "counter" || f[1] == "gauge") << l;
+      EXPECT_TRUE(f[1] == "counter" || f[1] == "gauge" || f[1] == "histogram") << l;
       EXPECT_TRUE(types.emplace(f[0], f[1]).second) << "TYPE twice: " << l;
       continue;
     }
@@ -63,8 +64,14 @@ std::vector<Sample> ParseMetrics(const std::string& text) {
       continue;
     }
     Sample s{m[1], {}, std::stod(m[4])};
-    EXPECT_EQ(s.name.rfind("shardcoord_", 0), 0u) << l;
+    EXPECT_TRUE(s.name.rfind("shardcoord_", 0) == 0 || s.name.rfind("process_", 0) == 0) << l;
     auto type = types.find(s.name);
+    for (const char* part : {"_bucket", "_sum", "_count"}) {  // A histogram's samples.
+      if (type == types.end() && absl::EndsWith(s.name, part)) {
+        type = types.find(s.name.substr(0, s.name.size() - strlen(part)));
+        if (type != types.end() && type->second != "histogram") type = types.end();
+      }
+    }
     EXPECT_NE(type, types.end()) << "sample before its TYPE: " << l;
     if (type != types.end() && type->second == "counter") {
       EXPECT_TRUE(absl::EndsWith(s.name, "_total")) << "counter without _total: " << l;
@@ -136,16 +143,30 @@ TEST_F(HttpTest, MetricsParseStrictlyAndMatchTheGrpcStatusAndThePageShowsTheJob)
   const auto samples = ParseMetrics(metrics->body);
   const auto groups = server_->core().Groups("job");
   ASSERT_EQ(groups.groups_size(), 1);
-  const auto& c = groups.groups(0).counts();
-  for (const auto& [kind, n] : std::vector<std::pair<std::string, int64_t>>{
-           {"per_layer", c.per_layer()}, {"skip", c.skip()}, {"root", c.root()}, {"replicate", c.replicate()}}) {
-    EXPECT_EQ(Value(samples, "shardcoord_module_decisions_total", {{"job", "job"}, {"group", "0"}, {"decision", kind}}),
-              n)
-        << kind;
+  for (const auto& [module, c] : groups.groups(0).module_counts()) {
+    for (const auto& [kind, n] : std::vector<std::pair<std::string, int64_t>>{
+             {"per_layer", c.per_layer()}, {"skip", c.skip()}, {"root", c.root()}, {"replicate", c.replicate()}}) {
+      EXPECT_EQ(Value(samples, "shardcoord_module_decisions_total",
+                      {{"job_id", "job"}, {"group", "0"}, {"module", module}, {"decision", kind}}),
+                n)
+          << module << " " << kind;
+    }
   }
+  const auto& c = groups.groups(0).counts();
   EXPECT_GT(c.per_layer() + c.skip() + c.root(), 0);
-  EXPECT_EQ(Value(samples, "shardcoord_ranks", {{"job", "job"}, {"state", "live"}}), 2);
-  EXPECT_EQ(Value(samples, "shardcoord_microbatches_decided_total", {{"job", "job"}}), 3);
+  // The audio tower is called by nobody: skipped three times; the vision tower never skipped.
+  EXPECT_EQ(Value(samples, "shardcoord_module_decisions_total",
+                  {{"job_id", "job"}, {"module", "audio_tower"}, {"decision", "skip"}}), 3);
+  EXPECT_EQ(Value(samples, "shardcoord_module_decisions_total",
+                  {{"job_id", "job"}, {"module", "vision_tower"}, {"decision", "root"}}), 1);
+  EXPECT_EQ(Value(samples, "shardcoord_ranks", {{"job_id", "job"}, {"state", "live"}}), 2);
+  EXPECT_EQ(Value(samples, "shardcoord_groups", {{"job_id", "job"}, {"state", "failed"}}), 0);  // Present at zero.
+  EXPECT_EQ(Value(samples, "shardcoord_microbatches_decided_total", {{"job_id", "job"}}), 3);
+  EXPECT_EQ(Value(samples, "shardcoord_events_total", {{"kind", "rank_registered"}}), 2);
+  EXPECT_EQ(Value(samples, "shardcoord_events_total", {{"kind", "rank_dead"}}), 0);
+  EXPECT_EQ(Value(samples, "shardcoord_decision_latency_seconds_count", {}), 3);
+  EXPECT_GT(Value(samples, "process_open_fds", {}), 0);
+  for (const auto& s : samples) EXPECT_EQ(s.labels.count("job"), 0u) << s.name << ": `job` is Prometheus' label";
   EXPECT_EQ(Value(samples, "shardcoord_build_info", {}), 1);
 
   auto page = client_->Get("/");
@@ -155,6 +176,40 @@ TEST_F(HttpTest, MetricsParseStrictlyAndMatchTheGrpcStatusAndThePageShowsTheJob)
   EXPECT_THAT(page->body, HasSubstr("data-rank=1 data-state=live"));
   EXPECT_THAT(page->body, HasSubstr("http-equiv=refresh"));
   EXPECT_THAT(page->body, ::testing::Not(HasSubstr("<script")));
+}
+
+// Live jobs come first and a finished one is a collapsed line: here the finished job was
+// registered first and its id sorts first (the coordinator lists jobs by id), so only the
+// page's own ordering puts the live job above it.
+TEST_F(HttpTest, ThePageShowsLiveJobsFirstAndCollapsesFinishedOnes) {
+  StartWithHttp();
+  const std::string done_job = "aa-finished-job-with-a-long-id", live_job = "zz-live-job";
+  auto done = Connect(Options(0, 1, 1, Policy::kAuto, done_job));
+  ASSERT_TRUE(done);
+  done->Close();
+  ASSERT_TRUE(testing::WaitUntil(
+      [&] {
+        const auto s = server_->core().Status(done_job);
+        return s.jobs_size() == 1 && s.jobs(0).ranks_left() == 1;
+      },
+      testing::kLoadSlack));
+  auto live = Connect(Options(0, 1, 1, Policy::kAuto, live_job));
+  ASSERT_TRUE(live);
+  ASSERT_TRUE(testing::WaitUntil([&] { return server_->core().Status(live_job).jobs(0).ranks_live() == 1; },
+                                 testing::kLoadSlack));
+
+  auto page = client_->Get("/");
+  ASSERT_TRUE(page);
+  ASSERT_EQ(page->status, 200);
+  const std::string& body = page->body;
+  const size_t live_at = body.find("<section class=job data-job='" + live_job + "'>");
+  const size_t done_at = body.find("data-job='" + done_job + "'");
+  ASSERT_NE(live_at, std::string::npos) << body;
+  ASSERT_NE(done_at, std::string::npos) << body;
+  EXPECT_LT(live_at, done_at) << "the live job's section must come before the finished job's";
+  EXPECT_THAT(body, HasSubstr("<details class=finished data-job='" + done_job + "'><summary><b>Job " + done_job +
+                              "</b> &middot; finished: 1 left"));
+  EXPECT_THAT(body, ::testing::Not(HasSubstr("<section class=job data-job='" + done_job + "'>")));
 }
 
 // Whether the peer closed the connection (EOF or reset) within `timeout`; any bytes it sent
@@ -366,10 +421,14 @@ TEST_F(HttpTest, WithTokensThePageAndMetricsNeedAReadTokenAndHealthDoesNot) {
   EXPECT_THAT(page->body, ::testing::Not(HasSubstr("data-job='job'")));
   auto metrics = client_->Get("/metrics", other);
   ASSERT_TRUE(metrics);
-  EXPECT_THAT(metrics->body, ::testing::Not(HasSubstr("job=\"job\"")));
+  EXPECT_THAT(metrics->body, ::testing::Not(HasSubstr("job_id=\"job\"")));
+  EXPECT_THAT(metrics->body, HasSubstr("shardcoord_build_info"));
   auto all = client_->Get("/", {{"Authorization", "Bearer read-token-0123456789abcdef"}});
   ASSERT_TRUE(all);
   EXPECT_THAT(all->body, HasSubstr("data-job='job'"));
+  auto all_metrics = client_->Get("/metrics", {{"Authorization", "Bearer read-token-0123456789abcdef"}});
+  ASSERT_TRUE(all_metrics);
+  EXPECT_THAT(all_metrics->body, HasSubstr("job_id=\"job\""));
 }
 
 TEST(StatusPageTest, AHugeJobGivesABoundedPageWithTheDeadFirst) {

@@ -24,10 +24,13 @@ void Worker::Impl::ReaderLoop() {
       return;
     }
     if (!CanResume(st)) {
-      EndSession(absl::UnavailableError(absl::StrCat(
-          "session with coordinator at ", address_, " lost (", Prefix(), "): ",
-          st.ok() ? std::string("stream closed") : st.error_message(),
-          closing_ ? "" : "; create a new Worker to register again")));
+      // Our own Close ending the stream is a clean end, not a loss (logged at info level only).
+      EndSession(absl::UnavailableError(
+          closing_ && st.ok()
+              ? absl::StrCat("session with coordinator at ", address_, " closed by this worker (", Prefix(), ")")
+              : absl::StrCat("session with coordinator at ", address_, " lost (", Prefix(), "): ",
+                             st.ok() ? std::string("stream closed") : st.error_message(),
+                             closing_ ? "" : "; create a new Worker to register again")));
       reader_done_ = true;
       return;
     }

@@ -1,0 +1,69 @@
+// DaemonMetrics: the counters and histograms the core feeds as things happen, for GET
+// /metrics (metrics.h computes the rest from a snapshot of the core's state at scrape time).
+// Daemon-wide, without a job label: they live as long as the process, so rates and alerts
+// over them never lose a series when a job is forgotten. Thread-safe: prometheus-cpp's Counter
+// is atomic and its Histogram has a mutex of its own; the event map has one.
+#ifndef SHARDCOORD_COORDINATOR_DAEMON_METRICS_H_
+#define SHARDCOORD_COORDINATOR_DAEMON_METRICS_H_
+
+#include <prometheus/counter.h>
+#include <prometheus/histogram.h>
+#include <prometheus/metric_family.h>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+
+namespace shardcoord::coordinator {
+
+// Every kind of event the core records (EventJournal); each has a counter from the start, at
+// zero, so that `increase(shardcoord_events_total{kind="rank_dead"}[5m])` has data before the
+// first death. A kind missing here is still counted (its series appears when it first happens).
+inline constexpr const char* kEventKinds[] = {
+    "daemon_started", "daemon_stopped", "coordinator_paused",
+    "job_created", "job_replaced", "job_rerun", "job_evicted",
+    "rank_registered", "rank_rejoined", "rank_resumed", "rank_left", "rank_dead", "resume_unverified",
+    "per_layer_requested", "group_formed", "group_reformed", "group_failed",
+    "group_recovering", "group_recovered", "group_recovery_failed", "recovery_expired",
+    "microbatch_failed", "module_promoted", "module_demoted", "module_sticky_replicate",
+    "comm_forming", "comm_ready", "comm_closed", "comm_aborted", "comm_rank_behind", "comm_recovered",
+};
+
+class DaemonMetrics {
+ public:
+  DaemonMetrics();
+
+  DaemonMetrics(const DaemonMetrics&) = delete;
+  DaemonMetrics& operator=(const DaemonMetrics&) = delete;
+
+  void CountEvent(const std::string& kind);
+  // From the first plan of a microbatch reaching its group to the group's decision (dynamic
+  // policies): how long the slowest member's plan kept the others' decision waiting.
+  void ObserveDecisionLatency(absl::Duration d) { decision_latency_.Observe(Seconds(d)); }
+  // From a rank's last message to the daemon declaring it dead (heartbeat timeout, lost
+  // stream, cut): how long its group ran on without knowing.
+  void ObserveDeathDetection(absl::Duration d) { death_detection_.Observe(Seconds(d)); }
+  // From the daemon's start to a group recovered after a restart (DESIGN 12).
+  void ObserveGroupRecovery(absl::Duration d) { group_recovery_.Observe(Seconds(d)); }
+
+  // shardcoord_events_total and the histograms, as metric families.
+  void AppendTo(std::vector<prometheus::MetricFamily>* out) const;
+
+ private:
+  static double Seconds(absl::Duration d) { return absl::ToDoubleSeconds(d < absl::ZeroDuration() ? absl::ZeroDuration() : d); }
+
+  mutable absl::Mutex mu_;
+  std::map<std::string, std::unique_ptr<prometheus::Counter>> events_ ABSL_GUARDED_BY(mu_);
+  prometheus::Histogram decision_latency_;
+  prometheus::Histogram death_detection_;
+  prometheus::Histogram group_recovery_;
+};
+
+}  // namespace shardcoord::coordinator
+
+#endif  // SHARDCOORD_COORDINATOR_DAEMON_METRICS_H_
