@@ -154,6 +154,10 @@ absl::Status ValidateOptions(const CoordinatorOptions& o) {
     return absl::InvalidArgumentError(absl::StrCat("http_max_connections must be in 1..65536, got ",
                                                    o.http_max_connections));
   }
+  if (o.metrics_rank_series_max < 0 || o.metrics_rank_series_max > 65536) {
+    return absl::InvalidArgumentError(absl::StrCat("metrics_rank_series_max must be in 0..65536, got ",
+                                                   o.metrics_rank_series_max));
+  }
   if (o.http_request_timeout < absl::Milliseconds(100) || o.http_request_timeout > absl::Minutes(10)) {
     return absl::InvalidArgumentError(absl::StrCat("http_request_timeout_ms must be in 100..600000, got ",
                                                    absl::ToInt64Milliseconds(o.http_request_timeout)));
@@ -216,6 +220,7 @@ absl::Status ApplyConfigKey(const std::string& path, const std::string& key, con
   if (key == "insecure") o.insecure = v.as<bool>();
   if (key == "http_listen") o.http_listen = v.as<std::string>();
   if (key == "http_max_connections") o.http_max_connections = v.as<int>();
+  if (key == "metrics_rank_series_max") o.metrics_rank_series_max = v.as<int>();
   if (key == "http_request_timeout_ms") o.http_request_timeout = absl::Milliseconds(v.as<int64_t>());
   if (key == "journal_file") o.journal_file = v.as<std::string>();
   if (key == "journal_retention_hours") o.journal_retention = absl::Hours(v.as<int64_t>());
@@ -273,7 +278,7 @@ absl::StatusOr<CoordinatorOptions> LoadConfigFile(const std::string& path,
       "self_check_interval_ms", "state_file", "recovery_window_ms", "max_communicators_per_job",
       "max_store_value_bytes", "token_file", "insecure",
       "tls_cert_file", "tls_key_file", "tls_client_ca_file", "tls_reload_interval_s", "http_listen",
-      "http_max_connections", "http_request_timeout_ms",
+      "http_max_connections", "http_request_timeout_ms", "metrics_rank_series_max",
       "journal_file", "journal_retention_hours", "journal_max_events", "session_threads"};
   for (const auto& kv : root) {
     if (!kv.first.IsScalar()) {

@@ -130,6 +130,9 @@ struct CoordinatorOptions {
   // accept), and the time one exchange (TLS handshake, request, response) may take.
   int http_max_connections = 64;
   absl::Duration http_request_timeout = absl::Seconds(5);
+  // /metrics gives a series per rank (heartbeat age) only for jobs of at most this many ranks
+  // (metrics.h); larger jobs get their stalest heartbeat only. 0: no per-rank series.
+  int metrics_rank_series_max = 256;
   // SQLite file keeping every event across restarts (event_journal.h); empty: memory only.
   std::string journal_file;
   absl::Duration journal_retention = absl::Hours(24 * 7);  // Older events are deleted.
