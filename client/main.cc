@@ -177,6 +177,14 @@ int CheckJob(Client& c, const std::string& job, bool have_rows) {
   return kExitFailed;
 }
 
+// Width of a text column: its longest value (in bytes, as printf pads), at least `min` (the
+// width before it grew), so that a long job id, host or name never shifts the columns after it.
+template <typename Rows, typename Text>
+int ColumnWidth(const Rows& rows, size_t min, Text text) {
+  for (const auto& r : rows) min = std::max(min, text(r).size());
+  return static_cast<int>(min);
+}
+
 void PrintCounts(const v1::DecisionCounts& c) {
   std::cout << absl::StrFormat("  decisions: per_layer %d  skip %d  root %d  replicate %d  (divergent %d)\n",
                                c.per_layer(), c.skip(), c.root(), c.replicate(), c.divergent());
@@ -225,8 +233,10 @@ int CmdRanks(Client& c, const std::string& job, bool json) {
     std::cout << ToJson(resp) << "\n";
     return kExitOk;
   }
-  std::cout << absl::StrFormat("%-10s %5s %5s %-12s %-16s %8s %10s %12s %7s %8s %8s %12s  %s\n", "JOB", "RANK",
-                               "GROUP", "STATE", "HOST", "PID", "HB_AGE_MS", "LAST_PLANNED",
+  const int job_w = ColumnWidth(resp.ranks(), 10, [](const auto& r) -> const std::string& { return r.job_id(); });
+  const int host_w = ColumnWidth(resp.ranks(), 16, [](const auto& r) -> const std::string& { return r.host(); });
+  std::cout << absl::StrFormat("%-*s %5s %5s %-12s %-*s %8s %10s %12s %7s %8s %8s %12s  %s\n", job_w, "JOB", "RANK",
+                               "GROUP", "STATE", host_w, "HOST", "PID", "HB_AGE_MS", "LAST_PLANNED",
                                "PENDING", "PLANS", "REJECTED", "PEAK_FROZEN", "REASON");
   for (const auto& r : resp.ranks()) {
     // Summed without overflow: the reports are the client's numbers (each >= 0, any size).
@@ -238,8 +248,8 @@ int CmdRanks(Client& c, const std::string& job, bool json) {
       peak = overflow ? std::numeric_limits<int64_t>::max() : peak + b;
     }
     std::cout << absl::StrFormat(
-        "%-10s %5d %5d %-12s %-16s %8d %10d %12s %7d %8d %8d %12s  %s\n", r.job_id(), r.rank(), r.group(),
-        shardcoord::StateName(r.state()), r.host(), r.pid(),
+        "%-*s %5d %5d %-12s %-*s %8d %10d %12s %7d %8d %8d %12s  %s\n", job_w, r.job_id(), r.rank(), r.group(),
+        shardcoord::StateName(r.state()), host_w, r.host(), r.pid(),
         r.last_heartbeat_age_ms(), r.has_last_planned() ? KeyText(r.last_planned()) : "-",
         r.pending_plans(), r.plans_received(), r.plans_rejected(),
         r.memory().empty() ? std::string("-") : overflow ? std::string("overflow") : absl::StrCat(peak),
@@ -337,9 +347,13 @@ int CmdEvents(Client& c, const std::string& job, uint64_t after, int limit, cons
     return kExitOk;
   }
   for (const auto& e : resp.events()) {
-    std::cout << absl::StrFormat("%6d %s %-7s %-20s job=%s rank=%d group=%d %s\n", e.id(),
-                                 FormatTime(e.unix_ms()), e.severity(), e.kind(), e.job_id(), e.rank(),
-                                 e.group(), e.message());
+    // Only what the event concerns: a daemon event names no job, a job event no rank or group.
+    std::string subject;
+    if (!e.job_id().empty()) absl::StrAppend(&subject, " job=", e.job_id());
+    if (e.rank() >= 0) absl::StrAppend(&subject, " rank=", e.rank());
+    if (e.group() >= 0) absl::StrAppend(&subject, " group=", e.group());
+    std::cout << absl::StrFormat("%6d %s %-7s %-20s%s %s\n", e.id(), FormatTime(e.unix_ms()), e.severity(),
+                                 e.kind(), subject, e.message());
   }
   return kExitOk;
 }
@@ -354,8 +368,14 @@ int CmdComms(Client& c, const std::string& job, bool json) {
     std::cout << ToJson(resp) << "\n";
     return kExitOk;
   }
-  std::cout << absl::StrFormat("%-10s %-12s %5s %-8s %-16s %7s  %s\n", "JOB", "COMM", "EPOCH", "STATE", "RANKS",
-                               "ABORTED", "MEMBERS (rank:state@completed/issued) / WHY");
+  const int job_w = ColumnWidth(resp.comms(), 10, [](const auto& c) -> const std::string& { return c.job_id(); });
+  const int name_w = ColumnWidth(resp.comms(), 12, [](const auto& c) -> const std::string& { return c.name(); });
+  // The world communicator of 65,536 ranks would pad every row by 400 KB: a rank list past 64
+  // characters runs over its column on its own row only.
+  const int ranks_w =
+      std::min(64, ColumnWidth(resp.comms(), 16, [](const auto& c) { return absl::StrJoin(c.ranks(), ","); }));
+  std::cout << absl::StrFormat("%-*s %-*s %5s %-8s %-*s %7s  %s\n", job_w, "JOB", name_w, "COMM", "EPOCH", "STATE",
+                               ranks_w, "RANKS", "ABORTED", "MEMBERS (rank:state@completed/issued) / WHY");
   for (const auto& cm : resp.comms()) {
     std::vector<std::string> members;
     for (const auto& m : cm.members()) {
@@ -364,9 +384,9 @@ int CmdComms(Client& c, const std::string& job, bool json) {
     std::string note = absl::StrJoin(members, " ");
     if (!cm.abort_reason().empty()) note += "  / " + cm.abort_reason();
     if (!cm.behind().empty()) note += "  / BEHIND: " + cm.behind();
-    std::cout << absl::StrFormat("%-10s %-12s %5d %-8s %-16s %7d  %s\n", cm.job_id(), cm.name(), cm.epoch(),
-                                 shardcoord::StateName(cm.state()), absl::StrJoin(cm.ranks(), ","),
-                                 cm.epochs_aborted(), note);
+    std::cout << absl::StrFormat("%-*s %-*s %5d %-8s %-*s %7d  %s\n", job_w, cm.job_id(), name_w, cm.name(),
+                                 cm.epoch(), shardcoord::StateName(cm.state()), ranks_w,
+                                 absl::StrJoin(cm.ranks(), ","), cm.epochs_aborted(), note);
   }
   return kExitOk;
 }
@@ -430,7 +450,8 @@ int main(int argc, char** argv) {
   decisions->add_option("--limit", limit, "most recent decisions per group")->check(CLI::Range(1, kMaxLimit));
   auto* comms = app.add_subcommand("comms", "every communicator: epoch, state, members, why aborted");
   add_common(comms);
-  auto* watch = app.add_subcommand("watch", "live view that redraws in place (q or Ctrl-C quits); plain frames "
+  auto* watch = app.add_subcommand("watch", "live view that redraws in place, like top (keys: h help, s sort, f filter "
+                                               "by job, arrows scroll, r refresh, q or Ctrl-C quits); plain frames "
                                                "when output is not a terminal");
   add_common(watch);
   int watch_interval_ms = 1000, watch_count = 0;

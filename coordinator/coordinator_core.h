@@ -200,6 +200,7 @@ class CoordinatorCore {
     // send (it does not read), or it broke the protocol. Nothing more is sent to it.
     std::string cut_reason;
     std::vector<v1::ModuleMemory> memory;  // As last reported.
+    int64_t decision_stalls = 0, decision_stall_us = 0;  // As last reported (Heartbeat).
     std::string session_key;  // Of the live session (RegisterResponse.session_key).
     // What the rank held when it resumed after a restart, until its group recovered;
     // its memory is charged to buffers_ meanwhile.

@@ -137,7 +137,7 @@ void Ranks(Families& f, const Snapshot& s) {
   for (const auto& j : s.status.jobs()) world[j.job_id()] = j.world_size();
   struct PerJob {
     double oldest = 0;
-    int64_t rejected = 0, registrations = 0;
+    int64_t rejected = 0, registrations = 0, stalls = 0, stall_us = 0;
     std::map<std::string, std::pair<int64_t, int64_t>> memory;  // module -> (max peak, gathered sum)
   };
   std::map<std::string, PerJob> jobs;
@@ -146,6 +146,8 @@ void Ranks(Families& f, const Snapshot& s) {
     PerJob& pj = jobs[r.job_id()];
     pj.rejected += r.plans_rejected();
     pj.registrations += r.registrations();
+    pj.stalls += r.decision_stalls();
+    pj.stall_us += r.decision_stall_us();
     for (const auto& m : r.memory()) {
       auto& [peak, gathered] = pj.memory[m.module()];
       peak = std::max(peak, m.peak_bytes());
@@ -167,6 +169,11 @@ void Ranks(Families& f, const Snapshot& s) {
               "window), summed over the job's ranks", l, static_cast<double>(pj.rejected));
     f.Counter("shardcoord_rank_registrations_total", "Registrations of the job's ranks (first, rejoins after a "
               "death, resumes after a reconnect)", l, static_cast<double>(pj.registrations));
+    f.Counter("shardcoord_decision_stalls_total", "Times a trainer asked for a decision not yet in its lookahead "
+              "window and waited, summed over the job's ranks (their heartbeats report it)", l,
+              static_cast<double>(pj.stalls));
+    f.Counter("shardcoord_decision_stall_seconds_total", "Time trainers waited for decisions, summed over the job's "
+              "ranks", l, pj.stall_us / 1e6);
     for (const auto& [module, mem] : pj.memory) {
       const Labels lm = {{"job_id", job}, {"module", module}};
       f.Gauge("shardcoord_frozen_peak_bytes", "Highest frozen-parameter memory of the module on any rank, as the "

@@ -20,6 +20,7 @@ h1{font-size:20px}h2{font-size:17px;margin-top:1.6em}h3{font-size:15px}
 table{border-collapse:collapse;margin:.4em 0}td,th{padding:2px 10px;border-bottom:1px solid #ddd;text-align:left}
 th{background:#f4f4f4}.dead td{background:#fdd}.behind td{background:#ffe9b3}.failed td{background:#fdd}
 .muted{color:#777}.chart text{font-size:11px}
+details.finished{margin:.3em 0}details.finished summary{cursor:pointer}.ended-dead{color:#b00}
 )";
 
 std::string Cell(const std::string& text) { return "<td>" + HtmlEscape(text) + "</td>"; }
@@ -163,6 +164,35 @@ std::string Events(const std::vector<v1::Event>& events) {
   return out + "</table>";
 }
 
+// A job is over when no rank is live and none waits to resume, and some rank left or died
+// (a job whose counts say nothing is shown in full rather than hidden).
+bool JobIsOver(const v1::JobStatus& j) {
+  return j.ranks_live() == 0 && j.groups_recovering() == 0 && j.ranks_left() + j.ranks_dead() > 0;
+}
+
+// The summary line, groups, ranks and communicators of one job.
+std::string JobBody(const v1::JobStatus& j, const PageInput& in, const std::set<std::pair<std::string, int>>& behind) {
+  const Snapshot& s = in.snapshot;
+  const std::string& job = j.job_id();
+  return absl::StrCat("<p>", j.world_size(), " ranks: ", j.ranks_live(), " live, ", j.ranks_dead(), " dead, ",
+                      j.ranks_left(), " left, ", j.ranks_unregistered(), " not registered &middot; ",
+                      j.microbatches_decided(), " microbatches decided</p>", "<h3>Shard groups</h3>",
+                      GroupTable(job, s.groups), "<h3>Ranks</h3>", RankTable(job, in, behind),
+                      "<h3>Communicators</h3>", CommTable(job, s.comms));
+}
+
+// One line (a <details> summary) for a job that is over; its tables open on a click.
+std::string FinishedJob(const v1::JobStatus& j, const PageInput& in,
+                        const std::set<std::pair<std::string, int>>& behind) {
+  const std::string ended = j.ranks_dead() > 0
+                                ? absl::StrCat("<span class=ended-dead>ended: ", j.ranks_dead(), " dead</span>, ",
+                                               j.ranks_left(), " left")
+                                : absl::StrCat("finished: ", j.ranks_left(), " left");
+  return absl::StrCat("<details class=finished data-job='", HtmlEscape(j.job_id()), "'><summary><b>Job ",
+                      HtmlEscape(j.job_id()), "</b> &middot; ", ended, " &middot; ", j.microbatches_decided(),
+                      " microbatches decided</summary>", JobBody(j, in, behind), "</details>");
+}
+
 }  // namespace
 
 std::string HtmlEscape(const std::string& text) {
@@ -197,15 +227,18 @@ std::string StatusPage(const PageInput& in) {
   std::string out = absl::StrCat("<!doctype html><html><head><meta charset=utf-8><title>shardcoord</title>",
                                  "<meta http-equiv=refresh content=", in.refresh_seconds, "><style>", kStyle,
                                  "</style></head><body>", Header(s.status, in.refresh_seconds), Chart(in.history));
+  // Live jobs first, at full size; a finished one (hours of them on a shared daemon) is one
+  // line that opens on a click, so it never pushes a running job down the page.
+  std::string finished;
   for (const auto& j : s.status.jobs()) {
-    const std::string& job = j.job_id();
-    out += absl::StrCat("<section class=job data-job='", HtmlEscape(job), "'><h2>Job ", HtmlEscape(job), "</h2>",
-                        "<p>", j.world_size(), " ranks: ", j.ranks_live(), " live, ", j.ranks_dead(), " dead, ",
-                        j.ranks_left(), " left, ", j.ranks_unregistered(), " not registered &middot; ",
-                        j.microbatches_decided(), " microbatches decided</p>", "<h3>Shard groups</h3>",
-                        GroupTable(job, s.groups), "<h3>Ranks</h3>", RankTable(job, in, behind),
-                        "<h3>Communicators</h3>", CommTable(job, s.comms), "</section>");
+    if (JobIsOver(j)) {
+      finished += FinishedJob(j, in, behind);
+    } else {
+      out += absl::StrCat("<section class=job data-job='", HtmlEscape(j.job_id()), "'><h2>Job ",
+                          HtmlEscape(j.job_id()), "</h2>", JobBody(j, in, behind), "</section>");
+    }
   }
+  if (!finished.empty()) out += "<h2>Finished jobs</h2>" + finished;
   if (s.status.jobs_size() == 0) out += "<p>No job yet.</p>";
   return out + Events(in.events) + "</body></html>";
 }

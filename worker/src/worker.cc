@@ -244,7 +244,12 @@ absl::StatusOr<MicrobatchDecision> Worker::Impl::GetDecision(const MicrobatchKey
   }
   // Another thread's GetDecision may take this entry while we wait: look it up each time.
   auto resolved = [this, &key]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return queue_.Resolved(key); };
-  mu_.AwaitWithTimeout(absl::Condition(&resolved), timeout);
+  if (!queue_.Resolved(key)) {  // A stall: the decision was not in the window when the trainer asked.
+    const absl::Time start = absl::Now();
+    mu_.AwaitWithTimeout(absl::Condition(&resolved), timeout);
+    decision_stalls_++;
+    decision_stall_time_ += absl::Now() - start;
+  }
   if (!queue_.Contains(key)) {
     return absl::FailedPreconditionError(absl::StrCat(
         "the decision for ", key.ToString(), " (", Prefix(),

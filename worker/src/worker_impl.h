@@ -187,6 +187,9 @@ class Worker::Impl {
   std::deque<v1::MicrobatchPlan> outbox_ ABSL_GUARDED_BY(mu_);
   std::vector<ModuleMemoryUsage> memory_ ABSL_GUARDED_BY(mu_);
   bool memory_dirty_ ABSL_GUARDED_BY(mu_) = false;  // Not sent yet: send without waiting.
+  // GetDecision calls that waited for their decision, and how long in all (heartbeats carry them).
+  int64_t decision_stalls_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Duration decision_stall_time_ ABSL_GUARDED_BY(mu_);
   // CommAbort acknowledgements for the writer, queued once the aborts ran.
   std::vector<std::pair<std::string, int64_t>> ready_acks_ ABSL_GUARDED_BY(mu_);
   bool closing_ ABSL_GUARDED_BY(mu_) = false;

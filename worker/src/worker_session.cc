@@ -385,6 +385,8 @@ void Worker::Impl::OnNotice(const v1::Notice& n) {
 
 void Worker::Impl::FillHeartbeat(v1::Heartbeat* hb) {
   hb->set_sent_unix_ms(absl::ToUnixMillis(absl::Now()));
+  hb->set_decision_stalls(decision_stalls_);
+  hb->set_decision_stall_us(absl::ToInt64Microseconds(decision_stall_time_));
   for (const auto& progress : comms_.Snapshot()) {
     auto* p = hb->add_comms();
     p->set_name(progress.name);
