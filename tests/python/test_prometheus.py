@@ -4,7 +4,9 @@ and every query of the Grafana dashboard (deploy/grafana/shardcoord.json) return
 
 The jobs: `train`, the example trainer (examples/vlm_trainer, 2 CPU ranks over Gloo: decisions,
 communicators, memory reports) running for the whole test; `hurt`, two ranks of which one is a
-process killed with SIGKILL (a death, a failed group, a death detection time)."""
+process killed with SIGKILL (a death, a failed group, a death detection time). Then the daemon
+is restarted on the same addresses (SIGTERM, then a new process with the same state file): the
+trainer resumes, Prometheus scrapes the new incarnation, and the recovery shows in its series."""
 
 import json
 import os
@@ -160,8 +162,9 @@ def instantiate(expr):
 
 def test_prometheus_scrapes_every_documented_series_and_the_dashboard_has_data(tmp_path):
     http_file = tmp_path / "http.addr"
-    daemon = Daemon(tmp_path, "--heartbeat-interval-ms", "100", "--heartbeat-timeout-ms", "3000",
-                    "--http-listen", "127.0.0.1:0", "--http-address-file", str(http_file))
+    flags = ["--heartbeat-interval-ms", "100", "--heartbeat-timeout-ms", "3000", "--state-file",
+             str(tmp_path / "state"), "--http-address-file", str(http_file)]
+    daemon = Daemon(tmp_path, *flags, "--http-listen", "127.0.0.1:0")
     trainers, w0, prom = [], None, None
     try:
         prom = Prometheus(tmp_path, http_file.read_text().strip())
@@ -200,6 +203,19 @@ def test_prometheus_scrapes_every_documented_series_and_the_dashboard_has_data(t
         for definition in variables:
             metric, label = re.fullmatch(r"label_values\((\w+), (\w+)\)", definition).groups()
             assert prom.query(f'count by ({label}) ({metric})'), f"dashboard variable {definition} has no values"
+
+        # A restart: the trainer resumes under the new incarnation and its group recovers.
+        w0.close(timeout=5)
+        w0 = None
+        http_address = http_file.read_text().strip()
+        daemon.stop()
+        daemon = Daemon(tmp_path, *flags, "--http-listen", http_address, listen=daemon.address, name="daemon2")
+        prom.wait_for(f'changes(shardcoord_incarnation{{job="{SCRAPE_JOB}"}}[5m]) > 0', 60, "the new incarnation")
+        prom.wait_for('shardcoord_group_recovery_seconds_count > 0', 90, "the trainer's group recovered")
+        prom.wait_for('shardcoord_events_total{kind="rank_resumed"} >= 2', 30, "both trainer ranks resumed")
+        prom.wait_for('increase(shardcoord_microbatches_decided_total{job_id="train"}[10s]) > 0', 60,
+                      "decisions after the restart")
+        assert all(p.poll() is None for p in trainers), "a trainer rank ended across the restart"
     finally:
         for p in trainers:
             p.kill()
