@@ -13,6 +13,8 @@
 #include <fstream>
 #include <iostream>
 #include <optional>
+#include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
@@ -96,16 +98,17 @@ struct Flags {
 void AddSecurityAndObservabilityFlags(CLI::App& app, Flags& f) {
   app.add_option("--token-file", f.token_file,
                  "tokens with roles (lines 'ROLE TOKEN [job=ID]', mode 600); every call must then carry one")
-      ->envname("SHARDCOORDD_TOKEN_FILE");
+      ->envname("SHARDCOORD_DAEMON_TOKEN_FILE");
   app.add_option("--http-listen", f.http_listen,
                  "serve the status page, /metrics and /healthz over HTTP on HOST:PORT (off by default)")
-      ->envname("SHARDCOORD_HTTP_LISTEN");
+      ->envname("SHARDCOORD_DAEMON_HTTP_LISTEN");
   app.add_option("--http-max-connections", f.http_max_connections,
                  "HTTP connections open at once; more are closed at accept (default 64)");
   app.add_option("--http-request-timeout-ms", f.http_request_timeout_ms,
                  "the time one HTTP exchange (TLS handshake, request, response) may take (default 5000)");
   app.add_flag("--check-config", f.check_config,
-               "check the settings (config file, flags, TLS files, token file) and exit: 0 when they would serve");
+               "check the settings and what serving needs (TLS and token files readable, journal, state and "
+               "address files writable, ports free) and exit: 0 when the daemon would start");
   app.add_option("--journal-file", f.journal_file,
                  "keep every event in this SQLite file too, across restarts (shardctl events reads it)");
   app.add_option("--journal-retention-hours", f.journal_retention_hours, "delete journal events older than this");
@@ -113,11 +116,12 @@ void AddSecurityAndObservabilityFlags(CLI::App& app, Flags& f) {
   app.add_option("--http-address-file", f.http_address_file,
                  "write the HTTP listener's bound HOST:PORT here once serving (for --http-listen ...:0)");
   app.add_option("--tls-cert", f.tls_cert, "PEM certificate chain: serve TLS only (with --tls-key)")
-      ->envname("SHARDCOORDD_TLS_CERT");
-  app.add_option("--tls-key", f.tls_key, "PEM private key of --tls-cert (mode 600)")->envname("SHARDCOORDD_TLS_KEY");
+      ->envname("SHARDCOORD_DAEMON_TLS_CERT");
+  app.add_option("--tls-key", f.tls_key, "PEM private key of --tls-cert (mode 600)")
+      ->envname("SHARDCOORD_DAEMON_TLS_KEY");
   app.add_option("--tls-client-ca", f.tls_client_ca,
                  "PEM CA bundle: require callers' certificates signed by it (mutual TLS)")
-      ->envname("SHARDCOORDD_TLS_CLIENT_CA");
+      ->envname("SHARDCOORD_DAEMON_TLS_CLIENT_CA");
   app.add_option("--tls-reload-interval-s", f.tls_reload_s,
                  "check the TLS files this often; renewed ones serve new connections without a restart");
   app.add_flag("--insecure", f.insecure,
@@ -129,7 +133,7 @@ void AddFlags(CLI::App& app, Flags& f) {
                  "YAML config file (keys as in README 'shardcoordd configuration' and deploy/config)")
       ->check(CLI::ExistingFile);
   app.add_option("--listen", f.listen, "address to serve on, HOST:PORT (port 0 picks a free port)")
-      ->envname("SHARDCOORD_LISTEN");
+      ->envname("SHARDCOORD_DAEMON_LISTEN");
   app.add_option("--default-policy", f.policy, "policy for ranks that send none")
       ->check(CLI::IsMember({"auto", "per_layer", "root", "replicate"}));
   app.add_option("--default-fallback", f.fallback, "fallback for ranks that send none")
@@ -242,9 +246,13 @@ int Serve(CoordinatorOptions options, const std::string& http_address_file) {
     shardcoord::logging::Get("coordinator")->info("resume key from {}: resumes after a restart are verified",
                                                   resume_key->source);
   } else if (absl::IsNotFound(resume_key.status()) && options.token_file.empty()) {
-    shardcoord::logging::Get("coordinator")->warn(
-        "no --state-file or --token-file: resumes after a restart of this daemon cannot be verified and are taken "
-        "as sent (fine on a trusted loopback; set --state-file to keep a resume key)");
+    // Fine on a trusted loopback (the demo, the tests): said, not warned, so that a clean run
+    // logs no warning; off loopback a forged resume could hand a group decisions nobody made.
+    shardcoord::logging::Get("coordinator")
+        ->log(shardcoord::coordinator::IsLoopbackAddress(options.listen_address) ? spdlog::level::info
+                                                                                 : spdlog::level::warn,
+              "no --state-file or --token-file: resumes after a restart of this daemon cannot be verified and are "
+              "taken as sent (fine on a trusted loopback; set --state-file to keep a resume key)");
   } else {
     std::cerr << "shardcoordd: " << resume_key.status().message() << std::endl;
     return 2;
@@ -305,6 +313,59 @@ int Serve(CoordinatorOptions options, const std::string& http_address_file) {
   return 0;
 }
 
+// Environment variables all start with SHARDCOORD_; those only the daemon reads are
+// SHARDCOORD_DAEMON_<SETTING> (the daemon's token table is not a client's token file). The
+// names from before that scheme are still read, with one warning each.
+struct RenamedEnv {
+  const char* old_name;
+  const char* new_name;
+};
+constexpr RenamedEnv kRenamedEnv[] = {
+    {"SHARDCOORDD_TOKEN_FILE", "SHARDCOORD_DAEMON_TOKEN_FILE"},
+    {"SHARDCOORDD_TLS_CERT", "SHARDCOORD_DAEMON_TLS_CERT"},
+    {"SHARDCOORDD_TLS_KEY", "SHARDCOORD_DAEMON_TLS_KEY"},
+    {"SHARDCOORDD_TLS_CLIENT_CA", "SHARDCOORD_DAEMON_TLS_CLIENT_CA"},
+    {"SHARDCOORD_LISTEN", "SHARDCOORD_DAEMON_LISTEN"},
+    {"SHARDCOORD_HTTP_LISTEN", "SHARDCOORD_DAEMON_HTTP_LISTEN"},
+};
+
+// Before the flags are parsed: an old name stands for its new one unless that is set too.
+void AdoptRenamedEnv() {
+  auto log = shardcoord::logging::Get("coordinator");
+  for (const RenamedEnv& r : kRenamedEnv) {
+    const char* old_value = std::getenv(r.old_name);
+    if (old_value == nullptr) continue;
+    if (std::getenv(r.new_name) != nullptr) {
+      log->warn("{} is deprecated and ignored: {} is set too and wins; unset {}", r.old_name, r.new_name, r.old_name);
+      continue;
+    }
+    setenv(r.new_name, old_value, 0);
+    log->warn("{} is deprecated: rename it {} (read as that this time)", r.old_name, r.new_name);
+  }
+}
+
+// --check-config once the settings are valid: what serving needs too. 0 only when a start
+// would serve; 2 with one line per problem otherwise.
+int CheckConfig(const CoordinatorOptions& options, const std::string& http_address_file) {
+  std::vector<std::string> problems = shardcoord::coordinator::CheckServingNeeds(options);
+  if (!http_address_file.empty()) {
+    absl::Status s = shardcoord::coordinator::CheckWritableFile("HTTP address file", "--http-address-file",
+                                                                http_address_file);
+    if (!s.ok()) problems.emplace_back(s.message());
+  }
+  for (const std::string& problem : problems) std::cerr << "shardcoordd: " << problem << "\n";
+  if (!problems.empty()) {
+    std::cerr << "shardcoordd: --check-config: the daemon would not start (" << problems.size()
+              << (problems.size() == 1 ? " problem" : " problems") << " above)\n";
+    return 2;
+  }
+  std::cout << "shardcoordd: settings OK, and what serving needs is in place (listen " << options.listen_address
+            << (options.http_listen.empty() ? "" : ", http_listen " + options.http_listen)
+            << (options.journal_file.empty() ? "" : ", journal " + options.journal_file)
+            << (options.state_file.empty() ? "" : ", state " + options.state_file) << ")\n";
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -312,6 +373,7 @@ int main(int argc, char** argv) {
   app.set_version_flag("--version", std::string("shardcoordd ") + shardcoord::kVersion);
   Flags f;
   AddFlags(app, f);
+  AdoptRenamedEnv();
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -338,19 +400,6 @@ int main(int argc, char** argv) {
     std::cerr << "shardcoordd: " << s.message() << "\n";
     return 2;
   }
-  if (f.check_config) {
-    if (absl::Status s = shardcoord::coordinator::CheckTls(options.tls); !s.ok()) {
-      std::cerr << "shardcoordd: " << s.message() << "\n";
-      return 2;
-    }
-    if (!options.token_file.empty()) {
-      if (auto t = shardcoord::coordinator::Tokens::Load(options.token_file); !t.ok()) {
-        std::cerr << "shardcoordd: " << t.status().message() << "\n";
-        return 2;
-      }
-    }
-    std::cout << "shardcoordd: settings OK (listen " << options.listen_address << ")\n";
-    return 0;
-  }
+  if (f.check_config) return CheckConfig(options, f.http_address_file);
   return Serve(options, f.http_address_file);
 }

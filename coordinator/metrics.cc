@@ -8,12 +8,12 @@
 
 #include <algorithm>
 #include <fstream>
-#include <iterator>
 #include <map>
 #include <sstream>
 #include <utility>
 #include <vector>
 
+#include "absl/strings/numbers.h"
 #include "coordinator/daemon_metrics.h"
 #include "shardcoord/proto/convert.h"
 
@@ -211,22 +211,24 @@ void Process(Families& f) {
   const size_t paren = text.rfind(')');  // The command name may hold spaces.
   if (paren == std::string::npos) return;
   std::istringstream in(text.substr(paren + 2));
-  std::vector<std::string> field((std::istream_iterator<std::string>(in)), std::istream_iterator<std::string>());
-  if (field.size() < 22) return;
-  // field[0] is stat's third field (state): stat field N is field[N - 3].
+  std::vector<double> field;  // field[0] is stat's 4th field (ppid): stat field N is field[N - 4].
+  std::string word;
+  in >> word;  // The state, a letter.
+  for (double v = 0; in >> word && absl::SimpleAtod(word, &v);) field.push_back(v);
+  if (field.size() < 21) return;  // Not the /proc we know: no process series rather than wrong ones.
   const double ticks = static_cast<double>(sysconf(_SC_CLK_TCK));
   const double page = static_cast<double>(sysconf(_SC_PAGESIZE));
   f.Counter("process_cpu_seconds_total", "User and system CPU time spent, seconds", {},
-            (std::stod(field[11]) + std::stod(field[12])) / ticks);
-  f.Gauge("process_threads", "Threads of the process", {}, std::stod(field[17]));
-  f.Gauge("process_virtual_memory_bytes", "Virtual memory size", {}, std::stod(field[20]));
-  f.Gauge("process_resident_memory_bytes", "Resident memory size", {}, std::stod(field[21]) * page);
+            (field[10] + field[11]) / ticks);
+  f.Gauge("process_threads", "Threads of the process", {}, field[16]);
+  f.Gauge("process_virtual_memory_bytes", "Virtual memory size", {}, field[19]);
+  f.Gauge("process_resident_memory_bytes", "Resident memory size", {}, field[20] * page);
   std::ifstream proc_stat("/proc/stat");
   for (std::string key; proc_stat >> key;) {
     if (key == "btime") {
       double boot = 0;
       proc_stat >> boot;
-      f.Gauge("process_start_time_seconds", "When the process started, Unix time", {}, boot + std::stod(field[19]) / ticks);
+      f.Gauge("process_start_time_seconds", "When the process started, Unix time", {}, boot + field[18] / ticks);
       break;
     }
   }

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -152,6 +153,19 @@ absl::Status ValidateOptions(const CoordinatorOptions& options);
 // silently); the message names the file, the key and the accepted keys.
 absl::StatusOr<CoordinatorOptions> LoadConfigFile(const std::string& path,
                                                   CoordinatorOptions base = {});
+
+// What serving needs beyond valid settings, checked without serving (`shardcoordd
+// --check-config`), so that a clean result means the daemon will start: the TLS files and
+// the token file usable, the TLS copy's temporary folder writable, the journal, state, resume
+// key and address files writable or creatable, and the gRPC and HTTP addresses free (each
+// bound and listened on, then released). One entry per problem, naming the file or address
+// and what to do; empty: the daemon will start.
+std::vector<std::string> CheckServingNeeds(const CoordinatorOptions& options);
+
+// Whether the daemon can write `path` (a file it opens or replaces at start): its folder
+// exists and takes new files, and the file, if present, opens for writing. `what` names it
+// ("journal file") and `flag` says how to give another. OK when writable.
+absl::Status CheckWritableFile(const std::string& what, const std::string& flag, const std::string& path);
 
 }  // namespace shardcoord::coordinator
 

@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
 # The Slurm deploy script (deploy/slurm/train.sbatch), end to end, on a one-node Slurm cluster
 # this script starts: munged, slurmctld and slurmd (Debian's slurm-wlm and munge, installed if
-# missing; as root), all state in a temporary folder. The batch job starts shardcoordd with its
-# per-job token and CA, waits for it, and runs the example trainer (examples/vlm_trainer,
-# LibTorch on CPU, Gloo) as 4 Slurm tasks in 2 shard groups. Passes when the job exits 0, every
-# rank printed its summary, all ranks end with the same parameters, and the coordinator was
-# stopped and its secrets removed. The one change to the batch script: its GPU request is
-# dropped (no GPU here); nodes and tasks are given on the sbatch command line. The node is
-# declared with 8 CPUs (config_overrides) so that 4 trainer tasks and the coordinator fit. Then
-# the same script runs the Python example trainer as 2 srun tasks (ranks from SLURM_PROCID).
+# missing; as root), all state in a temporary folder. The shipped batch script is submitted
+# unchanged (sbatch options on the command line: one node, no GPU); it starts shardcoordd with
+# its per-job token and CA, waits for it, and runs the trainer given as SHARDCOORD_TRAINER in
+# every task, with RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE exported from Slurm's variables:
+#   1. a task that prints those variables (3 tasks): each RANK is its SLURM_PROCID;
+#   2. the example trainer (examples/vlm_trainer, LibTorch on CPU, Gloo) as 4 tasks in 2 shard
+#      groups, its --rank and --world-size taken from $RANK and $WORLD_SIZE: the job exits 0,
+#      ranks 0-3 printed their summary, all end with the same parameters, the coordinator served
+#      TLS with tokens, and its secrets were removed;
+#   3. the Python example trainer as 2 tasks with no rank flags (shardcoord.Worker reads RANK).
+# The node is declared with 8 CPUs (config_overrides) so that 4 trainer tasks and the
+# coordinator fit.
 #
 #   scripts/slurm-e2e.sh            (BUILD_DIR: a build with SHARDCOORD_WITH_TORCH, default build/)
 # shellcheck disable=SC2016  # check's conditions are evaluated later, on purpose
@@ -81,49 +85,62 @@ wait_for 30 bash -c "sinfo -h -o %t | grep -qE '^(idle|mix)'" ||
   { echo "FAIL: the node did not come up"; sinfo; tail -20 "$work/slurmd.log"; exit 1; }
 echo "slurm: node $host idle"
 
-# The batch script as shipped, minus its GPU request; shardcoordd and shardctl from the build.
-sed '/--gpus-per-node/d' "$root/deploy/slurm/train.sbatch" >"$work/train.sbatch"
-trainer="$build/examples/vlm_trainer/vlm_trainer --steps 3 --accum 2 --policy auto --media mixed --group-size 2"
-wrapper="$work/rank.sh"
-cat >"$wrapper" <<SH
-#!/bin/bash
-exec $trainer --job "slurm-\$SLURM_JOB_ID" --rank "\$SLURM_PROCID" --world-size "\$SLURM_NTASKS"
-SH
-chmod +x "$wrapper"
+# The batch script as shipped; shardcoordd and shardctl from the build, in one folder as installed.
 cd "$work" || exit 1
-# The batch script expects shardcoordd and shardctl in one folder, as installed.
 mkdir -p "$work/bin" && ln -s "$build/coordinator/shardcoordd" "$build/client/shardctl" "$work/bin/"
-SHARDCOORD_BIN_DIR="$work/bin" SHARDCOORD_TRAINER="$wrapper" SHARDCOORD_PORT=$((20000 + RANDOM % 20000)) \
-  timeout 300 sbatch --wait -N1 --ntasks-per-node=4 --time=10 -o "$work/job.out" "$work/train.sbatch"
-rc=$?
+free_port() {  # a port free now (the kernel's pick), for the coordinator of one job
+  /usr/bin/python3 -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])'
+}
+submit() {  # submit OUT TASKS TRAINER: the shipped script on one node without GPUs; sbatch's exit code
+  SHARDCOORD_BIN_DIR="$work/bin" SHARDCOORD_TRAINER="$3" SHARDCOORD_PORT=$(free_port) \
+    timeout 300 sbatch --wait -N1 --ntasks-per-node="$2" --gpus-per-node=0 --time=10 -o "$work/$1" \
+    "$root/deploy/slurm/train.sbatch"
+}
 fail=0
 check() { if eval "$2"; then echo "PASS: $1"; else echo "FAIL: $1"; fail=1; fi; }
+show() {  # show OUT: on failure, the job's output and its coordinator's log
+  [[ $fail == 0 ]] && return
+  echo "--- $1"; tail -40 "$work/$1"
+  echo "--- coordinator logs"; tail -20 "$work"/*shardcoordd.log 2>/dev/null
+}
+
+# 1. What each task gets (single quotes: each task's bash expands them).
+submit job-env.out 3 'echo "task procid=$SLURM_PROCID rank=$RANK world=$WORLD_SIZE local=$LOCAL_RANK local_world=$LOCAL_WORLD_SIZE"'
+rc=$?
+check "env: the batch job exited 0 (sbatch rc $rc)" '[[ $rc == 0 ]]'
+check "env: each task's RANK and LOCAL_RANK are its SLURM_PROCID; WORLD_SIZE and LOCAL_WORLD_SIZE 3" \
+  '[[ $(grep -cE "^task procid=([0-2]) rank=\1 world=3 local=\1 local_world=3$" "$work/job-env.out") == 3 &&
+     $(grep -oE "^task procid=[0-9]+" "$work/job-env.out" | sort -u | wc -l) == 3 ]]'
+show job-env.out
+
+# 2. The LibTorch example trainer, its rank flags from the variables the script exports.
+submit job.out 4 "$build/examples/vlm_trainer/vlm_trainer --steps 3 --accum 2 --policy auto --media mixed \
+--group-size 2 --job \"slurm-\$SLURM_JOB_ID\" --rank \"\$RANK\" --world-size \"\$WORLD_SIZE\""
+rc=$?
 check "the batch job exited 0 (sbatch rc $rc)" '[[ $rc == 0 ]]'
 check "shardcoordd came up with TLS and tokens" 'grep -q "shardcoordd ready at" "$work/job.out"'
-check "all 4 ranks printed their summary" '[[ $(grep -c "^summary rank" "$work/job.out") == 4 ]]'
+check "ranks 0-3 (from \$RANK) printed their summary" \
+  '[[ $(grep -oE "^summary rank [0-3]\b" "$work/job.out" | sort -u | wc -l) == 4 ]]'
 check "every rank ends with the same parameters" '[[ $(grep "^final" "$work/job.out" | awk "{print \$4}" | sort -u | wc -l) == 1 ]]'
 check "the coordinator served TLS with tokens" 'grep -q "tls=on tokens=on" "$work"/*shardcoordd.log'
 check "the per-job token and CA were removed" '! ls "$work"/.shardcoord-* >/dev/null 2>&1'
-# A Python trainer under the same batch script: examples/python/vlm_train.py as 2 srun tasks with
-# no rank flags (shardcoord.launcher_rank reads SLURM_PROCID and SLURM_NTASKS; torch's env://
-# rendezvous the MASTER_ADDR/MASTER_PORT the script exports). Needs the build's Python package.
+show job.out
+
+# 3. A Python trainer under the same batch script: examples/python/vlm_train.py as 2 srun tasks with
+# no rank flags (shardcoord.launcher_rank reads the RANK and WORLD_SIZE the script exports; torch's
+# env:// rendezvous the MASTER_ADDR/MASTER_PORT it exports). Needs the build's Python package.
 if [[ -f $build/python/shardcoord/__init__.py ]]; then
-  SHARDCOORD_BIN_DIR="$work/bin" SHARDCOORD_PORT=$((20000 + RANDOM % 20000)) \
-    SHARDCOORD_TRAINER="env PYTHONPATH=$build/python /usr/bin/python3 $root/examples/python/vlm_train.py --job slurm-py --steps 2 --accum 2 --media mixed --group-size 2" \
-    timeout 300 sbatch --wait -N1 --ntasks-per-node=2 --time=10 -o "$work/job-py.out" "$work/train.sbatch"
+  submit job-py.out 2 "env PYTHONPATH=$build/python /usr/bin/python3 $root/examples/python/vlm_train.py \
+--job slurm-py --steps 2 --accum 2 --media mixed --group-size 2"
   rc=$?
   check "python: the batch job exited 0 (sbatch rc $rc)" '[[ $rc == 0 ]]'
-  check "python: ranks 0 and 1 (from SLURM_PROCID) printed their summary" \
+  check "python: ranks 0 and 1 (from \$RANK) printed their summary" \
     '[[ $(grep -oE "^summary rank [0-9]+" "$work/job-py.out" | sort -u | wc -l) == 2 ]]'
   check "python: both ranks end with the same parameters" \
     '[[ $(grep "^final params hash" "$work/job-py.out" | sort -u | wc -l) == 1 ]]'
-  if [[ $fail != 0 ]]; then echo "--- python job output"; tail -40 "$work/job-py.out"; fi
+  show job-py.out
 else
   echo "slurm-e2e: no Python package in $build/python: the Python trainer job is not run"
-fi
-if [[ $fail != 0 ]]; then
-  echo "--- job output"; tail -40 "$work/job.out"
-  echo "--- coordinator log"; tail -20 "$work"/*shardcoordd.log 2>/dev/null
 fi
 [[ $fail == 0 ]] && echo "slurm end to end: all checks passed" || echo "slurm end to end: FAILED"
 exit $fail

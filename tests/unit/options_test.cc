@@ -1,9 +1,14 @@
-// Unit tests of coordinator options: the YAML config file (LoadConfigFile) and the range
-// and relation checks (ValidateOptions).
+// Unit tests of coordinator options: the YAML config file (LoadConfigFile), the range
+// and relation checks (ValidateOptions) and what serving needs (CheckServingNeeds).
 #include "coordinator/options.h"
 
+#include <arpa/inet.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <functional>
@@ -11,6 +16,7 @@
 #include <fstream>
 #include <string>
 
+#include "support/certs.h"
 #include "support/test_env.h"
 
 namespace {
@@ -385,3 +391,186 @@ TEST(LoadConfigFileTest, ReadsTheLimits) {
   EXPECT_EQ(o->limits.self_check_interval, absl::ZeroDuration());
   EXPECT_TRUE(ValidateOptions(*o).ok());
 }
+
+// ---------------------------------------------------------------------------------------
+// CheckServingNeeds: `shardcoordd --check-config` says OK only when a start would serve.
+
+namespace {
+
+using shardcoord::coordinator::CheckServingNeeds;
+using ::testing::AllOf;
+using ::testing::ElementsAre;
+using ::testing::IsEmpty;
+using ::testing::SizeIs;
+
+// A loopback TCP socket on a port the kernel picks: listening (another server holds the port),
+// or bound with SO_REUSEADDR and not listening (it keeps the port from other programs while
+// a listener of the check may still take it).
+class TestSocket {
+ public:
+  explicit TestSocket(bool listening) {
+    fd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    const int one = 1;
+    if (!listening) setsockopt(fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof addr;
+    const bool ok = fd_ >= 0 && bind(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0 &&
+                    (!listening || listen(fd_, 4) == 0) &&
+                    getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
+    EXPECT_TRUE(ok) << "cannot make a loopback socket";
+    port_ = ntohs(addr.sin_port);
+  }
+  ~TestSocket() { close(fd_); }
+  TestSocket(const TestSocket&) = delete;
+  TestSocket& operator=(const TestSocket&) = delete;
+  std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
+  int port() const { return port_; }
+
+ private:
+  int fd_ = -1;
+  int port_ = 0;
+};
+
+// Settings that serve on loopback with every file the check looks at in `dir`.
+CoordinatorOptions ServingOptions(const shardcoord::testing::TempDir& dir) {
+  CoordinatorOptions o;
+  o.listen_address = "127.0.0.1:0";
+  o.http_listen = "127.0.0.1:0";
+  o.journal_file = dir.File("events.db");
+  o.state_file = dir.File("state");
+  o.address_file = dir.File("address");
+  return o;
+}
+
+TEST(CheckServingNeedsTest, LoopbackWithFilesInAWritableFolderWillStart) {
+  shardcoord::testing::TempDir dir;
+  EXPECT_THAT(CheckServingNeeds(ServingOptions(dir)), IsEmpty());
+  // The check leaves nothing behind: the journal, state and key files are made at start.
+  EXPECT_NE(access(dir.File("events.db").c_str(), F_OK), 0);
+  EXPECT_NE(access(dir.File("state.key").c_str(), F_OK), 0);
+}
+
+TEST(CheckServingNeedsTest, TokensAndTlsThatLoadWillStart) {
+  shardcoord::testing::TempDir dir;
+  auto certs = shardcoord::testing::MakeCertificates(dir.path());
+  ASSERT_TRUE(certs.ok()) << certs.status();
+  CoordinatorOptions o = ServingOptions(dir);
+  o.tls.cert_file = certs->server_cert;
+  o.tls.key_file = certs->server_key;
+  o.token_file = WriteConfig(dir, "rank 0123456789abcdef0123456789abcdef\n", "tokens");
+  ASSERT_EQ(chmod(o.token_file.c_str(), 0600), 0);
+  EXPECT_THAT(CheckServingNeeds(o), IsEmpty());
+}
+
+TEST(CheckServingNeedsTest, JournalInAMissingFolderNamesTheFolderAndTheFlag) {
+  shardcoord::testing::TempDir dir;
+  CoordinatorOptions o = ServingOptions(dir);
+  o.journal_file = dir.File("no-such-folder/events.db");
+  EXPECT_THAT(CheckServingNeeds(o),
+              ElementsAre(AllOf(HasSubstr("journal file " + o.journal_file), HasSubstr(dir.File("no-such-folder")),
+                                HasSubstr("does not exist"), HasSubstr("--journal-file"))));
+}
+
+TEST(CheckServingNeedsTest, JournalInAFolderThatTakesNoFilesIsRefused) {
+  // /proc takes no new files, not even from root (a chmod'ed folder would not stop root).
+  shardcoord::testing::TempDir dir;
+  CoordinatorOptions o = ServingOptions(dir);
+  o.journal_file = "/proc/self/events.db";
+  EXPECT_THAT(CheckServingNeeds(o), ElementsAre(AllOf(HasSubstr("journal file /proc/self/events.db"),
+                                                      HasSubstr("does not take new files"),
+                                                      HasSubstr("--journal-file"))));
+}
+
+TEST(CheckServingNeedsTest, JournalInAReadOnlyFolderIsRefused) {
+  if (geteuid() == 0) GTEST_SKIP() << "root writes into a mode 0555 folder; the /proc case above covers root";
+  shardcoord::testing::TempDir dir;
+  const std::string ro = dir.File("ro");
+  ASSERT_EQ(mkdir(ro.c_str(), 0555), 0);
+  CoordinatorOptions o = ServingOptions(dir);
+  o.journal_file = ro + "/events.db";
+  EXPECT_THAT(CheckServingNeeds(o), ElementsAre(AllOf(HasSubstr(o.journal_file), HasSubstr("does not take new files"),
+                                                      HasSubstr("Permission denied"))));
+}
+
+TEST(CheckServingNeedsTest, JournalThatIsNotSqliteIsRefused) {
+  shardcoord::testing::TempDir dir;
+  CoordinatorOptions o = ServingOptions(dir);
+  WriteConfig(dir, "not a database, but long enough to have a header\n", "events.db");
+  EXPECT_THAT(CheckServingNeeds(o),
+              ElementsAre(AllOf(HasSubstr(o.journal_file), HasSubstr("not an SQLite file"), HasSubstr("move it away"))));
+}
+
+TEST(CheckServingNeedsTest, StateFileBesideADamagedResumeKeyIsRefused) {
+  shardcoord::testing::TempDir dir;
+  CoordinatorOptions o = ServingOptions(dir);
+  WriteConfig(dir, "not hex\n", "state.key");
+  EXPECT_THAT(CheckServingNeeds(o), ElementsAre(AllOf(HasSubstr(o.state_file + ".key"), HasSubstr("delete it"))));
+}
+
+TEST(CheckServingNeedsTest, StateAndAddressFilesInMissingFoldersAreNamed) {
+  shardcoord::testing::TempDir dir;
+  CoordinatorOptions o = ServingOptions(dir);
+  o.state_file = dir.File("gone/state");
+  o.address_file = dir.File("gone/address");
+  EXPECT_THAT(CheckServingNeeds(o), ElementsAre(AllOf(HasSubstr("state file"), HasSubstr("--state-file")),
+                                                AllOf(HasSubstr("address file"), HasSubstr("--address-file"))));
+}
+
+TEST(CheckServingNeedsTest, GrpcPortHeldByAnotherServerIsNamed) {
+  shardcoord::testing::TempDir dir;
+  TestSocket other(/*listening=*/true);
+  CoordinatorOptions o = ServingOptions(dir);
+  o.listen_address = other.address();
+  EXPECT_THAT(CheckServingNeeds(o),
+              ElementsAre(AllOf(HasSubstr("listen " + other.address()), HasSubstr("port " + std::to_string(other.port())),
+                                HasSubstr("already in use"), HasSubstr("--listen"))));
+}
+
+TEST(CheckServingNeedsTest, HttpPortBoundByAnotherProgramIsNamed) {
+  shardcoord::testing::TempDir dir;
+  shardcoord::testing::RefusingPort bound;  // Bound, never listening: gRPC or asio could not bind it either.
+  CoordinatorOptions o = ServingOptions(dir);
+  o.http_listen = bound.address();
+  EXPECT_THAT(CheckServingNeeds(o), ElementsAre(AllOf(HasSubstr("http_listen " + bound.address()),
+                                                      HasSubstr("already in use"), HasSubstr("--http-listen"))));
+}
+
+TEST(CheckServingNeedsTest, HttpOnTheGrpcPortIsNamedAsSuch) {
+  shardcoord::testing::TempDir dir;
+  TestSocket reserved(/*listening=*/false);  // Keeps the port from others; the check may still listen on it.
+  CoordinatorOptions o = ServingOptions(dir);
+  o.listen_address = reserved.address();
+  o.http_listen = reserved.address();
+  EXPECT_THAT(CheckServingNeeds(o), ElementsAre(AllOf(HasSubstr("is the port of listen " + reserved.address()),
+                                                      HasSubstr("different ports"))));
+}
+
+TEST(CheckServingNeedsTest, AnAddressOfAnotherHostIsNamed) {
+  shardcoord::testing::TempDir dir;
+  CoordinatorOptions o = ServingOptions(dir);
+  o.listen_address = "192.0.2.1:0";  // TEST-NET-1: never an address of this host.
+  o.insecure = true;
+  EXPECT_THAT(CheckServingNeeds(o), ElementsAre(AllOf(HasSubstr("192.0.2.1 is not an address of this host"),
+                                                      HasSubstr("--listen"))));
+  o.listen_address = "127.0.0.1:0";
+  o.http_listen = "no-such-host.invalid:0";
+  EXPECT_THAT(CheckServingNeeds(o), ElementsAre(AllOf(HasSubstr("is not an IP address"), HasSubstr("--http-listen"))));
+}
+
+TEST(CheckServingNeedsTest, UnreadableSecretsAreNamedEachOnItsOwn) {
+  shardcoord::testing::TempDir dir;
+  CoordinatorOptions o = ServingOptions(dir);
+  o.token_file = dir.File("no-tokens");
+  o.tls.cert_file = dir.File("no-cert.pem");
+  o.tls.key_file = dir.File("no-key.pem");
+  o.journal_file = dir.File("gone/events.db");
+  const std::vector<std::string> problems = CheckServingNeeds(o);
+  ASSERT_THAT(problems, SizeIs(3)) << ::testing::PrintToString(problems);
+  EXPECT_THAT(problems[0], HasSubstr("no-cert.pem"));
+  EXPECT_THAT(problems[1], HasSubstr("no-tokens"));
+  EXPECT_THAT(problems[2], HasSubstr("gone/events.db"));
+}
+
+}  // namespace
