@@ -232,9 +232,24 @@ TEST_F(TrainerTest, EveryPolicyComputesExactlyWhatTheUnshardedModelDoes) {
   }
 }
 
+// Log lines at warning level or above ("<time> W ..." or "<time> E ...").
+std::vector<std::string> Warnings(const std::string& log) {
+  std::vector<std::string> out;
+  for (absl::string_view line : absl::StrSplit(log, '\n')) {
+    std::vector<absl::string_view> f = absl::StrSplit(line, absl::MaxSplits(' ', 2));
+    if (f.size() >= 2 && (f[1] == "W" || f[1] == "E")) out.emplace_back(line);
+  }
+  return out;
+}
+
 TEST_F(TrainerTest, FourRanksInTwoGroupsWithSkewedMedia) {
   auto run = Train("auto", "mixed", {"--skew", "0.3"}, /*world=*/4, /*group=*/2);
   ExpectHealthy(run);
+  // Quiet success: a clean job logs no warning, in the ranks or in the daemon (alerting on
+  // warnings would page on every job otherwise).
+  for (int r = 0; r < 4; ++r) EXPECT_THAT(Warnings(run[r].err), ::testing::IsEmpty()) << "rank " << r;
+  EXPECT_THAT(Warnings(daemon_->Stderr()), ::testing::IsEmpty());
+  EXPECT_FALSE(Warnings("2026-12-02T00:21:42.754 W shardcoord.worker x\n").empty());  // The filter itself.
   auto reference = Train("auto", "mixed", {"--skew", "0.3", "--no-shard"}, 4, 2);
   for (int r = 0; r < 4; ++r) EXPECT_EQ(run[r].losses, reference[r].losses) << "rank " << r;
 }
