@@ -494,6 +494,8 @@ class Screen {
       raw.c_lflag &= ~(ICANON | ECHO);
       raw.c_cc[VMIN] = 0;
       raw.c_cc[VTIME] = 0;
+      // No Ctrl-Z: a suspended watch would leave the shell in raw mode on the alternate screen.
+      raw.c_cc[VSUSP] = _POSIX_VDISABLE;
       restore_ = tcsetattr(STDIN_FILENO, TCSANOW, &raw) == 0;
     }
     std::cout << "\x1b[?1049h\x1b[?25l" << std::flush;  // Alternate screen, cursor hidden.

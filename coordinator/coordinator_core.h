@@ -52,6 +52,25 @@ namespace shardcoord::coordinator {
 
 class DaemonMetrics;
 
+// A running total of a number a rank reports cumulatively (decision stalls, bytes gathered):
+// a report below the previous one is a new worker process counting from zero again, so the
+// total never goes down (a Prometheus counter must not) and saturates instead of overflowing
+// on a hostile report.
+class ReportedTotal {
+ public:
+  void Take(int64_t reported) {
+    if (reported < 0) return;
+    const int64_t delta = reported >= last_ ? reported - last_ : reported;
+    total_ = delta > INT64_MAX - total_ ? INT64_MAX : total_ + delta;
+    last_ = reported;
+  }
+  int64_t total() const { return total_; }
+
+ private:
+  int64_t last_ = 0;
+  int64_t total_ = 0;
+};
+
 // The core's handle on one rank's session stream.
 class RankSink {
  public:
@@ -200,7 +219,8 @@ class CoordinatorCore {
     // send (it does not read), or it broke the protocol. Nothing more is sent to it.
     std::string cut_reason;
     std::vector<v1::ModuleMemory> memory;  // As last reported.
-    int64_t decision_stalls = 0, decision_stall_us = 0;  // As last reported (Heartbeat).
+    ReportedTotal decision_stalls, decision_stall_us;  // From heartbeats, across worker restarts.
+    std::map<std::string, ReportedTotal> gathered_bytes;  // By module of the manifest, likewise.
     std::string session_key;  // Of the live session (RegisterResponse.session_key).
     // What the rank held when it resumed after a restart, until its group recovered;
     // its memory is charged to buffers_ meanwhile.

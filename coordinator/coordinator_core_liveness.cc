@@ -32,8 +32,8 @@ void CoordinatorCore::TakeHeartbeat(Job& job, Member& m, const v1::Heartbeat& he
 
 void CoordinatorCore::TakeMemberHeartbeat(const Group& group, Member& m, const v1::Heartbeat& heartbeat) {
   m.last_seen = clock_->Now();
-  m.decision_stalls = std::max<int64_t>(0, heartbeat.decision_stalls());
-  m.decision_stall_us = std::max<int64_t>(0, heartbeat.decision_stall_us());
+  m.decision_stalls.Take(heartbeat.decision_stalls());
+  m.decision_stall_us.Take(heartbeat.decision_stall_us());
   if (heartbeat.memory_size() == 0) return;
   // Bounded by the manifest whatever the client sends: one entry per module of the group's
   // manifest (the first for each), no negative counts; the rest is not kept. A rank's
@@ -49,6 +49,7 @@ void CoordinatorCore::TakeMemberHeartbeat(const Group& group, Member& m, const v
     }
     seen[it->second] = true;
     m.memory.push_back(e);
+    m.gathered_bytes[e.module()].Take(e.gathered_bytes());
   }
 }
 

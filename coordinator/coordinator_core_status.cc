@@ -107,8 +107,9 @@ v1::ListRanksResponse CoordinatorCore::Ranks(const std::string& job_id) const {
       rs->set_plans_rejected(m.plans_rejected);
       rs->set_dead_reason(m.dead_reason);
       rs->set_registrations(m.registrations);
-      rs->set_decision_stalls(m.decision_stalls);
-      rs->set_decision_stall_us(m.decision_stall_us);
+      rs->set_decision_stalls(m.decision_stalls.total());
+      rs->set_decision_stall_us(m.decision_stall_us.total());
+      for (const auto& [module, t] : m.gathered_bytes) (*rs->mutable_gathered_bytes_total())[module] = t.total();
       for (const auto& mem : m.memory) *rs->add_memory() = mem;
     }
   }

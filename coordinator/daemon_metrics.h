@@ -2,14 +2,17 @@
 // /metrics (metrics.h computes the rest from a snapshot of the core's state at scrape time).
 // Daemon-wide, without a job label: they live as long as the process, so rates and alerts
 // over them never lose a series when a job is forgotten. Thread-safe: prometheus-cpp's Counter
-// is atomic and its Histogram has a mutex of its own; the event map has one.
+// is atomic, the event map has a mutex (events are rare), and the histograms are lock-free
+// (prometheus-cpp's Histogram takes one mutex per observation, which would serialize every
+// group's decisions again, DESIGN 9).
 #ifndef SHARDCOORD_COORDINATOR_DAEMON_METRICS_H_
 #define SHARDCOORD_COORDINATOR_DAEMON_METRICS_H_
 
+#include <prometheus/client_metric.h>
 #include <prometheus/counter.h>
-#include <prometheus/histogram.h>
 #include <prometheus/metric_family.h>
 
+#include <atomic>
 #include <map>
 #include <memory>
 #include <string>
@@ -34,6 +37,21 @@ inline constexpr const char* kEventKinds[] = {
     "comm_forming", "comm_ready", "comm_closed", "comm_aborted", "comm_rank_behind", "comm_recovered",
 };
 
+// A Prometheus histogram with fixed bounds, observed without a lock: a relaxed atomic add per
+// bucket and for the sum (in nanoseconds). A scrape may see one observation in the count and
+// not yet in the sum; Prometheus tolerates that.
+class AtomicHistogram {
+ public:
+  explicit AtomicHistogram(std::vector<double> bounds);
+  void Observe(absl::Duration d);
+  prometheus::ClientMetric Collect() const;
+
+ private:
+  const std::vector<double> bounds_;  // Seconds, ascending; +Inf implied.
+  std::unique_ptr<std::atomic<uint64_t>[]> buckets_;  // Not cumulative; one more than bounds_.
+  std::atomic<int64_t> sum_ns_{0};
+};
+
 class DaemonMetrics {
  public:
   DaemonMetrics();
@@ -44,24 +62,22 @@ class DaemonMetrics {
   void CountEvent(const std::string& kind);
   // From the first plan of a microbatch reaching its group to the group's decision (dynamic
   // policies): how long the slowest member's plan kept the others' decision waiting.
-  void ObserveDecisionLatency(absl::Duration d) { decision_latency_.Observe(Seconds(d)); }
+  void ObserveDecisionLatency(absl::Duration d) { decision_latency_.Observe(d); }
   // From a rank's last message to the daemon declaring it dead (heartbeat timeout, lost
   // stream, cut): how long its group ran on without knowing.
-  void ObserveDeathDetection(absl::Duration d) { death_detection_.Observe(Seconds(d)); }
+  void ObserveDeathDetection(absl::Duration d) { death_detection_.Observe(d); }
   // From the daemon's start to a group recovered after a restart (DESIGN 12).
-  void ObserveGroupRecovery(absl::Duration d) { group_recovery_.Observe(Seconds(d)); }
+  void ObserveGroupRecovery(absl::Duration d) { group_recovery_.Observe(d); }
 
   // shardcoord_events_total and the histograms, as metric families.
   void AppendTo(std::vector<prometheus::MetricFamily>* out) const;
 
  private:
-  static double Seconds(absl::Duration d) { return absl::ToDoubleSeconds(d < absl::ZeroDuration() ? absl::ZeroDuration() : d); }
-
   mutable absl::Mutex mu_;
   std::map<std::string, std::unique_ptr<prometheus::Counter>> events_ ABSL_GUARDED_BY(mu_);
-  prometheus::Histogram decision_latency_;
-  prometheus::Histogram death_detection_;
-  prometheus::Histogram group_recovery_;
+  AtomicHistogram decision_latency_;
+  AtomicHistogram death_detection_;
+  AtomicHistogram group_recovery_;
 };
 
 }  // namespace shardcoord::coordinator

@@ -14,6 +14,8 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_split.h"
 #include "coordinator/metrics.h"
 #include "shardcoord/internal/logging.h"
 
@@ -179,8 +181,10 @@ class HttpServer::Connection : public std::enable_shared_from_this<Connection<St
       return Write(Response(req.version(), {405, "text/plain", "only GET and HEAD\n", {"Allow", "GET, HEAD"}}));
     }
     std::string target(req.target());
-    const std::string path = target.substr(0, target.find('?'));
-    auto res = Response(req.version(), server_->Serve(path, std::string(req[http::field::authorization])));
+    const size_t question = target.find('?');
+    const std::string path = target.substr(0, question);
+    const std::string query = question == std::string::npos ? "" : target.substr(question + 1);
+    auto res = Response(req.version(), server_->Serve(path, std::string(req[http::field::authorization]), query));
     if (req.method() == http::verb::head) {
       const auto length = res.body().size();
       res.body().clear();
@@ -331,15 +335,29 @@ std::optional<Grant> HttpServer::Allowed(const std::string& authorization, const
 
 Snapshot HttpServer::Take(const std::string& job) const {
   Snapshot s{core_->Status(job), core_->Groups(job), core_->Ranks(job), core_->Comms(job)};
+  s.rank_series_max = core_->options().metrics_rank_series_max;
+  if (!job.empty()) return s;  // A reader of one job sees nothing daemon-wide.
   s.daemon = &core_->metrics();
   s.buffered_bytes = core_->buffers()->used();
   s.buffered_bytes_limit = core_->buffers()->limit();
-  s.rank_series_max = core_->options().metrics_rank_series_max;
   s.process = true;
   return s;
 }
 
-HttpServer::Reply HttpServer::Serve(const std::string& path, const std::string& authorization) {
+namespace {
+
+// The value of `key` in a query string (`a=1&job=x`), URL-decoded; "" when absent.
+std::string QueryValue(const std::string& query, const std::string& key) {
+  for (absl::string_view pair : absl::StrSplit(query, '&')) {
+    if (absl::StartsWith(pair, key + "=")) return UrlDecode(std::string(pair.substr(key.size() + 1)));
+  }
+  return "";
+}
+
+}  // namespace
+
+HttpServer::Reply HttpServer::Serve(const std::string& path, const std::string& authorization,
+                                    const std::string& query) {
   if (path == "/healthz") return {200, "text/plain", "ok\n"};
   if (path != "/metrics" && path != "/") return {404, "text/plain", "no such page; try /, /metrics or /healthz\n"};
   std::optional<Grant> grant = Allowed(authorization, path == "/" ? "GET /" : "GET /metrics");
@@ -349,11 +367,14 @@ HttpServer::Reply HttpServer::Serve(const std::string& path, const std::string& 
   }
   if (path == "/metrics") return {200, "text/plain; version=0.0.4; charset=utf-8", MetricsText(Take(grant->job))};
   PageInput in;
-  in.snapshot = Take(grant->job);
-  in.events = core_->Events(grant->job, 0, 20);
+  // /?job=ID: that job's page. A reader limited to one job sees that one whatever it asks.
+  in.job = grant->job.empty() ? QueryValue(query, "job") : grant->job;
+  in.link_every_job = grant->job.empty();
+  in.snapshot = Take(in.job);
+  in.events = core_->Events(in.job, 0, 20);
   std::reverse(in.events.begin(), in.events.end());
   in.heartbeat_interval_ms = heartbeat_interval_ms_;
-  if (grant->job.empty()) {  // The chart sums every job: only for callers who may see them all.
+  if (in.job.empty()) {  // The chart sums every job: only on the page of every job.
     absl::MutexLock lock(&mu_);
     in.history = history_;
   }

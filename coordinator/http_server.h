@@ -56,7 +56,7 @@ class HttpServer {
 
   HttpServer() = default;
   void Accept();
-  Reply Serve(const std::string& path, const std::string& authorization);
+  Reply Serve(const std::string& path, const std::string& authorization, const std::string& query = "");
   std::optional<Grant> Allowed(const std::string& authorization, const char* what) const;
   Snapshot Take(const std::string& job) const;  // "" : every job
   void SampleLoop();

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <fstream>
 #include <map>
+#include <set>
 #include <sstream>
 #include <utility>
 #include <vector>
@@ -69,6 +70,7 @@ void Daemon(Families& f, const Snapshot& s) {
   f.Gauge("shardcoord_jobs", "Jobs held", {}, st.jobs_size());
   f.Gauge("shardcoord_recovering_groups", "Groups waiting for members to resume after a restart", {},
           st.recovering_groups());
+  if (s.daemon == nullptr) return;  // A view limited to one job: nothing about the others.
   f.Gauge("shardcoord_buffered_bytes", "Memory held for clients (queued messages, resumes), charged to max_buffered_bytes",
           {}, static_cast<double>(s.buffered_bytes));
   f.Gauge("shardcoord_buffered_bytes_limit", "max_buffered_bytes", {}, static_cast<double>(s.buffered_bytes_limit));
@@ -90,98 +92,125 @@ void Jobs(Families& f, const v1::StatusResponse& s) {
   }
 }
 
-void ModuleCounts(Families& f, const Labels& base, const std::string& module, const v1::DecisionCounts& c) {
-  Labels with_module = base;
-  with_module.push_back({"module", module});
-  for (const auto& [kind, n] : std::vector<std::pair<const char*, int64_t>>{
-           {"per_layer", c.per_layer()}, {"skip", c.skip()}, {"root", c.root()}, {"replicate", c.replicate()}}) {
-    Labels l = with_module;
-    l.push_back({"decision", kind});
-    f.Counter("shardcoord_module_decisions_total", "Module decisions given, by module and kind", std::move(l),
-              static_cast<double>(n));
+// Jobs whose per-rank and per-group series are given (at most `max` ranks): the others get
+// per-job series only, so series stay few for a 16k-rank job.
+std::set<std::string> DetailedJobs(const v1::StatusResponse& status, int max) {
+  std::set<std::string> out;
+  for (const auto& j : status.jobs()) {
+    if (j.world_size() <= max) out.insert(j.job_id());
   }
-  f.Counter("shardcoord_divergent_decisions_total", "Module decisions made because the group's plans diverged",
-            with_module, static_cast<double>(c.divergent()));
+  return out;
 }
 
-void Groups(Families& f, const v1::StatusResponse& status, const v1::ListGroupsResponse& groups) {
+void ModuleCounts(Families& f, const std::string& job, const std::string& module, const v1::DecisionCounts& c) {
+  const Labels base = {{"job_id", job}, {"module", module}};
+  for (const auto& [kind, n] : std::vector<std::pair<const char*, int64_t>>{
+           {"per_layer", c.per_layer()}, {"skip", c.skip()}, {"root", c.root()}, {"replicate", c.replicate()}}) {
+    Labels l = base;
+    l.push_back({"decision", kind});
+    f.Counter("shardcoord_module_decisions_total", "Module decisions given, by module and kind, summed over the "
+              "job's groups", std::move(l), static_cast<double>(n));
+  }
+  f.Counter("shardcoord_divergent_decisions_total", "Module decisions made because a group's plans diverged",
+            base, static_cast<double>(c.divergent()));
+}
+
+void Add(const v1::DecisionCounts& c, v1::DecisionCounts* sum) {
+  sum->set_per_layer(sum->per_layer() + c.per_layer());
+  sum->set_skip(sum->skip() + c.skip());
+  sum->set_root(sum->root() + c.root());
+  sum->set_replicate(sum->replicate() + c.replicate());
+  sum->set_divergent(sum->divergent() + c.divergent());
+}
+
+void Groups(Families& f, const Snapshot& s, const std::set<std::string>& detailed) {
   static const std::vector<std::string> kStates = StateNames<v1::GroupState>(v1::GroupState_descriptor());
   std::map<std::string, std::map<std::string, int>> by_state;  // job -> state -> groups
-  for (const auto& j : status.jobs()) {
-    for (const auto& s : kStates) by_state[j.job_id()][s] = 0;
+  std::map<std::string, std::map<std::string, v1::DecisionCounts>> by_module;  // job -> module -> counts
+  std::map<std::string, int64_t> pending;  // job -> microbatches
+  for (const auto& j : s.status.jobs()) {
+    for (const auto& st : kStates) by_state[j.job_id()][st] = 0;
+    pending[j.job_id()] = 0;
   }
-  for (const auto& g : groups.groups()) {
+  for (const auto& g : s.groups.groups()) {
     by_state[g.job_id()][StateName(g.state())]++;
-    const Labels base = {{"job_id", g.job_id()}, {"group", std::to_string(g.group())}};
-    f.Gauge("shardcoord_group_epoch", "The group's epoch (increases when it re-forms)", base,
-            static_cast<double>(g.epoch()));
-    f.Gauge("shardcoord_group_pending_microbatches", "Microbatches some members planned and others not yet", base,
-            g.pending_microbatches());
-    for (const auto& [module, c] : std::map<std::string, v1::DecisionCounts>(g.module_counts().begin(),
-                                                                              g.module_counts().end())) {
-      ModuleCounts(f, base, module, c);
-    }
+    pending[g.job_id()] += g.pending_microbatches();
+    for (const auto& [module, c] : g.module_counts()) Add(c, &by_module[g.job_id()][module]);
+    if (detailed.count(g.job_id()) == 0) continue;
+    const Labels l = {{"job_id", g.job_id()}, {"group", std::to_string(g.group())}};
+    f.Gauge("shardcoord_group_epoch", "The group's epoch (increases when it re-forms; jobs of at most "
+            "metrics_rank_series_max ranks)", l, static_cast<double>(g.epoch()));
+    f.Gauge("shardcoord_group_pending_microbatches", "Microbatches some members of the group planned and others not "
+            "yet (jobs of at most metrics_rank_series_max ranks)", l, g.pending_microbatches());
   }
   for (const auto& [job, states] : by_state) {
     for (const auto& [state, n] : states) {
       f.Gauge("shardcoord_groups", "Shard groups by state", {{"job_id", job}, {"state", state}}, n);
     }
   }
+  for (const auto& [job, n] : pending) {
+    f.Gauge("shardcoord_pending_microbatches", "Microbatches some members of a group planned and others not yet, "
+            "summed over the job's groups", {{"job_id", job}}, static_cast<double>(n));
+  }
+  for (const auto& [job, modules] : by_module) {
+    for (const auto& [module, c] : modules) ModuleCounts(f, job, module, c);
+  }
 }
 
-// Per job: the rank counters summed, the stalest heartbeat and frozen memory by module; per
-// rank (heartbeat age) only for jobs of at most `rank_series_max` ranks, so that a 16k-rank
-// job adds one series, not 16k.
-void Ranks(Families& f, const Snapshot& s) {
-  std::map<std::string, int> world;  // job -> world size
-  for (const auto& j : s.status.jobs()) world[j.job_id()] = j.world_size();
-  struct PerJob {
-    double oldest = 0;
-    int64_t rejected = 0, registrations = 0, stalls = 0, stall_us = 0;
-    std::map<std::string, std::pair<int64_t, int64_t>> memory;  // module -> (max peak, gathered sum)
-  };
-  std::map<std::string, PerJob> jobs;
+// Per job: the rank counters summed (as doubles: a hostile rank's huge report cannot overflow
+// them), the stalest heartbeat and frozen memory by module; per rank (heartbeat age) only for
+// detailed jobs.
+struct RankSums {
+  double oldest = 0, rejected = 0, registrations = 0, stalls = 0, stall_us = 0;
+  std::map<std::string, std::pair<double, double>> memory;  // module -> (max peak, gathered total)
+};
+
+void PerJobRankSeries(Families& f, const std::string& job, const RankSums& pj) {
+  const Labels l = {{"job_id", job}};
+  f.Gauge("shardcoord_heartbeat_age_max_seconds", "Time since the least recent message (heartbeat, plans, "
+          "communicator call) of a live rank (0: none live)", l, pj.oldest);
+  f.Counter("shardcoord_plans_rejected_total", "Plans the daemon rejected (malformed, out of order, outside the "
+            "window), summed over the job's ranks", l, pj.rejected);
+  f.Counter("shardcoord_rank_registrations_total", "Registrations of the job's ranks (first, rejoins after a "
+            "death, resumes after a reconnect)", l, pj.registrations);
+  f.Counter("shardcoord_decision_stalls_total", "Times a trainer asked for a decision not yet in its lookahead "
+            "window and waited, summed over the job's ranks (their heartbeats report it)", l, pj.stalls);
+  f.Counter("shardcoord_decision_stall_seconds_total", "Time trainers waited for decisions, summed over the job's "
+            "ranks", l, pj.stall_us / 1e6);
+  for (const auto& [module, mem] : pj.memory) {
+    const Labels lm = {{"job_id", job}, {"module", module}};
+    f.Gauge("shardcoord_frozen_peak_bytes", "Highest frozen-parameter memory of the module on any rank, as the "
+            "trainers report it", lm, mem.first);
+    f.Counter("shardcoord_gathered_bytes_total", "Bytes of the module materialized by all-gathers, summed over "
+              "the job's ranks, as the trainers report them", lm, mem.second);
+  }
+}
+
+void Ranks(Families& f, const Snapshot& s, const std::set<std::string>& detailed) {
+  std::map<std::string, RankSums> jobs;
   for (const auto& j : s.status.jobs()) jobs[j.job_id()];
   for (const auto& r : s.ranks.ranks()) {
-    PerJob& pj = jobs[r.job_id()];
-    pj.rejected += r.plans_rejected();
-    pj.registrations += r.registrations();
-    pj.stalls += r.decision_stalls();
-    pj.stall_us += r.decision_stall_us();
+    RankSums& pj = jobs[r.job_id()];
+    pj.rejected += static_cast<double>(r.plans_rejected());
+    pj.registrations += static_cast<double>(r.registrations());
+    pj.stalls += static_cast<double>(r.decision_stalls());
+    pj.stall_us += static_cast<double>(r.decision_stall_us());
     for (const auto& m : r.memory()) {
-      auto& [peak, gathered] = pj.memory[m.module()];
-      peak = std::max(peak, m.peak_bytes());
-      gathered += m.gathered_bytes();
+      auto& peak = pj.memory[m.module()].first;
+      peak = std::max(peak, static_cast<double>(m.peak_bytes()));
+    }
+    for (const auto& [module, bytes] : r.gathered_bytes_total()) {
+      pj.memory[module].second += static_cast<double>(bytes);
     }
     if (r.state() != v1::RANK_STATE_LIVE) continue;
     const double age = r.last_heartbeat_age_ms() / 1000.0;
     pj.oldest = std::max(pj.oldest, age);
-    if (world[r.job_id()] <= s.rank_series_max) {
-      f.Gauge("shardcoord_rank_heartbeat_age_seconds", "Time since a live rank's last heartbeat (jobs of at most "
+    if (detailed.count(r.job_id()) > 0) {
+      f.Gauge("shardcoord_rank_heartbeat_age_seconds", "Time since a live rank's last message (jobs of at most "
               "metrics_rank_series_max ranks)", {{"job_id", r.job_id()}, {"rank", std::to_string(r.rank())}}, age);
     }
   }
-  for (const auto& [job, pj] : jobs) {
-    const Labels l = {{"job_id", job}};
-    f.Gauge("shardcoord_heartbeat_age_max_seconds", "Time since the least recent heartbeat of a live rank (0: none live)",
-            l, pj.oldest);
-    f.Counter("shardcoord_plans_rejected_total", "Plans the daemon rejected (malformed, out of order, outside the "
-              "window), summed over the job's ranks", l, static_cast<double>(pj.rejected));
-    f.Counter("shardcoord_rank_registrations_total", "Registrations of the job's ranks (first, rejoins after a "
-              "death, resumes after a reconnect)", l, static_cast<double>(pj.registrations));
-    f.Counter("shardcoord_decision_stalls_total", "Times a trainer asked for a decision not yet in its lookahead "
-              "window and waited, summed over the job's ranks (their heartbeats report it)", l,
-              static_cast<double>(pj.stalls));
-    f.Counter("shardcoord_decision_stall_seconds_total", "Time trainers waited for decisions, summed over the job's "
-              "ranks", l, pj.stall_us / 1e6);
-    for (const auto& [module, mem] : pj.memory) {
-      const Labels lm = {{"job_id", job}, {"module", module}};
-      f.Gauge("shardcoord_frozen_peak_bytes", "Highest frozen-parameter memory of the module on any rank, as the "
-              "trainers report it", lm, static_cast<double>(mem.first));
-      f.Counter("shardcoord_gathered_bytes_total", "Bytes of the module materialized by all-gathers, summed over "
-                "the job's ranks, as the trainers report them", lm, static_cast<double>(mem.second));
-    }
-  }
+  for (const auto& [job, pj] : jobs) PerJobRankSeries(f, job, pj);
 }
 
 void Comms(Families& f, const Snapshot& s) {
@@ -209,7 +238,7 @@ void Process(Families& f) {
   std::ifstream stat("/proc/self/stat");
   std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
   const size_t paren = text.rfind(')');  // The command name may hold spaces.
-  if (paren == std::string::npos) return;
+  if (paren == std::string::npos || paren + 2 > text.size()) return;
   std::istringstream in(text.substr(paren + 2));
   std::vector<double> field;  // field[0] is stat's 4th field (ppid): stat field N is field[N - 4].
   std::string word;
@@ -250,8 +279,9 @@ std::string MetricsText(const Snapshot& snapshot) {
   Families f;
   Daemon(f, snapshot);
   Jobs(f, snapshot.status);
-  Groups(f, snapshot.status, snapshot.groups);
-  Ranks(f, snapshot);
+  const std::set<std::string> detailed = DetailedJobs(snapshot.status, snapshot.rank_series_max);
+  Groups(f, snapshot, detailed);
+  Ranks(f, snapshot, detailed);
   Comms(f, snapshot);
   if (snapshot.process) Process(f);
   if (snapshot.daemon != nullptr) snapshot.daemon->AppendTo(&f.all());

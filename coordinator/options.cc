@@ -361,7 +361,7 @@ absl::Status CheckJournalFile(const std::string& path) {
 // The state file is replaced by a rename; its resume key, <state file>.key, is created
 // beside it at the first start and must hold a key at every later one.
 absl::Status CheckStateFile(const std::string& path) {
-  if (absl::Status s = CheckWritableFile("state file", "--state-file", path); !s.ok()) return s;
+  if (absl::Status s = CheckWritableFile("state file", "--state-file", path, /*replaced=*/true); !s.ok()) return s;
   struct stat st {};
   if (::stat((path + ".key").c_str(), &st) != 0) return absl::OkStatus();
   return LoadResumeKey(path, "").status();
@@ -381,14 +381,16 @@ absl::Status CheckTlsCopyFolder() {
 }
 
 // 0 when a socket bound to `a` listens (as the server's will: SO_REUSEADDR, no SO_REUSEPORT);
-// the socket then stays open in `held`. Else the errno.
-int BindAndListen(const addrinfo& a, std::vector<int>& held) {
+// the socket then stays open in `held`. Else the errno. `v6only`: an IPv6 socket takes IPv6
+// only (when the IPv4 address is probed by a socket of its own); otherwise it is dual-stack,
+// as gRPC binds [::], so an IPv4 listener on the port is found too.
+int BindAndListen(const addrinfo& a, bool v6only, std::vector<int>& held) {
   const int fd = ::socket(a.ai_family, a.ai_socktype | SOCK_CLOEXEC, a.ai_protocol);
   if (fd < 0) return errno;
   const int one = 1;
   ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-  // IPv6 only, so that binding [::] beside 0.0.0.0 checks each family, not this probe twice.
-  if (a.ai_family == AF_INET6) ::setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &one, sizeof one);
+  const int v6 = v6only ? 1 : 0;
+  if (a.ai_family == AF_INET6) ::setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &v6, sizeof v6);
   if (::bind(fd, a.ai_addr, a.ai_addrlen) != 0 || ::listen(fd, 1) != 0) {
     const int err = errno;
     ::close(fd);
@@ -446,10 +448,12 @@ absl::Status ProbeListener(const Listener& l, bool ip_only, const std::string& t
         ip_only ? "is not an IP address (or localhost)" : absl::StrCat("cannot be resolved (", gai_strerror(rc), ")"),
         "; give an address of this host, or 0.0.0.0 for all, with ", l.flag));
   }
+  bool has_v4 = false;
+  for (const addrinfo* a = found; a != nullptr; a = a->ai_next) has_v4 = has_v4 || a->ai_family == AF_INET;
   int bound = 0;
   int error = 0;
   for (const addrinfo* a = found; a != nullptr; a = a->ai_next) {
-    const int err = BindAndListen(*a, held);
+    const int err = BindAndListen(*a, /*v6only=*/has_v4, held);
     if (err == 0) ++bound;
     if (err != 0 && (error == 0 || err == EADDRINUSE)) error = err;
   }
@@ -473,7 +477,8 @@ Listener SplitListener(const std::string& setting, const std::string& flag, cons
 
 }  // namespace
 
-absl::Status CheckWritableFile(const std::string& what, const std::string& flag, const std::string& path) {
+absl::Status CheckWritableFile(const std::string& what, const std::string& flag, const std::string& path,
+                               bool replaced) {
   const std::string dir = FolderOf(path);
   struct stat st {};
   if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
@@ -491,6 +496,15 @@ absl::Status CheckWritableFile(const std::string& what, const std::string& flag,
                                                       " does not take new files (", std::strerror(err),
                                                       "); make it writable by the daemon's user or give another ",
                                                       flag));
+  }
+  if (!replaced && ::stat(path.c_str(), &st) == 0) {  // Present: it must open for writing (nothing is written).
+    const int fd = ::open(path.c_str(), O_WRONLY | O_APPEND | O_CLOEXEC);
+    if (fd < 0) {
+      return absl::FailedPreconditionError(absl::StrCat(what, " ", path, " exists and does not open for writing (",
+                                                        std::strerror(errno), "); give the daemon's user write access ",
+                                                        "to it, or give another ", flag));
+    }
+    ::close(fd);
   }
   return absl::OkStatus();
 }

@@ -131,8 +131,9 @@ struct CoordinatorOptions {
   // accept), and the time one exchange (TLS handshake, request, response) may take.
   int http_max_connections = 64;
   absl::Duration http_request_timeout = absl::Seconds(5);
-  // /metrics gives a series per rank (heartbeat age) only for jobs of at most this many ranks
-  // (metrics.h); larger jobs get their stalest heartbeat only. 0: no per-rank series.
+  // /metrics gives series per rank (heartbeat age) and per group (epoch, pending) only for
+  // jobs of at most this many ranks (metrics.h); larger jobs get per-job series only.
+  // 0: none.
   int metrics_rank_series_max = 256;
   // SQLite file keeping every event across restarts (event_journal.h); empty: memory only.
   std::string journal_file;
@@ -163,9 +164,11 @@ absl::StatusOr<CoordinatorOptions> LoadConfigFile(const std::string& path,
 std::vector<std::string> CheckServingNeeds(const CoordinatorOptions& options);
 
 // Whether the daemon can write `path` (a file it opens or replaces at start): its folder
-// exists and takes new files, and the file, if present, opens for writing. `what` names it
-// ("journal file") and `flag` says how to give another. OK when writable.
-absl::Status CheckWritableFile(const std::string& what, const std::string& flag, const std::string& path);
+// exists and takes new files, and the file, if present, opens for writing (unless
+// `replaced`: written whole elsewhere and renamed over it, which needs the folder only).
+// `what` names it ("journal file") and `flag` says how to give another. OK when writable.
+absl::Status CheckWritableFile(const std::string& what, const std::string& flag, const std::string& path,
+                               bool replaced = false);
 
 }  // namespace shardcoord::coordinator
 

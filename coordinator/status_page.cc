@@ -1,6 +1,7 @@
 #include "coordinator/status_page.h"
 
 #include <algorithm>
+#include <cctype>
 #include <map>
 #include <set>
 #include <vector>
@@ -14,13 +15,20 @@
 namespace shardcoord::coordinator {
 namespace {
 
+int HexValue(char c) {
+  if (c >= '0' && c <= '9') return c - '0';
+  if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+  if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+  return -1;
+}
+
 constexpr char kStyle[] = R"(
 body{font:14px system-ui,sans-serif;margin:1.5em;color:#222}
 h1{font-size:20px}h2{font-size:17px;margin-top:1.6em}h3{font-size:15px}
 table{border-collapse:collapse;margin:.4em 0}td,th{padding:2px 10px;border-bottom:1px solid #ddd;text-align:left}
 th{background:#f4f4f4}.dead td{background:#fdd}.behind td{background:#ffe9b3}.failed td{background:#fdd}
 .muted{color:#777}.chart text{font-size:11px}
-details.finished{margin:.3em 0}details.finished summary{cursor:pointer}.ended-dead{color:#b00}
+p.finished{margin:.3em 0}.ended-dead{color:#b00}
 )";
 
 std::string Cell(const std::string& text) { return "<td>" + HtmlEscape(text) + "</td>"; }
@@ -181,19 +189,46 @@ std::string JobBody(const v1::JobStatus& j, const PageInput& in, const std::set<
                       "<h3>Communicators</h3>", CommTable(job, s.comms));
 }
 
-// One line (a <details> summary) for a job that is over; its tables open on a click.
-std::string FinishedJob(const v1::JobStatus& j, const PageInput& in,
-                        const std::set<std::pair<std::string, int>>& behind) {
+// One line for a job that is over, linking to its own page (/?job=ID) where its tables are in
+// full: a <details> here would close again at every refresh.
+std::string FinishedJob(const v1::JobStatus& j) {
   const std::string ended = j.ranks_dead() > 0
                                 ? absl::StrCat("<span class=ended-dead>ended: ", j.ranks_dead(), " dead</span>, ",
                                                j.ranks_left(), " left")
                                 : absl::StrCat("finished: ", j.ranks_left(), " left");
-  return absl::StrCat("<details class=finished data-job='", HtmlEscape(j.job_id()), "'><summary><b>Job ",
-                      HtmlEscape(j.job_id()), "</b> &middot; ", ended, " &middot; ", j.microbatches_decided(),
-                      " microbatches decided</summary>", JobBody(j, in, behind), "</details>");
+  return absl::StrCat("<p class=finished data-job='", HtmlEscape(j.job_id()), "'><a href='/?job=",
+                      UrlEncode(j.job_id()), "'><b>Job ", HtmlEscape(j.job_id()), "</b></a> &middot; ", ended,
+                      " &middot; ", j.microbatches_decided(), " microbatches decided</p>");
 }
 
 }  // namespace
+
+std::string UrlEncode(const std::string& text) {
+  std::string out;
+  for (unsigned char c : text) {
+    if (std::isalnum(c) || c == '-' || c == '_' || c == '.' || c == '~') {
+      out += static_cast<char>(c);
+    } else {
+      out += absl::StrFormat("%%%02X", c);
+    }
+  }
+  return out;
+}
+
+std::string UrlDecode(const std::string& text) {
+  std::string out;
+  for (size_t i = 0; i < text.size(); ++i) {
+    int hi = 0, lo = 0;
+    if (text[i] == '%' && i + 2 < text.size() && (hi = HexValue(text[i + 1])) >= 0 &&
+        (lo = HexValue(text[i + 2])) >= 0) {
+      out += static_cast<char>(hi * 16 + lo);
+      i += 2;
+    } else {
+      out += text[i] == '+' ? ' ' : text[i];
+    }
+  }
+  return out;
+}
 
 std::string HtmlEscape(const std::string& text) {
   std::string out;
@@ -228,18 +263,21 @@ std::string StatusPage(const PageInput& in) {
                                  "<meta http-equiv=refresh content=", in.refresh_seconds, "><style>", kStyle,
                                  "</style></head><body>", Header(s.status, in.refresh_seconds), Chart(in.history));
   // Live jobs first, at full size; a finished one (hours of them on a shared daemon) is one
-  // line that opens on a click, so it never pushes a running job down the page.
+  // line linking to its own page, so it never pushes a running job down the page.
   std::string finished;
+  if (!in.job.empty() && in.link_every_job) out += "<p><a href='/'>&larr; every job</a></p>";
   for (const auto& j : s.status.jobs()) {
-    if (JobIsOver(j)) {
-      finished += FinishedJob(j, in, behind);
+    if (JobIsOver(j) && in.job.empty()) {
+      finished += FinishedJob(j);
     } else {
       out += absl::StrCat("<section class=job data-job='", HtmlEscape(j.job_id()), "'><h2>Job ",
                           HtmlEscape(j.job_id()), "</h2>", JobBody(j, in, behind), "</section>");
     }
   }
   if (!finished.empty()) out += "<h2>Finished jobs</h2>" + finished;
-  if (s.status.jobs_size() == 0) out += "<p>No job yet.</p>";
+  if (s.status.jobs_size() == 0) {
+    out += in.job.empty() ? "<p>No job yet.</p>" : absl::StrCat("<p>No job '", HtmlEscape(in.job), "' here.</p>");
+  }
   return out + Events(in.events) + "</body></html>";
 }
 

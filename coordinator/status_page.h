@@ -26,12 +26,19 @@ struct PageInput {
   std::deque<DecisionSample> history;   // Oldest first.
   int64_t heartbeat_interval_ms = 500;  // A live rank silent for 2 intervals is marked behind.
   int refresh_seconds = 2;
+  std::string job;  // The page of one job (/?job=ID): that job in full, finished or not.
+  bool link_every_job = true;  // On a job's page, a link back to every job (not for a reader of one job).
 };
 
 std::string StatusPage(const PageInput& in);
 
 // `text` with & < > " ' written as entities (every client-chosen string on the page).
 std::string HtmlEscape(const std::string& text);
+
+// For a URL's query: `text` percent-encoded (all but letters, digits and - _ . ~), and back
+// (a malformed escape is kept as it is; '+' is a space).
+std::string UrlEncode(const std::string& text);
+std::string UrlDecode(const std::string& text);
 
 }  // namespace shardcoord::coordinator
 

@@ -508,6 +508,7 @@ assert prio["PriorityClass"]["value"] < 10**9 and not prio["PriorityClass"].get(
 pdb = main["PodDisruptionBudget"]["spec"]
 subset(pdb["selector"]["matchLabels"], labels, "PodDisruptionBudget")
 assert pdb.get("maxUnavailable") == 0 or pdb.get("minAvailable") == 1, pdb
+assert pdb.get("unhealthyPodEvictionPolicy") == "AlwaysAllow", "a crash-looping coordinator must not block drains"
 netpol = main["NetworkPolicy"]["spec"]
 subset(netpol["podSelector"]["matchLabels"], labels, "NetworkPolicy")
 allowed = {}

@@ -147,7 +147,7 @@ TEST_F(HttpTest, MetricsParseStrictlyAndMatchTheGrpcStatusAndThePageShowsTheJob)
     for (const auto& [kind, n] : std::vector<std::pair<std::string, int64_t>>{
              {"per_layer", c.per_layer()}, {"skip", c.skip()}, {"root", c.root()}, {"replicate", c.replicate()}}) {
       EXPECT_EQ(Value(samples, "shardcoord_module_decisions_total",
-                      {{"job_id", "job"}, {"group", "0"}, {"module", module}, {"decision", kind}}),
+                      {{"job_id", "job"}, {"module", module}, {"decision", kind}}),
                 n)
           << module << " " << kind;
     }
@@ -161,6 +161,8 @@ TEST_F(HttpTest, MetricsParseStrictlyAndMatchTheGrpcStatusAndThePageShowsTheJob)
                   {{"job_id", "job"}, {"module", "vision_tower"}, {"decision", "root"}}), 1);
   EXPECT_EQ(Value(samples, "shardcoord_ranks", {{"job_id", "job"}, {"state", "live"}}), 2);
   EXPECT_EQ(Value(samples, "shardcoord_groups", {{"job_id", "job"}, {"state", "failed"}}), 0);  // Present at zero.
+  EXPECT_EQ(Value(samples, "shardcoord_group_epoch", {{"job_id", "job"}, {"group", "0"}}), 0);  // A small job: per group.
+  EXPECT_EQ(Value(samples, "shardcoord_pending_microbatches", {{"job_id", "job"}}), 0);
   EXPECT_EQ(Value(samples, "shardcoord_microbatches_decided_total", {{"job_id", "job"}}), 3);
   EXPECT_EQ(Value(samples, "shardcoord_events_total", {{"kind", "rank_registered"}}), 2);
   EXPECT_EQ(Value(samples, "shardcoord_events_total", {{"kind", "rank_dead"}}), 0);
@@ -207,9 +209,22 @@ TEST_F(HttpTest, ThePageShowsLiveJobsFirstAndCollapsesFinishedOnes) {
   ASSERT_NE(live_at, std::string::npos) << body;
   ASSERT_NE(done_at, std::string::npos) << body;
   EXPECT_LT(live_at, done_at) << "the live job's section must come before the finished job's";
-  EXPECT_THAT(body, HasSubstr("<details class=finished data-job='" + done_job + "'><summary><b>Job " + done_job +
-                              "</b> &middot; finished: 1 left"));
+  EXPECT_THAT(body, HasSubstr("<p class=finished data-job='" + done_job + "'><a href='/?job=" + done_job +
+                              "'><b>Job " + done_job + "</b></a> &middot; finished: 1 left"));
   EXPECT_THAT(body, ::testing::Not(HasSubstr("<section class=job data-job='" + done_job + "'>")));
+  // The finished job's own page (the link) has it in full, and only it.
+  auto own = client_->Get("/?job=" + done_job);
+  ASSERT_TRUE(own);
+  ASSERT_EQ(own->status, 200);
+  EXPECT_THAT(own->body, HasSubstr("<section class=job data-job='" + done_job + "'>"));
+  EXPECT_THAT(own->body, ::testing::Not(HasSubstr("data-job='" + live_job + "'")));
+  EXPECT_THAT(own->body, HasSubstr("<a href='/'>&larr; every job</a>"));
+  // A job id that needs escaping in a URL and on the page comes back as itself.
+  EXPECT_EQ(coordinator::UrlDecode(coordinator::UrlEncode("a b&c'<d>%")), "a b&c'<d>%");
+  EXPECT_EQ(coordinator::UrlDecode("%zz%4"), "%zz%4");  // Malformed escapes are kept.
+  auto unknown = client_->Get("/?job=%3Cscript%3E");
+  ASSERT_TRUE(unknown);
+  EXPECT_THAT(unknown->body, HasSubstr("No job '&lt;script&gt;' here."));
 }
 
 // Whether the peer closed the connection (EOF or reset) within `timeout`; any bytes it sent
@@ -423,6 +438,11 @@ TEST_F(HttpTest, WithTokensThePageAndMetricsNeedAReadTokenAndHealthDoesNot) {
   ASSERT_TRUE(metrics);
   EXPECT_THAT(metrics->body, ::testing::Not(HasSubstr("job_id=\"job\"")));
   EXPECT_THAT(metrics->body, HasSubstr("shardcoord_build_info"));
+  for (const char* daemon_wide : {"shardcoord_events_total", "process_open_fds", "shardcoord_buffered_bytes",
+                                  "shardcoord_decision_latency_seconds"}) {
+    EXPECT_THAT(metrics->body, ::testing::Not(HasSubstr(daemon_wide))) << "a reader of one job sees all jobs' "
+                                                                       << daemon_wide;
+  }
   auto all = client_->Get("/", {{"Authorization", "Bearer read-token-0123456789abcdef"}});
   ASSERT_TRUE(all);
   EXPECT_THAT(all->body, HasSubstr("data-job='job'"));

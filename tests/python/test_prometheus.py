@@ -49,8 +49,36 @@ def free_port():
         return s.getsockname()[1]
 
 
+SECURED_JOB = "shardcoordd-tls"
+
+
+def secured_daemon(tmp_path):
+    """A daemon serving HTTPS with tokens (as every deploy file does), and Prometheus' scrape
+    job for it the way deploy/README.md and servicemonitor.yaml say: https, the CA, the server
+    name of the certificate, a read token."""
+    d = tmp_path / "tls"
+    d.mkdir()
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+                    "-keyout", str(d / "tls.key"), "-out", str(d / "tls.crt"), "-days", "2", "-subj", "/CN=shardcoordd",
+                    "-addext", "subjectAltName=DNS:shardcoordd"], check=True, capture_output=True, timeout=60)
+    read_token = "read-" + os.urandom(16).hex()
+    (d / "tokens").write_text(f"admin admin-{os.urandom(16).hex()}\nread {read_token}\n")
+    (d / "read-token").write_text(read_token + "\n")
+    for f in ("tls.key", "tokens", "read-token"):
+        os.chmod(d / f, 0o600)
+    http_file = d / "http.addr"
+    daemon = Daemon(tmp_path, "--tls-cert", str(d / "tls.crt"), "--tls-key", str(d / "tls.key"), "--token-file",
+                    str(d / "tokens"), "--http-listen", "127.0.0.1:0", "--http-address-file", str(http_file),
+                    name="secured")
+    job = (f"  - job_name: {SECURED_JOB}\n    scheme: https\n    tls_config:\n      ca_file: {d / 'tls.crt'}\n"
+           f"      server_name: shardcoordd\n    authorization:\n      type: Bearer\n"
+           f"      credentials_file: {d / 'read-token'}\n    static_configs:\n"
+           f"      - targets: ['{http_file.read_text().strip()}']\n")
+    return daemon, job
+
+
 class Prometheus:
-    def __init__(self, tmp_path, target):
+    def __init__(self, tmp_path, target, extra_jobs=""):
         binary = shutil.which("prometheus")
         if binary is None:
             if os.environ.get("CI"):
@@ -59,7 +87,7 @@ class Prometheus:
         config = tmp_path / "prometheus.yml"
         config.write_text(f"global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
                           f"scrape_configs:\n  - job_name: {SCRAPE_JOB}\n    static_configs:\n"
-                          f"      - targets: ['{target}']\n")
+                          f"      - targets: ['{target}']\n" + extra_jobs)
         self.log = open(tmp_path / "prometheus.log", "w")
         for _ in range(5):  # A port picked free can be taken before Prometheus binds it: pick again.
             self.url = f"http://127.0.0.1:{free_port()}"
@@ -155,8 +183,8 @@ def dashboard_queries():
     return exprs, variables
 
 
-def instantiate(expr):
-    return (expr.replace("$job_id", "train").replace("$scrape_job", SCRAPE_JOB)
+def instantiate(expr, job_id):
+    return (expr.replace("$job_id", job_id).replace("$scrape_job", SCRAPE_JOB)
             .replace("$__rate_interval", "20s"))
 
 
@@ -165,9 +193,10 @@ def test_prometheus_scrapes_every_documented_series_and_the_dashboard_has_data(t
     flags = ["--heartbeat-interval-ms", "100", "--heartbeat-timeout-ms", "3000", "--state-file",
              str(tmp_path / "state"), "--http-address-file", str(http_file)]
     daemon = Daemon(tmp_path, *flags, "--http-listen", "127.0.0.1:0")
-    trainers, w0, prom = [], None, None
+    trainers, w0, prom, secured = [], None, None, None
     try:
-        prom = Prometheus(tmp_path, http_file.read_text().strip())
+        secured, secured_job = secured_daemon(tmp_path)
+        prom = Prometheus(tmp_path, http_file.read_text().strip(), secured_job)
         trainers = start_trainer(daemon, tmp_path)
         w0 = kill_a_rank(daemon)
         prom.wait_for(f'shardcoord_events_total{{job="{SCRAPE_JOB}",kind="rank_dead"}} > 0', 60, "the death scraped")
@@ -187,6 +216,10 @@ def test_prometheus_scrapes_every_documented_series_and_the_dashboard_has_data(t
                 got = set(r["metric"]) - {"__name__", "job", "instance"} - ({"le"} if kind == "histogram" else set())
                 assert got == set(labels), f"{name}: labels {sorted(got)}, documented {labels}"
 
+        # The HTTPS scrape with a read token, as deployed: up, and the daemon's series.
+        prom.wait_for(f'up{{job="{SECURED_JOB}"}} == 1', 30, "the HTTPS scrape with a token")
+        prom.wait_for(f'shardcoord_build_info{{job="{SECURED_JOB}"}}', 30, "series over HTTPS")
+
         everything = prom.query(f'{{__name__=~"shardcoord_.+|process_.+", job="{SCRAPE_JOB}"}}')
         assert len(everything) > 100
         clashes = [r["metric"] for r in everything if any(k.startswith("exported_") for k in r["metric"])]
@@ -198,8 +231,9 @@ def test_prometheus_scrapes_every_documented_series_and_the_dashboard_has_data(t
         assert prom.query('shardcoord_module_decisions_total{job_id="hurt",module="model.audio_tower"} == 0')
 
         exprs, variables = dashboard_queries()
-        for title, expr in exprs:
-            prom.wait_for(instantiate(expr), 30, f"dashboard panel '{title}'")
+        for job_id in ("train", ".+"):  # One job picked, and "All".
+            for title, expr in exprs:
+                prom.wait_for(instantiate(expr, job_id), 30, f"dashboard panel '{title}' (job_id {job_id})")
         for definition in variables:
             metric, label = re.fullmatch(r"label_values\((\w+), (\w+)\)", definition).groups()
             assert prom.query(f'count by ({label}) ({metric})'), f"dashboard variable {definition} has no values"
@@ -224,4 +258,6 @@ def test_prometheus_scrapes_every_documented_series_and_the_dashboard_has_data(t
             w0.close(timeout=5)
         if prom is not None:
             prom.stop()
+        if secured is not None:
+            secured.stop()
         daemon.stop()

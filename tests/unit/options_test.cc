@@ -528,6 +528,19 @@ TEST(CheckServingNeedsTest, GrpcPortHeldByAnotherServerIsNamed) {
                                 HasSubstr("already in use"), HasSubstr("--listen"))));
 }
 
+// gRPC binds [::] dual-stack, so an IPv4 server on the port stops it: the check must see that
+// too (it once probed IPv6 only and said OK to a start that then failed).
+TEST(CheckServingNeedsTest, TheIpv6WildcardSeesAnIpv4ServerOnThePort) {
+  const int probe = socket(AF_INET6, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (probe < 0) GTEST_SKIP() << "no IPv6 on this host";
+  close(probe);
+  shardcoord::testing::TempDir dir;
+  TestSocket other(/*listening=*/true);
+  CoordinatorOptions o = ServingOptions(dir);
+  o.listen_address = "[::]:" + std::to_string(other.port());
+  EXPECT_THAT(CheckServingNeeds(o), ElementsAre(AllOf(HasSubstr("already in use"), HasSubstr("--listen"))));
+}
+
 TEST(CheckServingNeedsTest, HttpPortBoundByAnotherProgramIsNamed) {
   shardcoord::testing::TempDir dir;
   shardcoord::testing::RefusingPort bound;  // Bound, never listening: gRPC or asio could not bind it either.

@@ -3,6 +3,7 @@
 // worker_impl.h.
 #include "worker_impl.h"
 
+#include <chrono>
 #include <signal.h>
 #include <unistd.h>
 
@@ -245,10 +246,10 @@ absl::StatusOr<MicrobatchDecision> Worker::Impl::GetDecision(const MicrobatchKey
   // Another thread's GetDecision may take this entry while we wait: look it up each time.
   auto resolved = [this, &key]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return queue_.Resolved(key); };
   if (!queue_.Resolved(key)) {  // A stall: the decision was not in the window when the trainer asked.
-    const absl::Time start = absl::Now();
+    const auto start = std::chrono::steady_clock::now();  // Not the wall clock: it may step.
     mu_.AwaitWithTimeout(absl::Condition(&resolved), timeout);
     decision_stalls_++;
-    decision_stall_time_ += absl::Now() - start;
+    decision_stall_time_ += absl::FromChrono(std::chrono::steady_clock::now() - start);
   }
   if (!queue_.Contains(key)) {
     return absl::FailedPreconditionError(absl::StrCat(
