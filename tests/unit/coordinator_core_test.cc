@@ -340,6 +340,28 @@ TEST_F(CoreTest, PlansBeyondTheLookaheadWindowAreResourceExhausted) {
   EXPECT_EQ(RankStatusOf(0).pending_plans(), 4);
 }
 
+// What ranks report cumulatively is totalled across their worker processes: a report lower than
+// the last one is a new worker counting from zero, so the totals (Prometheus counters) never go
+// down, and a hostile huge report saturates instead of overflowing.
+TEST_F(CoreTest, ReportedCountsAreTotalledAcrossWorkerRestartsAndNeverGoDown) {
+  RegisterAll();
+  auto beat = [&](int64_t stalls, int64_t stall_us) {
+    v1::Heartbeat hb;
+    hb.set_decision_stalls(stalls);
+    hb.set_decision_stall_us(stall_us);
+    core_->OnHeartbeat(sessions_[0], hb);
+    return RankStatusOf(0);
+  };
+  EXPECT_EQ(beat(5, 1000).decision_stalls(), 5);
+  EXPECT_EQ(beat(7, 1500).decision_stalls(), 7);
+  const v1::RankStatus after_restart = beat(2, 100);  // A new worker: 2 more, not 7 -> 2.
+  EXPECT_EQ(after_restart.decision_stalls(), 9);
+  EXPECT_EQ(after_restart.decision_stall_us(), 1600);
+  EXPECT_EQ(beat(-4, -1).decision_stalls(), 9);  // Negative reports are ignored.
+  EXPECT_EQ(beat(INT64_MAX, INT64_MAX).decision_stalls(), INT64_MAX);
+  EXPECT_EQ(beat(INT64_MAX, 1).decision_stalls(), INT64_MAX);  // Saturated, not wrapped.
+}
+
 // ---------------------------------------------------------------------------------------
 // Failures
 
