@@ -35,9 +35,9 @@ using ::testing::HasSubstr;
 
 // A raw session, for what the worker library would never send.
 struct RawSession {
-  explicit RawSession(const std::string& address) {
+  explicit RawSession(const std::string& address, int deadline_s = 20) {
     stub = v1::Coordinator::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(deadline_s));
     stream = stub->Session(&ctx);
   }
   // Sends `req`; returns the RegisterResponse, or the status the stream ended with.
@@ -557,7 +557,9 @@ v1::RankStatus NonReaderTest::FailANonReader(coordinator::CoordinatorOptions o) 
   NonReaderTest& t = *this;
   o.max_lookahead = 2000;  // Plans go in batches of 2000: within the window.
   t.StartServer(o);
-  RawSession raw(t.server_->address());
+  // The stream outlives the wait below: under ASan on a loaded machine, filling the buffers
+  // took over 20 s once, and the stream's own deadline then ended it first.
+  RawSession raw(t.server_->address(), /*deadline_s=*/90);
   v1::RegisterRequest r = RawRequest(0, 2, 1);
   r.set_policy(v1::POLICY_REPLICATE);
   r.set_lookahead(2000);
