@@ -36,16 +36,16 @@ CoordinatorCore::CoordinatorCore(CoordinatorOptions options, std::shared_ptr<con
 
 CoordinatorCore::~CoordinatorCore() = default;
 
-void CoordinatorCore::Event(const std::string& severity, const std::string& kind,
+void CoordinatorCore::Event(const std::string& severity, EventKind kind,
                             const std::string& job, int rank, int group,
                             const std::string& message) {
-  journal_.Add(clock_->Now(), severity, kind, job, rank, group, message);
+  journal_.Add(clock_->Now(), severity, EventKindName(kind), job, rank, group, message);
   metrics_->CountEvent(kind);
   const auto level = severity == "error"     ? spdlog::level::err
                      : severity == "warning" ? spdlog::level::warn
                                              : spdlog::level::info;
   // Only what the event concerns: a daemon event has no job, a job's none of rank or group.
-  std::string line = absl::StrCat("event=", kind);
+  std::string line = absl::StrCat("event=", EventKindName(kind));
   if (!job.empty()) absl::StrAppend(&line, " job=", job);
   if (rank >= 0) absl::StrAppend(&line, " rank=", rank);
   if (group >= 0) absl::StrAppend(&line, " group=", group);
@@ -104,7 +104,7 @@ absl::Status CoordinatorCore::AdmitJob(const std::string& job_id, int world_size
           " and every job has live ranks; wait for a job to end or raise ",
           by_count ? "--max-jobs" : "--max-total-ranks"));
     }
-    Event("info", "job_evicted", oldest->first, -1, -1, "evicted to admit a new job (max_jobs or max_total_ranks reached)");
+    Event("info", EventKind::kJobEvicted, oldest->first, -1, -1, "evicted to admit a new job (max_jobs or max_total_ranks reached)");
     for (const Member& m : oldest->second->members) sessions_.erase(m.session);
     jobs_.erase(oldest);
   }
@@ -115,7 +115,7 @@ void CoordinatorCore::EvictEndedJobs(absl::Time now) {
   for (auto it = jobs_.begin(); it != jobs_.end();) {
     const Job& job = *it->second;
     if (job.ended != absl::InfinitePast() && now - job.ended > options_.limits.job_retention) {
-      Event("info", "job_evicted", job.id, -1, -1,
+      Event("info", EventKind::kJobEvicted, job.id, -1, -1,
             absl::StrCat("no live rank for ", absl::ToInt64Milliseconds(now - job.ended),
                          " ms (job retention ", absl::ToInt64Milliseconds(options_.limits.job_retention), " ms)"));
       for (const Member& m : job.members) sessions_.erase(m.session);
@@ -175,7 +175,7 @@ absl::Status CoordinatorCore::Register(uint64_t session_id, const v1::RegisterRe
   // for all its members (another group's fresh rank may have created the job first).
   if (resuming && IsFreshGroup(*job, group)) StartRecovery(*job, group);
   if (resuming && !verified) {
-    Event("warning", "resume_unverified", job->id, req.rank(), group.index,
+    Event("warning", EventKind::kResumeUnverified, job->id, req.rank(), group.index,
           "taken as sent: this coordinator has no resume key that outlived the last one (start it with --state-file "
           "or --token-file so that resumes are checked)");
   }
@@ -190,12 +190,12 @@ absl::Status CoordinatorCore::Register(uint64_t session_id, const v1::RegisterRe
   msg.mutable_registered()->set_session_key(m.session_key);
   msg.mutable_registered()->set_resume_credential(resume_auth_.Credential(job->id, req.rank()));
   const Policy policy = FromProto(req.policy());
-  Event("info", rejoin ? "rank_rejoined" : "rank_registered", job->id, req.rank(), group.index,
+  Event("info", rejoin ? EventKind::kRankRejoined : EventKind::kRankRegistered, job->id, req.rank(), group.index,
         absl::StrCat("host=", req.host(), " policy=", PolicyName(policy),
                      " fallback=", FallbackName(FromProto(req.fallback())), " modules=", req.modules_size(),
                      " lookahead=", req.lookahead()));
   if (policy == Policy::kPerLayer) {
-    Event("warning", "per_layer_requested", job->id, req.rank(), group.index, msg.registered().warnings(0));
+    Event("warning", EventKind::kPerLayerRequested, job->id, req.rank(), group.index, msg.registered().warnings(0));
   }
 
   const int64_t epoch_before = group.epoch;
@@ -217,7 +217,7 @@ CoordinatorCore::Job* CoordinatorCore::ReuseOrForgetEndedJob(const v1::RegisterR
   // history (communicator epochs, events, counts), and each group takes the manifest and
   // policy of its first rank to register again.
   if (job->world_size != req.world_size() || job->group_size != req.group_size()) {
-    Event("info", "job_replaced", job->id, req.rank(), -1,
+    Event("info", EventKind::kJobReplaced, job->id, req.rank(), -1,
           absl::StrCat("no rank was live: the job starts afresh with world_size ", req.world_size(),
                        " and group_size ", req.group_size()));
     for (const Member& m : job->members) sessions_.erase(m.session);
@@ -239,7 +239,7 @@ CoordinatorCore::Job* CoordinatorCore::ReuseOrForgetEndedJob(const v1::RegisterR
       job->members[r].last_planned.reset();
     }
   }
-  Event("info", "job_rerun", job->id, req.rank(), -1,
+  Event("info", EventKind::kJobRerun, job->id, req.rank(), -1,
         "every rank had left: the job runs again under the same id and sizes, its keys from the start");
   return job;
 }
@@ -287,7 +287,7 @@ CoordinatorCore::Job& CoordinatorCore::CreateJob(const v1::RegisterRequest& req)
   Job& job = *created;
   jobs_[req.job_id()] = std::move(created);
   const bool no_modules = req.modules_size() == 0;
-  Event(no_modules ? "warning" : "info", "job_created", job.id, -1, -1,
+  Event(no_modules ? "warning" : "info", EventKind::kJobCreated, job.id, -1, -1,
         absl::StrCat("world_size=", job.world_size, " group_size=", job.group_size, " groups=", job.groups.size(),
                      " modules=", req.modules_size(),
                      no_modules ? " (no controlled module: nothing is coordinated; the ranks' manifest is empty)" : ""));
@@ -385,7 +385,7 @@ void CoordinatorCore::UpdateGroupState(Job& job, Group& group) {
     // Formed for the first time: the promotion budget is known now.
     group.state = v1::GROUP_STATE_HEALTHY;
     const int64_t min_budget = SetPromotionBudget(job, group);
-    Event("info", "group_formed", job.id, -1, group.index,
+    Event("info", EventKind::kGroupFormed, job.id, -1, group.index,
           absl::StrCat("ranks ", RankList(group.ranks), " policy=",
                        PolicyName(group.engine->config().policy),
                        " fallback=", FallbackName(group.engine->config().fallback),
@@ -407,7 +407,7 @@ void CoordinatorCore::UpdateGroupState(Job& job, Group& group) {
       SetPromotionBudget(job, group);  // Whole for the first time through a failure.
     }
     group.state = v1::GROUP_STATE_HEALTHY;
-    Event("info", "group_reformed", job.id, -1, group.index,
+    Event("info", EventKind::kGroupReformed, job.id, -1, group.index,
           absl::StrCat("epoch ", group.epoch, " ranks ", RankList(group.ranks)));
   }
 }

@@ -44,6 +44,7 @@
 #include "coordinator/clock.h"
 #include "coordinator/decision_engine.h"
 #include "coordinator/event_journal.h"
+#include "coordinator/event_kind.h"
 #include "coordinator/options.h"
 #include "coordinator/resume_auth.h"
 #include "shardcoord/v1/coordinator.pb.h"
@@ -51,6 +52,22 @@
 namespace shardcoord::coordinator {
 
 class DaemonMetrics;
+
+// Where one member stands in a communicator's current epoch (shown by `shardctl comms` by
+// CommMemberStateName).
+enum class CommMemberState { kAbsent, kJoined, kReady, kAborted, kDead, kLeft };
+
+constexpr const char* CommMemberStateName(CommMemberState s) {
+  switch (s) {
+    case CommMemberState::kAbsent: return "absent";
+    case CommMemberState::kJoined: return "joined";
+    case CommMemberState::kReady: return "ready";
+    case CommMemberState::kAborted: return "aborted";
+    case CommMemberState::kDead: return "dead";
+    case CommMemberState::kLeft: return "left";
+  }
+  return "unknown";
+}
 
 // A running total of a number a rank reports cumulatively (decision stalls, bytes gathered):
 // a report below the previous one is a new worker process counting from zero again, so the
@@ -272,7 +289,7 @@ class CoordinatorCore {
     std::vector<int> ranks;  // Ascending.
     int64_t epoch = 0;       // 0: no epoch yet; the first is 1.
     v1::CommState state = v1::COMM_STATE_UNSPECIFIED;
-    std::map<int, std::string> member_state;  // "absent", "joined", "ready", "aborted", "dead", "left"
+    std::map<int, CommMemberState> member_state;
     struct Progress {
       int64_t issued = 0;
       int64_t completed = 0;
@@ -387,9 +404,13 @@ class CoordinatorCore {
   // and `key` itself when other members already moved past it. False if `key` failed.
   bool FailSkipped(Job& job, Group& group, Member& member, const MicrobatchKey& key, int idx, bool inserted)
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  void FillJobStatus(const Job& job, v1::JobStatus* out) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The status queries' parts, under mu_ shared: FillJobStatus takes each group's mutex
+  // itself; the callers of FillGroupStatus and FillRankStatus hold the group's.
+  void FillJobStatus(const Job& job, v1::JobStatus* out) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   void FillGroupStatus(const Job& job, const Group& group, v1::GroupStatus* out) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  void FillRankStatus(const std::string& job_id, const Member& m, absl::Time now, v1::RankStatus* out) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
   void UpdateGroupState(Job& job, Group& group) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Gives the group's engine the smallest memory budget its members reported, once the
   // group is whole and before it decided anything. Returns that budget.
@@ -469,7 +490,7 @@ class CoordinatorCore {
   void ExpireRecovery(Job& job, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Records an event in the journal; its log line is written after the mutex is released.
-  void Event(const std::string& severity, const std::string& kind, const std::string& job,
+  void Event(const std::string& severity, EventKind kind, const std::string& job,
              int rank, int group, const std::string& message) ABSL_SHARED_LOCKS_REQUIRED(mu_);
 
   // Holds mu_ for a public method; on release, carries out the work deferred meanwhile

@@ -107,7 +107,7 @@ absl::StatusOr<CoordinatorCore::Comm*> CoordinatorCore::ResolveComm(const std::s
   if (comm.name.empty()) {
     comm.name = name;
     comm.ranks = members;
-    for (int r : members) comm.member_state[r] = "absent";
+    for (int r : members) comm.member_state[r] = CommMemberState::kAbsent;
   } else if (comm.ranks != members) {
     return absl::FailedPreconditionError(absl::StrCat("communicator '", name, "' has ranks [", RankList(comm.ranks),
                                                       "] but rank ", rank, " asked for [", RankList(members), "]"));
@@ -145,8 +145,8 @@ void CoordinatorCore::MaybeStartEpoch(Job& job, Comm& comm) {
     comm.lost_ranks.clear();
     comm.progress.clear();
     comm.behind.clear();
-    for (int r : comm.ranks) comm.member_state[r] = "absent";
-    Event("info", "comm_forming", job.id, -1, -1,
+    for (int r : comm.ranks) comm.member_state[r] = CommMemberState::kAbsent;
+    Event("info", EventKind::kCommForming, job.id, -1, -1,
           absl::StrCat("communicator '", comm.name, "' epoch ", comm.epoch, " ranks ", RankList(comm.ranks)));
   }
   auto waiters = std::move(comm.join_waiters);
@@ -156,7 +156,7 @@ void CoordinatorCore::MaybeStartEpoch(Job& job, Comm& comm) {
     resp.set_epoch(comm.epoch);
     for (int r : comm.ranks) resp.add_ranks(r);
     resp.set_previous_abort_reason(comm.abort_reason);
-    comm.member_state[w.rank] = "joined";
+    comm.member_state[w.rank] = CommMemberState::kJoined;
     Complete(w.done, resp);
   }
 }
@@ -254,11 +254,12 @@ absl::Status CoordinatorCore::CommReport(const v1::CommReportRequest& req) {
   Comm& c = **comm;
   if (absl::Status s = CheckEpoch(c, req.epoch()); !s.ok()) return s;
   if (req.kind() == v1::CommReportRequest::KIND_READY) {
-    c.member_state[req.rank()] = "ready";
-    const bool all = std::all_of(c.ranks.begin(), c.ranks.end(), [&](int r) { return c.member_state[r] == "ready"; });
+    c.member_state[req.rank()] = CommMemberState::kReady;
+    const bool all = std::all_of(c.ranks.begin(), c.ranks.end(),
+                                 [&](int r) { return c.member_state[r] == CommMemberState::kReady; });
     if (all && c.state == v1::COMM_STATE_FORMING) {
       c.state = v1::COMM_STATE_READY;
-      Event("info", "comm_ready", job->id, -1, -1,
+      Event("info", EventKind::kCommReady, job->id, -1, -1,
             absl::StrCat("communicator '", c.name, "' epoch ", c.epoch, " ready on ranks ", RankList(c.ranks)));
     }
     return absl::OkStatus();
@@ -297,7 +298,7 @@ void CoordinatorCore::AbortComm(Job& job, Comm& comm, const std::string& reason,
   for (int r : comm.ranks) {
     if (std::find(lost.begin(), lost.end(), r) == lost.end()) SendTo(job.members[r], msg);
   }
-  Event(failure ? "error" : "info", failure ? "comm_aborted" : "comm_closed", job.id,
+  Event(failure ? "error" : "info", failure ? EventKind::kCommAborted : EventKind::kCommClosed, job.id,
         lost.empty() ? -1 : lost.front(), -1,
         absl::StrCat("communicator '", comm.name, "' epoch ", comm.epoch, failure ? " aborted: " : " closed: ", reason));
   MaybeFinishAbort(job, comm);
@@ -305,17 +306,18 @@ void CoordinatorCore::AbortComm(Job& job, Comm& comm, const std::string& reason,
 
 void CoordinatorCore::AckAbort(Job& job, Comm& comm, int rank, int64_t epoch) {
   if (epoch != comm.epoch || comm.state != v1::COMM_STATE_ABORTING) return;
-  comm.member_state[rank] = "aborted";
+  comm.member_state[rank] = CommMemberState::kAborted;
   MaybeFinishAbort(job, comm);
 }
 
 void CoordinatorCore::MaybeFinishAbort(Job& job, Comm& comm) {
   if (comm.state != v1::COMM_STATE_ABORTING) return;
   for (int r : comm.ranks) {
-    const std::string& st = comm.member_state[r];
+    const CommMemberState st = comm.member_state[r];
     // Members that are gone need not acknowledge; a replacement has no old communicator.
-    const bool gone = job.members[r].state != v1::RANK_STATE_LIVE || st == "dead" || st == "left";
-    if (!gone && st != "aborted" && st != "absent") return;
+    const bool gone = job.members[r].state != v1::RANK_STATE_LIVE || st == CommMemberState::kDead ||
+                      st == CommMemberState::kLeft;
+    if (!gone && st != CommMemberState::kAborted && st != CommMemberState::kAbsent) return;
   }
   comm.state = comm.ended_cleanly ? v1::COMM_STATE_CLOSED : v1::COMM_STATE_ABORTED;
   MaybeStartEpoch(job, comm);
@@ -324,7 +326,7 @@ void CoordinatorCore::MaybeFinishAbort(Job& job, Comm& comm) {
 void CoordinatorCore::OnMemberLost(Job& job, int rank, bool clean, const std::string& reason) {
   for (auto& [name, comm] : job.comms) {
     if (!std::binary_search(comm.ranks.begin(), comm.ranks.end(), rank)) continue;
-    comm.member_state[rank] = clean ? "left" : "dead";
+    comm.member_state[rank] = clean ? CommMemberState::kLeft : CommMemberState::kDead;
     if (!clean) {
       AbortComm(job, comm, reason, {rank});
     } else if (comm.epoch > 0 && (comm.state == v1::COMM_STATE_FORMING || comm.state == v1::COMM_STATE_READY)) {
@@ -336,7 +338,7 @@ void CoordinatorCore::OnMemberLost(Job& job, int rank, bool clean, const std::st
       if (all_gone) {
         comm.state = v1::COMM_STATE_CLOSED;
         comm.abort_reason = absl::StrCat("every member left (last: rank ", rank, ")");
-        Event("info", "comm_closed", job.id, rank, -1,
+        Event("info", EventKind::kCommClosed, job.id, rank, -1,
               absl::StrCat("communicator '", comm.name, "' epoch ", comm.epoch, " closed: ", comm.abort_reason));
       }
     }
@@ -361,7 +363,7 @@ void CoordinatorCore::TakeCommAborted(Job& job, Member& m, const v1::CommAborted
 void CoordinatorCore::OnMemberBack(Job& job, int rank) {
   for (auto& [name, comm] : job.comms) {
     const bool member = std::binary_search(comm.ranks.begin(), comm.ranks.end(), rank);
-    if (member && comm.member_state[rank] == "left" &&
+    if (member && comm.member_state[rank] == CommMemberState::kLeft &&
         (comm.state == v1::COMM_STATE_FORMING || comm.state == v1::COMM_STATE_READY)) {
       // A member that left comes back: the others' epoch cannot take it in; end it cleanly
       // so that everyone joins the next one.
@@ -403,7 +405,7 @@ void CoordinatorCore::ExpireCommWaiters(Job& job, absl::Time now) {
       for (int r : comm.ranks) {
         if (job.members[r].state != v1::RANK_STATE_LIVE) {
           missing.push_back(r);
-        } else if (comm.state == v1::COMM_STATE_ABORTING && comm.member_state[r] != "aborted") {
+        } else if (comm.state == v1::COMM_STATE_ABORTING && comm.member_state[r] != CommMemberState::kAborted) {
           unacked.push_back(r);
         }
       }
@@ -489,7 +491,7 @@ void CoordinatorCore::DetectBehind(Job& job, absl::Time now) {
       }
     }
     if (behind != comm.behind) {
-      if (!behind.empty()) Event("warning", "comm_rank_behind", job.id, -1, -1, behind);
+      if (!behind.empty()) Event("warning", EventKind::kCommRankBehind, job.id, -1, -1, behind);
       comm.behind = behind;
     }
   }

@@ -90,7 +90,8 @@ void CoordinatorCore::RemoveMember(Job& job, Member& m, bool clean, const std::s
   m.session_key.clear();
   m.state = clean ? v1::RANK_STATE_LEFT : v1::RANK_STATE_DEAD;
   m.dead_reason = reason;
-  Event(clean ? "info" : "error", clean ? "rank_left" : "rank_dead", job.id, m.rank, group.index, full);
+  Event(clean ? "info" : "error", clean ? EventKind::kRankLeft : EventKind::kRankDead, job.id, m.rank, group.index,
+        full);
   if (!clean) metrics_->ObserveDeathDetection(clock_->Now() - m.last_seen);
   MaybeEndJob(job);
   OnMemberLost(job, m.rank, clean, full);
@@ -160,7 +161,7 @@ void CoordinatorCore::FailGroup(Job& job, Group& group, const Member& m, const s
                               group.epoch, ": ", group.failure_reason));
   UpdateGroupState(job, group);
   for (int r : group.ranks) SendTo(job.members[r], msg);
-  Event("error", "group_failed", job.id, m.rank, group.index,
+  Event("error", EventKind::kGroupFailed, job.id, m.rank, group.index,
         absl::StrCat(gf->reason(), "; cancelled ", gf->cancelled_size(), " pending microbatches"));
   NotifyRankLost(job, group, m.rank, gf->reason());
 }
@@ -247,12 +248,12 @@ void CoordinatorCore::RestartHeartbeatDeadlines(absl::Duration gap) {
   const std::string what = absl::StrCat("the coordinator did not run for ", absl::ToInt64Milliseconds(gap),
                                         " ms (paused, starved or the clock jumped); heartbeat deadlines of ",
                                         extended, " live ranks restarted instead of declaring them dead");
-  Event("warning", "coordinator_paused", "", -1, -1, what);
+  Event("warning", EventKind::kCoordinatorPaused, "", -1, -1, what);
 }
 
 void CoordinatorCore::RecordDaemonEvent(bool started, const std::string& detail) {
   Locked lock(this);
-  Event("info", started ? "daemon_started" : "daemon_stopped", "", -1, -1,
+  Event("info", started ? EventKind::kDaemonStarted : EventKind::kDaemonStopped, "", -1, -1,
         absl::StrCat("shardcoord ", kVersion, " incarnation ", incarnation_, ": ", detail));
 }
 

@@ -330,7 +330,10 @@ void CoordinatorCore::DrainGroup(Job& job, Group& group) {
     RecordDecision(job, group, pd);
     group.pending.erase(it);
     for (const auto& t : transitions) {
-      Event("info", "module_" + t.what, job.id, -1, group.index,
+      const EventKind kind = t.what == "promoted"  ? EventKind::kModulePromoted
+                             : t.what == "demoted" ? EventKind::kModuleDemoted
+                                                   : EventKind::kModuleStickyReplicate;
+      Event("info", kind, job.id, -1, group.index,
             absl::StrCat("module '", t.module, "': ", t.detail));
     }
   }
@@ -418,7 +421,7 @@ void CoordinatorCore::FailMicrobatch(Job& job, Group& group, const MicrobatchKey
   }
   group.pending.erase(it);
   if (!group.last_resolved || *group.last_resolved < key) group.last_resolved = key;
-  Event("error", "microbatch_failed", job.id, -1, group.index, std::string(why.message()));
+  Event("error", EventKind::kMicrobatchFailed, job.id, -1, group.index, std::string(why.message()));
 }
 
 }  // namespace shardcoord::coordinator

@@ -22,7 +22,7 @@ bool CoordinatorCore::IsFreshGroup(const Job& job, const Group& group) const {
 void CoordinatorCore::StartRecovery(Job& job, Group& group) {
   group.state = v1::GROUP_STATE_RECOVERING;
   group.recovery_deadline = clock_->Now() + options_.recovery_window;
-  Event("warning", "group_recovering", job.id, -1, group.index,
+  Event("warning", EventKind::kGroupRecovering, job.id, -1, group.index,
         absl::StrCat("a rank resumed after a coordinator restart: the group waits up to ",
                      absl::ToInt64Milliseconds(options_.recovery_window),
                      " ms for its members to report what they hold"));
@@ -52,7 +52,7 @@ void CoordinatorCore::ResumeMember(Job& job, Group& group, Member& m, uint64_t s
   msg.mutable_registered()->set_epoch(m.resume->group_epoch());
   msg.mutable_registered()->set_session_key(m.session_key);
   msg.mutable_registered()->set_resume_credential(resume_auth_.Credential(job.id, m.rank));
-  Event("info", "rank_resumed", job.id, m.rank, group.index,
+  Event("info", EventKind::kRankResumed, job.id, m.rank, group.index,
         absl::StrCat("from incarnation ", m.resume->incarnation(), " at epoch ", m.resume->group_epoch(), ", holding ",
                      m.resume->held_size(), " decisions and ", m.resume->undecided_size(), " undecided plans"));
   SendTo(m, msg);
@@ -110,7 +110,7 @@ void CoordinatorCore::FinishRecovery(Job& job, Group& group) {
     SendTo(job.members[rank], msg);
   }
   metrics_->ObserveGroupRecovery(clock_->Now() - started_);
-  Event("info", "group_recovered", job.id, -1, group.index,
+  Event("info", EventKind::kGroupRecovered, job.id, -1, group.index,
         absl::StrCat("epoch ", group.epoch, ": ", rec.binding.size(), " held decisions kept, ", rec.resend.size(),
                      " re-sent, ", rec.undecided.size(), " plans to decide, ", rec.lost.size(), " lost; seq goes on from ",
                      rec.next_seq, rec.promoted.empty() ? "" : absl::StrCat("; promoted: ", NameList(std::vector<std::string>(rec.promoted.begin(), rec.promoted.end())))));
@@ -165,7 +165,7 @@ void CoordinatorCore::FailRecovery(Job& job, Group& group, const std::string& wh
     job.members[r].pending = 0;
     SendTo(job.members[r], msg);
   }
-  Event("error", "group_recovery_failed", job.id, -1, group.index, why);
+  Event("error", EventKind::kGroupRecoveryFailed, job.id, -1, group.index, why);
   // Every member is live: the group re-forms at once in a new epoch, keys start afresh.
   UpdateGroupState(job, group);
   v1::CoordinatorMessage notice;
@@ -185,7 +185,7 @@ void CoordinatorCore::ResumeComms(Job& job, int rank, const v1::ResumeState& sta
     if (comm.name.empty()) {
       comm.name = ce.name();
       comm.ranks = *members;
-      for (int r : *members) comm.member_state[r] = "absent";
+      for (int r : *members) comm.member_state[r] = CommMemberState::kAbsent;
       comm.recovering = true;
     }
     if (!comm.recovering || comm.ranks != *members) continue;
@@ -204,9 +204,9 @@ void CoordinatorCore::MaybeFinishCommRecovery(Job& job, Comm& comm) {
                                 [&](int r) { return comm.resumed_epochs[r] == comm.epoch; });
   comm.resumed_epochs.clear();
   comm.state = v1::COMM_STATE_READY;
-  for (int r : comm.ranks) comm.member_state[r] = "ready";
+  for (int r : comm.ranks) comm.member_state[r] = CommMemberState::kReady;
   if (same) {
-    Event("info", "comm_recovered", job.id, -1, -1,
+    Event("info", EventKind::kCommRecovered, job.id, -1, -1,
           absl::StrCat("communicator '", comm.name, "' epoch ", comm.epoch, " kept: every member is back"));
     return;
   }
@@ -233,7 +233,7 @@ void CoordinatorCore::ExpireRecovery(Job& job, absl::Time now) {
       job.members[r].resume.reset();
       job.members[r].resume_charge = BufferCharge();
     }
-    if (!missing.empty()) Event("error", "recovery_expired", job.id, -1, group.index, why);
+    if (!missing.empty()) Event("error", EventKind::kRecoveryExpired, job.id, -1, group.index, why);
     const std::string each = absl::StrCat("did not resume within ", window);
     for (int r : missing) {
       Member& m = job.members[r];

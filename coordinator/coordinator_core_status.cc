@@ -30,6 +30,7 @@ void CoordinatorCore::FillJobStatus(const Job& job, v1::JobStatus* js) const {
   }
   v1::DecisionCounts* c = js->mutable_counts();
   for (const Group& g : job.groups) {
+    absl::MutexLock group_lock(g.mu.get());  // Its counts move on the hot path (shared lock + this).
     switch (g.state) {
       case v1::GROUP_STATE_HEALTHY: js->set_groups_healthy(js->groups_healthy() + 1); break;
       case v1::GROUP_STATE_FAILED: js->set_groups_failed(js->groups_failed() + 1); break;
@@ -65,8 +66,12 @@ void CoordinatorCore::FillJobStatus(const Job& job, v1::JobStatus* js) const {
   }
 }
 
+// The queries take the core's lock shared, as the hot path does, and each group's own mutex
+// while they read it: an operator's query (or a Prometheus scrape) no longer stops every
+// group's decisions for the time it takes to copy a large job (DESIGN 9).
+
 v1::StatusResponse CoordinatorCore::Status(const std::string& job_id) const {
-  absl::MutexLock lock(&mu_);
+  absl::ReaderMutexLock lock(&mu_);
   v1::StatusResponse out;
   const absl::Time now = clock_->Now();
   out.set_version(shardcoord::kVersion);
@@ -83,37 +88,42 @@ v1::StatusResponse CoordinatorCore::Status(const std::string& job_id) const {
 }
 
 v1::ListRanksResponse CoordinatorCore::Ranks(const std::string& job_id) const {
-  absl::MutexLock lock(&mu_);
+  absl::ReaderMutexLock lock(&mu_);
   v1::ListRanksResponse out;
   const absl::Time now = clock_->Now();
   for (const auto& [id, job] : jobs_) {
     if (!job_id.empty() && id != job_id) continue;
-    for (const Member& m : job->members) {
-      v1::RankStatus* rs = out.add_ranks();
-      rs->set_job_id(id);
-      rs->set_rank(m.rank);
-      rs->set_group(m.group);
-      rs->set_state(m.state);
-      rs->set_host(m.host);
-      rs->set_pid(m.pid);
-      rs->set_last_heartbeat_age_ms(m.last_seen == absl::InfinitePast()
-                                        ? -1
-                                        : absl::ToInt64Milliseconds(now - m.last_seen));
-      if (m.last_planned) {
-        ToProto(*m.last_planned, rs->mutable_last_planned());
-      }
-      rs->set_pending_plans(m.pending);
-      rs->set_plans_received(m.plans_received);
-      rs->set_plans_rejected(m.plans_rejected);
-      rs->set_dead_reason(m.dead_reason);
-      rs->set_registrations(m.registrations);
-      rs->set_decision_stalls(m.decision_stalls.total());
-      rs->set_decision_stall_us(m.decision_stall_us.total());
-      for (const auto& [module, t] : m.gathered_bytes) (*rs->mutable_gathered_bytes_total())[module] = t.total();
-      for (const auto& mem : m.memory) *rs->add_memory() = mem;
+    for (const Group& g : job->groups) {  // Groups are contiguous ranges: rank order is kept.
+      absl::MutexLock group_lock(g.mu.get());
+      for (int r : g.ranks) FillRankStatus(id, job->members[r], now, out.add_ranks());
     }
   }
   return out;
+}
+
+void CoordinatorCore::FillRankStatus(const std::string& id, const Member& m, absl::Time now,
+                                     v1::RankStatus* rs) const {
+  rs->set_job_id(id);
+  rs->set_rank(m.rank);
+  rs->set_group(m.group);
+  rs->set_state(m.state);
+  rs->set_host(m.host);
+  rs->set_pid(m.pid);
+  rs->set_last_heartbeat_age_ms(m.last_seen == absl::InfinitePast()
+                                    ? -1
+                                    : absl::ToInt64Milliseconds(now - m.last_seen));
+  if (m.last_planned) {
+    ToProto(*m.last_planned, rs->mutable_last_planned());
+  }
+  rs->set_pending_plans(m.pending);
+  rs->set_plans_received(m.plans_received);
+  rs->set_plans_rejected(m.plans_rejected);
+  rs->set_dead_reason(m.dead_reason);
+  rs->set_registrations(m.registrations);
+  rs->set_decision_stalls(m.decision_stalls.total());
+  rs->set_decision_stall_us(m.decision_stall_us.total());
+  for (const auto& [module, t] : m.gathered_bytes) (*rs->mutable_gathered_bytes_total())[module] = t.total();
+  for (const auto& mem : m.memory) *rs->add_memory() = mem;
 }
 
 void CoordinatorCore::FillGroupStatus(const Job& job, const Group& g, v1::GroupStatus* gs) const {
@@ -138,18 +148,21 @@ void CoordinatorCore::FillGroupStatus(const Job& job, const Group& g, v1::GroupS
 }
 
 v1::ListGroupsResponse CoordinatorCore::Groups(const std::string& job_id) const {
-  absl::MutexLock lock(&mu_);
+  absl::ReaderMutexLock lock(&mu_);
   v1::ListGroupsResponse out;
   for (const auto& [id, job] : jobs_) {
     if (!job_id.empty() && id != job_id) continue;
-    for (const Group& g : job->groups) FillGroupStatus(*job, g, out.add_groups());
+    for (const Group& g : job->groups) {
+      absl::MutexLock group_lock(g.mu.get());
+      FillGroupStatus(*job, g, out.add_groups());
+    }
   }
   return out;
 }
 
 v1::ListDecisionsResponse CoordinatorCore::Decisions(const std::string& job_id, int group,
                                                      int limit) const {
-  absl::MutexLock lock(&mu_);
+  absl::ReaderMutexLock lock(&mu_);
   v1::ListDecisionsResponse out;
   if (limit <= 0) limit = 20;
   // Every group of every job gives up to `limit`: the answer stops before it would outgrow
@@ -159,6 +172,7 @@ v1::ListDecisionsResponse CoordinatorCore::Decisions(const std::string& job_id, 
     if (!job_id.empty() && id != job_id) continue;
     for (const Group& g : job->groups) {
       if (group >= 0 && g.index != group) continue;
+      absl::MutexLock group_lock(g.mu.get());
       size_t start = g.history.size() > static_cast<size_t>(limit) ? g.history.size() - limit : 0;
       for (size_t i = start; i < g.history.size(); ++i) {
         bytes += g.history[i].ByteSizeLong() + id.size() + 16;
@@ -176,7 +190,7 @@ v1::ListDecisionsResponse CoordinatorCore::Decisions(const std::string& job_id, 
 }
 
 v1::ListCommsResponse CoordinatorCore::Comms(const std::string& job_id) const {
-  absl::MutexLock lock(&mu_);
+  absl::ReaderMutexLock lock(&mu_);  // Communicators change under the exclusive lock only.
   v1::ListCommsResponse out;
   for (const auto& [id, job] : jobs_) {
     if (!job_id.empty() && id != job_id) continue;
@@ -190,7 +204,7 @@ v1::ListCommsResponse CoordinatorCore::Comms(const std::string& job_id) const {
       for (const auto& [r, st] : comm.member_state) {
         auto* m = c->add_members();
         m->set_rank(r);
-        m->set_state(st);
+        m->set_state(CommMemberStateName(st));
         auto p = comm.progress.find(r);
         if (p != comm.progress.end()) {
           m->set_issued(p->second.issued);

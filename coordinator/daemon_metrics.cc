@@ -52,28 +52,15 @@ prometheus::ClientMetric AtomicHistogram::Collect() const {
 }
 
 DaemonMetrics::DaemonMetrics()
-    : decision_latency_(kLatencyBuckets), death_detection_(kSecondsBuckets), group_recovery_(kSecondsBuckets) {
-  absl::MutexLock lock(&mu_);
-  for (const char* kind : kEventKinds) events_.emplace(kind, std::make_unique<prometheus::Counter>());
-}
-
-void DaemonMetrics::CountEvent(const std::string& kind) {
-  absl::MutexLock lock(&mu_);
-  auto& counter = events_[kind];
-  if (!counter) counter = std::make_unique<prometheus::Counter>();
-  counter->Increment();
-}
+    : decision_latency_(kLatencyBuckets), death_detection_(kSecondsBuckets), group_recovery_(kSecondsBuckets) {}
 
 void DaemonMetrics::AppendTo(std::vector<MetricFamily>* out) const {
   MetricFamily events{"shardcoord_events_total", "Events recorded in the journal, by kind (shardctl events)",
                       MetricType::Counter, {}};
-  {
-    absl::MutexLock lock(&mu_);
-    for (const auto& [kind, counter] : events_) {
-      prometheus::ClientMetric m = counter->Collect();
-      m.label = {{"kind", kind}};
-      events.metric.push_back(std::move(m));
-    }
+  for (size_t i = 0; i < kEventKindCount; ++i) {
+    prometheus::ClientMetric m = events_[i].Collect();
+    m.label = {{"kind", kEventKindNames[i]}};
+    events.metric.push_back(std::move(m));
   }
   out->push_back(std::move(events));
   out->push_back(Single("shardcoord_decision_latency_seconds",

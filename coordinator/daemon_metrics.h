@@ -2,7 +2,7 @@
 // /metrics (metrics.h computes the rest from a snapshot of the core's state at scrape time).
 // Daemon-wide, without a job label: they live as long as the process, so rates and alerts
 // over them never lose a series when a job is forgotten. Thread-safe: prometheus-cpp's Counter
-// is atomic, the event map has a mutex (events are rare), and the histograms are lock-free
+// is atomic, and the histograms are lock-free
 // (prometheus-cpp's Histogram takes one mutex per observation, which would serialize every
 // group's decisions again, DESIGN 9).
 #ifndef SHARDCOORD_COORDINATOR_DAEMON_METRICS_H_
@@ -12,30 +12,16 @@
 #include <prometheus/counter.h>
 #include <prometheus/metric_family.h>
 
+#include <array>
 #include <atomic>
-#include <map>
 #include <memory>
 #include <string>
 #include <vector>
 
-#include "absl/base/thread_annotations.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "coordinator/event_kind.h"
 
 namespace shardcoord::coordinator {
-
-// Every kind of event the core records (EventJournal); each has a counter from the start, at
-// zero, so that `increase(shardcoord_events_total{kind="rank_dead"}[5m])` has data before the
-// first death. A kind missing here is still counted (its series appears when it first happens).
-inline constexpr const char* kEventKinds[] = {
-    "daemon_started", "daemon_stopped", "coordinator_paused",
-    "job_created", "job_replaced", "job_rerun", "job_evicted",
-    "rank_registered", "rank_rejoined", "rank_resumed", "rank_left", "rank_dead", "resume_unverified",
-    "per_layer_requested", "group_formed", "group_reformed", "group_failed",
-    "group_recovering", "group_recovered", "group_recovery_failed", "recovery_expired",
-    "microbatch_failed", "module_promoted", "module_demoted", "module_sticky_replicate",
-    "comm_forming", "comm_ready", "comm_closed", "comm_aborted", "comm_rank_behind", "comm_recovered",
-};
 
 // A Prometheus histogram with fixed bounds, observed without a lock: a relaxed atomic add per
 // bucket and for the sum (in nanoseconds). A scrape may see one observation in the count and
@@ -59,7 +45,9 @@ class DaemonMetrics {
   DaemonMetrics(const DaemonMetrics&) = delete;
   DaemonMetrics& operator=(const DaemonMetrics&) = delete;
 
-  void CountEvent(const std::string& kind);
+  // Every kind (event_kind.h) has its counter from the start, at zero, so that
+  // `increase(shardcoord_events_total{kind="rank_dead"}[5m])` has data before the first death.
+  void CountEvent(EventKind kind) { events_[static_cast<size_t>(kind)].Increment(); }
   // From the first plan of a microbatch reaching its group to the group's decision (dynamic
   // policies): how long the slowest member's plan kept the others' decision waiting.
   void ObserveDecisionLatency(absl::Duration d) { decision_latency_.Observe(d); }
@@ -73,8 +61,7 @@ class DaemonMetrics {
   void AppendTo(std::vector<prometheus::MetricFamily>* out) const;
 
  private:
-  mutable absl::Mutex mu_;
-  std::map<std::string, std::unique_ptr<prometheus::Counter>> events_ ABSL_GUARDED_BY(mu_);
+  std::array<prometheus::Counter, kEventKindCount> events_;
   AtomicHistogram decision_latency_;
   AtomicHistogram death_detection_;
   AtomicHistogram group_recovery_;

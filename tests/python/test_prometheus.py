@@ -220,6 +220,14 @@ def test_prometheus_scrapes_every_documented_series_and_the_dashboard_has_data(t
         prom.wait_for(f'up{{job="{SECURED_JOB}"}} == 1', 30, "the HTTPS scrape with a token")
         prom.wait_for(f'shardcoord_build_info{{job="{SECURED_JOB}"}}', 30, "series over HTTPS")
 
+        # Every event kind the daemon counts is documented, and every documented kind is counted.
+        counted = {r["metric"]["kind"] for r in prom.query(f'shardcoord_events_total{{job="{SCRAPE_JOB}"}}')}
+        text = open(os.path.join(ROOT, "docs", "METRICS.md")).read()
+        documented = set(re.findall(r"`([a-z_]+)`", text.split("The event kinds", 1)[1].split("\n\n", 1)[0]))
+        documented.discard("shardcoord_events_total")
+        assert counted == documented, f"counted, not documented: {counted - documented}; " \
+                                      f"documented, not counted: {documented - counted}"
+
         everything = prom.query(f'{{__name__=~"shardcoord_.+|process_.+", job="{SCRAPE_JOB}"}}')
         assert len(everything) > 100
         clashes = [r["metric"] for r in everything if any(k.startswith("exported_") for k in r["metric"])]
