@@ -145,11 +145,6 @@ std::vector<Line> Table(const std::vector<Column>& cols, std::vector<std::vector
   return out;
 }
 
-// A job is over when no rank is live and none waits to resume, and some rank left or died.
-bool JobIsOver(const v1::JobStatus& j) {
-  return j.ranks_live() == 0 && j.groups_recovering() == 0 && j.ranks_left() + j.ranks_dead() > 0;
-}
-
 const char* StateColor(const std::string& state) {
   if (state == "live" || state == "healthy") return kGreen;
   if (state == "dead") return kRed;

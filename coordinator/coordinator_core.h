@@ -272,8 +272,9 @@ class CoordinatorCore {
     std::optional<MicrobatchKey> last_decided;
     std::deque<v1::MicrobatchDecision> history;
     uint64_t static_seq = 0;  // Next seq for static policies, one per key (restarts at 0 per epoch).
-    v1::DecisionCounts counts;
-    std::map<std::string, v1::DecisionCounts> module_counts;  // The same, by module (metrics).
+    // Decisions given, by module (every module of the manifest, from the first registration);
+    // the group's totals are their sum.
+    std::map<std::string, v1::DecisionCounts> module_counts;
     std::string failure_reason;
     // GROUP_STATE_RECOVERING (DESIGN 12): fails its missing members at this deadline;
     // plans resumed members send meanwhile wait here, in arrival order.

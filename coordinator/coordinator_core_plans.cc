@@ -315,11 +315,12 @@ void CoordinatorCore::DrainGroup(Job& job, Group& group) {
     if (it->second.num_reported < size) break;
     std::vector<EngineTransition> transitions;
     MicrobatchDecision d = group.engine->Decide(it->first, group.epoch, it->second.calls, &transitions);
-    metrics_->ObserveDecisionLatency(clock_->Now() - it->second.first_report);
+    const absl::Time now = clock_->Now();
+    metrics_->ObserveDecisionLatency(now - it->second.first_report);
     v1::MicrobatchDecision pd;
     ToProto(d, &pd);
     pd.set_seal(resume_auth_.Seal(job.id, pd));
-    pd.set_decided_unix_ms(absl::ToUnixMillis(clock_->Now()));
+    pd.set_decided_unix_ms(absl::ToUnixMillis(now));
     for (int r : group.ranks) {
       Member& mem = job.members[r];
       if (mem.pending > 0) mem.pending--;
@@ -357,7 +358,6 @@ void CountDecision(const v1::ModuleDecision& md, v1::DecisionCounts* c) {
 void CoordinatorCore::RecordDecision(Job& job, Group& group, const v1::MicrobatchDecision& d) {
   job.microbatches_decided++;
   for (const auto& md : d.modules()) {
-    CountDecision(md, &group.counts);
     CountDecision(md, &group.module_counts[md.module()]);
   }
   group.last_decided = MicrobatchKey{d.step(), d.microbatch()};

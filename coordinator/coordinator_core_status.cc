@@ -38,11 +38,7 @@ void CoordinatorCore::FillJobStatus(const Job& job, v1::JobStatus* js) const {
       case v1::GROUP_STATE_RECOVERING: js->set_groups_recovering(js->groups_recovering() + 1); break;
       default: js->set_groups_forming(js->groups_forming() + 1); break;
     }
-    c->set_per_layer(c->per_layer() + g.counts.per_layer());
-    c->set_skip(c->skip() + g.counts.skip());
-    c->set_root(c->root() + g.counts.root());
-    c->set_replicate(c->replicate() + g.counts.replicate());
-    c->set_divergent(c->divergent() + g.counts.divergent());
+    for (const auto& [module, counts] : g.module_counts) AddDecisionCounts(counts, c);
   }
   for (const auto& [name, comm] : job.comms) {
     if (!comm.behind.empty()) js->add_comm_alerts(absl::StrCat("behind: ", comm.behind));
@@ -133,8 +129,10 @@ void CoordinatorCore::FillGroupStatus(const Job& job, const Group& g, v1::GroupS
   gs->set_state(g.state);
   gs->set_epoch(g.epoch);
   gs->set_pending_microbatches(static_cast<int32_t>(g.pending.size()));
-  *gs->mutable_counts() = g.counts;
-  for (const auto& [module, c] : g.module_counts) (*gs->mutable_module_counts())[module] = c;
+  for (const auto& [module, c] : g.module_counts) {
+    (*gs->mutable_module_counts())[module] = c;
+    AddDecisionCounts(c, gs->mutable_counts());
+  }
   gs->set_failure_reason(g.failure_reason);
   if (g.engine) {
     gs->set_next_seq(g.engine->next_seq());

@@ -61,6 +61,17 @@ std::vector<std::string> StateNames(const google::protobuf::EnumDescriptor* d) {
   return names;
 }
 
+using StateCounts = std::map<std::string, std::map<std::string, int>>;  // job -> state -> how many
+
+// Every state of every job held, at zero: a series for each, whether or not anything is in it.
+StateCounts ZeroStates(const v1::StatusResponse& status, const std::vector<std::string>& states) {
+  StateCounts out;
+  for (const auto& j : status.jobs()) {
+    for (const auto& st : states) out[j.job_id()][st] = 0;
+  }
+  return out;
+}
+
 void Daemon(Families& f, const Snapshot& s) {
   const v1::StatusResponse& st = s.status;
   f.Gauge("shardcoord_build_info", "shardcoord version, always 1", {{"version", st.version()}}, 1);
@@ -115,27 +126,16 @@ void ModuleCounts(Families& f, const std::string& job, const std::string& module
             base, static_cast<double>(c.divergent()));
 }
 
-void Add(const v1::DecisionCounts& c, v1::DecisionCounts* sum) {
-  sum->set_per_layer(sum->per_layer() + c.per_layer());
-  sum->set_skip(sum->skip() + c.skip());
-  sum->set_root(sum->root() + c.root());
-  sum->set_replicate(sum->replicate() + c.replicate());
-  sum->set_divergent(sum->divergent() + c.divergent());
-}
-
 void Groups(Families& f, const Snapshot& s, const std::set<std::string>& detailed) {
   static const std::vector<std::string> kStates = StateNames<v1::GroupState>(v1::GroupState_descriptor());
-  std::map<std::string, std::map<std::string, int>> by_state;  // job -> state -> groups
+  StateCounts by_state = ZeroStates(s.status, kStates);  // job -> state -> groups
   std::map<std::string, std::map<std::string, v1::DecisionCounts>> by_module;  // job -> module -> counts
   std::map<std::string, int64_t> pending;  // job -> microbatches
-  for (const auto& j : s.status.jobs()) {
-    for (const auto& st : kStates) by_state[j.job_id()][st] = 0;
-    pending[j.job_id()] = 0;
-  }
+  for (const auto& j : s.status.jobs()) pending[j.job_id()] = 0;
   for (const auto& g : s.groups.groups()) {
     by_state[g.job_id()][StateName(g.state())]++;
     pending[g.job_id()] += g.pending_microbatches();
-    for (const auto& [module, c] : g.module_counts()) Add(c, &by_module[g.job_id()][module]);
+    for (const auto& [module, c] : g.module_counts()) AddDecisionCounts(c, &by_module[g.job_id()][module]);
     if (detailed.count(g.job_id()) == 0) continue;
     const Labels l = {{"job_id", g.job_id()}, {"group", std::to_string(g.group())}};
     f.Gauge("shardcoord_group_epoch", "The group's epoch (increases when it re-forms; jobs of at most "
@@ -215,10 +215,7 @@ void Ranks(Families& f, const Snapshot& s, const std::set<std::string>& detailed
 
 void Comms(Families& f, const Snapshot& s) {
   static const std::vector<std::string> kStates = StateNames<v1::CommState>(v1::CommState_descriptor());
-  std::map<std::string, std::map<std::string, int>> by_state;  // job -> state -> communicators
-  for (const auto& j : s.status.jobs()) {
-    for (const auto& st : kStates) by_state[j.job_id()][st] = 0;
-  }
+  StateCounts by_state = ZeroStates(s.status, kStates);  // job -> state -> communicators
   for (const auto& c : s.comms.comms()) {
     by_state[c.job_id()][StateName(c.state())]++;
     const Labels l = {{"job_id", c.job_id()}, {"comm", c.name()}};

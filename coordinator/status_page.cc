@@ -172,12 +172,6 @@ std::string Events(const std::vector<v1::Event>& events) {
   return out + "</table>";
 }
 
-// A job is over when no rank is live and none waits to resume, and some rank left or died
-// (a job whose counts say nothing is shown in full rather than hidden).
-bool JobIsOver(const v1::JobStatus& j) {
-  return j.ranks_live() == 0 && j.groups_recovering() == 0 && j.ranks_left() + j.ranks_dead() > 0;
-}
-
 // The summary line, groups, ranks and communicators of one job.
 std::string JobBody(const v1::JobStatus& j, const PageInput& in, const std::set<std::pair<std::string, int>>& behind) {
   const Snapshot& s = in.snapshot;

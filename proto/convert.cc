@@ -104,4 +104,16 @@ std::string StateName(v1::RankState s) { return EnumText(v1::RankState_Name(s), 
 std::string StateName(v1::GroupState s) { return EnumText(v1::GroupState_Name(s), "GROUP_STATE_"); }
 std::string StateName(v1::CommState s) { return EnumText(v1::CommState_Name(s), "COMM_STATE_"); }
 
+bool JobIsOver(const v1::JobStatus& j) {
+  return j.ranks_live() == 0 && j.groups_recovering() == 0 && j.ranks_left() + j.ranks_dead() > 0;
+}
+
+void AddDecisionCounts(const v1::DecisionCounts& add, v1::DecisionCounts* sum) {
+  sum->set_per_layer(sum->per_layer() + add.per_layer());
+  sum->set_skip(sum->skip() + add.skip());
+  sum->set_root(sum->root() + add.root());
+  sum->set_replicate(sum->replicate() + add.replicate());
+  sum->set_divergent(sum->divergent() + add.divergent());
+}
+
 }  // namespace shardcoord

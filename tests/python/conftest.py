@@ -18,6 +18,17 @@ def _wait_for(predicate, timeout, what):
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
+def stop_process(proc, grace):
+    """SIGTERM, then SIGKILL if it is still running after `grace` seconds."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
 class Daemon:
     """`listen` 127.0.0.1:0 picks a port; a restart passes the address of the daemon it replaces."""
 
@@ -36,13 +47,7 @@ class Daemon:
         self.address = self.addr_file.read_text().strip()
 
     def stop(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        stop_process(self.proc, grace=10)
         self.err.close()
 
 

@@ -23,7 +23,7 @@ import urllib.request
 import pytest
 
 import shardcoord
-from conftest import Daemon
+from conftest import Daemon, stop_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRAPE_JOB = "shardcoordd"
@@ -128,13 +128,7 @@ class Prometheus:
         raise AssertionError(f"timed out after {timeout} s waiting for {what}: `{expr}` returned nothing")
 
     def stop(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        stop_process(self.proc, grace=20)
 
 
 def start_trainer(daemon, tmp_path):

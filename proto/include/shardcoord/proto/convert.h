@@ -46,6 +46,14 @@ std::string StateName(v1::RankState s);
 std::string StateName(v1::GroupState s);
 std::string StateName(v1::CommState s);
 
+// Whether a job is over (the status page and `shardctl watch` show it collapsed, after the live
+// ones): no rank is live and none waits to resume, and some rank left or died (a job whose
+// counts say nothing is shown in full rather than hidden).
+bool JobIsOver(const v1::JobStatus& job);
+
+// Adds every count of `add` to `sum` (decisions by kind, divergent ones).
+void AddDecisionCounts(const v1::DecisionCounts& add, v1::DecisionCounts* sum);
+
 }  // namespace shardcoord
 
 #endif  // SHARDCOORD_PROTO_CONVERT_H_
