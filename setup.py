@@ -1,9 +1,10 @@
 """How `pip install .` builds shardcoord's native parts (the metadata is in pyproject.toml).
 
-The package directory of the wheel holds the Python modules (python/shardcoord/*.py), the
-binding ``_shardcoord<EXT_SUFFIX>`` built for the interpreter that runs pip, and the worker
-library it links (``libshardcoord_worker.so.0``); the binding finds that library beside itself
-($ORIGIN), so neither PYTHONPATH nor LD_LIBRARY_PATH is needed. Two ways to get them:
+The package directory of the wheel holds the Python modules (python/shardcoord/*.py, and
+python/shardcoord/torch/ for the subpackage shardcoord.torch), the binding
+``_shardcoord<EXT_SUFFIX>`` built for the interpreter that runs pip, and the worker library it
+links (``libshardcoord_worker.so.0``); the binding finds that library beside itself ($ORIGIN), so
+neither PYTHONPATH nor LD_LIBRARY_PATH is needed. Two ways to get them:
 
 - From source (default): CMake configures this repository with tests and benchmarks off and
   builds the targets ``shardcoord_python`` (the binding) and ``shardcoord_worker``, for
@@ -97,7 +98,7 @@ class CMakeBuild(build_ext):
         except ImportError:
             sys.exit("setup.py: SHARDCOORD_PREBUILT needs the pybind11 Python package (pip install pybind11)")
         absl = sorted(str(p) for p in lib.glob("libabsl_*.so.*"))
-        ext.sources = [str(ROOT / "python" / "src" / "binding.cc")]
+        ext.sources = sorted(str(p) for p in (ROOT / "python" / "src").glob("*.cc"))
         ext.include_dirs = [pybind11.get_include(), str(ROOT / "worker" / "include"),
                             str(ROOT / "contract" / "include"), str(include)]
         ext.extra_compile_args = ["-std=c++17", "-O2", "-fvisibility=hidden"]

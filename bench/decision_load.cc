@@ -31,7 +31,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
-#include "coordinator/coordinator_server.h"
+#include "coordinator/server/coordinator_server.h"
 #include "shardcoord/internal/logging.h"
 #include "shardcoord/v1/coordinator.grpc.pb.h"
 
@@ -166,7 +166,7 @@ class SimRank final : public grpc::ClientBidiReactor<v1::WorkerMessage, v1::Coor
     while (next_plan_ < limit && next_plan_ - first < shared_->batch &&
            next_plan_ - received_ < shared_->lookahead) {
       const int mb = next_plan_++;
-      auto* p = m.mutable_plans()->add_plans();
+      auto* p = m.mutable_bundle()->mutable_plans()->add_plans();
       p->set_step(mb / 4);
       p->set_microbatch(mb % 4);
       // Divergent now and then, so every decision path is exercised.
@@ -194,8 +194,10 @@ class SimRank final : public grpc::ClientBidiReactor<v1::WorkerMessage, v1::Coor
     queue_.pop_front();
     // Coalesce queued plans into one message, as the worker library does.
     const int64_t now = NowNs();
-    while (p.msg.has_plans() && !queue_.empty() && queue_.front().msg.has_plans()) {
-      for (const auto& plan : queue_.front().msg.plans().plans()) *p.msg.mutable_plans()->add_plans() = plan;
+    while (p.msg.has_bundle() && !queue_.empty() && queue_.front().msg.has_bundle()) {
+      for (const auto& plan : queue_.front().msg.bundle().plans().plans()) {
+        *p.msg.mutable_bundle()->mutable_plans()->add_plans() = plan;
+      }
       for (int i = 0; i < queue_.front().n; ++i) shared_->AtomicMax(shared_->last_send[queue_.front().slot + i], now);
       queue_.pop_front();
     }

@@ -74,7 +74,7 @@ int NonReader(v1::Coordinator::Stub& stub, const Args& a) {
   while (std::chrono::steady_clock::now() < until) {
     v1::WorkerMessage m;
     for (int i = 0; i < a.lookahead; ++i) {
-      auto* p = m.mutable_plans()->add_plans();
+      auto* p = m.mutable_bundle()->mutable_plans()->add_plans();
       p->set_step(step++);
       (*p->mutable_calls())["vision_tower"] = 1;
     }

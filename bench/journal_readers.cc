@@ -22,7 +22,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "coordinator/event_journal.h"
+#include "coordinator/journal/event_journal.h"
 
 namespace {
 

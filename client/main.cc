@@ -15,15 +15,20 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
-#include <limits>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
+#include <limits>
+#include <memory>
 #include <optional>
 #include <set>
 #include <sstream>
+#include <string>
+#include <vector>
 
+#include "absl/status/statusor.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -409,230 +414,317 @@ int CmdWatch(Client& client, const std::string& job, int interval_ms, int count)
   return shardcoord::client::RunWatch(fetch, client.address, absl::Milliseconds(interval_ms), count);
 }
 
-}  // namespace
+// The options of the query commands (status, ranks, groups, decisions, comms, watch, events).
+struct QueryFlags {
+  std::string job;  // --job: only this job (every query).
+  bool json = false;
+  int group = -1;  // decisions
+  int limit = 20;
+  int watch_interval_ms = 1000;  // watch
+  int watch_count = 0;
+  uint64_t after = 0;  // events
+  int event_limit = 100;
+  std::string since, kind;
+};
 
-int main(int argc, char** argv) {
-  CLI::App app{"shardctl: query a shardcoord coordinator, or replay a plan trace through one"};
+// The options of `shardctl replay` as given; ReplayOptionsFrom checks and completes them.
+struct ReplayFlags {
+  std::string trace_path, ranks_arg, modules_arg, manifest_path, policy, fallback, output;
+  shardcoord::client::ReplayOptions ro;  // What the flags set directly.
+  int interval_ms = 0;
+  int decision_timeout_ms = 60000;
+  int connect_timeout_ms = 10000;
+  int reconnect_window_ms = static_cast<int>(absl::ToInt64Milliseconds(shardcoord::kDefaultReconnectWindow));
+  bool no_outer = false;
+};
+
+struct VerifyFlags {
+  std::vector<std::string> files;
+  bool complete = false;
+};
+
+// Everything the command line says.
+struct CliOptions {
+  std::string address;  // --coordinator; empty: $SHARDCOORD_ADDR, then kDefaultAddress.
+  shardcoord::TlsFiles tls;
+  int timeout_ms = 5000;
+  QueryFlags query;
+  ReplayFlags replay;
+  VerifyFlags verify;
+};
+
+// The subcommands, to tell which one was given.
+struct Commands {
+  CLI::App* status = nullptr;
+  CLI::App* ranks = nullptr;
+  CLI::App* groups = nullptr;
+  CLI::App* decisions = nullptr;
+  CLI::App* comms = nullptr;
+  CLI::App* watch = nullptr;
+  CLI::App* events = nullptr;
+  CLI::App* replay = nullptr;
+  CLI::App* verify = nullptr;
+  // The commands an unknown command's error lists.
+  std::vector<CLI::App*> Listed() const { return {status, ranks, groups, decisions, comms, watch, events, replay, verify}; }
+};
+
+void AddGlobalOptions(CLI::App& app, CliOptions* o) {
   app.set_version_flag("--version", std::string("shardctl ") + shardcoord::kVersion);
   app.require_subcommand(1);
   // Global options also work after the subcommand: `shardctl status --coordinator ADDR`.
   app.fallthrough();
-  Client client;
-  std::string address;
-  // $SHARDCOORD_ADDR is read below, not with envname(), so that an error names its source.
-  app.add_option("--coordinator", address,
+  // $SHARDCOORD_ADDR is read by ResolveAddress, not with envname(), so that an error names its source.
+  app.add_option("--coordinator", o->address,
                  "coordinator HOST:PORT or [IPV6]:PORT (default $SHARDCOORD_ADDR, then 127.0.0.1:7871)");
-  app.add_option("--tls-ca", client.tls.ca_file, "PEM CA bundle that signed the coordinator's certificate (TLS; "
+  app.add_option("--tls-ca", o->tls.ca_file, "PEM CA bundle that signed the coordinator's certificate (TLS; "
                  "default $SHARDCOORD_TLS_CA)");
-  app.add_option("--tls-cert", client.tls.cert_file, "PEM client certificate, for mutual TLS (default $SHARDCOORD_TLS_CERT)");
-  app.add_option("--tls-key", client.tls.key_file, "PEM key of --tls-cert (default $SHARDCOORD_TLS_KEY)");
-  app.add_option("--tls-server-name", client.tls.server_name,
+  app.add_option("--tls-cert", o->tls.cert_file, "PEM client certificate, for mutual TLS (default $SHARDCOORD_TLS_CERT)");
+  app.add_option("--tls-key", o->tls.key_file, "PEM key of --tls-cert (default $SHARDCOORD_TLS_KEY)");
+  app.add_option("--tls-server-name", o->tls.server_name,
                  "name the coordinator's certificate must carry, if not the host dialled ($SHARDCOORD_TLS_SERVER_NAME)");
-  app.add_option("--timeout-ms", client.timeout_ms, "deadline of each query RPC")
+  app.add_option("--timeout-ms", o->timeout_ms, "deadline of each query RPC")
       ->check(CLI::Range(1, kMaxTimeoutMs));
-  std::string job;
-  bool json = false;
-  auto add_common = [&](CLI::App* sub) {
-    sub->add_option("--job", job, "only this job id");
-    sub->add_flag("--json", json, "print JSON (protobuf JSON mapping, snake_case fields)");
-  };
+}
 
-  auto* status = app.add_subcommand("status", "coordinator and job summary");
-  add_common(status);
-  auto* ranks = app.add_subcommand("ranks", "every rank: state, heartbeat age, plans, why dead");
-  add_common(ranks);
-  auto* groups = app.add_subcommand("groups", "every shard group: state, epoch, decisions by kind");
-  add_common(groups);
-  auto* decisions = app.add_subcommand("decisions", "recent decisions per group");
-  add_common(decisions);
-  int group = -1, limit = 20;
-  decisions->add_option("--group", group, "only this group (default: all)");
-  decisions->add_option("--limit", limit, "most recent decisions per group")->check(CLI::Range(1, kMaxLimit));
-  auto* comms = app.add_subcommand("comms", "every communicator: epoch, state, members, why aborted");
-  add_common(comms);
-  auto* watch = app.add_subcommand("watch", "live view that redraws in place, like top (keys: h help, s sort, f filter "
-                                               "by job, arrows scroll, r refresh, q or Ctrl-C quits); plain frames "
-                                               "when output is not a terminal");
-  add_common(watch);
-  int watch_interval_ms = 1000, watch_count = 0;
-  watch->add_option("--interval-ms", watch_interval_ms, "refresh interval")->check(CLI::Range(50, 3600000));
-  watch->add_option("--count", watch_count, "stop after this many frames (default: until q or Ctrl-C)")
+// A query subcommand with the options every query has.
+CLI::App* AddQuery(CLI::App& app, const std::string& name, const std::string& description, QueryFlags* q) {
+  CLI::App* sub = app.add_subcommand(name, description);
+  sub->add_option("--job", q->job, "only this job id");
+  sub->add_flag("--json", q->json, "print JSON (protobuf JSON mapping, snake_case fields)");
+  return sub;
+}
+
+CLI::App* AddDecisionsCommand(CLI::App& app, QueryFlags* q) {
+  CLI::App* decisions = AddQuery(app, "decisions", "recent decisions per group", q);
+  decisions->add_option("--group", q->group, "only this group (default: all)");
+  decisions->add_option("--limit", q->limit, "most recent decisions per group")->check(CLI::Range(1, kMaxLimit));
+  return decisions;
+}
+
+CLI::App* AddWatchCommand(CLI::App& app, QueryFlags* q) {
+  CLI::App* watch = AddQuery(app, "watch", "live view that redraws in place, like top (keys: h help, s sort, f filter "
+                                           "by job, arrows scroll, r refresh, q or Ctrl-C quits); plain frames "
+                                           "when output is not a terminal", q);
+  watch->add_option("--interval-ms", q->watch_interval_ms, "refresh interval")->check(CLI::Range(50, 3600000));
+  watch->add_option("--count", q->watch_count, "stop after this many frames (default: until q or Ctrl-C)")
       ->check(CLI::NonNegativeNumber);
-  auto* events = app.add_subcommand("events", "the event journal (registrations, deaths, failures)");
-  add_common(events);
-  uint64_t after = 0;
-  int event_limit = 100;
-  events->add_option("--after", after, "only events with a larger id");
-  std::string since, kind;
-  events->add_option("--since", since, "only events since this long ago (90m, 24h) or this time (RFC 3339)");
-  events->add_option("--kind", kind, "only events of this kind (rank_dead, group_failed, rank_registered, ...)");
-  events->add_option("--limit", event_limit, "at most this many events (a page: 1..10000; --after pages on)")
-      ->check(CLI::Range(1, 10000));
+  return watch;
+}
 
-  auto* replay = app.add_subcommand("replay", "play simulated ranks from a JSON-lines trace through a coordinator");
-  std::string trace_path, ranks_arg, modules_arg, manifest_path, policy = "", fallback = "", output;
-  shardcoord::client::ReplayOptions ro;
-  int interval_ms = 0, decision_timeout_ms = 60000;
-  bool no_outer = false;
-  replay->add_option("trace", trace_path, "trace file, JSON lines ('-' for stdin)")->required();
-  replay->add_option("--job-id", ro.job_id, "job id to register (default 'replay')");
-  replay->add_option("--world-size", ro.world_size, "ranks in the job (default: highest rank in the trace + 1)")
-      ->check(CLI::Range(1, shardcoord::client::kMaxReplayWorldSize));
-  replay->add_option("--group-size", ro.group_size, "shard group size (default: world size)")
-      ->check(CLI::Range(1, shardcoord::client::kMaxReplayWorldSize));
-  int connect_timeout_ms = 10000;
-  int reconnect_window_ms = static_cast<int>(absl::ToInt64Milliseconds(shardcoord::kDefaultReconnectWindow));
-  replay->add_option("--reconnect-window-ms", reconnect_window_ms,
+CLI::App* AddEventsCommand(CLI::App& app, QueryFlags* q) {
+  CLI::App* events = AddQuery(app, "events", "the event journal (registrations, deaths, failures)", q);
+  events->add_option("--after", q->after, "only events with a larger id");
+  events->add_option("--since", q->since, "only events since this long ago (90m, 24h) or this time (RFC 3339)");
+  events->add_option("--kind", q->kind, "only events of this kind (rank_dead, group_failed, rank_registered, ...)");
+  events->add_option("--limit", q->event_limit, "at most this many events (a page: 1..10000; --after pages on)")
+      ->check(CLI::Range(1, 10000));
+  return events;
+}
+
+void AddQueryCommands(CLI::App& app, QueryFlags* q, Commands* c) {
+  c->status = AddQuery(app, "status", "coordinator and job summary", q);
+  c->ranks = AddQuery(app, "ranks", "every rank: state, heartbeat age, plans, why dead", q);
+  c->groups = AddQuery(app, "groups", "every shard group: state, epoch, decisions by kind", q);
+  c->decisions = AddDecisionsCommand(app, q);
+  c->comms = AddQuery(app, "comms", "every communicator: epoch, state, members, why aborted", q);
+  c->watch = AddWatchCommand(app, q);
+  c->events = AddEventsCommand(app, q);
+}
+
+// The replay's job: what its ranks register, and how they reach the coordinator.
+void AddReplayJobOptions(CLI::App* replay, ReplayFlags* f) {
+  using shardcoord::client::kMaxReplayWorldSize;
+  replay->add_option("trace", f->trace_path, "trace file, JSON lines ('-' for stdin)")->required();
+  replay->add_option("--job-id", f->ro.job_id, "job id to register (default 'replay')");
+  replay->add_option("--world-size", f->ro.world_size, "ranks in the job (default: highest rank in the trace + 1)")
+      ->check(CLI::Range(1, kMaxReplayWorldSize));
+  replay->add_option("--group-size", f->ro.group_size, "shard group size (default: world size)")
+      ->check(CLI::Range(1, kMaxReplayWorldSize));
+  replay->add_option("--reconnect-window-ms", f->reconnect_window_ms,
                      "after losing the coordinator, how long each rank reconnects and resumes before failing (0: fail at once)")
       ->check(CLI::NonNegativeNumber);
-  replay->add_option("--connect-timeout-ms", connect_timeout_ms, "deadline to reach the coordinator and register")
+  replay->add_option("--connect-timeout-ms", f->connect_timeout_ms, "deadline to reach the coordinator and register")
       ->check(CLI::Range(1, kMaxTimeoutMs));
-  replay->add_option("--policy", policy, "auto, per_layer, root or replicate (default: the coordinator's)")
+  replay->add_option("--policy", f->policy, "auto, per_layer, root or replicate (default: the coordinator's)")
       ->check(CLI::IsMember({"auto", "per_layer", "root", "replicate"}));
-  replay->add_option("--fallback", fallback, "root or replicate (default: the coordinator's)")
+  replay->add_option("--fallback", f->fallback, "root or replicate (default: the coordinator's)")
       ->check(CLI::IsMember({"root", "replicate"}));
-  replay->add_option("--modules", modules_arg, "controlled module names, comma-separated (default: those in the trace)");
-  replay->add_option("--manifest", manifest_path, "manifest JSON file instead of --modules")->check(CLI::ExistingFile);
-  replay->add_flag("--no-outer-root", no_outer, "register wrap_outer_model=false");
-  replay->add_option("--ranks", ranks_arg, "play only these ranks, e.g. 0,1,5 (default: all)");
-  replay->add_option("--interval-ms", interval_ms, "pause between a rank's microbatches, like a trainer")
-      ->check(CLI::Range(0, kMaxTimeoutMs));
-  replay->add_option("--lookahead", ro.lookahead, "plans each rank reports ahead")->check(CLI::Range(1, kMaxLimit));
-  replay->add_option("--memory-budget-bytes", ro.memory_budget_bytes, "reported per rank, enables auto promotion");
-  replay->add_option("--decision-timeout-ms", decision_timeout_ms, "deadline for each decision")
-      ->check(CLI::Range(1, kMaxTimeoutMs));
-  replay->add_flag("--per-rank", ro.per_rank, "one line per rank: what each rank received");
-  replay->add_option("--output", output, "write decisions here instead of stdout");
+  replay->add_option("--modules", f->modules_arg, "controlled module names, comma-separated (default: those in the trace)");
+  replay->add_option("--manifest", f->manifest_path, "manifest JSON file instead of --modules")->check(CLI::ExistingFile);
+  replay->add_flag("--no-outer-root", f->no_outer, "register wrap_outer_model=false");
+}
 
-  auto* verify = app.add_subcommand(
+// How the replay plays: which ranks, at what pace, and where its decisions go.
+void AddReplayRunOptions(CLI::App* replay, ReplayFlags* f) {
+  replay->add_option("--ranks", f->ranks_arg, "play only these ranks, e.g. 0,1,5 (default: all)");
+  replay->add_option("--interval-ms", f->interval_ms, "pause between a rank's microbatches, like a trainer")
+      ->check(CLI::Range(0, kMaxTimeoutMs));
+  replay->add_option("--lookahead", f->ro.lookahead, "plans each rank reports ahead")->check(CLI::Range(1, kMaxLimit));
+  replay->add_option("--memory-budget-bytes", f->ro.memory_budget_bytes, "reported per rank, enables auto promotion");
+  replay->add_option("--decision-timeout-ms", f->decision_timeout_ms, "deadline for each decision")
+      ->check(CLI::Range(1, kMaxTimeoutMs));
+  replay->add_flag("--per-rank", f->ro.per_rank, "one line per rank: what each rank received");
+  replay->add_option("--output", f->output, "write decisions here instead of stdout");
+}
+
+CLI::App* AddVerifyCommand(CLI::App& app, VerifyFlags* v) {
+  CLI::App* verify = app.add_subcommand(
       "verify", "check that per-rank replay outputs (--per-rank) of one job agree within each group");
-  std::vector<std::string> verify_files;
-  verify->add_option("files", verify_files, "outputs of `shardctl replay --per-rank`")->required()->check(CLI::ExistingFile);
-  bool verify_complete = false;
-  verify->add_flag("--complete", verify_complete,
+  verify->add_option("files", v->files, "outputs of `shardctl replay --per-rank`")->required()->check(CLI::ExistingFile);
+  verify->add_flag("--complete", v->complete,
                    "also fail (exit 3) when a rank's output lacks a decision its group mates received (a rank "
                    "that failed or was killed lacks some legitimately; without the flag they are counted)");
+  return verify;
+}
 
-  const std::vector<CLI::App*> commands = {status, ranks, groups, decisions, comms, events, replay, verify};
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    if (dynamic_cast<const CLI::RequiredError*>(&e) != nullptr && app.get_subcommands().empty()) {
-      // CLI11 would only say "A subcommand is required", also for `shardctl bogus`.
-      std::vector<std::string> names;
-      for (const CLI::App* cmd : commands) names.push_back(cmd->get_name());
-      std::string unknown;
-      for (const std::string& arg : app.remaining()) {
-        if (!absl::StartsWith(arg, "-")) {
-          unknown = arg;
-          break;
-        }
-      }
-      std::cerr << "shardctl: "
-                << (unknown.empty() ? std::string("no command given")
-                                    : absl::StrCat("unknown command '", unknown, "'"))
-                << "; the commands are " << absl::StrJoin(names, ", ") << " (shardctl --help)\n";
-      return kExitUsage;
-    }
+// Defines every option and subcommand, bound to `o`.
+Commands DefineCommandLine(CLI::App& app, CliOptions* o) {
+  Commands c;
+  AddGlobalOptions(app, o);
+  AddQueryCommands(app, &o->query, &c);
+  c.replay = app.add_subcommand("replay", "play simulated ranks from a JSON-lines trace through a coordinator");
+  AddReplayJobOptions(c.replay, &o->replay);
+  AddReplayRunOptions(c.replay, &o->replay);
+  c.verify = AddVerifyCommand(app, &o->verify);
+  return c;
+}
+
+// The exit code of a command line CLI11 refused (or of --help, --version).
+int ParseFailure(CLI::App& app, const CLI::ParseError& e, const Commands& c) {
+  if (dynamic_cast<const CLI::RequiredError*>(&e) == nullptr || !app.get_subcommands().empty()) {
     return app.exit(e) == 0 ? kExitOk : kExitUsage;
   }
-  if (verify->parsed()) {
-    return shardcoord::client::VerifyPerRankOutputs(verify_files, std::cout, std::cerr, verify_complete);
+  // CLI11 would only say "A subcommand is required", also for `shardctl bogus`.
+  std::vector<std::string> names;
+  for (const CLI::App* cmd : c.Listed()) names.push_back(cmd->get_name());
+  std::string unknown;
+  for (const std::string& arg : app.remaining()) {
+    if (!absl::StartsWith(arg, "-")) {
+      unknown = arg;
+      break;
+    }
   }
-  if (replay->parsed() && std::getenv(shardcoord::logging::kLevelEnv) == nullptr) {
-    // The embedded coordinator and the simulated workers log only problems by default.
-    shardcoord::logging::SetLevel("warn");
-  }
-  // Every command from here on talks to a coordinator (verify, which does not, returned).
-  std::string address_source = "--coordinator";
-  if (address.empty()) {
+  std::cerr << "shardctl: "
+            << (unknown.empty() ? std::string("no command given") : absl::StrCat("unknown command '", unknown, "'"))
+            << "; the commands are " << absl::StrJoin(names, ", ") << " (shardctl --help)\n";
+  return kExitUsage;
+}
+
+// Completes `address` from $SHARDCOORD_ADDR when --coordinator is not given (it stays empty
+// when neither is). False, and one line on stderr, when it is not HOST:PORT or [IPV6]:PORT.
+bool ResolveAddress(std::string* address) {
+  std::string source = "--coordinator";
+  if (address->empty()) {
     const char* env = std::getenv(kAddressEnv);
-    if (env != nullptr) address = env;
-    address_source = kAddressEnv;
+    if (env != nullptr) *address = env;
+    source = kAddressEnv;
   }
-  if (!address.empty()) {
-    if (std::string problem = AddressProblem(address); !problem.empty()) {
-      std::cerr << "shardctl: " << address_source << " '" << address << "' is not a coordinator address: "
-                << problem << "; expected HOST:PORT or [IPV6]:PORT with a port in 1..65535, e.g. "
-                << kDefaultAddress << "\n";
-      return kExitUsage;
-    }
-  }
-  client.address = address.empty() ? kDefaultAddress : address;
+  if (address->empty()) return true;
+  const std::string problem = AddressProblem(*address);
+  if (problem.empty()) return true;
+  std::cerr << "shardctl: " << source << " '" << *address << "' is not a coordinator address: " << problem
+            << "; expected HOST:PORT or [IPV6]:PORT with a port in 1..65535, e.g. " << kDefaultAddress << "\n";
+  return false;
+}
 
-  if (replay->parsed()) {
-    ro.coordinator = address;  // Empty: embedded coordinator.
-    if (!policy.empty()) ro.policy = *shardcoord::ParsePolicy(policy);
-    if (!fallback.empty()) ro.fallback = *shardcoord::ParseFallback(fallback);
-    ro.wrap_outer_model = !no_outer;
-    ro.interval = absl::Milliseconds(interval_ms);
-    ro.decision_timeout = absl::Milliseconds(decision_timeout_ms);
-    ro.connect_timeout = absl::Milliseconds(connect_timeout_ms);
-    ro.reconnect_window = absl::Milliseconds(reconnect_window_ms);
-    ro.tls = client.tls;
-    if (!ranks_arg.empty()) {
-      for (absl::string_view part : absl::StrSplit(ranks_arg, ',', absl::SkipEmpty())) {
-        int r;
-        if (!absl::SimpleAtoi(part, &r)) {
-          std::cerr << "shardctl replay: --ranks '" << ranks_arg << "' must be comma-separated integers\n";
-          return shardcoord::client::kReplayBadInput;
-        }
-        ro.ranks.push_back(r);
-      }
+// --ranks: comma-separated integers. False, and one line on stderr, when it is not.
+bool ParseRanks(const std::string& ranks_arg, std::vector<int>* ranks) {
+  for (absl::string_view part : absl::StrSplit(ranks_arg, ',', absl::SkipEmpty())) {
+    int r;
+    if (!absl::SimpleAtoi(part, &r)) {
+      std::cerr << "shardctl replay: --ranks '" << ranks_arg << "' must be comma-separated integers\n";
+      return false;
     }
-    if (!manifest_path.empty() && !modules_arg.empty()) {
-      std::cerr << "shardctl replay: give --modules or --manifest, not both\n";
-      return shardcoord::client::kReplayBadInput;
-    }
-    if (!manifest_path.empty()) {
-      std::ifstream mf(manifest_path);
-      std::stringstream ss;
-      ss << mf.rdbuf();
-      auto manifest = shardcoord::client::ParseManifest(ss.str(), manifest_path);
-      if (!manifest.ok()) {
-        std::cerr << "shardctl replay: " << manifest.status().message() << "\n";
-        return shardcoord::client::kReplayBadInput;
-      }
-      ro.modules = *manifest;
-    }
-    for (absl::string_view name : absl::StrSplit(modules_arg, ',', absl::SkipEmpty())) {
-      ro.modules.push_back({std::string(name), 0, {}, false});
-    }
-    {
-      std::set<std::string> seen;
-      for (const auto& m : ro.modules) {
-        if (m.name.empty() || !seen.insert(m.name).second) {
-          std::cerr << "shardctl replay: module '" << m.name << "' is empty or given twice\n";
-          return shardcoord::client::kReplayBadInput;
-        }
-      }
-    }
-    absl::StatusOr<shardcoord::client::Trace> trace;
-    if (trace_path == "-") {
-      trace = shardcoord::client::ParseTrace(std::cin, "<stdin>");
-    } else {
-      std::ifstream in(trace_path);
-      if (!in) {
-        std::cerr << "shardctl replay: cannot read trace " << trace_path << "\n";
-        return shardcoord::client::kReplayBadInput;
-      }
-      trace = shardcoord::client::ParseTrace(in, trace_path);
-    }
-    if (!trace.ok()) {
-      std::cerr << "shardctl replay: " << trace.status().message() << "\n";
-      return shardcoord::client::kReplayBadInput;
-    }
-    if (!output.empty()) {
-      std::ofstream out(output);
-      if (!out) {
-        std::cerr << "shardctl replay: cannot write " << output << "\n";
-        return shardcoord::client::kReplayBadInput;
-      }
-      return shardcoord::client::RunReplay(*trace, ro, out, std::cerr);
-    }
-    return shardcoord::client::RunReplay(*trace, ro, std::cout, std::cerr);
+    ranks->push_back(r);
   }
+  return true;
+}
 
+absl::StatusOr<std::vector<shardcoord::ModuleSpec>> ReadManifest(const std::string& path) {
+  std::ifstream mf(path);
+  std::stringstream ss;
+  ss << mf.rdbuf();
+  return shardcoord::client::ParseManifest(ss.str(), path);
+}
+
+// The modules of --manifest or --modules (none: the trace's). False, and one line on stderr,
+// when both are given, the manifest is bad, or a name is empty or given twice.
+bool ReadModules(const ReplayFlags& f, std::vector<shardcoord::ModuleSpec>* modules) {
+  if (!f.manifest_path.empty() && !f.modules_arg.empty()) {
+    std::cerr << "shardctl replay: give --modules or --manifest, not both\n";
+    return false;
+  }
+  if (!f.manifest_path.empty()) {
+    auto manifest = ReadManifest(f.manifest_path);
+    if (!manifest.ok()) {
+      std::cerr << "shardctl replay: " << manifest.status().message() << "\n";
+      return false;
+    }
+    *modules = *manifest;
+  }
+  for (absl::string_view name : absl::StrSplit(f.modules_arg, ',', absl::SkipEmpty())) {
+    modules->push_back({std::string(name), 0, {}, false});
+  }
+  std::set<std::string> seen;
+  for (const auto& m : *modules) {
+    if (m.name.empty() || !seen.insert(m.name).second) {
+      std::cerr << "shardctl replay: module '" << m.name << "' is empty or given twice\n";
+      return false;
+    }
+  }
+  return true;
+}
+
+// The replay's options from its flags; nullopt (and one line on stderr) on bad input.
+std::optional<shardcoord::client::ReplayOptions> ReplayOptionsFrom(const ReplayFlags& f, const std::string& address,
+                                                                   const shardcoord::TlsFiles& tls) {
+  shardcoord::client::ReplayOptions ro = f.ro;
+  ro.coordinator = address;  // Empty: embedded coordinator.
+  if (!f.policy.empty()) ro.policy = *shardcoord::ParsePolicy(f.policy);
+  if (!f.fallback.empty()) ro.fallback = *shardcoord::ParseFallback(f.fallback);
+  ro.wrap_outer_model = !f.no_outer;
+  ro.interval = absl::Milliseconds(f.interval_ms);
+  ro.decision_timeout = absl::Milliseconds(f.decision_timeout_ms);
+  ro.connect_timeout = absl::Milliseconds(f.connect_timeout_ms);
+  ro.reconnect_window = absl::Milliseconds(f.reconnect_window_ms);
+  ro.tls = tls;
+  if (!f.ranks_arg.empty() && !ParseRanks(f.ranks_arg, &ro.ranks)) return std::nullopt;
+  if (!ReadModules(f, &ro.modules)) return std::nullopt;
+  return ro;
+}
+
+// The trace from a file, or from stdin for "-".
+absl::StatusOr<shardcoord::client::Trace> ReadTrace(const std::string& path) {
+  if (path == "-") return shardcoord::client::ParseTrace(std::cin, "<stdin>");
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read trace ", path));
+  return shardcoord::client::ParseTrace(in, path);
+}
+
+int CmdReplay(const ReplayFlags& f, const std::string& address, const shardcoord::TlsFiles& tls) {
+  using shardcoord::client::kReplayBadInput;
+  const std::optional<shardcoord::client::ReplayOptions> ro = ReplayOptionsFrom(f, address, tls);
+  if (!ro) return kReplayBadInput;
+  const absl::StatusOr<shardcoord::client::Trace> trace = ReadTrace(f.trace_path);
+  if (!trace.ok()) {
+    std::cerr << "shardctl replay: " << trace.status().message() << "\n";
+    return kReplayBadInput;
+  }
+  if (f.output.empty()) return shardcoord::client::RunReplay(*trace, *ro, std::cout, std::cerr);
+  std::ofstream out(f.output);
+  if (!out) {
+    std::cerr << "shardctl replay: cannot write " << f.output << "\n";
+    return kReplayBadInput;
+  }
+  return shardcoord::client::RunReplay(*trace, *ro, out, std::cerr);
+}
+
+// Connects to the coordinator and runs the query command given.
+int RunQuery(const Commands& c, const CliOptions& o) {
+  Client client;
+  client.address = o.address.empty() ? kDefaultAddress : o.address;
+  client.tls = o.tls;
+  client.timeout_ms = o.timeout_ms;
   auto token = shardcoord::ResolveToken("");
   if (!token.ok()) {
     std::cerr << "shardctl: " << token.status().message() << "\n";
@@ -640,12 +732,42 @@ int main(int argc, char** argv) {
   }
   client.token = *token;
   if (!client.Connect()) return kExitUsage;
-  if (status->parsed()) return CmdStatus(client, job, json);
-  if (ranks->parsed()) return CmdRanks(client, job, json);
-  if (groups->parsed()) return CmdGroups(client, job, json);
-  if (decisions->parsed()) return CmdDecisions(client, job, group, limit, json);
-  if (comms->parsed()) return CmdComms(client, job, json);
-  if (watch->parsed()) return CmdWatch(client, job, watch_interval_ms, watch_count);
-  if (events->parsed()) return CmdEvents(client, job, after, event_limit, since, kind, json);
+  const QueryFlags& q = o.query;
+  if (c.status->parsed()) return CmdStatus(client, q.job, q.json);
+  if (c.ranks->parsed()) return CmdRanks(client, q.job, q.json);
+  if (c.groups->parsed()) return CmdGroups(client, q.job, q.json);
+  if (c.decisions->parsed()) return CmdDecisions(client, q.job, q.group, q.limit, q.json);
+  if (c.comms->parsed()) return CmdComms(client, q.job, q.json);
+  if (c.watch->parsed()) return CmdWatch(client, q.job, q.watch_interval_ms, q.watch_count);
+  if (c.events->parsed()) return CmdEvents(client, q.job, q.after, q.event_limit, q.since, q.kind, q.json);
   return kExitOk;
+}
+
+// Runs the command the parsed command line gives.
+int Run(const Commands& c, CliOptions& o) {
+  if (c.verify->parsed()) {
+    return shardcoord::client::VerifyPerRankOutputs(o.verify.files, std::cout, std::cerr, o.verify.complete);
+  }
+  if (c.replay->parsed() && std::getenv(shardcoord::logging::kLevelEnv) == nullptr) {
+    // The embedded coordinator and the simulated workers log only problems by default.
+    shardcoord::logging::SetLevel("warn");
+  }
+  // Every command from here on talks to a coordinator (verify, which does not, returned).
+  if (!ResolveAddress(&o.address)) return kExitUsage;
+  if (c.replay->parsed()) return CmdReplay(o.replay, o.address, o.tls);
+  return RunQuery(c, o);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"shardctl: query a shardcoord coordinator, or replay a plan trace through one"};
+  CliOptions options;
+  const Commands commands = DefineCommandLine(app, &options);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return ParseFailure(app, e, commands);
+  }
+  return Run(commands, options);
 }

@@ -8,13 +8,17 @@
 #include <mutex>
 #include <new>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <set>
 #include <system_error>
 #include <thread>
+#include <tuple>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "coordinator/coordinator_server.h"
+#include "coordinator/server/coordinator_server.h"
 #include "shardcoord/plan_ahead.h"
 #include "shardcoord/worker.h"
 
@@ -88,15 +92,19 @@ class StartGate {
   bool go_ = false;
 };
 
-void PlayRank(const Trace& trace, const ReplayOptions& o, const std::string& address,
-              int world_size, int group_size, StartGate* gate, RankRun* run) {
-  if (!gate->Wait()) return;
+// The sizes the replay registers.
+struct World {
+  int size = 0;
+  int group_size = 0;
+};
+
+WorkerOptions WorkerOptionsFor(const ReplayOptions& o, const std::string& address, const World& world, int rank) {
   WorkerOptions wo;
   wo.coordinator_address = address;
   wo.job_id = o.job_id;
-  wo.rank = run->rank;
-  wo.world_size = world_size;
-  wo.group_size = group_size;
+  wo.rank = rank;
+  wo.world_size = world.size;
+  wo.group_size = world.group_size;
   wo.modules = o.modules;
   wo.policy = o.policy;
   wo.fallback = o.fallback;
@@ -106,18 +114,15 @@ void PlayRank(const Trace& trace, const ReplayOptions& o, const std::string& add
   wo.connect_timeout = o.connect_timeout;
   wo.reconnect_window = o.reconnect_window;
   wo.tls = o.tls;
-  auto worker = Worker::Connect(wo);
-  if (!worker.ok()) {
-    run->failed = true;
-    const absl::StatusCode code = worker.status().code();
-    run->bad_input = code == absl::StatusCode::kInvalidArgument || code == absl::StatusCode::kFailedPrecondition ||
-                     code == absl::StatusCode::kAlreadyExists;
-    run->failure = absl::StrCat("registration failed: ", worker.status().ToString());
-    return;
-  }
+  return wo;
+}
+
+// Plays every microbatch of the trace on `worker`, keeping what it received in `run`; stops
+// at the first error.
+void PlayMicrobatches(const Trace& trace, const ReplayOptions& o, Worker& worker, RankRun* run) {
   const std::vector<MicrobatchKey> keys(trace.keys.begin(), trace.keys.end());
   auto plans_it = trace.plans.find(run->rank);
-  PlanAhead ahead(**worker, static_cast<int64_t>(keys.size()), [&](int64_t i) {
+  PlanAhead ahead(worker, static_cast<int64_t>(keys.size()), [&](int64_t i) {
     MicrobatchPlan plan;
     plan.key = keys[i];
     if (plans_it != trace.plans.end()) {
@@ -131,94 +136,132 @@ void PlayRank(const Trace& trace, const ReplayOptions& o, const std::string& add
     if (!d.ok()) {
       run->failed = true;
       run->failure = absl::StrCat("microbatch ", keys[i].ToString(), ": ", d.status().ToString());
-      (*worker)->Close();
       return;
     }
     run->decisions.push_back(std::move(*d));
     if (o.interval > absl::ZeroDuration() && i + 1 < keys.size()) absl::SleepFor(o.interval);
   }
+}
+
+// One simulated rank's thread: once the gate opens, registers and plays the trace.
+void PlayRank(const Trace& trace, const ReplayOptions& o, const std::string& address, World world,
+              StartGate* gate, RankRun* run) {
+  if (!gate->Wait()) return;
+  auto worker = Worker::Connect(WorkerOptionsFor(o, address, world, run->rank));
+  if (!worker.ok()) {
+    run->failed = true;
+    const absl::StatusCode code = worker.status().code();
+    run->bad_input = code == absl::StatusCode::kInvalidArgument || code == absl::StatusCode::kFailedPrecondition ||
+                     code == absl::StatusCode::kAlreadyExists;
+    run->failure = absl::StrCat("registration failed: ", worker.status().ToString());
+    return;
+  }
+  PlayMicrobatches(trace, o, **worker, run);
   (*worker)->Close();
 }
 
-}  // namespace
-
-int RunReplay(const Trace& trace, ReplayOptions o, std::ostream& out, std::ostream& err) {
+// The world and group sizes from the options and the trace; false (and one line on `err`)
+// when they do not fit each other or the trace.
+bool ResolveWorld(const Trace& trace, const ReplayOptions& o, std::ostream& err, World* world) {
   if (o.world_size <= 0 && int64_t{trace.max_rank} + 1 > kMaxReplayWorldSize) {
     err << "shardctl replay: the trace names rank " << trace.max_rank << ", so the world would have "
         << int64_t{trace.max_rank} + 1 << " ranks; a replay registers at most " << kMaxReplayWorldSize << "\n";
-    return kReplayBadInput;
+    return false;
   }
-  const int world_size = o.world_size > 0 ? o.world_size : trace.max_rank + 1;
-  if (trace.max_rank >= world_size) {
+  world->size = o.world_size > 0 ? o.world_size : trace.max_rank + 1;
+  if (trace.max_rank >= world->size) {
     err << "shardctl replay: the trace names rank " << trace.max_rank << " but --world-size is "
-        << world_size << "\n";
-    return kReplayBadInput;
+        << world->size << "\n";
+    return false;
   }
-  const int group_size = o.group_size > 0 ? o.group_size : world_size;
-  if (world_size % group_size != 0) {
-    err << "shardctl replay: --group-size " << group_size << " does not divide world size "
-        << world_size << "\n";
-    return kReplayBadInput;
+  world->group_size = o.group_size > 0 ? o.group_size : world->size;
+  if (world->size % world->group_size != 0) {
+    err << "shardctl replay: --group-size " << world->group_size << " does not divide world size "
+        << world->size << "\n";
+    return false;
   }
-  if (o.modules.empty()) {
-    for (const auto& name : trace.module_names) o.modules.push_back({name, 0, {}, false});
-  } else {
-    std::set<std::string> known;
-    for (const auto& m : o.modules) known.insert(m.name);
-    for (const auto& name : trace.module_names) {
-      if (!known.count(name)) {
-        err << "shardctl replay: the trace names module '" << name
-            << "' which is not among the modules given [" << absl::StrJoin(known, ", ")
-            << "]; add it to --modules or the manifest\n";
-        return kReplayBadInput;
-      }
+  return true;
+}
+
+// Fills in o->modules (none given: every module the trace names); false (and one line on
+// `err`) when the trace names a module not given.
+bool ResolveModules(const Trace& trace, ReplayOptions* o, std::ostream& err) {
+  if (o->modules.empty()) {
+    for (const auto& name : trace.module_names) o->modules.push_back({name, 0, {}, false});
+    return true;
+  }
+  std::set<std::string> known;
+  for (const auto& m : o->modules) known.insert(m.name);
+  for (const auto& name : trace.module_names) {
+    if (!known.count(name)) {
+      err << "shardctl replay: the trace names module '" << name
+          << "' which is not among the modules given [" << absl::StrJoin(known, ", ")
+          << "]; add it to --modules or the manifest\n";
+      return false;
     }
   }
+  return true;
+}
+
+// Fills in o->ranks (none given: every rank of the world); false (and one line on `err`)
+// when there are more than one process plays or one is outside the world.
+bool ResolveRanks(int world_size, ReplayOptions* o, std::ostream& err) {
   // One thread per simulated rank: refuse what the machine cannot run before starting any.
-  const size_t simulated = o.ranks.empty() ? static_cast<size_t>(world_size) : o.ranks.size();
+  const size_t simulated = o->ranks.empty() ? static_cast<size_t>(world_size) : o->ranks.size();
   if (simulated > static_cast<size_t>(kMaxReplayRanks)) {
     err << "shardctl replay: " << simulated << " ranks to simulate (world size " << world_size
         << ") is over " << kMaxReplayRanks
         << ", the most one replay process plays (one thread per rank); pick ranks with --ranks and run "
            "several replay processes against one coordinator (--coordinator)\n";
-    return kReplayBadInput;
+    return false;
   }
-  if (o.ranks.empty()) {
-    for (int r = 0; r < world_size; ++r) o.ranks.push_back(r);
+  if (o->ranks.empty()) {
+    for (int r = 0; r < world_size; ++r) o->ranks.push_back(r);
   }
-  for (int r : o.ranks) {
+  for (int r : o->ranks) {
     if (r < 0 || r >= world_size) {
       err << "shardctl replay: --ranks names rank " << r << " outside 0.." << world_size - 1 << "\n";
-      return kReplayBadInput;
+      return false;
     }
   }
+  return true;
+}
 
-  std::unique_ptr<coordinator::CoordinatorServer> embedded;
-  std::string address = o.coordinator;
-  if (address.empty()) {
-    coordinator::CoordinatorOptions co;
-    co.listen_address = "127.0.0.1:0";
-    auto server = coordinator::CoordinatorServer::Start(co);
-    if (!server.ok()) {
-      err << "shardctl replay: cannot start the embedded coordinator: " << server.status().message()
-          << "\n";
-      return kReplayRankFailed;
-    }
-    embedded = std::move(*server);
-    address = embedded->address();
+// The coordinator the ranks play against: o.coordinator, or an embedded one on
+// 127.0.0.1:0 when that is empty. False (and one line on `err`) when it cannot start.
+bool StartCoordinator(const ReplayOptions& o, std::ostream& err,
+                      std::unique_ptr<coordinator::CoordinatorServer>* embedded, std::string* address) {
+  *address = o.coordinator;
+  if (!address->empty()) return true;
+  coordinator::CoordinatorOptions co;
+  co.listen_address = "127.0.0.1:0";
+  auto server = coordinator::CoordinatorServer::Start(co);
+  if (!server.ok()) {
+    err << "shardctl replay: cannot start the embedded coordinator: " << server.status().message() << "\n";
+    return false;
   }
+  *embedded = std::move(*server);
+  *address = (*embedded)->address();
+  return true;
+}
 
-  std::vector<RankRun> runs(o.ranks.size());
+// Why the thread of a rank could not be started, after `started` others had been.
+struct ThreadFailure {
+  size_t started = 0;
+  std::error_code error;  // Not e.what(): copying it could need memory there is none of.
+};
+
+// Plays every rank of `runs` (rank and group set), each on a thread of its own, and waits for
+// them. When a thread cannot be started, no rank plays: says which one.
+std::optional<ThreadFailure> PlayRanks(const Trace& trace, const ReplayOptions& o, const std::string& address,
+                                       const World& world, std::vector<RankRun>* runs) {
   std::vector<std::thread> threads;
-  threads.reserve(o.ranks.size());
+  threads.reserve(runs->size());
   StartGate gate;
-  for (size_t i = 0; i < o.ranks.size(); ++i) {
-    runs[i].rank = o.ranks[i];
-    runs[i].group = o.ranks[i] / group_size;
-    std::error_code failure;  // Not e.what(): copying it could need memory there is none of.
+  for (size_t i = 0; i < runs->size(); ++i) {
+    std::error_code failure;
     try {
-      threads.emplace_back(PlayRank, std::cref(trace), std::cref(o), address, world_size, group_size,
-                           &gate, &runs[i]);
+      threads.emplace_back(PlayRank, std::cref(trace), std::cref(o), address, world, &gate, &(*runs)[i]);
     } catch (const std::system_error& e) {  // Out of threads, or of memory for their stacks.
       failure = e.code();
     } catch (const std::bad_alloc&) {
@@ -229,31 +272,36 @@ int RunReplay(const Trace& trace, ReplayOptions o, std::ostream& out, std::ostre
       // std::terminate.
       gate.Open(/*go=*/false);
       for (auto& t : threads) t.join();
-      if (embedded) embedded->Shutdown();
-      err << "shardctl replay: cannot start the thread of rank " << o.ranks[i] << " (" << i << " of "
-          << o.ranks.size() << " started): " << failure.message()
-          << "; play fewer ranks per process with --ranks\n";
-      return kReplayBadInput;
+      return ThreadFailure{i, failure};
     }
   }
   gate.Open(/*go=*/true);
   for (auto& t : threads) t.join();
-  if (embedded) embedded->Shutdown();
+  return std::nullopt;
+}
 
+// Names the ranks that failed on `err`; returns the exit code they make (kReplayOk when
+// none failed) and counts them in *failed_ranks.
+int ReportFailedRanks(const std::vector<RankRun>& runs, std::ostream& err, int* failed_ranks) {
   int rc = kReplayOk;
-  int failed_ranks = 0;
   for (const auto& run : runs) {
     if (run.failed) {
       err << "shardctl replay: rank " << run.rank << " (group " << run.group
           << ") failed after " << run.decisions.size() << " microbatches: " << run.failure << "\n";
-      ++failed_ranks;
+      ++*failed_ranks;
       if (rc != kReplayRankFailed) rc = run.bad_input ? kReplayBadInput : kReplayRankFailed;
     }
   }
+  return rc;
+}
 
-  // The invariant: every played rank of a group holds the identical decision.
-  std::map<std::pair<int, MicrobatchKey>, std::pair<int, const MicrobatchDecision*>> first;
-  bool diverged = false;
+// (group, microbatch) -> the first rank that received its decision, and the decision.
+using GroupDecisions = std::map<std::pair<int, MicrobatchKey>, std::pair<int, const MicrobatchDecision*>>;
+
+// The invariant: every played rank of a group holds the identical decision. Names each
+// divergence on `err` and sets *diverged.
+GroupDecisions CheckAgreement(const std::vector<RankRun>& runs, std::ostream& err, bool* diverged) {
+  GroupDecisions first;
   for (const auto& run : runs) {
     for (const auto& d : run.decisions) {
       auto [it, inserted] = first.try_emplace({run.group, d.key}, run.rank, &d);
@@ -262,38 +310,53 @@ int RunReplay(const Trace& trace, ReplayOptions o, std::ostream& out, std::ostre
             << d.key.ToString() << ": rank " << it->second.first << " got "
             << DescribeModules(*it->second.second) << ", rank " << run.rank << " got "
             << DescribeModules(d) << "\n";
-        diverged = true;
+        *diverged = true;
       }
     }
   }
+  return first;
+}
 
-  std::map<std::string, int64_t> counts;
-  if (o.per_rank) {
-    std::vector<std::tuple<MicrobatchKey, int, const MicrobatchDecision*>> rows;
-    for (const auto& run : runs) {
-      for (const auto& d : run.decisions) rows.emplace_back(d.key, run.rank, &d);
-    }
-    std::sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) {
-      return std::tie(std::get<0>(a), std::get<1>(a)) < std::tie(std::get<0>(b), std::get<1>(b));
-    });
-    for (const auto& [key, rank, d] : rows) {
-      for (const auto& m : d->modules) out << DecisionLine(rank, *d, m) << "\n";
-    }
-  }
-  std::vector<std::tuple<MicrobatchKey, int, const MicrobatchDecision*>> rows;
-  for (const auto& [gk, rd] : first) rows.emplace_back(gk.second, gk.first, rd.second);
-  std::sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) {
+// (microbatch, rank or group, decision) rows, sorted by microbatch, then rank or group.
+using DecisionRows = std::vector<std::tuple<MicrobatchKey, int, const MicrobatchDecision*>>;
+
+void SortRows(DecisionRows* rows) {
+  std::sort(rows->begin(), rows->end(), [](const auto& a, const auto& b) {
     return std::tie(std::get<0>(a), std::get<1>(a)) < std::tie(std::get<0>(b), std::get<1>(b));
   });
+}
+
+// --per-rank: what each rank received, by microbatch, then rank.
+void PrintPerRank(const std::vector<RankRun>& runs, std::ostream& out) {
+  DecisionRows rows;
+  for (const auto& run : runs) {
+    for (const auto& d : run.decisions) rows.emplace_back(d.key, run.rank, &d);
+  }
+  SortRows(&rows);
+  for (const auto& [key, rank, d] : rows) {
+    for (const auto& m : d->modules) out << DecisionLine(rank, *d, m) << "\n";
+  }
+}
+
+// Counts the group decisions by kind (and the divergent ones); prints them unless --per-rank.
+std::map<std::string, int64_t> CountGroupDecisions(const GroupDecisions& first, bool print, std::ostream& out) {
+  std::map<std::string, int64_t> counts;
+  DecisionRows rows;
+  for (const auto& [gk, rd] : first) rows.emplace_back(gk.second, gk.first, rd.second);
+  SortRows(&rows);
   for (const auto& [key, group, d] : rows) {
     for (const auto& m : d->modules) {
       counts[DecisionName(m.decision)]++;
       if (m.reason == DecisionReason::kDivergent) counts["divergent"]++;
-      if (!o.per_rank) out << DecisionLine(/*rank=*/-1, *d, m) << "\n";
+      if (print) out << DecisionLine(/*rank=*/-1, *d, m) << "\n";
     }
   }
-  out.flush();
+  return counts;
+}
 
+// The summary line on `err`.
+void PrintSummary(const Trace& trace, const ReplayOptions& o, const std::vector<RankRun>& runs,
+                  std::map<std::string, int64_t>& counts, bool diverged, int failed_ranks, std::ostream& err) {
   std::set<int> groups;
   for (const auto& run : runs) groups.insert(run.group);
   err << "shardctl replay: job '" << o.job_id << "': ranks " << absl::StrJoin(o.ranks, ",")
@@ -306,66 +369,120 @@ int RunReplay(const Trace& trace, ReplayOptions o, std::ostream& out, std::ostre
                                             " ranks FAILED; the decisions the others received agree")
                              : std::string("every rank of each group received identical decisions"))
       << "\n";
-  if (diverged) return kReplayDiverged;
-  return rc;
 }
 
-int VerifyPerRankOutputs(const std::vector<std::string>& files, std::ostream& out,
-                         std::ostream& err, bool complete) {
+// What the ranks received: checked, printed and summed up. Returns the exit code.
+int ReportRuns(const Trace& trace, const ReplayOptions& o, const std::vector<RankRun>& runs, std::ostream& out,
+               std::ostream& err) {
+  int failed_ranks = 0;
+  const int rc = ReportFailedRanks(runs, err, &failed_ranks);
+  bool diverged = false;
+  const GroupDecisions first = CheckAgreement(runs, err, &diverged);
+  if (o.per_rank) PrintPerRank(runs, out);
+  std::map<std::string, int64_t> counts = CountGroupDecisions(first, /*print=*/!o.per_rank, out);
+  out.flush();
+  PrintSummary(trace, o, runs, counts, diverged, failed_ranks, err);
+  return diverged ? kReplayDiverged : rc;
+}
+
+}  // namespace
+
+int RunReplay(const Trace& trace, ReplayOptions o, std::ostream& out, std::ostream& err) {
+  World world;
+  if (!ResolveWorld(trace, o, err, &world) || !ResolveModules(trace, &o, err) ||
+      !ResolveRanks(world.size, &o, err)) {
+    return kReplayBadInput;
+  }
+  std::unique_ptr<coordinator::CoordinatorServer> embedded;
+  std::string address;
+  if (!StartCoordinator(o, err, &embedded, &address)) return kReplayRankFailed;
+  std::vector<RankRun> runs(o.ranks.size());
+  for (size_t i = 0; i < o.ranks.size(); ++i) {
+    runs[i].rank = o.ranks[i];
+    runs[i].group = o.ranks[i] / world.group_size;
+  }
+  const std::optional<ThreadFailure> failure = PlayRanks(trace, o, address, world, &runs);
+  if (embedded) embedded->Shutdown();
+  if (failure) {
+    err << "shardctl replay: cannot start the thread of rank " << o.ranks[failure->started] << " ("
+        << failure->started << " of " << o.ranks.size() << " started): " << failure->error.message()
+        << "; play fewer ranks per process with --ranks\n";
+    return kReplayBadInput;
+  }
+  return ReportRuns(trace, o, runs, out, err);
+}
+
+namespace {
+
+// (group, step, microbatch, module): one group decision in `shardctl verify`.
+using VerifyKey = std::tuple<int, int64_t, int32_t, std::string>;
+
+// What `shardctl verify` has read so far.
+struct VerifyState {
   struct Seen {
     std::string decision;
     uint64_t seq;
     int rank;
   };
-  // (group, step, microbatch, module) -> first rank's decision, and the ranks that have it.
-  std::map<std::tuple<int, int64_t, int32_t, std::string>, Seen> seen;
-  std::map<std::tuple<int, int64_t, int32_t, std::string>, std::set<int>> holders;
-  std::map<int, std::set<int>> group_ranks;  // The ranks each group's outputs came from.
+  std::map<VerifyKey, Seen> seen;               // The first rank's decision.
+  std::map<VerifyKey, std::set<int>> holders;   // The ranks that have it.
+  std::map<int, std::set<int>> group_ranks;     // The ranks each group's outputs came from.
   std::set<int> ranks;
   int mismatches = 0;
-  for (const auto& path : files) {
-    std::ifstream in(path);
-    if (in.peek() == std::ifstream::traits_type::eof()) {
-      err << "shardctl verify: " << path
-          << " holds no decisions (did that rank fail? see its stderr)\n";
-      return kReplayBadInput;
-    }
-    std::string line;
-    int lineno = 0;
-    while (std::getline(in, line)) {
-      ++lineno;
-      if (line.empty()) continue;
-      nlohmann::json j;
-      try {
-        j = nlohmann::json::parse(line);
-        auto key = std::make_tuple(j.at("group").get<int>(), j.at("step").get<int64_t>(),
-                                   j.at("microbatch").get<int32_t>(), j.at("module").get<std::string>());
-        Seen s{j.at("decision").get<std::string>(), j.at("seq").get<uint64_t>(), j.at("rank").get<int>()};
-        ranks.insert(s.rank);
-        group_ranks[std::get<0>(key)].insert(s.rank);
-        holders[key].insert(s.rank);
-        auto [it, inserted] = seen.try_emplace(key, s);
-        if (!inserted && (it->second.decision != s.decision || it->second.seq != s.seq)) {
-          if (++mismatches <= 10) {
-            err << "shardctl verify: DECISIONS DIVERGED in group " << std::get<0>(key) << " at ("
-                << std::get<1>(key) << "," << std::get<2>(key) << ") module " << std::get<3>(key)
-                << ": rank " << it->second.rank << " got " << it->second.decision << " seq "
-                << it->second.seq << ", rank " << s.rank << " got " << s.decision << " seq " << s.seq
-                << "\n";
-          }
-        }
-      } catch (const nlohmann::json::exception& e) {
-        err << "shardctl verify: " << path << ":" << lineno
-            << ": not a `shardctl replay --per-rank` line (" << e.what() << ")\n";
-        return kReplayBadInput;
-      }
+};
+
+// Adds one `shardctl replay --per-rank` line; names a mismatch on `err` (the first 10).
+// Throws nlohmann::json::exception when it is not such a line.
+void AddPerRankLine(const std::string& line, VerifyState* state, std::ostream& err) {
+  const nlohmann::json j = nlohmann::json::parse(line);
+  VerifyKey key = std::make_tuple(j.at("group").get<int>(), j.at("step").get<int64_t>(),
+                                  j.at("microbatch").get<int32_t>(), j.at("module").get<std::string>());
+  VerifyState::Seen s{j.at("decision").get<std::string>(), j.at("seq").get<uint64_t>(), j.at("rank").get<int>()};
+  state->ranks.insert(s.rank);
+  state->group_ranks[std::get<0>(key)].insert(s.rank);
+  state->holders[key].insert(s.rank);
+  auto [it, inserted] = state->seen.try_emplace(key, s);
+  if (inserted || (it->second.decision == s.decision && it->second.seq == s.seq)) return;
+  if (++state->mismatches <= 10) {
+    err << "shardctl verify: DECISIONS DIVERGED in group " << std::get<0>(key) << " at ("
+        << std::get<1>(key) << "," << std::get<2>(key) << ") module " << std::get<3>(key)
+        << ": rank " << it->second.rank << " got " << it->second.decision << " seq "
+        << it->second.seq << ", rank " << s.rank << " got " << s.decision << " seq " << s.seq
+        << "\n";
+  }
+}
+
+// Reads one rank's output; false (and one line on `err`) when it is empty or not replay output.
+bool ReadPerRankFile(const std::string& path, VerifyState* state, std::ostream& err) {
+  std::ifstream in(path);
+  if (in.peek() == std::ifstream::traits_type::eof()) {
+    err << "shardctl verify: " << path
+        << " holds no decisions (did that rank fail? see its stderr)\n";
+    return false;
+  }
+  std::string line;
+  int lineno = 0;
+  while (std::getline(in, line)) {
+    ++lineno;
+    if (line.empty()) continue;
+    try {
+      AddPerRankLine(line, state, err);
+    } catch (const nlohmann::json::exception& e) {
+      err << "shardctl verify: " << path << ":" << lineno
+          << ": not a `shardctl replay --per-rank` line (" << e.what() << ")\n";
+      return false;
     }
   }
-  // Agreement needs every rank of a group to show the decision: a rank whose output lacks
-  // most microbatches (it failed, or its file was cut) must not pass as agreeing.
+  return true;
+}
+
+// Agreement needs every rank of a group to show the decision: a rank whose output lacks
+// most microbatches (it failed, or its file was cut) must not pass as agreeing. Counts the
+// decisions some rank of a group lacks and names the first 10 on `err`.
+int64_t CountMissing(const VerifyState& state, bool complete, std::ostream& err) {
   int64_t missing = 0;
-  for (const auto& [key, who] : holders) {
-    const std::set<int>& all = group_ranks[std::get<0>(key)];
+  for (const auto& [key, who] : state.holders) {
+    const std::set<int>& all = state.group_ranks.at(std::get<0>(key));
     if (who.size() == all.size()) continue;
     for (int r : all) {
       if (who.count(r) || ++missing > 10) continue;
@@ -374,12 +491,16 @@ int VerifyPerRankOutputs(const std::vector<std::string>& files, std::ostream& ou
           << ", which other ranks of its group received\n";
     }
   }
+  return missing;
+}
+
+void PrintVerifySummary(const VerifyState& state, int64_t missing, bool complete, std::ostream& out) {
   std::map<std::string, int64_t> counts;
-  for (const auto& [key, s] : seen) counts[s.decision]++;
-  out << "verified " << seen.size() << " group decisions from ranks " << absl::StrJoin(ranks, ",")
+  for (const auto& [key, s] : state.seen) counts[s.decision]++;
+  out << "verified " << state.seen.size() << " group decisions from ranks " << absl::StrJoin(state.ranks, ",")
       << ": per_layer=" << counts["per_layer"] << " skip=" << counts["skip"]
       << " root=" << counts["root"] << " replicate=" << counts["replicate"] << "; "
-      << (mismatches ? absl::StrCat(mismatches, " MISMATCHES")
+      << (state.mismatches ? absl::StrCat(state.mismatches, " MISMATCHES")
           : missing && complete
               ? absl::StrCat(missing, " decisions MISSING from some rank's output")
               : absl::StrCat("all ranks of each group agree",
@@ -387,7 +508,19 @@ int VerifyPerRankOutputs(const std::vector<std::string>& files, std::ostream& ou
                                                     "rank that ended early? --complete fails on them)")
                                      : ""))
       << "\n";
-  return mismatches || (missing && complete) ? kReplayDiverged : kReplayOk;
+}
+
+}  // namespace
+
+int VerifyPerRankOutputs(const std::vector<std::string>& files, std::ostream& out,
+                         std::ostream& err, bool complete) {
+  VerifyState state;
+  for (const auto& path : files) {
+    if (!ReadPerRankFile(path, &state, err)) return kReplayBadInput;
+  }
+  const int64_t missing = CountMissing(state, complete, err);
+  PrintVerifySummary(state, missing, complete, out);
+  return state.mismatches || (missing && complete) ? kReplayDiverged : kReplayOk;
 }
 
 }  // namespace shardcoord::client

@@ -11,8 +11,8 @@
 #include <cstdlib>
 #include <string>
 
-#include "coordinator/auth.h"
-#include "coordinator/options.h"
+#include "coordinator/server/auth.h"
+#include "coordinator/settings/options.h"
 #include "shardcoord/internal/logging.h"
 
 extern "C" int LLVMFuzzerInitialize(int*, char***) {

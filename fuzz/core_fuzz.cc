@@ -17,7 +17,7 @@
 #include <tuple>
 #include <type_traits>
 
-#include "coordinator/coordinator_core.h"
+#include "coordinator/core/coordinator_core.h"
 #include "shardcoord/internal/logging.h"
 #include "support/core_fakes.h"
 
@@ -30,6 +30,24 @@ using shardcoord::testing::RecordingSink;
 namespace v1 = shardcoord::v1;
 
 constexpr int kSessions = 8;
+
+// A worker's traffic after its registration travels in bundles (one part each here; the
+// fuzzer's raw bundles mix them).
+v1::WorkerBundle Bundle(const v1::PlanBatch& plans) {
+  v1::WorkerBundle b;
+  *b.mutable_plans() = plans;
+  return b;
+}
+v1::WorkerBundle Bundle(const v1::Heartbeat& heartbeat) {
+  v1::WorkerBundle b;
+  *b.mutable_heartbeat() = heartbeat;
+  return b;
+}
+v1::WorkerBundle Bundle(const v1::CommAborted& ack) {
+  v1::WorkerBundle b;
+  *b.add_comm_aborted() = ack;
+  return b;
+}
 
 // What the inputs reached, printed at exit with SHARDCOORD_FUZZ_STATS=1 (docs/RELIABILITY.md).
 struct Reach {
@@ -195,9 +213,9 @@ class Script {
     switch (in_.ConsumeIntegralInRange<int>(0, 14)) {
       case 0: Register(id, s, Registration(s)); break;
       case 1: Register(id, s, Raw<v1::RegisterRequest>()); break;
-      case 2: core_->OnPlans(id, Plans(s)); break;
-      case 3: core_->OnPlans(id, Raw<v1::PlanBatch>()); break;
-      case 4: core_->OnHeartbeat(id, Raw<v1::Heartbeat>()); break;
+      case 2: core_->OnBundle(id, Bundle(Plans(s))); break;
+      case 3: core_->OnBundle(id, Bundle(Raw<v1::PlanBatch>())); break;
+      case 4: core_->OnBundle(id, Bundle(Raw<v1::Heartbeat>())); break;
       case 5:
         core_->CommJoin(Bound(Raw<v1::CommJoinRequest>(), s), [](absl::StatusOr<v1::CommJoinResponse> r) {
           if (r.ok()) reach.comm_joins_ok++;
@@ -206,7 +224,7 @@ class Script {
       case 6: (void)core_->StoreSet(Bound(Raw<v1::StoreSetRequest>(), s)); break;
       case 7: core_->StoreGet(Bound(Raw<v1::StoreGetRequest>(), s), [](auto) {}); break;
       case 8: (void)core_->CommReport(Bound(Raw<v1::CommReportRequest>(), s)); break;
-      case 9: core_->OnCommAborted(id, Raw<v1::CommAborted>()); break;
+      case 9: core_->OnBundle(id, Bundle(Raw<v1::CommAborted>())); break;
       case 10:
         if (in_.ConsumeBool()) {
           core_->OnGoodbye(id, in_.ConsumeRandomLengthString(64));

@@ -26,8 +26,9 @@
 # writes its bound addresses, /healthz answers over HTTPS (the test CA), /metrics refuses a
 # request without a token and answers the read token, `shardctl status` answers with the read
 # token, the journal and the resume key exist where the file put them, the log says
-# `tls=on tokens=on`, and SIGTERM stops it with exit code 0. As root the daemon runs as the
-# deploy files' user 10001 (setpriv), so the secrets' owners and modes are tested too.
+# `tls=on tokens=on` and names no deprecated flag or variable, and SIGTERM stops it with exit
+# code 0. As root the daemon runs as the deploy files' user 10001 (setpriv), so the secrets'
+# owners and modes are tested too.
 # shellcheck disable=SC2317  # (whole file) most functions run through `check "$@"`
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -123,6 +124,8 @@ prove() {
   [[ -s $2/events.db ]] || { echo "no journal at $2/events.db"; return 1; }
   [[ -s $2/state.key ]] || { echo "no resume key at $2/state.key"; return 1; }
   grep -q "tls=on tokens=on" "$1/log" || { echo "the log does not say tls=on tokens=on:"; cat "$1/log"; return 1; }
+  # A deploy file with a flag or variable renamed since (--tls-cert) still starts; it must not.
+  if grep "is deprecated" "$1/log"; then echo "the deploy file uses a deprecated name (above)"; return 1; fi
   if [[ -n $uid && $(stat -c %u "$2/events.db") != "$uid" ]]; then
     echo "the journal is not the user $uid's: the daemon did not run as the deploy files' user"; return 1
   fi
@@ -405,7 +408,7 @@ config=$root/deploy/config/shardcoordd.yaml
 cfs=$work/config
 mkdir -p "$cfs/var/lib/shardcoord" "$cfs/tmp" && chmod 1777 "$cfs/tmp" && own "$cfs/var/lib/shardcoord"
 cp "$secrets/tokens" "$secrets/tls.crt" "$secrets/tls.key" "$cfs/" && own "$cfs/tokens" "$cfs/tls.crt" "$cfs/tls.key"
-config_flags=(--config "$config" --token-file "$cfs/tokens" --tls-cert "$cfs/tls.crt" --tls-key "$cfs/tls.key"
+config_flags=(--config "$config" --token-file "$cfs/tokens" --tls-cert-file "$cfs/tls.crt" --tls-key-file "$cfs/tls.key"
   --state-file "$cfs/var/lib/shardcoord/state")
 journal_flag=(--journal-file "$cfs/var/lib/shardcoord/events.db")
 if [[ ! -e /etc/shardcoord/secrets/tokens ]]; then

@@ -46,7 +46,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import List, Optional
 
 import torch
@@ -249,117 +249,162 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return args
 
 
-def train(args: argparse.Namespace) -> int:
+@dataclass
+class Rank:
+    """One rank's training: its model, worker and device, what places the frozen modules (the
+    executor, or FSDP2's control) and averages the gradients, and the decisions received."""
+    args: argparse.Namespace
+    model: nn.Module
+    specs: list
+    worker: shardcoord.Worker
+    device: torch.device
+    executor: Optional[sct.Executor] = None
+    control: Optional[object] = None  # fsdp2.shard's (--fsdp2 without --no-shard).
+    watch: Optional[sct.FailureWatch] = None
+    optimizer: Optional[torch.optim.Optimizer] = None  # --fsdp2: SGD on the sharded parameters.
+    trainable: List[torch.Tensor] = field(default_factory=list)
+    decided: Counter = field(default_factory=Counter)
+    fallbacks: int = 0
+
+    def check(self) -> None:
+        """With a FailureWatch: raises the coordinator's verdict once it declared a member lost."""
+        if self.watch is not None:
+            self.watch.check()
+
+
+def start(args: argparse.Namespace) -> Rank:
+    """Builds the model (the same weights on every rank), registers the rank with the coordinator,
+    joins the process group and places the frozen modules."""
     torch.set_num_threads(1)  # Deterministic, and small CPU machines are shared by all ranks.
-    rank, world = args.rank, args.world_size
     torch.manual_seed(1234)  # Identical initial weights on every rank.
     model = VlmForConditionalGeneration()
     specs = sct.manifest(model)
-    controlled = [s.name for s in specs]
-    worker = shardcoord.Worker(args.job, specs, args.group_size, rank=rank, world_size=world,
+    worker = shardcoord.Worker(args.job, specs, args.group_size, rank=args.rank, world_size=args.world_size,
                                address=args.coordinator, policy=args.policy, fallback=args.fallback,
                                lookahead=args.lookahead, memory_budget_bytes=args.memory_budget_bytes,
                                connect_timeout=args.connect_timeout)
     timeout = datetime.timedelta(seconds=args.collective_timeout)
     device = fsdp2_device(args) if args.fsdp2 else torch.device("cpu")
     with sct.collective(worker, "process group rendezvous"):
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=args.init_method, rank=rank,
-                                world_size=world, timeout=timeout)
-    executor = control = watch = optimizer = None
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=args.init_method,
+                                rank=args.rank, world_size=args.world_size, timeout=timeout)
+    r = Rank(args, model, specs, worker, device)
+    place(r)
+    r.trainable = [p for p in model.parameters() if p.requires_grad]
+    return r
+
+
+def place(r: Rank) -> None:
+    """--fsdp2: FSDP2 units (and the optimizer, and a FailureWatch); else, unless --no-shard, the executor."""
+    args, model = r.args, r.model
     if args.fsdp2:
-        model.to(device)
+        model.to(r.device)
         if args.no_shard:
             fsdp2.fully_shard(model)  # The reference: the frozen tower gathered by every rank in every forward.
         else:
-            control = fsdp2.shard(model, specs)
-        optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=args.lr)
+            r.control = fsdp2.shard(model, r.specs)
+        r.optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=args.lr)
         if not args.no_watch:
-            watch = sct.FailureWatch(worker).start()
+            r.watch = sct.FailureWatch(r.worker).start()
     elif not args.no_shard:
-        with sct.collective(worker, "shard process groups"):
-            pg = sct.shard_process_group(worker)
-        executor = sct.Executor(model, specs, worker, pg)
+        with sct.collective(r.worker, "shard process groups"):
+            pg = sct.shard_process_group(r.worker)
+        r.executor = sct.Executor(model, r.specs, r.worker, pg)
 
-    def check() -> None:
-        if watch is not None:
-            watch.check()
 
-    trainable = [p for p in model.parameters() if p.requires_grad]
+def run_microbatch(r: Rank, mb: int, batch: Microbatch, decision) -> float:
+    """Forward and backward of one microbatch under its decision; returns its (scaled) loss."""
+    args = r.args
+    for d in decision.modules.values():
+        r.decided[d.decision] += 1
+        r.fallbacks += d.reason == "divergent"
+    r.check()
+    if r.executor is not None:
+        r.executor.begin_microbatch(decision)
+    if r.control is not None:
+        r.control.begin_microbatch(decision)
+    if args.fsdp2:
+        r.model.set_requires_gradient_sync(mb == args.accum - 1)  # Reduce-scatter once per step.
+    pixels = None if batch.pixels is None else batch.pixels.to(r.device)
+    loss = F.cross_entropy(r.model(batch.text.to(r.device), pixels), batch.target.to(r.device)) / args.accum
+    loss.backward()
+    if r.executor is not None:
+        r.executor.end_microbatch()
+    if r.control is not None:
+        r.control.end_microbatch()
+    value = loss.item()  # Waits for the GPU: blocked here if a peer died mid-collective.
+    r.check()
+    return value
+
+
+def average_and_step(r: Rank) -> None:
+    """Data parallel: averages the trainable gradients over the world, then one SGD step."""
+    with torch.no_grad():
+        flat = torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel()) for p in r.trainable])
+        with sct.collective(r.worker, "gradient all-reduce"):
+            work = dist.all_reduce(flat, async_op=True)
+        sct.wait_collective(work, r.worker, "gradient all-reduce")  # Watches the coordinator meanwhile.
+        flat.div_(r.args.world_size)
+        offset = 0
+        for p in r.trainable:
+            p.sub_(flat[offset:offset + p.numel()].view_as(p) * r.args.lr)
+            offset += p.numel()
+
+
+def end_step(r: Rank, step: int, step_loss: float) -> None:
+    """After a step's last microbatch: the optimizer step, then the step's line."""
+    if r.optimizer is not None:  # FSDP2 averaged the gradients over the world (reduce-scatter).
+        r.optimizer.step()
+        r.optimizer.zero_grad()
+    else:
+        average_and_step(r)
+        if r.executor is not None:
+            r.worker.report_memory(r.executor.memory_usage())  # Shown by `shardctl ranks`.
+    print(f"step {step} loss {float.hex(step_loss)} ({step_loss:.6f})", flush=True)
+    if r.args.interval_ms:
+        time.sleep(r.args.interval_ms / 1000)
+
+
+def print_summary(r: Rank) -> None:
+    summary = (f"summary rank {r.args.rank}: decisions per_layer={r.decided['per_layer']} skip={r.decided['skip']} "
+               f"root={r.decided['root']} replicate={r.decided['replicate']} fallbacks={r.fallbacks}")
+    if r.executor is not None:
+        gathered = sum(b.gathered for b in r.executor.bytes.values())
+        summary += f" gathered_bytes={gathered} peak_frozen_bytes={r.executor.peak_total_bytes}"
+    if r.device.type == "cuda":
+        summary += f" peak_gpu_mib={torch.cuda.max_memory_allocated(r.device) / 2**20:.1f}"
+    print(summary, flush=True)
+
+
+def train(args: argparse.Namespace) -> int:
+    r = start(args)
+    controlled = [s.name for s in r.specs]
     total = args.steps * args.accum
-    batches = ((i // args.accum, i % args.accum, make_microbatch(args, rank, i // args.accum, i % args.accum))
+    batches = ((i // args.accum, i % args.accum, make_microbatch(args, args.rank, i // args.accum, i % args.accum))
                for i in range(total))
-    plans = sct.PlanAhead(worker, batches,
+    plans = sct.PlanAhead(r.worker, batches,
                           lambda mb: {name: 0 if mb.pixels is None else 1 for name in controlled},
                           lookahead=args.lookahead, timeout=args.decision_timeout)
-    decided: Counter = Counter()
-    fallbacks = 0
     step_loss = 0.0
     # Under FSDP2 a collective that fails (aborted by the watch, or NCCL's own error) raises the
     # coordinator's verdict, naming the lost rank, instead of a bare RuntimeError.
-    guard = sct.collective(worker, "FSDP2 training step") if args.fsdp2 else contextlib.nullcontext()
+    guard = sct.collective(r.worker, "FSDP2 training step") if args.fsdp2 else contextlib.nullcontext()
     with guard:
         for step, mb, batch, decision in plans:
             if mb == 0:
-                for p in trainable:
+                for p in r.trainable:
                     p.grad = None
                 step_loss = 0.0
-            for d in decision.modules.values():
-                decided[d.decision] += 1
-                fallbacks += d.reason == "divergent"
-            check()
-            if executor is not None:
-                executor.begin_microbatch(decision)
-            if control is not None:
-                control.begin_microbatch(decision)
-            if args.fsdp2:
-                model.set_requires_gradient_sync(mb == args.accum - 1)  # Reduce-scatter once per step.
-            pixels = None if batch.pixels is None else batch.pixels.to(device)
-            loss = F.cross_entropy(model(batch.text.to(device), pixels), batch.target.to(device)) / args.accum
-            loss.backward()
-            if executor is not None:
-                executor.end_microbatch()
-            if control is not None:
-                control.end_microbatch()
-            step_loss += loss.item()  # Waits for the GPU: blocked here if a peer died mid-collective.
-            check()
-            if mb < args.accum - 1:
-                continue
-            if optimizer is not None:  # FSDP2 averaged the gradients over the world (reduce-scatter).
-                optimizer.step()
-                optimizer.zero_grad()
-                print(f"step {step} loss {float.hex(step_loss)} ({step_loss:.6f})", flush=True)
-                if args.interval_ms:
-                    time.sleep(args.interval_ms / 1000)
-                continue
-            with torch.no_grad():  # Data parallel: average the trainable gradients over the world.
-                flat = torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel()) for p in trainable])
-                with sct.collective(worker, "gradient all-reduce"):
-                    work = dist.all_reduce(flat, async_op=True)
-                sct.wait_collective(work, worker, "gradient all-reduce")  # Watches the coordinator meanwhile.
-                flat.div_(world)
-                offset = 0
-                for p in trainable:
-                    p.sub_(flat[offset:offset + p.numel()].view_as(p) * args.lr)
-                    offset += p.numel()
-            if executor is not None:
-                worker.report_memory(executor.memory_usage())  # Shown by `shardctl ranks`.
-            print(f"step {step} loss {float.hex(step_loss)} ({step_loss:.6f})", flush=True)
-            if args.interval_ms:
-                time.sleep(args.interval_ms / 1000)
-        final = params_hash(model)
-    check()
+            step_loss += run_microbatch(r, mb, batch, decision)
+            if mb == args.accum - 1:
+                end_step(r, step, step_loss)
+        final = params_hash(r.model)
+    r.check()
     print(f"final params hash {final}")
-    summary = (f"summary rank {rank}: decisions per_layer={decided['per_layer']} skip={decided['skip']} "
-               f"root={decided['root']} replicate={decided['replicate']} fallbacks={fallbacks}")
-    if executor is not None:
-        gathered = sum(b.gathered for b in executor.bytes.values())
-        summary += f" gathered_bytes={gathered} peak_frozen_bytes={executor.peak_total_bytes}"
-    if device.type == "cuda":
-        summary += f" peak_gpu_mib={torch.cuda.max_memory_allocated(device) / 2**20:.1f}"
-    print(summary, flush=True)
-    if watch is not None:
-        watch.stop()
-    worker.close()
+    print_summary(r)
+    if r.watch is not None:
+        r.watch.stop()
+    r.worker.close()
     dist.destroy_process_group()
     return 0
 

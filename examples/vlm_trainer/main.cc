@@ -19,12 +19,18 @@
 #include <torch/torch.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
+#include <chrono>
 #include <cinttypes>
 #include <cstdio>
 #include <iostream>
 #include <map>
+#include <memory>
+#include <string>
 #include <thread>
+#include <vector>
 
+#include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "shardcoord/torch/executor.h"
 #include "shardcoord/plan_ahead.h"
@@ -120,10 +126,8 @@ void Fail(const std::string& what, const absl::Status& s) {
   std::exit(3);
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  CLI::App app{"vlm_trainer: frozen-tower VLM trained under shardcoord"};
+// The command line.
+struct TrainerOptions {
   std::string address, job = "vlm", policy = "auto", fallback = "root", media = "mixed";
   int rank = 0, world = 2, group_size = 2, steps = 5, accum = 2, lookahead = 4, seed = 7;
   double image_fraction = 0.5, skew = 0.0, lr = 0.05;
@@ -132,184 +136,242 @@ int main(int argc, char** argv) {
   std::string device_name = "cpu";
   int64_t memory_budget = 0;
   int reconnect_window_ms = static_cast<int>(absl::ToInt64Milliseconds(shardcoord::kDefaultReconnectWindow));
-  app.add_option("--coordinator", address, "shardcoordd HOST:PORT (default $SHARDCOORD_ADDR)")->envname("SHARDCOORD_ADDR");
-  app.add_option("--job", job);
-  app.add_option("--rank", rank)->required();
-  app.add_option("--world-size", world);
-  app.add_option("--group-size", group_size);
-  app.add_option("--policy", policy)->check(CLI::IsMember({"auto", "per_layer", "root", "replicate"}));
-  app.add_option("--fallback", fallback)->check(CLI::IsMember({"root", "replicate"}));
-  app.add_option("--media", media)->check(CLI::IsMember({"mixed", "all", "none", "rank0"}));
-  app.add_option("--image-fraction", image_fraction);
-  app.add_option("--skew", skew, "even ranks get fraction + skew, odd ranks fraction - skew");
-  app.add_option("--steps", steps);
-  app.add_option("--accum", accum, "microbatches accumulated per optimizer step");
-  app.add_option("--lookahead", lookahead);
-  app.add_option("--seed", seed);
-  app.add_option("--lr", lr);
-  app.add_option("--memory-budget-bytes", memory_budget,
+};
+
+void AddFlags(CLI::App& app, TrainerOptions* o) {
+  app.add_option("--coordinator", o->address, "shardcoordd HOST:PORT (default $SHARDCOORD_ADDR)")->envname("SHARDCOORD_ADDR");
+  app.add_option("--job", o->job);
+  app.add_option("--rank", o->rank)->required();
+  app.add_option("--world-size", o->world);
+  app.add_option("--group-size", o->group_size);
+  app.add_option("--policy", o->policy)->check(CLI::IsMember({"auto", "per_layer", "root", "replicate"}));
+  app.add_option("--fallback", o->fallback)->check(CLI::IsMember({"root", "replicate"}));
+  app.add_option("--media", o->media)->check(CLI::IsMember({"mixed", "all", "none", "rank0"}));
+  app.add_option("--image-fraction", o->image_fraction);
+  app.add_option("--skew", o->skew, "even ranks get fraction + skew, odd ranks fraction - skew");
+  app.add_option("--steps", o->steps);
+  app.add_option("--accum", o->accum, "microbatches accumulated per optimizer step");
+  app.add_option("--lookahead", o->lookahead);
+  app.add_option("--seed", o->seed);
+  app.add_option("--lr", o->lr);
+  app.add_option("--memory-budget-bytes", o->memory_budget,
                  "memory this rank can spare for replicating frozen modules (enables `auto` promotion)");
-  app.add_option("--device", device_name, "cpu (Gloo) or cuda (NCCL; GPU rank % device count)")
+  app.add_option("--device", o->device_name, "cpu (Gloo) or cuda (NCCL; GPU rank % device count)")
       ->check(CLI::IsMember({"cpu", "cuda"}));
-  app.add_option("--interval-ms", interval_ms, "pause after each step (demos: to watch live status)");
-  app.add_flag("--no-shard", no_shard, "reference run: frozen parameters whole on every rank");
-  app.add_option("--reconnect-window-ms", reconnect_window_ms,
+  app.add_option("--interval-ms", o->interval_ms, "pause after each step (demos: to watch live status)");
+  app.add_flag("--no-shard", o->no_shard, "reference run: frozen parameters whole on every rank");
+  app.add_option("--reconnect-window-ms", o->reconnect_window_ms,
                  "after losing the coordinator, how long to reconnect and resume before failing (0: fail at once)");
-  CLI11_PARSE(app, argc, argv);
-  torch::set_num_threads(1);  // Deterministic, and 2 cores are shared by all ranks.
+}
 
-  const bool cuda = device_name == "cuda";
-  if (cuda && !torch::cuda::is_available()) {
-    std::cerr << "vlm_trainer: --device cuda but no CUDA device is visible\n";
-    return 3;
-  }
-  const int gpu = cuda ? rank % static_cast<int>(torch::cuda::device_count()) : 0;
-  const torch::Device device = cuda ? torch::Device(torch::kCUDA, gpu) : torch::Device(torch::kCPU);
-  torch::manual_seed(1234);  // Identical initial weights on every rank.
-  Vlm model;
-  model->to(device);
-  const auto manifest = shardcoord::torchx::BuildManifest(*model);
+// The worker, its communicators and the executor, once connected.
+struct Session {
+  std::unique_ptr<shardcoord::Worker> worker;
+  std::shared_ptr<shardcoord::Communicator> world_comm;
+  std::unique_ptr<shardcoord::torchx::FrozenShardExecutor> exec;  // Null with --no-shard.
+};
 
+shardcoord::WorkerOptions WorkerOptionsFor(const TrainerOptions& o, const std::vector<shardcoord::ModuleSpec>& manifest) {
   shardcoord::WorkerOptions wo;
-  wo.coordinator_address = address;
-  wo.job_id = job;
-  wo.rank = rank;
-  wo.world_size = world;
-  wo.group_size = group_size;
+  wo.coordinator_address = o.address;
+  wo.job_id = o.job;
+  wo.rank = o.rank;
+  wo.world_size = o.world;
+  wo.group_size = o.group_size;
   wo.modules = manifest;
-  wo.policy = *shardcoord::ParsePolicy(policy);
-  wo.fallback = *shardcoord::ParseFallback(fallback);
-  wo.lookahead = lookahead;
-  wo.memory_budget_bytes = memory_budget;
+  wo.policy = *shardcoord::ParsePolicy(o.policy);
+  wo.fallback = *shardcoord::ParseFallback(o.fallback);
+  wo.lookahead = o.lookahead;
+  wo.memory_budget_bytes = o.memory_budget;
   wo.connect_timeout = absl::Seconds(30);
-  wo.reconnect_window = absl::Milliseconds(reconnect_window_ms);
-  auto worker = shardcoord::Worker::Connect(wo);
+  wo.reconnect_window = absl::Milliseconds(o.reconnect_window_ms);
+  return wo;
+}
+
+// Registers, opens the world communicator and (unless --no-shard) the group's and the
+// executor over it. Exits (Fail) on any error.
+Session Connect(const TrainerOptions& o, Vlm& model, const std::vector<shardcoord::ModuleSpec>& manifest, bool cuda,
+                int gpu) {
+  Session session;
+  auto worker = shardcoord::Worker::Connect(WorkerOptionsFor(o, manifest));
   if (!worker.ok()) Fail("connect", worker.status());
-  g_worker = worker->get();
+  session.worker = std::move(*worker);
+  g_worker = session.worker.get();
   shardcoord::CommunicatorOptions world_opts;
   world_opts.name = "world";
   if (cuda) {
     world_opts.backend = shardcoord::Backend::kNccl;
     world_opts.cuda_device = gpu;
   }
-  auto world_comm = (*worker)->OpenCommunicator(world_opts);
+  auto world_comm = session.worker->OpenCommunicator(world_opts);
   if (!world_comm.ok()) Fail("world communicator", world_comm.status());
-  std::unique_ptr<shardcoord::torchx::FrozenShardExecutor> exec;
-  if (!no_shard) {
-    shardcoord::CommunicatorOptions group_opts;
-    group_opts.name = "group";
-    group_opts.backend = world_opts.backend;
-    group_opts.cuda_device = gpu;
-    auto group_comm = (*worker)->OpenCommunicator(group_opts);
-    if (!group_comm.ok()) Fail("group communicator", group_comm.status());
-    auto e = shardcoord::torchx::FrozenShardExecutor::Create(*model, manifest, *group_comm);
-    if (!e.ok()) Fail("executor", e.status());
-    exec = std::move(*e);
+  session.world_comm = *world_comm;
+  if (o.no_shard) return session;
+  shardcoord::CommunicatorOptions group_opts;
+  group_opts.name = "group";
+  group_opts.backend = world_opts.backend;
+  group_opts.cuda_device = gpu;
+  auto group_comm = session.worker->OpenCommunicator(group_opts);
+  if (!group_comm.ok()) Fail("group communicator", group_comm.status());
+  auto e = shardcoord::torchx::FrozenShardExecutor::Create(*model, manifest, *group_comm);
+  if (!e.ok()) Fail("executor", e.status());
+  session.exec = std::move(*e);
+  return session;
+}
+
+// Fails with `what` unless `s` is ok.
+void Check(const absl::Status& s, const std::string& what) {
+  if (!s.ok()) Fail(what, s);
+}
+
+// x plus the frozen part's output: the vision tower (its rest unit, patch embedding and
+// norm, around the layers), then the projector, each gathered and released by the executor
+// when there is one. All of it, the sum included, runs without autograd.
+torch::Tensor AddFrozen(Vlm& model, shardcoord::torchx::FrozenShardExecutor* exec, const torch::Tensor& image,
+                        torch::Tensor x) {
+  torch::NoGradGuard frozen;  // Frozen modules need no backward collectives.
+  if (exec) Check(exec->BeginModule("vision_tower"), "gather");
+  torch::Tensor v = model->vision_tower->patch_embed(image);
+  for (int u = 0; u < kVisionLayers; ++u) {
+    const int unit = exec ? exec->UnitIndex("vision_tower", "layers." + std::to_string(u)) : u;
+    if (exec) Check(exec->BeforeUnit("vision_tower", unit), "gather");
+    v = torch::gelu(model->vision_tower->layers[u]->as<torch::nn::Linear>()->forward(v));
+    if (exec) Check(exec->AfterUnit("vision_tower", unit), "release");
+  }
+  v = model->vision_tower->post_layernorm(v);
+  if (exec) {
+    Check(exec->EndModule("vision_tower"), "release");
+    Check(exec->BeginModule("multi_modal_projector"), "gather");
+  }
+  torch::Tensor p = model->multi_modal_projector(v.mean(1));
+  if (exec) Check(exec->EndModule("multi_modal_projector"), "release");
+  return x + p;
+}
+
+// The training loop's state across steps.
+struct Trainer {
+  Trainer(const TrainerOptions& options, Vlm& vlm, Session& s, torch::Device d)
+      : o(options), model(vlm), session(s), device(d) {
+    for (auto& p : model->parameters()) {
+      if (p.requires_grad()) trainable.push_back(p);
+    }
   }
 
+  const TrainerOptions& o;
+  Vlm& model;
+  Session& session;
+  torch::Device device;
   std::vector<torch::Tensor> trainable;
-  for (auto& p : model->parameters()) {
-    if (p.requires_grad()) trainable.push_back(p);
-  }
   std::map<std::string, int64_t> decided;
   int64_t fallbacks = 0;
-  const int total = steps * accum;
-  auto key_of = [&](int i) { return shardcoord::MicrobatchKey{i / accum, i % accum}; };
-  auto has_images = [&](int i) { return HasImages(media, image_fraction, skew, seed, rank, i / accum, i % accum); };
-  shardcoord::PlanAhead ahead(**worker, total, [&](int64_t i) {
-    const int calls = has_images(static_cast<int>(i)) ? 1 : 0;
-    return shardcoord::MicrobatchPlan{key_of(static_cast<int>(i)),
-                                      {{"vision_tower", calls}, {"multi_modal_projector", calls}}};
-  }, lookahead);
 
-  for (int step = 0; step < steps; ++step) {
-    for (auto& p : trainable) {
+  bool HasImagesAt(int i) const {
+    return HasImages(o.media, o.image_fraction, o.skew, o.seed, o.rank, i / o.accum, i % o.accum);
+  }
+};
+
+// One microbatch under its decision: forward and backward; returns its (scaled) loss.
+double RunMicrobatch(Trainer& t, const shardcoord::MicrobatchDecision& d, int step, int mb) {
+  for (const auto& m : d.modules) {
+    t.decided[shardcoord::DecisionName(m.decision)]++;
+    if (m.reason == shardcoord::DecisionReason::kDivergent) t.fallbacks++;
+  }
+  shardcoord::torchx::FrozenShardExecutor* exec = t.session.exec.get();
+  Microbatch batch = MakeMicrobatch(t.HasImagesAt(step * t.o.accum + mb), t.o.seed, t.o.rank, step, mb);
+  batch.text = batch.text.to(t.device);
+  batch.image = batch.image.to(t.device);
+  batch.target = batch.target.to(t.device);
+  if (exec) Check(exec->BeginMicrobatch(d), "begin microbatch");
+  torch::Tensor x = torch::relu(t.model->text_embed(batch.text));
+  if (batch.images) x = AddFrozen(t.model, exec, batch.image, x);
+  for (const auto& layer : *t.model->text_layers) x = torch::relu(layer->as<torch::nn::Linear>()->forward(x));
+  torch::Tensor loss = torch::nn::functional::cross_entropy(t.model->head(x), batch.target) / t.o.accum;
+  if (exec) Check(exec->EndForward(), "end forward");
+  loss.backward();
+  return loss.item<double>();
+}
+
+// Data parallel: averages the trainable gradients over the world, then one SGD step.
+void AverageAndStep(Trainer& t) {
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> grads;
+  for (auto& p : t.trainable) {
+    grads.push_back(p.grad().defined() ? p.grad().reshape({-1}) : torch::zeros({p.numel()}, p.options()));
+  }
+  torch::Tensor flat = torch::cat(grads).contiguous();
+  Check(t.session.world_comm->AllReduce(flat.data_ptr<float>(), flat.numel()), "all-reduce");
+  flat.div_(t.o.world);
+  int64_t off = 0;
+  for (auto& p : t.trainable) {
+    p.sub_(flat.narrow(0, off, p.numel()).view(p.sizes()) * t.o.lr);
+    off += p.numel();
+  }
+}
+
+// Every step: the accumulated microbatches, each under the decision PlanAhead fetched.
+void Train(Trainer& t) {
+  const TrainerOptions& o = t.o;
+  shardcoord::PlanAhead ahead(*t.session.worker, o.steps * o.accum, [&](int64_t i) {
+    const int calls = t.HasImagesAt(static_cast<int>(i)) ? 1 : 0;
+    return shardcoord::MicrobatchPlan{shardcoord::MicrobatchKey{i / o.accum, static_cast<int32_t>(i % o.accum)},
+                                      {{"vision_tower", calls}, {"multi_modal_projector", calls}}};
+  }, o.lookahead);
+  for (int step = 0; step < o.steps; ++step) {
+    for (auto& p : t.trainable) {
       if (p.grad().defined()) p.mutable_grad().zero_();
     }
     double step_loss = 0;
-    for (int mb = 0; mb < accum; ++mb) {
-      const int i = step * accum + mb;
+    for (int mb = 0; mb < o.accum; ++mb) {
       auto d = ahead.Next(absl::Seconds(60));
       if (!d.ok()) Fail("decision", d.status());
-      for (const auto& m : d->modules) {
-        decided[shardcoord::DecisionName(m.decision)]++;
-        if (m.reason == shardcoord::DecisionReason::kDivergent) fallbacks++;
-      }
-      Microbatch batch = MakeMicrobatch(has_images(i), seed, rank, step, mb);
-      batch.text = batch.text.to(device);
-      batch.image = batch.image.to(device);
-      batch.target = batch.target.to(device);
-      if (exec) {
-        if (absl::Status s = exec->BeginMicrobatch(*d); !s.ok()) Fail("begin microbatch", s);
-      }
-      torch::Tensor x = torch::relu(model->text_embed(batch.text));
-      if (batch.images) {
-        torch::NoGradGuard frozen;  // Frozen modules need no backward collectives.
-        // The tower's forward: its rest unit (patch embedding, norm) around the layers.
-        if (exec) {
-          if (absl::Status s = exec->BeginModule("vision_tower"); !s.ok()) Fail("gather", s);
-        }
-        torch::Tensor v = model->vision_tower->patch_embed(batch.image);
-        for (int u = 0; u < kVisionLayers; ++u) {
-          const int unit = exec ? exec->UnitIndex("vision_tower", "layers." + std::to_string(u)) : u;
-          if (exec) {
-            if (absl::Status s = exec->BeforeUnit("vision_tower", unit); !s.ok()) Fail("gather", s);
-          }
-          v = torch::gelu(model->vision_tower->layers[u]->as<torch::nn::Linear>()->forward(v));
-          if (exec) {
-            if (absl::Status s = exec->AfterUnit("vision_tower", unit); !s.ok()) Fail("release", s);
-          }
-        }
-        v = model->vision_tower->post_layernorm(v);
-        if (exec) {
-          if (absl::Status s = exec->EndModule("vision_tower"); !s.ok()) Fail("release", s);
-          if (absl::Status s = exec->BeginModule("multi_modal_projector"); !s.ok()) Fail("gather", s);
-        }
-        torch::Tensor p = model->multi_modal_projector(v.mean(1));
-        if (exec) {
-          if (absl::Status s = exec->EndModule("multi_modal_projector"); !s.ok()) Fail("release", s);
-        }
-        x = x + p;
-      }
-      for (const auto& layer : *model->text_layers) x = torch::relu(layer->as<torch::nn::Linear>()->forward(x));
-      torch::Tensor loss = torch::nn::functional::cross_entropy(model->head(x), batch.target) / accum;
-      if (exec) {
-        if (absl::Status s = exec->EndForward(); !s.ok()) Fail("end forward", s);
-      }
-      loss.backward();
-      step_loss += loss.item<double>();
+      step_loss += RunMicrobatch(t, *d, step, mb);
     }
-    // Data parallel: average the trainable gradients over the world.
-    {
-      torch::NoGradGuard no_grad;
-      std::vector<torch::Tensor> grads;
-      for (auto& p : trainable) {
-        grads.push_back(p.grad().defined() ? p.grad().reshape({-1}) : torch::zeros({p.numel()}, p.options()));
-      }
-      torch::Tensor flat = torch::cat(grads).contiguous();
-      if (absl::Status s = (*world_comm)->AllReduce(flat.data_ptr<float>(), flat.numel()); !s.ok()) Fail("all-reduce", s);
-      flat.div_(world);
-      int64_t off = 0;
-      for (auto& p : trainable) {
-        p.sub_(flat.narrow(0, off, p.numel()).view(p.sizes()) * lr);
-        off += p.numel();
-      }
-    }
-    if (exec) (*worker)->ReportMemory(exec->MemoryUsage());  // Shown by `shardctl ranks`.
+    AverageAndStep(t);
+    if (t.session.exec) t.session.worker->ReportMemory(t.session.exec->MemoryUsage());  // Shown by `shardctl ranks`.
     std::printf("step %d loss %a (%.6f)\n", step, step_loss, step_loss);
     std::fflush(stdout);
-    if (interval_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(interval_ms));
+    if (o.interval_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(o.interval_ms));
   }
-  std::printf("final params hash %016" PRIx64 "\n", HashParams(model));
+}
+
+void PrintSummary(Trainer& t) {
+  std::printf("final params hash %016" PRIx64 "\n", HashParams(t.model));
   std::printf("summary rank %d: decisions per_layer=%" PRId64 " skip=%" PRId64 " root=%" PRId64 " replicate=%" PRId64
               " fallbacks=%" PRId64,
-              rank, decided["per_layer"], decided["skip"], decided["root"], decided["replicate"], fallbacks);
-  if (exec) {
+              t.o.rank, t.decided["per_layer"], t.decided["skip"], t.decided["root"], t.decided["replicate"],
+              t.fallbacks);
+  if (const auto& exec = t.session.exec) {
     int64_t gathered = 0;
     for (const auto& [name, b] : exec->bytes()) gathered += b.gathered;
     std::printf(" gathered_bytes=%" PRId64 " peak_frozen_bytes=%" PRId64, gathered, exec->peak_total_bytes());
   }
   std::printf("\n");
-  (*worker)->Close();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"vlm_trainer: frozen-tower VLM trained under shardcoord"};
+  TrainerOptions o;
+  AddFlags(app, &o);
+  CLI11_PARSE(app, argc, argv);
+  torch::set_num_threads(1);  // Deterministic, and 2 cores are shared by all ranks.
+
+  const bool cuda = o.device_name == "cuda";
+  if (cuda && !torch::cuda::is_available()) {
+    std::cerr << "vlm_trainer: --device cuda but no CUDA device is visible\n";
+    return 3;
+  }
+  const int gpu = cuda ? o.rank % static_cast<int>(torch::cuda::device_count()) : 0;
+  const torch::Device device = cuda ? torch::Device(torch::kCUDA, gpu) : torch::Device(torch::kCPU);
+  torch::manual_seed(1234);  // Identical initial weights on every rank.
+  Vlm model;
+  model->to(device);
+  const auto manifest = shardcoord::torchx::BuildManifest(*model);
+  Session session = Connect(o, model, manifest, cuda, gpu);
+  Trainer trainer(o, model, session, device);
+  Train(trainer);
+  PrintSummary(trainer);
+  session.worker->Close();
   return 0;
 }

@@ -33,7 +33,7 @@ ctl=("$b/bin/shardctl")
 if [[ "${SECURED:-0}" == 1 ]]; then
   c=$b/certs
   chmod 600 "$c"/*.key "$c/tokens"
-  secured=(--token-file "$c/tokens" --tls-cert "$c/server.pem" --tls-key "$c/server.key" --tls-client-ca "$c/ca.pem")
+  secured=(--token-file "$c/tokens" --tls-cert-file "$c/server.pem" --tls-key-file "$c/server.key" --tls-client-ca-file "$c/ca.pem")
   export SHARDCOORD_TOKEN=rank-gpu-token-0123456789abcdef SHARDCOORD_TLS_CA=$c/ca.pem
   export SHARDCOORD_TLS_CERT=$c/client.pem SHARDCOORD_TLS_KEY=$c/client.key
   ctl=(env SHARDCOORD_TOKEN=read-gpu-token-0123456789abcdef "$b/bin/shardctl")

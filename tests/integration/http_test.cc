@@ -24,7 +24,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "coordinator/status_page.h"
+#include "coordinator/ops/status_page.h"
 #include "integration/inprocess_fixture.h"
 #include "shardcoord/v1/coordinator.grpc.pb.h"
 #include "support/certs.h"

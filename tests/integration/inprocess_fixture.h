@@ -10,7 +10,7 @@
 #include <thread>
 #include <vector>
 
-#include "coordinator/coordinator_server.h"
+#include "coordinator/server/coordinator_server.h"
 #include "shardcoord/worker.h"
 
 namespace shardcoord {

@@ -18,14 +18,15 @@
 #include <thread>
 
 #include "absl/synchronization/notification.h"
-#include "coordinator/auth.h"
-#include "coordinator/coordinator_server.h"
+#include "coordinator/server/auth.h"
+#include "coordinator/server/coordinator_server.h"
+#include "google/protobuf/unknown_field_set.h"
+#include "integration/inprocess_fixture.h"
 #include "shardcoord/decide.h"
+#include "shardcoord/plan_ahead.h"
 #include "shardcoord/proto/convert.h"
 #include "shardcoord/v1/coordinator.grpc.pb.h"
-#include "shardcoord/plan_ahead.h"
 #include "shardcoord/worker.h"
-#include "integration/inprocess_fixture.h"
 #include "support/test_env.h"
 
 namespace shardcoord {
@@ -52,8 +53,8 @@ struct RawSession {
   }
   void SendPlan(const v1::MicrobatchPlan& p, int64_t epoch = 0) {
     v1::WorkerMessage m;
-    m.mutable_plans()->set_epoch(epoch);
-    *m.mutable_plans()->add_plans() = p;
+    m.mutable_bundle()->mutable_plans()->set_epoch(epoch);
+    *m.mutable_bundle()->mutable_plans()->add_plans() = p;
     stream->Write(m);
   }
   // Next message of the given kind, skipping others; nullopt when the stream ends.
@@ -575,7 +576,7 @@ v1::RankStatus NonReaderTest::FailANonReader(coordinator::CoordinatorOptions o) 
       [&] {
         v1::WorkerMessage m;
         for (int i = 0; i < 2000; ++i) {
-          auto* p = m.mutable_plans()->add_plans();
+          auto* p = m.mutable_bundle()->mutable_plans()->add_plans();
           p->set_step(step++);
           (*p->mutable_calls())["vision_tower"] = 1;
         }
@@ -616,6 +617,23 @@ TEST_F(NonReaderTest, ANonReaderIsFailedOnceTheDaemonsBuffersAreFullWhateverItsO
   EXPECT_EQ(server_->core().buffers()->used(), 0) << "its queue was given back";
 }
 
+TEST_F(InProcessTest, AWorkerOfTheRetiredOneKindPerMessageEncodingIsToldToUpgrade) {
+  // Issue 27: plans alone (WorkerMessage field 2, reserved since 0.1.0) would parse as an
+  // empty message, which a newer peer's unknown kind is, and be ignored: the sender would
+  // wait for decisions forever. The daemon names the encoding and closes the stream.
+  RawSession raw(server_->address());
+  ASSERT_TRUE(raw.Register(RawRequest(0, 2, 1)).ok());
+  v1::PlanBatch batch;
+  *batch.add_plans() = RawPlan(0, 0, "vision_tower", 1);
+  v1::WorkerMessage m;
+  m.GetReflection()->MutableUnknownFields(&m)->AddLengthDelimited(2, batch.SerializeAsString());
+  ASSERT_TRUE(raw.stream->Write(m));
+  EXPECT_FALSE(raw.Next(v1::CoordinatorMessage::kDecisions).has_value());
+  const grpc::Status end = raw.stream->Finish();
+  EXPECT_EQ(end.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(end.error_message(), HasSubstr("encoding retired before 0.1.0; upgrade the worker"));
+}
+
 TEST_F(InProcessTest, APlanBatchBeyondTheLookaheadWindowFailsTheSenderForWhatItDid) {
   // Issue 25: one batch of 10^5 plans made 10^5 rejections that filled the sender's own
   // outbox: it was failed as "not reading". The batch breaks the protocol; it says so.
@@ -628,7 +646,7 @@ TEST_F(InProcessTest, APlanBatchBeyondTheLookaheadWindowFailsTheSenderForWhatItD
   ASSERT_TRUE(raw.Register(RawRequest(0, 2, 1)).ok());
   v1::WorkerMessage m;
   for (int i = 0; i < 20000; ++i) {
-    auto* p = m.mutable_plans()->add_plans();
+    auto* p = m.mutable_bundle()->mutable_plans()->add_plans();
     p->set_step(i);
     (*p->mutable_calls())["vision_tower"] = 1;
   }
@@ -659,10 +677,9 @@ class UnusableDecisionCoordinator final : public v1::Coordinator::Service {
     r->set_fallback(v1::FALLBACK_ROOT);
     r->set_lookahead(4);
     r->set_incarnation(7);
-    r->set_accepts_bundles(true);
     stream->Write(reg);
     while (stream->Read(&in)) {
-      const v1::PlanBatch& plans = in.has_bundle() ? in.bundle().plans() : in.plans();
+      const v1::PlanBatch& plans = in.bundle().plans();
       for (const auto& p : plans.plans()) {
         v1::CoordinatorMessage out;
         out.set_incarnation(7);

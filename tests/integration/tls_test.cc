@@ -11,7 +11,7 @@
 #include <cstdio>
 #include <fstream>
 
-#include "coordinator/tls.h"
+#include "coordinator/server/tls.h"
 #include "integration/inprocess_fixture.h"
 #include "shardcoord/channel_credentials.h"
 #include "shardcoord/proto/convert.h"
@@ -238,7 +238,7 @@ TEST_F(TlsTest, BadTlsSettingsAreRefusedBeforeServingNamingTheFile) {
   t.cert_file = tokens_;
   EXPECT_THAT(check(t).message(), HasSubstr("holds no PEM certificate"));
   EXPECT_THAT(check({certs_.server_cert, ""}).message(), HasSubstr("needs both"));
-  EXPECT_THAT(check({"", "", certs_.ca}).message(), HasSubstr("--tls-client-ca needs --tls-cert"));
+  EXPECT_THAT(check({"", "", certs_.ca}).message(), HasSubstr("--tls-client-ca-file needs --tls-cert-file"));
   t = {certs_.server_cert, certs_.server_key, tokens_};
   EXPECT_THAT(check(t).message(), HasSubstr("client CA"));
   // Under mutual TLS the self-check presents the daemon's certificate, if the client CA takes it.

@@ -385,7 +385,7 @@ TEST_F(MultiProcessTest, ASecuredDaemonServesOnlyCallersWithTheirTokens) {
   ASSERT_EQ(chmod(tokens.c_str(), 0600), 0);
   auto certs = testing::MakeCertificates(dir_.path());
   ASSERT_TRUE(certs.ok()) << certs.status();
-  auto d = testing::Daemon::Start(dir_.path(), {"--token-file", tokens, "--tls-cert", certs->server_cert, "--tls-key",
+  auto d = testing::Daemon::Start(dir_.path(), {"--token-file", tokens, "--tls-cert-file", certs->server_cert, "--tls-key-file",
                                                 certs->server_key});
   ASSERT_TRUE(d.ok()) << d.status();
   daemon_ = std::move(*d);
@@ -427,13 +427,13 @@ TEST_F(MultiProcessTest, ASecuredDaemonServesOnlyCallersWithTheirTokens) {
   // Without tokens and TLS: loopback only, unless --insecure.
   auto open = RunCommand({SHARDCOORDD_PATH, "--listen", "0.0.0.0:0"}, absl::Seconds(10));
   EXPECT_EQ(open.exit_code, 2);
-  EXPECT_THAT(open.err, HasSubstr("give --token-file and --tls-cert/--tls-key"));
+  EXPECT_THAT(open.err, HasSubstr("give --token-file and --tls-cert-file/--tls-key-file"));
   auto clear = RunCommand({SHARDCOORDD_PATH, "--listen", "0.0.0.0:0", "--token-file", tokens}, absl::Seconds(10));
   EXPECT_EQ(clear.exit_code, 2);
   EXPECT_THAT(clear.err, HasSubstr("without TLS the tokens travel in clear text"));
   // A key that is not the certificate's: refused at start, naming it.
-  auto mismatch = RunCommand({SHARDCOORDD_PATH, "--listen", "127.0.0.1:0", "--tls-cert", certs->server_cert,
-                              "--tls-key", certs->other_server_key}, absl::Seconds(10));
+  auto mismatch = RunCommand({SHARDCOORDD_PATH, "--listen", "127.0.0.1:0", "--tls-cert-file", certs->server_cert,
+                              "--tls-key-file", certs->other_server_key}, absl::Seconds(10));
   EXPECT_EQ(mismatch.exit_code, 2);
   EXPECT_THAT(mismatch.err, HasSubstr("does not belong to certificate"));
 }

@@ -172,8 +172,8 @@ TEST_F(TrainerTest, AJobOverTlsWithTokensTrainsExactlyAsAnOpenOne) {
   std::ofstream(tokens) << "rank rank-token-0123456789abcdef\n";
   ASSERT_EQ(chmod(tokens.c_str(), 0600), 0);
   daemon_.reset();
-  auto d = testing::Daemon::Start(dir_.path(), {"--token-file", tokens, "--tls-cert", certs->server_cert, "--tls-key",
-                                                certs->server_key, "--tls-client-ca", certs->ca}, "127.0.0.1:0", "secured");
+  auto d = testing::Daemon::Start(dir_.path(), {"--token-file", tokens, "--tls-cert-file", certs->server_cert, "--tls-key-file",
+                                                certs->server_key, "--tls-client-ca-file", certs->ca}, "127.0.0.1:0", "secured");
   ASSERT_TRUE(d.ok()) << d.status();
   daemon_ = std::move(*d);
   env_.push_back("SHARDCOORD_TOKEN=rank-token-0123456789abcdef");

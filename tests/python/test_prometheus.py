@@ -67,7 +67,7 @@ def secured_daemon(tmp_path):
     for f in ("tls.key", "tokens", "read-token"):
         os.chmod(d / f, 0o600)
     http_file = d / "http.addr"
-    daemon = Daemon(tmp_path, "--tls-cert", str(d / "tls.crt"), "--tls-key", str(d / "tls.key"), "--token-file",
+    daemon = Daemon(tmp_path, "--tls-cert-file", str(d / "tls.crt"), "--tls-key-file", str(d / "tls.key"), "--token-file",
                     str(d / "tokens"), "--http-listen", "127.0.0.1:0", "--http-address-file", str(http_file),
                     name="secured")
     job = (f"  - job_name: {SECURED_JOB}\n    scheme: https\n    tls_config:\n      ca_file: {d / 'tls.crt'}\n"

@@ -8,11 +8,14 @@
 #include <memory>
 #include <vector>
 
+#include <gtest/gtest.h>
+
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "coordinator/clock.h"
-#include "coordinator/coordinator_core.h"
+#include "coordinator/core/clock.h"
+#include "coordinator/core/coordinator_core.h"
+#include "coordinator/core/invariant.h"
 #include "shardcoord/v1/coordinator.pb.h"
 
 namespace shardcoord::testing {
@@ -85,6 +88,11 @@ class CoreHarness {
       : options_(std::move(options)),
         clock_(std::make_shared<FakeClock>()),
         core_(std::make_unique<coordinator::CoordinatorCore>(options_, clock_)) {}
+  // Every test of the core also checks that none of its invariants failed (invariant.h).
+  virtual ~CoreHarness() {
+    EXPECT_EQ(coordinator::InvariantFailures(), invariants_failed_before_)
+        << "the core reported an internal error (see the log above)";
+  }
 
   // A new core with `options` (same clock); ranks must register again.
   void Reset(const coordinator::CoordinatorOptions& options) {
@@ -92,6 +100,23 @@ class CoreHarness {
     core_ = std::make_unique<coordinator::CoordinatorCore>(options_, clock_);
     sinks_.clear();
     sessions_.clear();
+  }
+
+  // What a worker sends after registering, as it sends it: in a bundle.
+  void OnPlans(uint64_t session, const v1::PlanBatch& batch) {
+    v1::WorkerBundle bundle;
+    *bundle.mutable_plans() = batch;
+    core_->OnBundle(session, bundle);
+  }
+  void OnHeartbeat(uint64_t session, const v1::Heartbeat& heartbeat = {}) {
+    v1::WorkerBundle bundle;
+    *bundle.mutable_heartbeat() = heartbeat;
+    core_->OnBundle(session, bundle);
+  }
+  void OnCommAborted(uint64_t session, const v1::CommAborted& ack) {
+    v1::WorkerBundle bundle;
+    *bundle.add_comm_aborted() = ack;
+    core_->OnBundle(session, bundle);
   }
 
   // Registers `r.rank()` on a new session with a new sink; kept only when accepted.
@@ -112,6 +137,7 @@ class CoreHarness {
   std::unique_ptr<coordinator::CoordinatorCore> core_;
   std::map<int, std::shared_ptr<RecordingSink>> sinks_;
   std::map<int, uint64_t> sessions_;
+  const int64_t invariants_failed_before_ = coordinator::InvariantFailures();
   uint64_t next_session_ = 1;
 };
 

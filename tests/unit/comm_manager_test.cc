@@ -9,7 +9,7 @@
 #include <memory>
 #include <optional>
 
-#include "coordinator/coordinator_core.h"
+#include "coordinator/core/coordinator_core.h"
 #include "support/core_fakes.h"
 
 namespace shardcoord::coordinator {
@@ -187,7 +187,7 @@ TEST_F(CommManagerTest, ADeathAbortsTheEpochAndTheNextFormsAfterEveryAckAndRetur
   v1::CommAborted ack;
   ack.set_name("world");
   ack.set_epoch(1);
-  core_->OnCommAborted(sessions_[0], ack);
+  OnCommAborted(sessions_[0], ack);
   EXPECT_EQ(World().state(), v1::COMM_STATE_ABORTED);
   EXPECT_EQ(World().epochs_aborted(), 1);
 
@@ -220,7 +220,7 @@ TEST_F(CommManagerTest, AJoinThatCannotCompleteFailsAtItsDeadlineNamingTheMissin
   core_->Tick();
   EXPECT_FALSE(j0.has_value());
   clock_->Advance(absl::Milliseconds(250));
-  core_->OnHeartbeat(sessions_[0]);
+  OnHeartbeat(sessions_[0]);
   core_->Tick();
   ASSERT_TRUE(j0.has_value());
   EXPECT_EQ(j0->status().code(), absl::StatusCode::kDeadlineExceeded);
@@ -252,8 +252,8 @@ TEST_F(CommManagerTest, BadCallsFromTheRankItselfAreRefusedNamingWhatIsWrong) {
   core_->StoreGet(get, [&](absl::StatusOr<v1::StoreGetResponse> r) { got = std::move(r); });
   EXPECT_FALSE(got.has_value());
   clock_->Advance(absl::Milliseconds(150));
-  core_->OnHeartbeat(sessions_[0]);
-  core_->OnHeartbeat(sessions_[1]);
+  OnHeartbeat(sessions_[0]);
+  OnHeartbeat(sessions_[1]);
   core_->Tick();
   ASSERT_TRUE(got.has_value());
   EXPECT_EQ(got->status().code(), absl::StatusCode::kDeadlineExceeded);

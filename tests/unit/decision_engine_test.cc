@@ -1,7 +1,7 @@
 // Unit tests of the coordinator's DecisionEngine: sequence numbers and digests, the pure
 // rule per module, sticky replication after a divergence with fallback replicate, and
 // `auto` promotion / demotion (coordinator/options.h PromotionOptions).
-#include "coordinator/decision_engine.h"
+#include "coordinator/core/decision_engine.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -326,10 +326,11 @@ TEST(DecisionEngineTest, TransitionsPointerMayBeNull) {
   ExpectModule(d, 0, "vision_tower", Decision::kReplicate, DecisionReason::kPromoted);
 }
 
-TEST(DecisionEngineTest, DecideStaticRootForEveryModuleWithGivenSeq) {
+TEST(DecisionEngineTest, DecideStaticRootForEveryModuleTakesTheNextSeq) {
   DecisionEngine engine(MakeConfig(Policy::kRoot, Fallback::kReplicate));
   EXPECT_TRUE(engine.is_static());
-  MicrobatchDecision d = engine.DecideStatic({5, 3}, /*epoch=*/2, /*seq=*/77);
+  engine.Restore(/*next_seq=*/77, {}, {});
+  MicrobatchDecision d = engine.DecideStatic({5, 3}, /*epoch=*/2);
   EXPECT_EQ(d.group, 2);
   EXPECT_EQ(d.key, (MicrobatchKey{5, 3}));
   EXPECT_EQ(d.seq, 77u);
@@ -338,15 +339,16 @@ TEST(DecisionEngineTest, DecideStaticRootForEveryModuleWithGivenSeq) {
   ExpectModule(d, 0, "vision_tower", Decision::kRoot, DecisionReason::kStaticPolicy);
   ExpectModule(d, 1, "audio_tower", Decision::kRoot, DecisionReason::kStaticPolicy);
   EXPECT_EQ(d.digest, DecisionDigest(d));
-  // DecideStatic does not consume the engine's own sequence.
-  EXPECT_EQ(engine.next_seq(), 0u);
+  // One sequence for every policy: the next static decision takes the next seq.
+  EXPECT_EQ(engine.next_seq(), 78u);
+  EXPECT_EQ(engine.DecideStatic({5, 4}, 2).seq, 78u);
 }
 
 TEST(DecisionEngineTest, DecideStaticReplicatePolicy) {
   DecisionEngine engine(MakeConfig(Policy::kReplicate, Fallback::kRoot));
   EXPECT_TRUE(engine.is_static());
-  MicrobatchDecision d = engine.DecideStatic({0, 0}, 0, 4);
-  EXPECT_EQ(d.seq, 4u);
+  MicrobatchDecision d = engine.DecideStatic({0, 0}, 0);
+  EXPECT_EQ(d.seq, 0u);
   ExpectModule(d, 0, "vision_tower", Decision::kReplicate, DecisionReason::kStaticPolicy);
   ExpectModule(d, 1, "audio_tower", Decision::kReplicate, DecisionReason::kStaticPolicy);
 }

@@ -5,8 +5,8 @@
 #include <climits>
 #include <fstream>
 
-#include "coordinator/event_journal.h"
-#include "coordinator/journal_store.h"
+#include "coordinator/journal/event_journal.h"
+#include "coordinator/journal/journal_store.h"
 #include "support/test_env.h"
 
 namespace shardcoord::coordinator {

@@ -1,6 +1,7 @@
 // Unit tests of coordinator options: the YAML config file (LoadConfigFile), the range
 // and relation checks (ValidateOptions) and what serving needs (CheckServingNeeds).
-#include "coordinator/options.h"
+#include "coordinator/daemon/serving_check.h"
+#include "coordinator/settings/options.h"
 
 #include <arpa/inet.h>
 #include <gmock/gmock.h>
@@ -10,13 +11,23 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
-#include <functional>
-#include <vector>
 #include <fstream>
+#include <functional>
+#include <limits>
+#include <set>
 #include <string>
+#include <variant>
+#include <vector>
 
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "support/certs.h"
+#include "support/subprocess.h"
 #include "support/test_env.h"
 
 namespace {
@@ -272,12 +283,14 @@ TEST(ValidateOptionsTest, HeartbeatsFasterThanTheDaemonCanTellAreRefused) {
 
 TEST(ValidateOptionsTest, SessionThreadsOutsideTheirRangeAreRefusedNamingTheRange) {
   CoordinatorOptions o;
-  for (int bad : {-1, 1025}) {
-    o.session_threads = bad;
-    absl::Status s = ValidateOptions(o);
-    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-    EXPECT_THAT(s.message(), HasSubstr("session_threads must be in 0..1024"));
-  }
+  o.session_threads = -1;
+  EXPECT_EQ(ValidateOptions(o).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(ValidateOptions(o).message(),
+              HasSubstr("session threads (-1) must be at least 0 (config key session_threads, flag "
+                        "--session-threads)"));
+  o.session_threads = 1025;
+  EXPECT_EQ(ValidateOptions(o).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(ValidateOptions(o).message(), HasSubstr("session threads (1025) must be at most 1024"));
   for (int good : {0, 1, 64}) {
     o.session_threads = good;
     EXPECT_TRUE(ValidateOptions(o).ok());
@@ -391,6 +404,246 @@ TEST(LoadConfigFileTest, ReadsTheLimits) {
   EXPECT_EQ(o->limits.self_check_interval, absl::ZeroDuration());
   EXPECT_TRUE(ValidateOptions(*o).ok());
 }
+
+// ---------------------------------------------------------------------------------------
+// Settings(): the one table the config file's keys, the daemon's flags and the range checks
+// are made from.
+
+namespace {
+
+using shardcoord::coordinator::EnvName;
+using shardcoord::coordinator::FindSetting;
+using shardcoord::coordinator::FlagName;
+using shardcoord::coordinator::Setting;
+using shardcoord::coordinator::SetFromText;
+using shardcoord::coordinator::Settings;
+using shardcoord::coordinator::SettingValueText;
+using shardcoord::coordinator::ValueTypeName;
+
+bool IsNumber(const Setting& s) {
+  const std::string type = ValueTypeName(s);
+  return type == "INT" || type == "MS" || type == "S" || type == "HOURS";
+}
+
+TEST(SettingsTableTest, EveryKeyIsAlsoItsFlagWithDashes) {
+  std::set<std::string> flags;
+  for (const Setting& s : Settings()) {
+    SCOPED_TRACE(s.key);
+    const std::string key = s.key;
+    EXPECT_EQ(key.find_first_not_of("abcdefghijklmnopqrstuvwxyz0123456789_"), std::string::npos);
+    std::string dashed = key;
+    std::replace(dashed.begin(), dashed.end(), '_', '-');
+    EXPECT_EQ(FlagName(key), "--" + dashed);
+    EXPECT_TRUE(flags.insert(FlagName(key)).second) << "two settings with one flag";
+    if (s.renamed_from != nullptr) {
+      EXPECT_TRUE(flags.insert(FlagName(s.renamed_from)).second);
+    }
+    EXPECT_NE(std::string(s.help), "");
+    EXPECT_EQ(FindSetting(key), &s);
+  }
+  EXPECT_EQ(FindSetting("no_such_key"), nullptr);
+  EXPECT_EQ(FlagName("tls_cert_file"), "--tls-cert-file");
+  EXPECT_EQ(EnvName("tls_cert_file"), "SHARDCOORD_DAEMON_TLS_CERT_FILE");
+}
+
+// A key ends with its unit exactly when it is a duration; every number has a lower bound.
+TEST(SettingsTableTest, DurationsNameTheirUnitAndNumbersHaveARange) {
+  for (const Setting& s : Settings()) {
+    SCOPED_TRACE(s.key);
+    const bool unit_in_key =
+        absl::EndsWith(s.key, "_ms") || absl::EndsWith(s.key, "_s") || absl::EndsWith(s.key, "_hours");
+    EXPECT_EQ(std::holds_alternative<coordinator::SettingField<absl::Duration>>(s.field), unit_in_key);
+    if (IsNumber(s)) {
+      EXPECT_GT(s.min, std::numeric_limits<int64_t>::min());
+      EXPECT_LE(s.min, s.max);
+    } else {
+      EXPECT_EQ(s.max, coordinator::kUnbounded) << "a range on a setting that is not a number";
+    }
+  }
+}
+
+// A value for the setting other than the built-in one (not necessarily within range).
+std::string OtherValue(const Setting& s, const std::string& builtin) {
+  if (ValueTypeName(s) == "BOOL") return builtin == "true" ? "false" : "true";
+  const std::vector<std::string> choices = coordinator::SettingChoices(s);
+  if (!choices.empty()) return choices.back() == builtin ? choices.front() : choices.back();
+  if (!IsNumber(s)) return builtin + "-changed";
+  int64_t n = 0;
+  EXPECT_TRUE(absl::SimpleAtoi(builtin, &n)) << builtin;
+  return absl::StrCat(n + 1);
+}
+
+// Each key, given alone, changes its own setting and no other (the table's fields are not
+// mixed up), and reads back as written.
+TEST(SettingsTableTest, EachKeyChangesItsOwnSettingOnly) {
+  shardcoord::testing::TempDir dir;
+  const CoordinatorOptions builtin;
+  for (const Setting& s : Settings()) {
+    SCOPED_TRACE(s.key);
+    const std::string value = OtherValue(s, SettingValueText(s, builtin));
+    absl::StatusOr<CoordinatorOptions> o =
+        LoadConfigFile(WriteConfig(dir, absl::StrCat(s.key, ": \"", value, "\"\n")));
+    ASSERT_TRUE(o.ok()) << o.status();
+    for (const Setting& other : Settings()) {
+      EXPECT_EQ(SettingValueText(other, *o), &other == &s ? value : SettingValueText(other, builtin))
+          << other.key;
+    }
+  }
+}
+
+// Just past either end of each range: refused, naming the key and the flag.
+TEST(SettingsTableTest, AValueOutOfRangeNamesTheKeyAndTheFlag) {
+  int checked = 0;
+  for (const Setting& s : Settings()) {
+    if (!IsNumber(s)) continue;
+    for (int64_t bad : {s.min - 1, s.max == coordinator::kUnbounded ? s.min - 1 : s.max + 1}) {
+      SCOPED_TRACE(absl::StrCat(s.key, " ", bad));
+      CoordinatorOptions o;
+      ASSERT_TRUE(SetFromText(s, absl::StrCat(bad), o).ok());
+      const absl::Status st = ValidateOptions(o);
+      EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+      EXPECT_THAT(st.message(), HasSubstr(absl::StrCat("config key ", s.key, ", flag ", FlagName(s.key))));
+      ++checked;
+    }
+  }
+  EXPECT_GT(checked, 40);
+  CoordinatorOptions o;
+  o.log_level = "verbose";
+  EXPECT_THAT(ValidateOptions(o).message(),
+              HasSubstr("log level 'verbose' is not one of trace, debug, info, warn, error, off (config key "
+                        "log_level, flag --log-level)"));
+  o = CoordinatorOptions{};
+  o.listen_address = "7871";
+  EXPECT_THAT(ValidateOptions(o).message(), HasSubstr("(config key listen, flag --listen, environment "
+                                                      "SHARDCOORD_DAEMON_LISTEN)"));
+}
+
+TEST(SettingsTableTest, AValueOfTheWrongTypeSaysWhatIsExpected) {
+  CoordinatorOptions o;
+  EXPECT_THAT(SetFromText(*FindSetting("heartbeat_interval_ms"), "1.5", o).message(),
+              HasSubstr("'1.5' is of the wrong type (a whole number of ms expected)"));
+  EXPECT_THAT(SetFromText(*FindSetting("max_jobs"), "3000000000", o).message(), HasSubstr("out of range"));
+  EXPECT_THAT(SetFromText(*FindSetting("insecure"), "maybe", o).message(), HasSubstr("true or false expected"));
+  EXPECT_THAT(SetFromText(*FindSetting("default_fallback"), "auto", o).message(),
+              HasSubstr("'auto' is not one of root, replicate"));
+  ASSERT_TRUE(SetFromText(*FindSetting("tls_reload_interval_s"), "30", o).ok());
+  EXPECT_EQ(o.tls.reload_interval, absl::Seconds(30));
+  ASSERT_TRUE(SetFromText(*FindSetting("journal_retention_hours"), "2", o).ok());
+  EXPECT_EQ(o.journal_retention, absl::Hours(2));
+}
+
+TEST(LoadConfigFileTest, UnknownKeyListsEveryAcceptedKeySorted) {
+  shardcoord::testing::TempDir dir;
+  const std::string path = WriteConfig(dir, "no_such_key: 1\n");
+  absl::StatusOr<CoordinatorOptions> o = LoadConfigFile(path);
+  ASSERT_FALSE(o.ok());
+  std::vector<std::string> keys;
+  for (const Setting& s : Settings()) keys.emplace_back(s.key);
+  std::sort(keys.begin(), keys.end());
+  EXPECT_THAT(o.status().message(), HasSubstr(absl::StrCat("config file ", path, ": unknown key 'no_such_key'; "
+                                                           "accepted keys: ", absl::StrJoin(keys, ", "))));
+}
+
+TEST(LoadConfigFileTest, AnEmptyValueIsEmptyTextAndNothingElse) {
+  shardcoord::testing::TempDir dir;
+  CoordinatorOptions base;
+  base.token_file = "/etc/tokens";
+  absl::StatusOr<CoordinatorOptions> o = LoadConfigFile(WriteConfig(dir, "token_file:\n"), base);
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->token_file, "");
+  o = LoadConfigFile(WriteConfig(dir, "max_jobs:\n"));
+  ASSERT_FALSE(o.ok());
+  EXPECT_THAT(o.status().message(), HasSubstr("max_jobs has an empty value, a value of the wrong type"));
+}
+
+TEST(SettingsTableTest, ReadmeDocumentsEveryKey) {
+  const std::string readme = shardcoord::testing::ReadFile(SHARDCOORD_SOURCE_DIR "/README.md");
+  const size_t start = readme.find("## shardcoordd configuration");
+  ASSERT_NE(start, std::string::npos);
+  const std::string section = readme.substr(start, readme.find("\n## ", start + 1) - start);
+  for (const Setting& s : Settings()) EXPECT_THAT(section, HasSubstr(absl::StrCat("`", s.key, "`")));
+}
+
+// ---------------------------------------------------------------------------------------
+// shardcoordd's flags, made from the same table: the daemon itself, with --help or
+// --check-config (which binds nothing but a free loopback port).
+
+shardcoord::testing::RunResult Shardcoordd(std::vector<std::string> args, std::vector<std::string> env = {}) {
+  args.insert(args.begin(), SHARDCOORDD_PATH);
+  return shardcoord::testing::RunCommand(args, absl::Seconds(30), env);
+}
+
+int CountLines(const std::string& text, const std::string& part) {
+  int n = 0;
+  for (absl::string_view line : absl::StrSplit(text, '\n')) n += absl::StrContains(line, part);
+  return n;
+}
+
+TEST(DaemonFlagsTest, HelpListsTheFlagOfEveryKeyAndHidesRenamedOnes) {
+  const shardcoord::testing::RunResult r = Shardcoordd({"--help"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  for (const Setting& s : Settings()) {
+    EXPECT_THAT(r.out, HasSubstr(FlagName(s.key) + " ")) << s.key;
+    if (s.renamed_from != nullptr) {
+      EXPECT_THAT(r.out, ::testing::Not(HasSubstr(FlagName(s.renamed_from) + " ")));
+    }
+  }
+  EXPECT_THAT(r.out, HasSubstr("[env SHARDCOORD_DAEMON_TLS_CERT_FILE]"));
+}
+
+TEST(DaemonFlagsTest, ARenamedFlagStillWorksWithOneDeprecationLine) {
+  shardcoord::testing::TempDir dir;
+  const std::string cert = dir.File("no-cert.pem"), key = dir.File("no-key.pem");
+  shardcoord::testing::RunResult r =
+      Shardcoordd({"--listen", "127.0.0.1:0", "--tls-cert", cert, "--tls-key", key, "--check-config"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, HasSubstr(cert));  // Read as --tls-cert-file: the check looked for it.
+  EXPECT_EQ(CountLines(r.err, "--tls-cert is deprecated: rename it --tls-cert-file"), 1) << r.err;
+  EXPECT_EQ(CountLines(r.err, "--tls-key is deprecated: rename it --tls-key-file"), 1) << r.err;
+  // Both names: the new one wins.
+  r = Shardcoordd({"--listen", "127.0.0.1:0", "--tls-cert-file", cert, "--tls-key-file", key, "--tls-cert",
+                   dir.File("old.pem"), "--check-config"});
+  EXPECT_THAT(r.err, HasSubstr(cert));
+  EXPECT_THAT(r.err, ::testing::Not(HasSubstr("old.pem")));
+  EXPECT_EQ(CountLines(r.err, "--tls-cert is deprecated and ignored: --tls-cert-file is given too"), 1) << r.err;
+  // The environment variable of the old name too.
+  r = Shardcoordd({"--listen", "127.0.0.1:0", "--check-config"},
+                  {"SHARDCOORD_DAEMON_TLS_CERT=" + cert, "SHARDCOORD_DAEMON_TLS_KEY_FILE=" + key});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, HasSubstr(cert));
+  EXPECT_EQ(CountLines(r.err, "SHARDCOORD_DAEMON_TLS_CERT is deprecated: rename it SHARDCOORD_DAEMON_TLS_CERT_FILE"), 1)
+      << r.err;
+}
+
+TEST(DaemonFlagsTest, FlagsWinOverTheEnvironmentWhichWinsOverTheConfigFile) {
+  shardcoord::testing::TempDir dir;
+  const std::string config = WriteConfig(dir, "listen: not-an-address\n");
+  shardcoord::testing::RunResult r = Shardcoordd({"--config", config, "--check-config"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, HasSubstr("listen 'not-an-address' is not HOST:PORT"));
+  EXPECT_THAT(r.err, HasSubstr("(config key listen, flag --listen, environment SHARDCOORD_DAEMON_LISTEN)"));
+  r = Shardcoordd({"--config", config, "--check-config"}, {"SHARDCOORD_DAEMON_LISTEN=127.0.0.1:0"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  r = Shardcoordd({"--config", config, "--listen", "127.0.0.1:0", "--check-config"},
+                  {"SHARDCOORD_DAEMON_LISTEN=not-either"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+}
+
+TEST(DaemonFlagsTest, ABadFlagValueNamesTheFlag) {
+  shardcoord::testing::RunResult r =
+      Shardcoordd({"--listen", "127.0.0.1:0", "--heartbeat-interval-ms", "abc", "--check-config"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err,
+              HasSubstr("--heartbeat-interval-ms: 'abc' is of the wrong type (a whole number of ms expected)"));
+  r = Shardcoordd({"--listen", "127.0.0.1:0", "--heartbeat-interval-ms", "5", "--check-config"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, HasSubstr("heartbeat interval (5 ms) must be at least 10 ms (config key heartbeat_interval_ms, "
+                               "flag --heartbeat-interval-ms)"));
+  r = Shardcoordd({"--listen", "127.0.0.1:0", "--metrics-rank-series-max", "0", "--insecure", "--check-config"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;  // A key that had no flag before the table.
+}
+
+}  // namespace
 
 // ---------------------------------------------------------------------------------------
 // CheckServingNeeds: `shardcoordd --check-config` says OK only when a start would serve.

@@ -4,16 +4,16 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include "coordinator/coordinator_core.h"
-#include "coordinator/recovery.h"
-#include "coordinator/registration.h"
-#include "coordinator/state_file.h"
+#include "coordinator/core/coordinator_core.h"
+#include "coordinator/core/recovery.h"
+#include "coordinator/core/registration.h"
+#include "coordinator/daemon/state_file.h"
 #include "support/test_env.h"
 
 #include <fstream>
 #include <limits>
 
-#include "coordinator/resume_auth.h"
+#include "coordinator/core/resume_auth.h"
 #include "shardcoord/decide.h"
 #include "shardcoord/proto/convert.h"
 #include "support/core_fakes.h"
@@ -153,7 +153,7 @@ class CoreRecoveryTest : public ::testing::Test, protected shardcoord::testing::
     v1::PlanBatch batch;
     *batch.add_plans() = Plan(step, mb, calls);
     batch.set_epoch(epoch);
-    core_->OnPlans(sessions_[rank], batch);
+    OnPlans(sessions_[rank], batch);
   }
 };
 
@@ -203,11 +203,11 @@ TEST_F(CoreRecoveryTest, ContradictoryHeldDecisionsFailTheGroupNamingTheRanks) {
 TEST_F(CoreRecoveryTest, AMemberThatDoesNotResumeWithinTheWindowIsDeclaredDeadByName) {
   ASSERT_TRUE(Register(Resume(0)).ok());
   clock_->Advance(absl::Seconds(4));
-  core_->OnHeartbeat(sessions_[0]);
+  OnHeartbeat(sessions_[0]);
   core_->Tick();
   EXPECT_EQ(core_->Groups("job").groups(0).state(), v1::GROUP_STATE_RECOVERING);
   clock_->Advance(absl::Seconds(2));
-  core_->OnHeartbeat(sessions_[0]);
+  OnHeartbeat(sessions_[0]);
   core_->Tick();
   EXPECT_EQ(core_->Groups("job").groups(0).state(), v1::GROUP_STATE_FAILED);
   auto failures = sinks_[0]->Where([](const auto& m) { return m.has_group_failure(); });
@@ -252,7 +252,7 @@ TEST_F(CoreRecoveryTest, AnExpiredRecoveryOfALargeGroupWritesOneShortEvent) {
   r.set_group_size(kWorld);
   ASSERT_TRUE(Register(r).ok());
   clock_->Advance(absl::Seconds(6));
-  core_->OnHeartbeat(sessions_[0]);
+  OnHeartbeat(sessions_[0]);
   core_->Tick();
   EXPECT_EQ(core_->Groups("job").groups(0).state(), v1::GROUP_STATE_FAILED);
   size_t bytes = 0;
@@ -372,7 +372,7 @@ TEST_F(BufferedRecoveryTest, AResumeLeftToExpireGivesItsBytesBack) {
   ASSERT_TRUE(Register(Resume(0)).ok());
   EXPECT_GT(core_->buffers()->used(), 0);
   clock_->Advance(absl::Seconds(6));
-  core_->OnHeartbeat(sessions_[0]);
+  OnHeartbeat(sessions_[0]);
   core_->Tick();
   EXPECT_EQ(core_->Groups("job").groups(0).state(), v1::GROUP_STATE_FAILED);
   EXPECT_EQ(core_->buffers()->used(), 0);

@@ -1,7 +1,7 @@
 // Unit tests of the registration checks (coordinator/registration.h): pure functions of the
 // request, the limits and the group's first registration. CoreTest covers them through the
 // core; these pin the messages and the order of the checks.
-#include "coordinator/registration.h"
+#include "coordinator/core/registration.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>

@@ -435,7 +435,7 @@ void Worker::Impl::WriterLoop() {
       msg.set_incarnation(incarnation_);
       // Heartbeats go out on time even while plans flow: they carry collective progress.
       const bool heartbeat_due = absl::Now() >= last_heartbeat + interval || (memory_dirty_ && outbox_.empty());
-      if (previous_.accepts_bundles() && (heartbeat_due || memory_dirty_ || !ready_acks_.empty() || !outbox_.empty())) {
+      if (heartbeat_due || memory_dirty_ || !ready_acks_.empty() || !outbox_.empty()) {
         // Everything queued, in one message (DESIGN 9, "Messages").
         auto* bundle = msg.mutable_bundle();
         if (heartbeat_due || memory_dirty_) {
@@ -450,18 +450,6 @@ void Worker::Impl::WriterLoop() {
         }
         ready_acks_.clear();
         if (!outbox_.empty()) TakeOutbox(bundle->mutable_plans());
-      } else if (heartbeat_due) {
-        // A coordinator without bundles (an older version): one kind per message.
-        FillHeartbeat(msg.mutable_heartbeat());
-        memory_dirty_ = false;
-        last_heartbeat = absl::Now();
-      } else if (!ready_acks_.empty()) {
-        auto* ack = msg.mutable_comm_aborted();
-        ack->set_name(ready_acks_.front().first);
-        ack->set_epoch(ready_acks_.front().second);
-        ready_acks_.erase(ready_acks_.begin());
-      } else if (!outbox_.empty()) {
-        TakeOutbox(msg.mutable_plans());
       } else if (closing_) {
         msg.mutable_goodbye()->set_reason(close_reason_);
         goodbye = true;

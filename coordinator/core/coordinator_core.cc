@@ -1,0 +1,122 @@
+// CoordinatorCore's base: construction, events, finding a session's member, and the send
+// path every part uses. The parts, each using only those listed before it and this base:
+// _plans.cc (plan intake and decisions), _groups.cc (a group's membership and state machine),
+// _comms.cc (communicators, through the job's CommTable), _recovery.cc (groups after a
+// coordinator restart), _liveness.cc (bundles and heartbeats, leaves, deaths, the tick),
+// _registration.cc (ranks joining); _status.cc (the views operators query) reads only.
+#include "coordinator/core/coordinator_core.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "coordinator/core/daemon_metrics.h"
+#include "coordinator/core/registration.h"
+#include "coordinator/core/secrets.h"
+#include "coordinator/core/text.h"
+#include "shardcoord/decide.h"
+#include "shardcoord/internal/logging.h"
+#include "shardcoord/proto/convert.h"
+#include "shardcoord/version.h"
+
+namespace shardcoord::coordinator {
+
+CoordinatorCore::CoordinatorCore(CoordinatorOptions options, std::shared_ptr<const Clock> clock)
+    : options_(std::move(options)),
+      clock_(std::move(clock)),
+      started_(clock_->Now()),
+      incarnation_(options_.incarnation != 0 ? options_.incarnation : 1),
+      config_digest_(DecisionConfigDigest(options_)),
+      resume_auth_(options_.resume_key.empty() ? ResumeAuthority::Ephemeral()
+                                               : ResumeAuthority(options_.resume_key, /*persistent=*/true)),
+      journal_(options_.event_capacity),
+      metrics_(std::make_unique<DaemonMetrics>()),
+      buffers_(std::make_shared<BufferBudget>(options_.limits.max_buffered_bytes)) {}
+
+CoordinatorCore::~CoordinatorCore() = default;
+
+void CoordinatorCore::Event(const std::string& severity, EventKind kind,
+                            const std::string& job, int rank, int group,
+                            const std::string& message) {
+  journal_.Add(clock_->Now(), severity, EventKindName(kind), job, rank, group, message);
+  metrics_->CountEvent(kind);
+  const auto level = severity == "error"     ? spdlog::level::err
+                     : severity == "warning" ? spdlog::level::warn
+                                             : spdlog::level::info;
+  // Only what the event concerns: a daemon event has no job, a job's none of rank or group.
+  std::string line = absl::StrCat("event=", EventKindName(kind));
+  if (!job.empty()) absl::StrAppend(&line, " job=", job);
+  if (rank >= 0) absl::StrAppend(&line, " rank=", rank);
+  if (group >= 0) absl::StrAppend(&line, " group=", group);
+  absl::StrAppend(&line, " ", message);
+  Defer([level, line = std::move(line)] {
+    static const auto log = logging::Get("coordinator");
+    log->log(level, "{}", line);
+  });
+}
+
+// ----------------------------------------------------------------------------------------
+// Registration
+
+const CoordinatorCore::SessionRef* CoordinatorCore::FindSession(uint64_t session_id) const {
+  auto it = sessions_.find(session_id);
+  return it == sessions_.end() ? nullptr : &it->second;
+}
+
+Member* CoordinatorCore::LiveIn(ShardGroup& group, int rank, uint64_t session_id) {
+  Member& m = group.member(rank);
+  return m.session == session_id && m.live() ? &m : nullptr;
+}
+
+Member* CoordinatorCore::LiveMember(uint64_t session_id, Job** job) {
+  const SessionRef* ref = FindSession(session_id);
+  if (ref == nullptr) return nullptr;
+  Member* m = LiveIn(Owned(*ref->job, ref->rank / ref->job->group_size), ref->rank, session_id);
+  if (m != nullptr) *job = ref->job;
+  return m;
+}
+
+void CoordinatorCore::QueueDecision(Member& m, const v1::MicrobatchDecision& d) {
+  if (m.state != v1::RANK_STATE_LIVE || !m.sink) return;
+  *m.outgoing.mutable_decisions()->add_decisions() = d;
+}
+
+void CoordinatorCore::Flush(ShardGroup& group) {
+  for (Member& m : group.members) {
+    if (m.outgoing.has_decisions() && m.outgoing.decisions().decisions_size() > 0) {
+      SinkSend(m, m.outgoing);
+      m.outgoing.Clear();
+    }
+  }
+}
+
+void CoordinatorCore::SendTo(Member& m, const v1::CoordinatorMessage& msg) {
+  if (m.state != v1::RANK_STATE_LIVE || !m.sink) return;
+  // Decisions batched so far go first: the rank sees messages in the order produced.
+  if (m.outgoing.has_decisions() && m.outgoing.decisions().decisions_size() > 0) {
+    SinkSend(m, m.outgoing);
+    m.outgoing.Clear();
+  }
+  SinkSend(m, msg);
+}
+
+void CoordinatorCore::SinkSend(Member& m, const v1::CoordinatorMessage& msg) {
+  if (!m.sink || !m.cut_reason.empty()) return;
+  // Refused: the rank is not reading. Tick fails it (not here: we may be deep inside a
+  // group's state change); until then nothing more is queued for it.
+  if (absl::Status s = m.sink->Send(msg); !s.ok()) {
+    m.cut_reason = std::string(s.message());
+    return;
+  }
+  // The write starts once mu_ is released (see RunDeferred).
+  auto& kick = ThisThread().kick;
+  if (kick.empty() || kick.back() != m.sink) kick.push_back(m.sink);
+}
+
+void CoordinatorCore::RecordDaemonEvent(bool started, const std::string& detail) {
+  Locked lock(this);
+  Event("info", started ? EventKind::kDaemonStarted : EventKind::kDaemonStopped, "", -1, -1,
+        absl::StrCat("shardcoord ", kVersion, " incarnation ", incarnation_, ": ", detail));
+}
+
+}  // namespace shardcoord::coordinator

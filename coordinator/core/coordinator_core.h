@@ -1,0 +1,427 @@
+// CoordinatorCore: the coordinator's state and rules, independent of gRPC.
+//
+// It keeps the registry of jobs, ranks and shard groups, validates registrations and
+// plans, runs one DecisionEngine per group, detects dead ranks (stream lost, heartbeats
+// missed), fails microbatches that can never be decided, and answers status queries.
+// The gRPC adapter (coordinator_server.cc; the Session streams in session_stream.h)
+// converts streams and calls into calls on this class and gives each session a RankSink
+// through which the core sends messages.
+//
+// Thread-safety: every public method may be called from any thread. The registry (jobs,
+// sessions, communicators) is guarded by one reader/writer mutex, `mu_` (DESIGN 9), held
+// exclusively by everything but the hot path and the status queries; each shard group, its
+// members included, by its GroupSlot's mutex (shard_group.h, ABSL_GUARDED_BY: checked by
+// clang). The hot path (plans, and heartbeats that carry no collective progress) only
+// touches one group: it holds `mu_` shared (`SharedLocked`) plus that group's mutex, so that
+// different groups, of one job or of several, are served in parallel. A holder of `mu_`
+// exclusive holds every group (their mutexes are only taken under `mu_` shared) and reaches
+// them through Owned(). The functions annotated ABSL_SHARED_LOCKS_REQUIRED(mu_) take a
+// group the caller holds either way.
+// What may block or call back runs after the lock is released: log lines and the
+// completions of waiting communicator calls are collected under it and carried out on the
+// way out (`Locked`, `SharedLocked`, `RunDeferred`). RankSink::Send is the exception, on
+// purpose: it is called with the lock held, so that messages to one rank leave in the
+// order the core produced them; that is why a sink must only queue (never block, never
+// call back). The network writes start after unlocking (RankSink::Kick).
+#ifndef SHARDCOORD_COORDINATOR_CORE_COORDINATOR_CORE_H_
+#define SHARDCOORD_COORDINATOR_CORE_COORDINATOR_CORE_H_
+
+#include <atomic>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "coordinator/core/buffer_budget.h"
+#include "coordinator/core/clock.h"
+#include "coordinator/core/comm_table.h"
+#include "coordinator/core/decision_engine.h"
+#include "coordinator/core/resume_auth.h"
+#include "coordinator/core/shard_group.h"
+#include "coordinator/journal/event_journal.h"
+#include "coordinator/journal/event_kind.h"
+#include "coordinator/settings/options.h"
+#include "shardcoord/v1/coordinator.pb.h"
+
+namespace shardcoord::coordinator {
+
+class DaemonMetrics;
+
+// The core's handle on one rank's session stream.
+class RankSink {
+ public:
+  virtual ~RankSink() = default;
+  // Queues `msg` for the rank. Must not block and must not call into CoordinatorCore.
+  // Refuses (RESOURCE_EXHAUSTED naming the bound), and queues nothing, when the rank's
+  // queue is over its bound or the daemon's buffers are full while the rank holds a large
+  // share of them (it does not read its stream): the core then fails the rank with that
+  // message.
+  virtual absl::Status Send(const v1::CoordinatorMessage& msg) = 0;
+  // Starts writing what Send queued, if no write is in flight. The core calls it after
+  // releasing its mutex, once per call that queued something for the rank: starting a
+  // network write is the costly part of sending, and must not hold up every other rank.
+  virtual void Kick() {}
+  // Ends the session with `status` once the queued messages are written.
+  virtual void Close(const absl::Status& status) = 0;
+};
+
+class CoordinatorCore {
+ public:
+  CoordinatorCore(CoordinatorOptions options, std::shared_ptr<const Clock> clock);
+  ~CoordinatorCore();
+
+  CoordinatorCore(const CoordinatorCore&) = delete;
+  CoordinatorCore& operator=(const CoordinatorCore&) = delete;
+
+  const CoordinatorOptions& options() const { return options_; }
+  // This process's incarnation (DESIGN 12): options().incarnation, or 1 when unset.
+  uint64_t incarnation() const { return incarnation_; }
+  // Digest of the settings that change decisions; a resuming rank must have registered
+  // under the same (RegisterResponse.config_digest).
+  uint64_t config_digest() const { return config_digest_; }
+  // The daemon-wide budget of memory held for clients (max_buffered_bytes): sinks charge
+  // their queues to it, the core the resumes it holds.
+  const std::shared_ptr<BufferBudget>& buffers() const { return buffers_; }
+  // Counters and histograms fed as things happen (daemon_metrics.h), for /metrics.
+  const DaemonMetrics& metrics() const { return *metrics_; }
+  // The address actually bound (port 0 resolved), for status.
+  void SetBoundAddress(const std::string& address) {
+    absl::MutexLock lock(&mu_);
+    bound_address_ = address;
+  }
+
+  // Registers the rank behind `session_id`. On success the RegisterResponse has already
+  // been sent through `sink` (so it precedes any decision). On failure nothing changed and
+  // the status says what was wrong: INVALID_ARGUMENT (malformed request, rank outside the
+  // world, root without an outer root, ...), RESOURCE_EXHAUSTED (over a max_* setting, named),
+  // FAILED_PRECONDITION (world size, group size, manifest, policy, fallback or
+  // wrap_outer_model differ from what the job / group already has; a resume this process
+  // cannot accept), ALREADY_EXISTS (the rank is live in another session), UNAVAILABLE
+  // (shutting down).
+  absl::Status Register(uint64_t session_id, const v1::RegisterRequest& request,
+                        std::shared_ptr<RankSink> sink);
+
+  // Everything a worker had queued since its last message (WorkerMessage.bundle), handled in
+  // this order: its heartbeat (liveness, memory, and the collective progress of its open
+  // communicators), its acknowledgements of CommAbort (it aborted its communicator for that
+  // epoch), its plans. Bad plans are answered with PlanRejected on the session; decisions that
+  // became ready are sent to every member of the group.
+  void OnBundle(uint64_t session_id, const v1::WorkerBundle& bundle);
+  // A clean leave: the rank becomes LEFT.
+  void OnGoodbye(uint64_t session_id, const std::string& reason);
+  // The session's stream ended without a goodbye: a registered rank is declared dead.
+  // Idempotent; unknown sessions are ignored.
+  void OnSessionClosed(uint64_t session_id, const std::string& why);
+
+  // Declares dead every live rank silent for longer than the heartbeat timeout and fails
+  // microbatches pending for longer than the plan timeout. Called periodically.
+  // `started`: when the ticker decided to tick (real time; InfinitePast: no check). If the
+  // core's clock is past it by more than half the heartbeat timeout once the lock is taken,
+  // the daemon was stopped in between (the ticker's own gap check came before the pause):
+  // deadlines restart as after OnPaused instead of declaring every silent rank dead.
+  void Tick(absl::Time started = absl::InfinitePast());
+
+  // The daemon itself did not run for `gap` (SIGSTOP, VM pause, starvation, clock jump):
+  // heartbeats sat in socket buffers meanwhile, so every live rank's heartbeat deadline
+  // restarts now instead of every rank being declared dead at once. Called by the tick loop.
+  void OnPaused(absl::Duration gap);
+
+  // Sends a shutdown notice to every live session and closes it with UNAVAILABLE.
+  void Shutdown();
+
+  // Records the daemon starting to serve, or stopping, in the journal ("daemon_started",
+  // "daemon_stopped"), with its version and incarnation and `detail`.
+  void RecordDaemonEvent(bool started, const std::string& detail);
+
+  // --- Communicators (DESIGN 4). Callers must be live ranks of the job and members of
+  // the communicator. Waiting calls complete through `done` exactly once, possibly later
+  // and from another thread, always after the core's mutex was released (so `done` may
+  // call back into the core). Errors: NOT_FOUND (no such job), FAILED_PRECONDITION (rank not live,
+  // not a member, wrong epoch, ranks differ from the communicator's), ALREADY_EXISTS (a key
+  // published twice), ABORTED (the epoch was aborted: the message says why),
+  // DEADLINE_EXCEEDED (members or keys still missing at the deadline, named).
+  using JoinDone = CommTable::JoinDone;
+  using GetDone = CommTable::GetDone;
+  // Joins the communicator's current epoch; starts a new epoch when the last one was
+  // aborted (or none exists) once every member is live, waiting up to the timeout.
+  void CommJoin(const v1::CommJoinRequest& req, JoinDone done);
+  absl::Status StoreSet(const v1::StoreSetRequest& req);
+  // Answers once every key is set in the epoch's store.
+  void StoreGet(const v1::StoreGetRequest& req, GetDone done);
+  absl::Status CommReport(const v1::CommReportRequest& req);
+  v1::ListCommsResponse Comms(const std::string& job_id) const;
+
+  // Queries for operators. job_id "" means every job.
+  v1::StatusResponse Status(const std::string& job_id) const;
+  v1::ListRanksResponse Ranks(const std::string& job_id) const;
+  v1::ListGroupsResponse Groups(const std::string& job_id) const;
+  v1::ListDecisionsResponse Decisions(const std::string& job_id, int group, int limit) const;
+  std::vector<v1::Event> Events(const std::string& job_id, uint64_t after_id, int limit) const {
+    return journal_.List(EventFilter{job_id, "", 0, after_id, limit});
+  }
+  std::vector<v1::Event> Events(const EventFilter& filter) const { return journal_.List(filter); }
+  // Keeps the journal in options().journal_file as well (no-op when unset); the error names
+  // the file. Call before serving.
+  absl::Status OpenJournal() {
+    if (options_.journal_file.empty()) return absl::OkStatus();
+    return journal_.Persist(options_.journal_file, options_.journal_retention, options_.journal_max_events);
+  }
+  // Waits until the journal's events are in its file (tests; shutdown).
+  void FlushJournal() { journal_.Flush(); }
+
+ private:
+  struct Job {
+    std::string id;
+    int world_size = 0;
+    int group_size = 0;
+    // Group g holds ranks [g * group_size, (g + 1) * group_size) and their Members.
+    std::vector<std::unique_ptr<GroupSlot>> groups;
+    std::unique_ptr<CommTable> comms;
+    std::atomic<int64_t> plans_received{0};  // Counted by groups in parallel.
+    std::atomic<int64_t> microbatches_decided{0};
+    absl::Time ended = absl::InfinitePast();  // When its last live rank ended (retention).
+  };
+
+  struct SessionRef {
+    Job* job;
+    int rank;
+  };
+
+  // Group access. A group's state is guarded by its slot's mutex (GroupSlot), which the hot
+  // path takes with mu_ held shared. A holder of mu_ exclusive holds every group as well:
+  // the group mutexes are only ever taken under mu_ shared, so none is held meanwhile. Owned
+  // says so to the lock analysis, and is the only place that does.
+  ShardGroup& Owned(const Job& job, int group) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_)
+      ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    return job.groups[group]->group;
+  }
+  Member& OwnedMember(const Job& job, int rank) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return Owned(job, rank / job.group_size).member(rank);
+  }
+  static GroupSlot& SlotOf(const Job& job, int rank) { return *job.groups[rank / job.group_size]; }
+  // Calls f(member) for every rank of the job, in rank order.
+  template <typename F>
+  void ForEachMember(const Job& job, F f) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    for (size_t g = 0; g < job.groups.size(); ++g) {
+      for (Member& m : Owned(job, static_cast<int>(g)).members) f(m);
+    }
+  }
+  // The session's job and rank, or null for an unknown session.
+  const SessionRef* FindSession(uint64_t session_id) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // The member of `group` behind `session_id` if that is the rank's current live session.
+  static Member* LiveIn(ShardGroup& group, int rank, uint64_t session_id);
+
+  // The parts of a bundle, in the order OnBundle takes them: TakePlans with the group's mutex
+  // held too, or mu_ exclusively.
+  void TakePlans(Job& job, ShardGroup& group, Member& m, const v1::PlanBatch& batch) ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  void TakeHeartbeat(Job& job, ShardGroup& group, Member& m, const v1::Heartbeat& heartbeat)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The part of a heartbeat that concerns the member alone (liveness, memory).
+  void TakeMemberHeartbeat(const ShardGroup& group, Member& m, const v1::Heartbeat& heartbeat)
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  void TakeCommAborted(Job& job, Member& m, const v1::CommAborted& ack) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Returns the session's member if it is the rank's current live session.
+  Member* LiveMember(uint64_t session_id, Job** job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  static v1::CoordinatorMessage PlanRejectedMessage(const v1::MicrobatchPlan& plan, const absl::Status& why,
+                                                    int64_t epoch);
+  // Handles one plan; returns a non-OK status to reject it (nothing changed then). Static
+  // and dynamic policies share it up to the decision.
+  absl::Status AcceptPlan(Job& job, ShardGroup& group, Member& member, const v1::MicrobatchPlan& plan)
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Decides pending microbatches from the front while every member has reported.
+  void DrainGroup(Job& job, ShardGroup& group) ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  void FailMicrobatch(Job& job, ShardGroup& group, const MicrobatchKey& key, absl::Status why)
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Marks the rank dead (or left) and fails / cancels what its group was waiting for.
+  void RemoveMember(Job& job, Member& member, bool clean, const std::string& reason)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RecordDecision(Job& job, ShardGroup& group, const v1::MicrobatchDecision& d)
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  void QueueDecision(Member& member, const v1::MicrobatchDecision& d)
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Sends the decisions batched in members' `outgoing`.
+  void Flush(ShardGroup& group) ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  void SendTo(Member& member, const v1::CoordinatorMessage& msg) ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Sends through the member's sink; a refused send sets Member::cut_reason.
+  void SinkSend(Member& member, const v1::CoordinatorMessage& msg) ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Makes room for a new job (evicting the oldest ended one) or says why there is none.
+  // (The checks that need no state are in registration.h.)
+  absl::Status AdmitJob(const std::string& job_id, int world_size) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Register's steps (DESIGN 3, "Registration"; DESIGN 8 for the group it joins).
+  Job* ReuseOrForgetEndedJob(const v1::RegisterRequest& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status CheckJobAccepts(const Job& job, const v1::RegisterRequest& req) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  Job& CreateJob(const v1::RegisterRequest& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void SetLive(Job& job, Member& m, uint64_t session_id, std::shared_ptr<RankSink> sink,
+               const v1::RegisterRequest& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  v1::CoordinatorMessage Registered(const ShardGroup& group, const v1::RegisterRequest& req) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void AnnounceReformed(Job& job, ShardGroup& group, int rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Forgets jobs with no live rank for longer than the retention.
+  void EvictEndedJobs(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether the group can take `key` from `member` now: in order, the group not failed, the
+  // key not resolved already, within the member's lookahead window and the group's room.
+  absl::Status CheckPlanFits(const ShardGroup& group, const Member& member, const MicrobatchKey& key,
+                             const std::string& who) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Static policies: the group's decision for `key`, made once, when the first rank reports
+  // it, and shared by every rank; the key is resolved once every rank reported it.
+  void DecideStatic(Job& job, ShardGroup& group, const MicrobatchKey& key) ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Fails earlier pending microbatches that `member` (at `idx`) skipped by reporting `key`,
+  // and `key` itself when other members already moved past it. False if `key` failed.
+  bool FailSkipped(Job& job, ShardGroup& group, Member& member, const MicrobatchKey& key, int idx, bool inserted)
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // The status queries' parts, under mu_ shared: FillJobStatus takes each group's mutex
+  // itself; the callers of FillGroupStatus and FillRankStatus hold the group's.
+  void FillJobStatus(const Job& job, v1::JobStatus* out) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // One group's share of a job's status (its ranks, state, counts); the caller holds its mutex.
+  static void CountGroup(const ShardGroup& group, v1::JobStatus* out);
+  void FillGroupStatus(const Job& job, const ShardGroup& group, v1::GroupStatus* out) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  void FillRankStatus(const std::string& job_id, const ShardGroup& group, const Member& m, absl::Time now,
+                      v1::RankStatus* out) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  void UpdateGroupState(Job& job, ShardGroup& group) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Communicators (coordinator_core_comms.cc): the job's CommTable, through a CommHost that
+  // answers for the job's members. Exclusive holders of mu_ only.
+  class JobHost;
+  // The job of a communicator call from `rank` with `session_key`, checked: the rank is live
+  // and the call comes from its session (PERMISSION_DENIED otherwise).
+  absl::StatusOr<Job*> CommCaller(const std::string& job_id, int rank, const std::string& session_key)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A rank became unreachable (`clean`: it left) or live again: its communicators react.
+  void OnMemberLost(Job& job, int rank, bool clean, const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void OnMemberBack(Job& job, int rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void TickComms(Job& job, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ResumeComms(Job& job, int rank, const v1::ResumeState& state) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FailAllCommWaiters(const absl::Status& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // RemoveMember's steps: the job ends when no rank is live; a clean leave fails only what
+  // the leaver never planned; a death fails the group (DESIGN 3, "Failures").
+  void MaybeEndJob(Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void OnLeft(Job& job, ShardGroup& group, const Member& m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FailGroup(Job& job, ShardGroup& group, const Member& m, const std::string& full)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Tells the live ranks of the job's other groups that `rank` of `group` was declared dead.
+  void NotifyRankLost(Job& job, const ShardGroup& group, int rank, const std::string& reason)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // Recovery after a restart (coordinator_core_recovery.cc, DESIGN 12).
+  // True for a group that has done nothing in this process: forming, no live member.
+  bool IsFreshGroup(const Job& job, const ShardGroup& group) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The group waits for every member to resume (or register) before it decides again.
+  void StartRecovery(Job& job, ShardGroup& group) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A rank (resuming, or registering for the first time) joins a recovering group.
+  // OnPaused's work, under the lock.
+  void RestartHeartbeatDeadlines(absl::Duration gap) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ResumeMember(Job& job, ShardGroup& group, Member& m, uint64_t session_id, std::shared_ptr<RankSink> sink,
+                    const v1::RegisterRequest& req, BufferCharge charge) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Takes the memory a resume will be held in from buffers_, or says which bound refuses it.
+  absl::StatusOr<BufferCharge> ChargeResume(const v1::RegisterRequest& req);
+  // Every member is back: applies the recovery rule, or fails the group.
+  void FinishRecovery(Job& job, ShardGroup& group) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FailRecovery(Job& job, ShardGroup& group, const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Static policies: binding keys some member has not reported yet stay pending with
+  // their decision, for that member to receive when it does.
+  void KeepStaticBinding(Job& job, ShardGroup& group, const MicrobatchKey& key, const v1::MicrobatchDecision& d)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Replays plans (resumed, then deferred) through the ordinary intake.
+  void ReplayPlans(Job& job, ShardGroup& group, const std::vector<std::pair<int, v1::MicrobatchPlan>>& plans)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Fails the missing members of groups whose recovery window passed.
+  void ExpireRecovery(Job& job, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // Records an event in the journal; its log line is written after the mutex is released.
+  void Event(const std::string& severity, EventKind kind, const std::string& job,
+             int rank, int group, const std::string& message) ABSL_SHARED_LOCKS_REQUIRED(mu_);
+
+  // Holds mu_ for a public method; on release, carries out the work deferred meanwhile
+  // (in the order it was deferred), after unlocking.
+  class ABSL_SCOPED_LOCKABLE Locked {
+   public:
+    explicit Locked(CoordinatorCore* core) ABSL_EXCLUSIVE_LOCK_FUNCTION(core->mu_) : core_(core) {
+      core_->mu_.Lock();
+    }
+    ~Locked() ABSL_UNLOCK_FUNCTION() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+      core_->mu_.Unlock();
+      core_->RunDeferred();
+    }
+    Locked(const Locked&) = delete;
+    Locked& operator=(const Locked&) = delete;
+
+   private:
+    CoordinatorCore* const core_;
+  };
+  // Holds mu_ shared for the hot path; the caller then locks the group (GroupLock). On
+  // release, like Locked, kicks the sinks and runs the deferred work.
+  class ABSL_SCOPED_LOCKABLE SharedLocked {
+   public:
+    explicit SharedLocked(CoordinatorCore* core) ABSL_SHARED_LOCK_FUNCTION(core->mu_) : core_(core) {
+      core_->mu_.ReaderLock();
+    }
+    ~SharedLocked() ABSL_UNLOCK_FUNCTION() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+      core_->mu_.ReaderUnlock();
+      core_->RunDeferred();
+    }
+    SharedLocked(const SharedLocked&) = delete;
+    SharedLocked& operator=(const SharedLocked&) = delete;
+
+   private:
+    CoordinatorCore* const core_;
+  };
+  // What waits for the lock's release: per thread, since hot-path holders run side by side;
+  // each scope carries out what its own thread queued, after unlocking.
+  struct AfterUnlock {
+    std::vector<std::function<void()>> deferred;
+    std::vector<std::shared_ptr<RankSink>> kick;  // Sinks sent to, to start writing.
+  };
+  static AfterUnlock& ThisThread() {
+    thread_local AfterUnlock after;
+    return after;
+  }
+  // After unlocking: starts the writes of the sinks sent to, then the deferred work, in the
+  // order both were queued. A deferred completion may call back into the core: its own scope
+  // then carries out what it queues.
+  void RunDeferred() ABSL_LOCKS_EXCLUDED(mu_) {
+    AfterUnlock now;
+    now.deferred.swap(ThisThread().deferred);
+    now.kick.swap(ThisThread().kick);
+    for (auto& sink : now.kick) sink->Kick();
+    for (auto& f : now.deferred) f();
+  }
+  // Work for after the mutex is released (see Locked): logging, completions.
+  void Defer(std::function<void()> f) ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    ThisThread().deferred.push_back(std::move(f));
+  }
+
+  const CoordinatorOptions options_;
+  const std::shared_ptr<const Clock> clock_;
+  const absl::Time started_;
+  const uint64_t incarnation_;
+  const uint64_t config_digest_;
+  // Credentials for resumes and seals on decisions (resume_auth.h). Immutable: no lock.
+  const ResumeAuthority resume_auth_;
+  EventJournal journal_;
+  const std::unique_ptr<DaemonMetrics> metrics_;  // Thread-safe by itself.
+  // Before jobs_: their members' charges give back to it as they are destroyed.
+  const std::shared_ptr<BufferBudget> buffers_;
+
+  mutable absl::Mutex mu_;
+  std::map<std::string, std::unique_ptr<Job>> jobs_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<uint64_t, SessionRef> sessions_ ABSL_GUARDED_BY(mu_);
+  bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
+  std::string bound_address_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace shardcoord::coordinator
+
+#endif  // SHARDCOORD_COORDINATOR_CORE_COORDINATOR_CORE_H_

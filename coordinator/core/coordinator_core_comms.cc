@@ -1,0 +1,133 @@
+// CoordinatorCore, part 4: communicators (DESIGN 4). Each job's are in its CommTable
+// (comm_table.h); here the core checks who calls, and answers the table's questions about
+// the job's members (JobHost).
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "coordinator/core/coordinator_core.h"
+#include "coordinator/core/secrets.h"
+#include "coordinator/core/text.h"
+
+namespace shardcoord::coordinator {
+
+// The core as its communicators see it: one job's members, sends, events and completions.
+// Made only by a holder of mu_ exclusive, and used before it is released.
+class CoordinatorCore::JobHost final : public CommHost {
+ public:
+  JobHost(CoordinatorCore& core, Job& job) : core_(core), job_(job) {}
+  absl::Time Now() const override { return core_.clock_->Now(); }
+  v1::RankState StateOf(int rank) const override ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    return core_.OwnedMember(job_, rank).state;
+  }
+  std::string DeadReasonOf(int rank) const override ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    return core_.OwnedMember(job_, rank).dead_reason;
+  }
+  void Send(int rank, const v1::CoordinatorMessage& msg) override ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    core_.SendTo(core_.OwnedMember(job_, rank), msg);
+  }
+  void Event(const std::string& severity, EventKind kind, int rank, const std::string& message) override
+      ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    core_.Event(severity, kind, job_.id, rank, -1, message);
+  }
+  void Defer(std::function<void()> f) override ABSL_NO_THREAD_SAFETY_ANALYSIS { core_.Defer(std::move(f)); }
+
+ private:
+  CoordinatorCore& core_;
+  Job& job_;
+};
+
+absl::StatusOr<CoordinatorCore::Job*> CoordinatorCore::CommCaller(const std::string& job_id, int rank,
+                                                                  const std::string& session_key) {
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) {
+    return absl::NotFoundError(absl::StrCat("no job '", Printable(job_id, 64), "': register the rank first"));
+  }
+  Job& job = *it->second;
+  if (rank < 0 || rank >= job.world_size || OwnedMember(job, rank).state != v1::RANK_STATE_LIVE) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "rank ", rank, " of job '", job_id, "' is not a live registered rank; register it before "
+        "using communicators"));
+  }
+  if (!SameSecret(session_key, OwnedMember(job, rank).session_key)) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "rank ", rank, " of job '", Printable(job_id, 64), "': this call does not come from the rank's live session "
+        "(session_key missing or wrong); communicator calls are accepted only from the worker that registered the rank"));
+  }
+  return &job;
+}
+
+void CoordinatorCore::CommJoin(const v1::CommJoinRequest& req, JoinDone done) {
+  Locked lock(this);
+  absl::StatusOr<Job*> job = shut_down_ ? absl::UnavailableError("coordinator is shutting down")
+                                        : CommCaller(req.job_id(), req.rank(), req.session_key());
+  if (!job.ok()) {
+    Defer([done = std::move(done), s = job.status()] { done(s); });
+    return;
+  }
+  JobHost host(*this, **job);
+  (*job)->comms->Join(host, req, std::move(done));
+}
+
+absl::Status CoordinatorCore::StoreSet(const v1::StoreSetRequest& req) {
+  Locked lock(this);
+  absl::StatusOr<Job*> job = CommCaller(req.job_id(), req.rank(), req.session_key());
+  if (!job.ok()) return job.status();
+  JobHost host(*this, **job);
+  return (*job)->comms->Set(host, req);
+}
+
+void CoordinatorCore::StoreGet(const v1::StoreGetRequest& req, GetDone done) {
+  Locked lock(this);
+  // Shutting down: no ticker will expire a waiter any more.
+  absl::StatusOr<Job*> job = shut_down_ ? absl::UnavailableError("coordinator is shutting down")
+                                        : CommCaller(req.job_id(), req.rank(), req.session_key());
+  if (!job.ok()) {
+    Defer([done = std::move(done), s = job.status()] { done(s); });
+    return;
+  }
+  JobHost host(*this, **job);
+  (*job)->comms->Get(host, req, std::move(done));
+}
+
+absl::Status CoordinatorCore::CommReport(const v1::CommReportRequest& req) {
+  Locked lock(this);
+  absl::StatusOr<Job*> job = CommCaller(req.job_id(), req.rank(), req.session_key());
+  if (!job.ok()) return job.status();
+  JobHost host(*this, **job);
+  return (*job)->comms->Report(host, req);
+}
+
+void CoordinatorCore::TakeCommAborted(Job& job, Member& m, const v1::CommAborted& ack) {
+  m.last_seen = clock_->Now();
+  JobHost host(*this, job);
+  job.comms->AckAbort(host, ack, m.rank);
+}
+
+void CoordinatorCore::OnMemberLost(Job& job, int rank, bool clean, const std::string& reason) {
+  JobHost host(*this, job);
+  job.comms->OnRankLost(host, rank, clean, reason);
+}
+
+void CoordinatorCore::OnMemberBack(Job& job, int rank) {
+  JobHost host(*this, job);
+  job.comms->OnRankBack(host, rank);
+}
+
+void CoordinatorCore::TickComms(Job& job, absl::Time now) {
+  JobHost host(*this, job);
+  job.comms->Tick(host, now);
+}
+
+void CoordinatorCore::ResumeComms(Job& job, int rank, const v1::ResumeState& state) {
+  JobHost host(*this, job);
+  job.comms->Resume(host, rank, state);
+}
+
+void CoordinatorCore::FailAllCommWaiters(const absl::Status& why) {
+  for (auto& [id, job] : jobs_) {
+    JobHost host(*this, *job);
+    job->comms->FailAllWaiters(host, why);
+  }
+}
+
+}  // namespace shardcoord::coordinator

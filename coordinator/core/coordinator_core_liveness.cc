@@ -1,0 +1,246 @@
+// CoordinatorCore: what a session sends after registering (bundles: heartbeats, abort
+// acknowledgements, plans), leaves and deaths (DESIGN 3, "Failures"), the tick (heartbeat and
+// plan deadlines, job retention), pauses and shutdown.
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "coordinator/core/coordinator_core.h"
+#include "coordinator/core/daemon_metrics.h"
+#include "coordinator/core/text.h"
+#include "shardcoord/decide.h"
+#include "shardcoord/internal/logging.h"
+#include "shardcoord/proto/convert.h"
+#include "shardcoord/version.h"
+
+namespace shardcoord::coordinator {
+namespace {
+
+// Decisions an ended job keeps per group (a live one keeps `decision_history`).
+constexpr size_t kEndedJobHistory = 16;
+
+}  // namespace
+
+void CoordinatorCore::OnBundle(uint64_t session_id, const v1::WorkerBundle& bundle) {
+  if (bundle.comm_aborted_size() > 0) {
+    // Acknowledgements change the state of the job's communicators.
+    Locked lock(this);
+    Job* job = nullptr;
+    Member* m = LiveMember(session_id, &job);
+    if (m == nullptr) return;
+    ShardGroup& group = Owned(*job, m->group);
+    if (bundle.has_heartbeat()) TakeHeartbeat(*job, group, *m, bundle.heartbeat());
+    for (const auto& ack : bundle.comm_aborted()) TakeCommAborted(*job, *m, ack);
+    if (bundle.has_plans()) TakePlans(*job, group, *m, bundle.plans());
+    return;
+  }
+  // The hot path: this group only.
+  SharedLocked lock(this);
+  const SessionRef* ref = FindSession(session_id);
+  if (ref == nullptr) return;  // A stale session; its rank re-registered or was declared dead.
+  GroupSlot& slot = SlotOf(*ref->job, ref->rank);
+  absl::MutexLock group_lock(&slot.mu);
+  Member* m = LiveIn(slot.group, ref->rank, session_id);
+  if (m == nullptr) return;
+  if (bundle.has_heartbeat()) {
+    TakeMemberHeartbeat(slot.group, *m, bundle.heartbeat());
+    // Collective progress: under the communicator table's own (leaf) mutex.
+    if (bundle.heartbeat().comms_size() > 0) ref->job->comms->RecordProgress(m->rank, bundle.heartbeat(), m->last_seen);
+  }
+  if (bundle.has_plans()) TakePlans(*ref->job, slot.group, *m, bundle.plans());
+}
+
+void CoordinatorCore::TakeHeartbeat(Job& job, ShardGroup& group, Member& m, const v1::Heartbeat& heartbeat) {
+  TakeMemberHeartbeat(group, m, heartbeat);
+  if (heartbeat.comms_size() > 0) job.comms->RecordProgress(m.rank, heartbeat, m.last_seen);
+}
+
+void CoordinatorCore::TakeMemberHeartbeat(const ShardGroup& group, Member& m, const v1::Heartbeat& heartbeat) {
+  m.last_seen = clock_->Now();
+  m.decision_stalls.Take(heartbeat.decision_stalls());
+  m.decision_stall_us.Take(heartbeat.decision_stall_us());
+  if (heartbeat.memory_size() == 0) return;
+  // Bounded by the manifest whatever the client sends: one entry per module of the group's
+  // manifest (the first for each), no negative counts; the rest is not kept. A rank's
+  // reports then cost no more than its share of the manifest (DESIGN 11).
+  m.memory.clear();
+  std::vector<bool> seen(group.modules.size(), false);
+  for (const auto& e : heartbeat.memory()) {
+    if (m.memory.size() >= group.modules.size()) break;
+    auto it = group.module_index.find(e.module());
+    if (it == group.module_index.end() || seen[it->second] || e.resident_bytes() < 0 || e.peak_bytes() < 0 ||
+        e.gathered_bytes() < 0) {
+      continue;
+    }
+    seen[it->second] = true;
+    m.memory.push_back(e);
+    m.gathered_bytes[e.module()].Take(e.gathered_bytes());
+  }
+}
+
+void CoordinatorCore::OnGoodbye(uint64_t session_id, const std::string& reason) {
+  Locked lock(this);
+  Job* job = nullptr;
+  Member* m = LiveMember(session_id, &job);
+  if (m == nullptr) return;
+  RemoveMember(*job, *m, /*clean=*/true,
+               reason.empty() ? std::string("left cleanly") : absl::StrCat("left cleanly: ", Printable(reason)));
+}
+
+void CoordinatorCore::OnSessionClosed(uint64_t session_id, const std::string& why) {
+  Locked lock(this);
+  if (shut_down_) return;  // Our own shutdown closed it: no rank died.
+  Job* job = nullptr;
+  Member* m = LiveMember(session_id, &job);
+  if (m == nullptr) {
+    sessions_.erase(session_id);
+    return;
+  }
+  RemoveMember(*job, *m, /*clean=*/false, absl::StrCat("session stream lost (", why, ")"));
+}
+
+void CoordinatorCore::RemoveMember(Job& job, Member& m, bool clean, const std::string& reason) {
+  ShardGroup& group = Owned(job, m.group);
+  const std::string full = absl::StrCat("rank ", m.rank, " ", clean ? "" : "declared dead: ", reason);
+  // Flush what it was owed, then detach it.
+  if (m.sink) {
+    if (m.outgoing.has_decisions()) {
+      SinkSend(m, m.outgoing);
+      m.outgoing.Clear();
+    }
+    m.sink->Close(clean ? absl::OkStatus() : absl::AbortedError(full));
+  }
+  m.sink.reset();
+  sessions_.erase(m.session);
+  m.session_key.clear();
+  m.state = clean ? v1::RANK_STATE_LEFT : v1::RANK_STATE_DEAD;
+  m.dead_reason = reason;
+  Event(clean ? "info" : "error", clean ? EventKind::kRankLeft : EventKind::kRankDead, job.id, m.rank, group.index,
+        full);
+  if (!clean) metrics_->ObserveDeathDetection(clock_->Now() - m.last_seen);
+  MaybeEndJob(job);
+  OnMemberLost(job, m.rank, clean, full);
+  if (clean) {
+    OnLeft(job, group, m);
+  } else {
+    FailGroup(job, group, m, full);
+  }
+}
+
+void CoordinatorCore::MaybeEndJob(Job& job) {
+  for (size_t i = 0; i < job.groups.size(); ++i) {
+    if (Owned(job, static_cast<int>(i)).Count().live > 0) return;
+  }
+  job.ended = clock_->Now();  // Kept for `job_retention`, then forgotten.
+  // An ended job is kept to be looked at, not to decide: its groups keep their last few
+  // decisions only (up to max_jobs ended jobs may wait for eviction at once).
+  for (size_t i = 0; i < job.groups.size(); ++i) {
+    ShardGroup& g = Owned(job, static_cast<int>(i));
+    while (g.history.size() > kEndedJobHistory) g.history.pop_front();
+    g.history.shrink_to_fit();
+  }
+}
+
+void CoordinatorCore::Tick(absl::Time started) {
+  Locked lock(this);
+  const absl::Time now = clock_->Now();
+  if (started != absl::InfinitePast() && now - started > options_.heartbeat_timeout / 2) {
+    // Stopped between the ticker's gap check and here (waiting for the lock, say): a pause,
+    // not silence. Heartbeats held up meanwhile arrive now.
+    RestartHeartbeatDeadlines(now - started);
+  }
+  EvictEndedJobs(now);
+  for (auto& entry : jobs_) {
+    Job* job = entry.second.get();
+    ExpireRecovery(*job, now);
+    ForEachMember(*job, [&](Member& m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      if (!m.live()) return;
+      if (!m.cut_reason.empty()) {
+        RemoveMember(*job, m, /*clean=*/false, std::string(m.cut_reason));
+        return;
+      }
+      absl::Duration silent = now - m.last_seen;
+      if (silent > options_.heartbeat_timeout) {
+        RemoveMember(*job, m, /*clean=*/false,
+                     absl::StrCat("no heartbeat for ", absl::ToInt64Milliseconds(silent),
+                                  " ms (heartbeat timeout ",
+                                  absl::ToInt64Milliseconds(options_.heartbeat_timeout), " ms)"));
+      }
+    });
+    for (size_t g = 0; g < job->groups.size(); ++g) {
+      ShardGroup& group = Owned(*job, static_cast<int>(g));
+      std::vector<std::pair<MicrobatchKey, absl::Status>> expired;
+      for (const auto& [k, p] : group.pending) {
+        absl::Duration waited = now - p.first_report;
+        if (waited <= options_.plan_timeout) continue;
+        std::vector<int> missing, have;
+        for (size_t i = 0; i < group.ranks.size(); ++i) {
+          (p.reported[i] ? have : missing).push_back(group.ranks[i]);
+        }
+        expired.emplace_back(k, absl::DeadlineExceededError(absl::StrCat(
+            "group ", group.index, " waited ", absl::ToInt64Milliseconds(waited),
+            " ms for the plan of ", k.ToString(), " from ranks ", RankList(missing), " (ranks ",
+            RankList(have), " reported it); plan timeout is ",
+            absl::ToInt64Milliseconds(options_.plan_timeout),
+            " ms: raise --plan-timeout-ms if ranks legitimately fall this far behind")));
+      }
+      for (auto& [k, s] : expired) FailMicrobatch(*job, group, k, s);
+      if (!expired.empty()) Flush(group);
+    }
+    TickComms(*job, now);
+  }
+}
+
+void CoordinatorCore::OnPaused(absl::Duration gap) {
+  Locked lock(this);
+  RestartHeartbeatDeadlines(gap);
+}
+
+void CoordinatorCore::RestartHeartbeatDeadlines(absl::Duration gap) {
+  const absl::Time now = clock_->Now();
+  int extended = 0;
+  for (auto& [id, job] : jobs_) {
+    ForEachMember(*job, [&](Member& m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      if (!m.live()) return;
+      m.last_seen = std::max(m.last_seen, now);
+      extended++;
+    });
+  }
+  const std::string what = absl::StrCat("the coordinator did not run for ", absl::ToInt64Milliseconds(gap),
+                                        " ms (paused, starved or the clock jumped); heartbeat deadlines of ",
+                                        extended, " live ranks restarted instead of declaring them dead");
+  Event("warning", EventKind::kCoordinatorPaused, "", -1, -1, what);
+}
+
+void CoordinatorCore::Shutdown() {
+  Locked lock(this);
+  shut_down_ = true;
+  FailAllCommWaiters(absl::UnavailableError("coordinator is shutting down"));
+  v1::CoordinatorMessage notice;
+  notice.mutable_notice()->set_kind(v1::Notice::KIND_SHUTDOWN);
+  notice.mutable_notice()->set_message("coordinator is shutting down");
+  for (auto& [id, job] : jobs_) {
+    ForEachMember(*job, [&](Member& m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      if (!m.live() || !m.sink) return;
+      SendTo(m, notice);
+      m.sink->Close(absl::UnavailableError("coordinator is shutting down"));
+      m.sink.reset();
+    });
+  }
+}
+
+void CoordinatorCore::EvictEndedJobs(absl::Time now) {
+  for (auto it = jobs_.begin(); it != jobs_.end();) {
+    const Job& job = *it->second;
+    if (job.ended != absl::InfinitePast() && now - job.ended > options_.limits.job_retention) {
+      Event("info", EventKind::kJobEvicted, job.id, -1, -1,
+            absl::StrCat("no live rank for ", absl::ToInt64Milliseconds(now - job.ended),
+                         " ms (job retention ", absl::ToInt64Milliseconds(options_.limits.job_retention), " ms)"));
+      ForEachMember(job, [&](const Member& m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { sessions_.erase(m.session); });
+      it = jobs_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+}  // namespace shardcoord::coordinator

@@ -1,0 +1,207 @@
+// CoordinatorCore: registration (DESIGN 3, "Registration"): a rank joins its job (created on
+// the first registration, or run again under the same id once every rank had left) and its
+// shard group, or resumes after a coordinator restart (coordinator_core_recovery.cc).
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "coordinator/core/coordinator_core.h"
+#include "coordinator/core/registration.h"
+#include "coordinator/core/text.h"
+#include "shardcoord/decide.h"
+#include "shardcoord/proto/convert.h"
+
+namespace shardcoord::coordinator {
+
+absl::Status CoordinatorCore::AdmitJob(const std::string& job_id, int world_size) {
+  const CoordinatorLimits& lim = options_.limits;
+  auto total_ranks = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    int64_t n = 0;
+    for (const auto& [id, job] : jobs_) n += job->world_size;
+    return n;
+  };
+  // Full: make room by forgetting the jobs that ended longest ago, while any ended.
+  while (static_cast<int>(jobs_.size()) >= lim.max_jobs || total_ranks() + world_size > lim.max_total_ranks) {
+    auto oldest = jobs_.end();
+    for (auto it = jobs_.begin(); it != jobs_.end(); ++it) {
+      if (it->second->ended == absl::InfinitePast()) continue;
+      if (oldest == jobs_.end() || it->second->ended < oldest->second->ended) oldest = it;
+    }
+    if (oldest == jobs_.end()) {
+      const bool by_count = static_cast<int>(jobs_.size()) >= lim.max_jobs;
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "register: cannot admit job '", job_id, "' (", world_size, " ranks): the coordinator holds ",
+          by_count ? absl::StrCat("max_jobs (", lim.max_jobs, ") jobs")
+                   : absl::StrCat(total_ranks(), " ranks and max_total_ranks is ", lim.max_total_ranks),
+          " and every job has live ranks; wait for a job to end or raise ",
+          by_count ? "--max-jobs" : "--max-total-ranks"));
+    }
+    Event("info", EventKind::kJobEvicted, oldest->first, -1, -1, "evicted to admit a new job (max_jobs or max_total_ranks reached)");
+    ForEachMember(*oldest->second, [&](const Member& m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { sessions_.erase(m.session); });
+    jobs_.erase(oldest);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CoordinatorCore::Register(uint64_t session_id, const v1::RegisterRequest& in,
+                                       std::shared_ptr<RankSink> sink) {
+  const v1::RegisterRequest req = WithRegisterDefaults(in, options_);
+  // Stateless checks first: a malformed request changes nothing.
+  if (absl::Status s = ValidateRegisterRequest(req, options_.limits, options_.max_lookahead); !s.ok()) return s;
+  if (absl::Status s = CheckRootIsPossible(req); !s.ok()) return s;
+  // A rank of an earlier coordinator process resumes (DESIGN 12); one of this process that
+  // lost its stream registers again as usual.
+  const bool resuming = req.has_resume() && req.resume().incarnation() != incarnation_;
+  bool verified = true;
+  if (resuming) {
+    if (absl::Status s = CheckResume(req, incarnation_, config_digest_); !s.ok()) return s;
+    if (absl::Status s = CheckResumeTrust(req, resume_auth_, &verified); !s.ok()) return s;
+  }
+
+  Locked lock(this);
+  if (shut_down_) return absl::UnavailableError("coordinator is shutting down");
+  if (resuming && !verified && clock_->Now() - started_ > options_.recovery_window) {
+    // Honest resumes come within seconds of a restart (a worker reconnects for its reconnect
+    // window); an unverifiable one long after is no restart's.
+    return absl::PermissionDeniedError(absl::StrCat(
+        "register: rank ", req.rank(), " of job '", req.job_id(), "' resumes from an earlier coordinator ",
+        absl::ToInt64Seconds(clock_->Now() - started_), " s after this one started: without a resume key (--state-file "
+        "or --token-file) a resume is taken unverified only within the recovery window (",
+        absl::ToInt64Milliseconds(options_.recovery_window), " ms) after a start; register afresh"));
+  }
+  Job* job = ReuseOrForgetEndedJob(req);
+  if (job == nullptr) {
+    if (absl::Status s = AdmitJob(req.job_id(), req.world_size()); !s.ok()) return s;
+  } else if (absl::Status s = CheckJobAccepts(*job, req); !s.ok()) {
+    return s;
+  }
+
+  BufferCharge resume_charge;
+  if (resuming) {
+    absl::StatusOr<BufferCharge> charge = ChargeResume(req);
+    if (!charge.ok()) return charge.status();
+    resume_charge = std::move(*charge);
+  }
+
+  // Accepted: from here on state changes.
+  if (job == nullptr) job = &CreateJob(req);
+  ShardGroup& group = Owned(*job, req.rank() / job->group_size);
+  Member& m = group.member(req.rank());
+  if (!group.has_reference) group.SetReference(req, options_.promotion);
+  // The first rank of a group this process has not seen at work resumes: the group waits
+  // for all its members (another group's fresh rank may have created the job first).
+  if (resuming && IsFreshGroup(*job, group)) StartRecovery(*job, group);
+  if (resuming && !verified) {
+    Event("warning", EventKind::kResumeUnverified, job->id, req.rank(), group.index,
+          "taken as sent: this coordinator has no resume key that outlived the last one (start it with --state-file "
+          "or --token-file so that resumes are checked)");
+  }
+  if (group.state == v1::GROUP_STATE_RECOVERING) {
+    ResumeMember(*job, group, m, session_id, std::move(sink), req, std::move(resume_charge));
+    return absl::OkStatus();
+  }
+  const bool rejoin = m.state == v1::RANK_STATE_DEAD || m.state == v1::RANK_STATE_LEFT;
+  SetLive(*job, m, session_id, std::move(sink), req);
+
+  v1::CoordinatorMessage msg = Registered(group, req);
+  msg.mutable_registered()->set_session_key(m.session_key);
+  msg.mutable_registered()->set_resume_credential(resume_auth_.Credential(job->id, req.rank()));
+  const Policy policy = FromProto(req.policy());
+  Event("info", rejoin ? EventKind::kRankRejoined : EventKind::kRankRegistered, job->id, req.rank(), group.index,
+        absl::StrCat("host=", req.host(), " policy=", PolicyName(policy),
+                     " fallback=", FallbackName(FromProto(req.fallback())), " modules=", req.modules_size(),
+                     " lookahead=", req.lookahead()));
+  if (policy == Policy::kPerLayer) {
+    Event("warning", EventKind::kPerLayerRequested, job->id, req.rank(), group.index, msg.registered().warnings(0));
+  }
+
+  const int64_t epoch_before = group.epoch;
+  UpdateGroupState(*job, group);
+  msg.mutable_registered()->set_epoch(group.epoch);
+  SendTo(m, msg);  // The RegisterResponse precedes anything else this rank is sent.
+  OnMemberBack(*job, req.rank());
+  if (group.epoch != epoch_before) AnnounceReformed(*job, group, req.rank());
+  return absl::OkStatus();
+}
+
+CoordinatorCore::Job* CoordinatorCore::ReuseOrForgetEndedJob(const v1::RegisterRequest& req) {
+  auto it = jobs_.find(req.job_id());
+  if (it == jobs_.end()) return nullptr;
+  Job* job = it->second.get();
+  if (job->ended == absl::InfinitePast()) return job;
+  // Every rank of the job left or died: this registration is a rerun or a restart from a
+  // checkpoint. With another size the job starts afresh; with the same size it keeps its
+  // history (communicator epochs, events, counts), and each group takes the manifest and
+  // policy of its first rank to register again.
+  if (job->world_size != req.world_size() || job->group_size != req.group_size()) {
+    Event("info", EventKind::kJobReplaced, job->id, req.rank(), -1,
+          absl::StrCat("no rank was live: the job starts afresh with world_size ", req.world_size(),
+                       " and group_size ", req.group_size()));
+    ForEachMember(*job, [&](const Member& m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { sessions_.erase(m.session); });
+    jobs_.erase(it);
+    return nullptr;
+  }
+  // A rerun plans its keys from the start again: each group begins a new epoch with no
+  // microbatch resolved (else every plan of the rerun is "stale" until job_retention_ms
+  // forgets the job).
+  for (size_t i = 0; i < job->groups.size(); ++i) {
+    ShardGroup& g = Owned(*job, static_cast<int>(i));
+    g.has_reference = false;
+    g.RestartKeys();
+    g.deferred_plans.clear();
+    g.last_decided.reset();  // The group re-forms in a new epoch once its members are back.
+  }
+  Event("info", EventKind::kJobRerun, job->id, req.rank(), -1,
+        "every rank had left: the job runs again under the same id and sizes, its keys from the start");
+  return job;
+}
+
+absl::Status CoordinatorCore::CheckJobAccepts(const Job& job, const v1::RegisterRequest& req) const {
+  if (job.world_size != req.world_size()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "register: world size mismatch: job '", job.id, "' has world_size ", job.world_size,
+        " but rank ", req.rank(), " registered with ", req.world_size(),
+        "; every rank of a job must pass the same world size"));
+  }
+  if (job.group_size != req.group_size()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "register: group size mismatch: job '", job.id, "' has group_size ", job.group_size,
+        " but rank ", req.rank(), " registered with ", req.group_size()));
+  }
+  const ShardGroup& g = Owned(job, req.rank() / job.group_size);
+  const Member& existing = g.member(req.rank());
+  if (existing.state == v1::RANK_STATE_LIVE) {
+    return absl::AlreadyExistsError(absl::StrCat(
+        "register: duplicate rank ", req.rank(), " of job '", job.id,
+        "': it is already live (host ", existing.host,
+        "). If that process is gone, it is declared dead after the heartbeat timeout (",
+        absl::ToInt64Milliseconds(options_.heartbeat_timeout),
+        " ms); register again then"));
+  }
+  if (!g.has_reference) return absl::OkStatus();
+  return CheckSameAsReference(g.reference, g.reference_rank, req,
+                              absl::StrCat(" (job '", job.id, "', group ", g.index, ")"));
+}
+
+CoordinatorCore::Job& CoordinatorCore::CreateJob(const v1::RegisterRequest& req) {
+  auto created = std::make_unique<Job>();
+  created->id = req.job_id();
+  created->world_size = req.world_size();
+  created->group_size = req.group_size();
+  const int groups = req.world_size() / req.group_size();
+  created->groups.reserve(groups);
+  for (int g = 0; g < groups; ++g) {
+    created->groups.push_back(std::make_unique<GroupSlot>(g, g * req.group_size(), req.group_size()));
+  }
+  created->comms = std::make_unique<CommTable>(req.job_id(), req.world_size(), req.group_size(), options_.limits,
+                                               options_.behind_threshold);
+  Job& job = *created;
+  jobs_[req.job_id()] = std::move(created);
+  const bool no_modules = req.modules_size() == 0;
+  Event(no_modules ? "warning" : "info", EventKind::kJobCreated, job.id, -1, -1,
+        absl::StrCat("world_size=", job.world_size, " group_size=", job.group_size, " groups=", job.groups.size(),
+                     " modules=", req.modules_size(),
+                     no_modules ? " (no controlled module: nothing is coordinated; the ranks' manifest is empty)" : ""));
+  return job;
+}
+
+}  // namespace shardcoord::coordinator

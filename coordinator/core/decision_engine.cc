@@ -1,0 +1,127 @@
+#include "coordinator/core/decision_engine.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+
+namespace shardcoord::coordinator {
+
+DecisionEngine::DecisionEngine(EngineConfig config)
+    : config_(std::move(config)), state_(config_.modules.size()) {}
+
+MicrobatchDecision DecisionEngine::Decide(const MicrobatchKey& key, int64_t epoch,
+                                          const std::vector<std::vector<int32_t>>& calls,
+                                          std::vector<EngineTransition>* transitions) {
+  MicrobatchDecision d;
+  d.group = config_.group;
+  d.key = key;
+  d.seq = next_seq_++;
+  d.epoch = epoch;
+  d.modules.reserve(config_.modules.size());
+  for (size_t m = 0; m < config_.modules.size(); ++m) {
+    const ModuleSpec& spec = config_.modules[m];
+    ModuleState& st = state_[m];
+    RuleOutcome rule = ApplyContract(config_.policy, config_.fallback, calls[m]);
+    const bool divergent = rule.reason == DecisionReason::kDivergent;
+
+    ModuleDecision md{spec.name, rule.decision, rule.reason};
+    if (st.sticky_replicate) {
+      md.decision = Decision::kReplicate;
+      md.reason = DecisionReason::kStickyReplicate;
+    } else if (st.promoted) {
+      md.decision = Decision::kReplicate;
+      md.reason = DecisionReason::kPromoted;
+    } else if (divergent && config_.fallback == Fallback::kReplicate) {
+      // This microbatch already gets `replicate` (reason divergent); later ones stay.
+      st.sticky_replicate = true;
+      if (transitions) {
+        transitions->push_back({spec.name, "sticky_replicate",
+                                absl::StrCat("ranks diverged at ", key.ToString(),
+                                             "; fallback replicate keeps the module replicated "
+                                             "from now on")});
+      }
+    }
+    d.modules.push_back(std::move(md));
+
+    UpdatePromotion(spec, st, rule.decision, key, transitions);
+  }
+  d.digest = DecisionDigest(d);
+  return d;
+}
+
+void DecisionEngine::UpdatePromotion(const ModuleSpec& spec, ModuleState& st, Decision rule_decision,
+                                     const MicrobatchKey& key, std::vector<EngineTransition>* transitions) {
+  const PromotionOptions& promo = config_.promotion;
+  // The history counts microbatches in which the contract would gather the module
+  // (per_layer or root: some rank runs it), whatever was decided. A replica saves the whole
+  // gather in each of them, not only in divergent ones: on 2 x H200 with a 0.63 B tower,
+  // replicate was 15 % faster than per_layer even when every rank had images
+  // (docs/GPU.md, the policy matrix).
+  const bool gathers = rule_decision == Decision::kPerLayer || rule_decision == Decision::kRoot;
+  st.recent_gathers.push_back(gathers);
+  st.gathers_in_window += gathers ? 1 : 0;
+  if (static_cast<int>(st.recent_gathers.size()) > promo.window) {
+    st.gathers_in_window -= st.recent_gathers.front() ? 1 : 0;
+    st.recent_gathers.pop_front();
+  }
+
+  const bool can_promote = config_.policy == Policy::kAuto && !st.sticky_replicate &&
+                           config_.min_memory_budget_bytes > 0 &&
+                           spec.param_bytes <= config_.min_memory_budget_bytes;
+  if (can_promote && !st.promoted && st.gathers_in_window >= promo.promote_threshold) {
+    st.promoted = true;
+    if (transitions) {
+      transitions->push_back(
+          {spec.name, "promoted",
+           absl::StrCat(st.gathers_in_window, " of the last ", st.recent_gathers.size(),
+                        " microbatches gathered it (threshold ", promo.promote_threshold,
+                        "); replicated from the microbatch after ", key.ToString(), " (",
+                        spec.param_bytes, " bytes fit every rank's budget of ",
+                        config_.min_memory_budget_bytes, ")")});
+    }
+  } else if (st.promoted && static_cast<int>(st.recent_gathers.size()) == promo.window &&
+             st.gathers_in_window <= promo.demote_threshold) {
+    st.promoted = false;
+    if (transitions) {
+      transitions->push_back(
+          {spec.name, "demoted",
+           absl::StrCat(st.gathers_in_window, " of the last ", promo.window,
+                        " microbatches gathered it; decided per microbatch again after ",
+                        key.ToString())});
+    }
+  }
+}
+
+MicrobatchDecision DecisionEngine::DecideStatic(const MicrobatchKey& key, int64_t epoch) {
+  MicrobatchDecision d;
+  d.group = config_.group;
+  d.key = key;
+  d.seq = next_seq_++;
+  d.epoch = epoch;
+  static const std::vector<int32_t> kNoCalls;
+  for (const ModuleSpec& spec : config_.modules) {
+    RuleOutcome rule = ApplyContract(config_.policy, config_.fallback, kNoCalls);
+    d.modules.push_back({spec.name, rule.decision, rule.reason});
+  }
+  d.digest = DecisionDigest(d);
+  return d;
+}
+
+std::vector<std::string> DecisionEngine::ReplicatedModules() const {
+  std::vector<std::string> out;
+  for (size_t m = 0; m < state_.size(); ++m) {
+    if (state_[m].sticky_replicate || state_[m].promoted) out.push_back(config_.modules[m].name);
+  }
+  return out;
+}
+
+void DecisionEngine::Restore(uint64_t next_seq, const std::set<std::string>& promoted,
+                             const std::set<std::string>& sticky) {
+  next_seq_ = std::max(next_seq_, next_seq);
+  for (size_t i = 0; i < config_.modules.size(); ++i) {
+    state_[i].promoted = promoted.count(config_.modules[i].name) > 0;
+    state_[i].sticky_replicate = sticky.count(config_.modules[i].name) > 0;
+  }
+}
+
+}  // namespace shardcoord::coordinator

@@ -1,0 +1,91 @@
+// DecisionEngine: the deterministic per-group decision state machine (DESIGN 3).
+//
+// Given the calls every member of a shard group will make in a microbatch, it returns the
+// one decision all members receive. On top of the pure rule (ApplyContract) it keeps the
+// only state the contract has: sticky replication after a divergence with fallback
+// `replicate`, and `auto` promotion to `replicate` (see PromotionOptions). Decisions are a
+// deterministic function of the sequence of plans, the config and this state, so the
+// same inputs give the same decisions in any process.
+//
+// Not thread-safe: the owner (the coordinator's group state) serializes calls.
+#ifndef SHARDCOORD_COORDINATOR_CORE_DECISION_ENGINE_H_
+#define SHARDCOORD_COORDINATOR_CORE_DECISION_ENGINE_H_
+
+#include <cstdint>
+#include <deque>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "coordinator/settings/options.h"
+#include "shardcoord/decide.h"
+#include "shardcoord/types.h"
+
+namespace shardcoord::coordinator {
+
+struct EngineConfig {
+  int32_t group = 0;
+  Policy policy = Policy::kAuto;        // Resolved.
+  Fallback fallback = Fallback::kRoot;  // Resolved.
+  std::vector<ModuleSpec> modules;      // Manifest order = decision order.
+  PromotionOptions promotion;
+  // Smallest memory budget any member reported; 0 disables promotion.
+  int64_t min_memory_budget_bytes = 0;
+};
+
+// A change of a module's state, for the event journal.
+struct EngineTransition {
+  std::string module;
+  std::string what;  // "sticky_replicate", "promoted" or "demoted".
+  std::string detail;
+};
+
+class DecisionEngine {
+ public:
+  explicit DecisionEngine(EngineConfig config);
+
+  const EngineConfig& config() const { return config_; }
+  bool is_static() const { return IsStaticPolicy(config_.policy); }
+
+  // Decides the group's next microbatch. `calls[m][i]` is how many times member i (in
+  // group order) calls module m (manifest order). Must be called in increasing key order;
+  // assigns seq 0, 1, 2, ... Appends state changes that take effect from the next
+  // microbatch to `transitions` when non-null.
+  MicrobatchDecision Decide(const MicrobatchKey& key, int64_t epoch,
+                            const std::vector<std::vector<int32_t>>& calls,
+                            std::vector<EngineTransition>* transitions = nullptr);
+
+  // The decision for a static policy (root / replicate), which needs no plans: made once
+  // per key, when the first rank of the group reports it, so that every rank gets the same.
+  // Takes the next seq, like Decide: one sequence for every policy, going on across epochs.
+  MicrobatchDecision DecideStatic(const MicrobatchKey& key, int64_t epoch);
+
+  uint64_t next_seq() const { return next_seq_; }
+  // After a coordinator restart (DESIGN 12): seq goes on from `next_seq`, and the modules
+  // the last decision replicated by promotion or sticky fallback stay so. Promotion's
+  // window of recent microbatches starts empty.
+  void Restore(uint64_t next_seq, const std::set<std::string>& promoted, const std::set<std::string>& sticky);
+  // Modules currently replicated by promotion or sticky fallback.
+  std::vector<std::string> ReplicatedModules() const;
+
+ private:
+  struct ModuleState {
+    bool sticky_replicate = false;
+    bool promoted = false;
+    std::deque<bool> recent_gathers;  // Last `promotion.window` microbatches: did the contract gather?
+    int gathers_in_window = 0;
+  };
+
+  // `auto` promotion (DESIGN 3): counts the microbatches the contract would gather and
+  // promotes or demotes the module, recording the transition.
+  void UpdatePromotion(const ModuleSpec& spec, ModuleState& st, Decision rule_decision, const MicrobatchKey& key,
+                       std::vector<EngineTransition>* transitions);
+
+  EngineConfig config_;
+  std::vector<ModuleState> state_;  // Parallel to config_.modules.
+  uint64_t next_seq_ = 0;
+};
+
+}  // namespace shardcoord::coordinator
+
+#endif  // SHARDCOORD_COORDINATOR_CORE_DECISION_ENGINE_H_

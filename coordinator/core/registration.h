@@ -1,0 +1,62 @@
+// Registration checks (DESIGN 3, "Registration"): pure functions of the request, the limits
+// and the group's first registration; CoordinatorCore::Register calls them under its lock.
+#pragma once
+
+#include <cstddef>
+#include <string>
+
+#include "absl/status/status.h"
+#include "coordinator/core/resume_auth.h"
+#include "coordinator/settings/options.h"
+#include "shardcoord/v1/coordinator.pb.h"
+
+namespace shardcoord::coordinator {
+
+// Largest one decision may be (it lists every module, and a message holds at least one);
+// workers (worker_impl.h, kWorkerMaxReceiveBytes) and shardctl accept messages of 64 MiB.
+inline constexpr size_t kMaxDecisionBytes = 1 << 20;
+
+// The request on its own: names, sizes, ranks, the manifest's shape, policy values, the
+// lookahead. INVALID_ARGUMENT or RESOURCE_EXHAUSTED (a limit, named with its flag).
+absl::Status ValidateRegisterRequest(const v1::RegisterRequest& req, const CoordinatorLimits& lim,
+                                     int max_lookahead);
+
+// A rank's request against the first registration of its group (`ref`, from `ref_rank`):
+// same policy, fallback, wrap_outer_model and manifest. FAILED_PRECONDITION naming both
+// ranks and the first difference; `where` says which job and group.
+absl::Status CheckSameAsReference(const v1::RegisterRequest& ref, int ref_rank,
+                                  const v1::RegisterRequest& req, const std::string& where);
+
+// The request with the coordinator's defaults filled in (policy, fallback, lookahead).
+v1::RegisterRequest WithRegisterDefaults(const v1::RegisterRequest& in, const CoordinatorOptions& options);
+
+// `root` (policy or fallback) needs an always-run unit to own the controlled modules: with
+// wrap_outer_model false, modules outside the inner root make it impossible. INVALID_ARGUMENT
+// naming them and the ways out.
+absl::Status CheckRootIsPossible(const v1::RegisterRequest& req);
+
+// The first difference between two manifests, or "" when they are the same.
+std::string DescribeManifestDifference(const v1::RegisterRequest& a, int rank_a,
+                                       const v1::RegisterRequest& b, int rank_b);
+
+// Digest of the coordinator settings that change decisions beyond the registration's own
+// (auto promotion), sent in RegisterResponse.config_digest.
+uint64_t DecisionConfigDigest(const CoordinatorOptions& options);
+
+// A rank resuming after a coordinator restart (`req` with defaults filled in, so its
+// effective policy is this coordinator's): its previous coordinator must be an older
+// incarnation, and what it registered under (group, policy, fallback, lookahead, the
+// decision settings) must be what this coordinator gives. FAILED_PRECONDITION naming every
+// difference and what to do.
+absl::Status CheckResume(const v1::RegisterRequest& req, uint64_t incarnation, uint64_t config_digest);
+
+// Whether a resume may be believed (DESIGN 12, resume_auth.h). Every field is range-checked
+// and every held decision must be one the group could have been given: its group and epoch,
+// one entry per module of `req`'s manifest in order, decisions and reasons the protocol
+// defines, seq below 2^62, the digest of its fields (INVALID_ARGUMENT naming the decision).
+// Then the credential must be the one issued for (job, rank) and each held decision's seal
+// must verify (PERMISSION_DENIED naming what failed), unless `auth` has no key that outlives
+// its process: then *verified is false and the resume is taken as sent.
+absl::Status CheckResumeTrust(const v1::RegisterRequest& req, const ResumeAuthority& auth, bool* verified);
+
+}  // namespace shardcoord::coordinator

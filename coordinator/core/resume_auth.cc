@@ -1,0 +1,125 @@
+#include "coordinator/core/resume_auth.h"
+
+#include <fcntl.h>
+#include <openssl/crypto.h>
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
+#include <openssl/rand.h>
+#include <openssl/sha.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+
+namespace shardcoord::coordinator {
+namespace {
+
+constexpr size_t kMacBytes = 16;
+constexpr size_t kKeyBytes = 32;
+
+std::string RandomBytes(size_t n) {
+  std::string out(n, '\0');
+  if (RAND_bytes(reinterpret_cast<unsigned char*>(out.data()), static_cast<int>(n)) != 1) {
+    std::abort();  // No randomness: nothing secure can be done.
+  }
+  return out;
+}
+
+bool SameBytes(const std::string& a, const std::string& b) {
+  return a.size() == b.size() && CRYPTO_memcmp(a.data(), b.data(), a.size()) == 0;
+}
+
+// Length-prefixed fields: no two different field lists give the same bytes.
+void Field(std::string* out, const std::string& value) { absl::StrAppend(out, value.size(), ":", value, ";"); }
+
+}  // namespace
+
+ResumeAuthority ResumeAuthority::Ephemeral() { return ResumeAuthority(RandomBytes(kKeyBytes), false); }
+
+std::string ResumeAuthority::Mac(const std::string& message) const {
+  unsigned char mac[EVP_MAX_MD_SIZE];
+  unsigned int len = 0;
+  HMAC(EVP_sha256(), key_.data(), static_cast<int>(key_.size()), reinterpret_cast<const unsigned char*>(message.data()),
+       message.size(), mac, &len);
+  return std::string(reinterpret_cast<const char*>(mac), kMacBytes);
+}
+
+std::string ResumeAuthority::Credential(const std::string& job, int rank) const {
+  std::string message = "shardcoord resume credential 1;";
+  Field(&message, job);
+  Field(&message, absl::StrCat(rank));
+  return absl::BytesToHexString(Mac(message));
+}
+
+bool ResumeAuthority::CheckCredential(const std::string& job, int rank, const std::string& credential) const {
+  return SameBytes(Credential(job, rank), credential);
+}
+
+std::string ResumeAuthority::Seal(const std::string& job, const v1::MicrobatchDecision& d) const {
+  std::string message = "shardcoord decision seal 1;";
+  Field(&message, job);
+  for (int64_t v : {int64_t{d.group()}, d.step(), int64_t{d.microbatch()}, static_cast<int64_t>(d.seq()), d.epoch(),
+                    static_cast<int64_t>(d.digest())}) {
+    Field(&message, absl::StrCat(v));
+  }
+  for (const auto& m : d.modules()) {
+    Field(&message, m.module());
+    Field(&message, absl::StrCat(static_cast<int>(m.decision()), ",", static_cast<int>(m.reason())));
+  }
+  return Mac(message);
+}
+
+bool ResumeAuthority::CheckSeal(const std::string& job, const v1::MicrobatchDecision& d) const {
+  return SameBytes(Seal(job, d), d.seal());
+}
+
+absl::StatusOr<ResumeKey> LoadResumeKey(const std::string& state_file, const std::string& token_file) {
+  if (!state_file.empty()) {
+    const std::string path = state_file + ".key";
+    std::ifstream in(path, std::ios::binary);
+    if (in) {
+      std::string hex;
+      std::getline(in, hex);
+      const bool is_hex = hex.size() == 2 * kKeyBytes &&
+                          hex.find_first_not_of("0123456789abcdefABCDEF") == std::string::npos;
+      const std::string key = is_hex ? absl::HexStringToBytes(hex) : "";
+      if (key.size() != kKeyBytes) {
+        return absl::DataLossError(absl::StrCat("resume key file ", path, " does not hold ", kKeyBytes * 2,
+                                                " hex digits: restore it, or delete it (a new key is made, and ranks "
+                                                "registered before cannot resume)"));
+      }
+      return ResumeKey{key, path};
+    }
+    const std::string key = RandomBytes(kKeyBytes);
+    const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL, 0600);
+    if (fd < 0) {
+      return absl::PermissionDeniedError(absl::StrCat("cannot create the resume key file ", path, ": ",
+                                                      std::strerror(errno), "; make its folder writable"));
+    }
+    const std::string line = absl::StrCat(absl::BytesToHexString(key), "\n");
+    const bool ok = ::write(fd, line.data(), line.size()) == static_cast<ssize_t>(line.size()) && ::fsync(fd) == 0;
+    ::close(fd);
+    if (!ok) return absl::UnavailableError(absl::StrCat("cannot write the resume key file ", path));
+    return ResumeKey{key, path};
+  }
+  if (!token_file.empty()) {
+    std::ifstream in(token_file, std::ios::binary);
+    if (!in) return absl::NotFoundError(absl::StrCat("cannot read the token file ", token_file));
+    std::stringstream content;
+    content << in.rdbuf();
+    std::string message = "shardcoord resume key from tokens 1;" + content.str();
+    unsigned char digest[SHA256_DIGEST_LENGTH];
+    SHA256(reinterpret_cast<const unsigned char*>(message.data()), message.size(), digest);
+    return ResumeKey{std::string(reinterpret_cast<const char*>(digest), SHA256_DIGEST_LENGTH),
+                     absl::StrCat("the token file ", token_file)};
+  }
+  return absl::NotFoundError("no --state-file and no --token-file: resumes after a restart cannot be verified");
+}
+
+}  // namespace shardcoord::coordinator

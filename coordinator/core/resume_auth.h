@@ -1,0 +1,58 @@
+// Who may resume a rank, and which held decisions a resume may carry (DESIGN 12, 13).
+//
+// After a restart a rank resumes with what it held: the decisions it received. Those are
+// binding for its whole group, so a client that could send a resume for a rank it does not
+// run, or decisions the coordinator never made, could hand honest ranks a decision that hangs
+// NCCL. So every registration answer carries a resume credential for (job, rank), and every
+// decision a seal, both keyed MACs (HMAC-SHA256, truncated to 128 bits) under the daemon's
+// resume key. A resume is taken only with the credential of its rank and held decisions only
+// with their seals: whatever a client makes up fails the check.
+//
+// The key must outlive the process for resumes after a restart to verify. It comes from, in
+// this order: the key file next to --state-file (<state file>.key, 32 random bytes written at
+// the first start, mode 0600); the token file (a digest of its contents: the same tokens, the
+// same key); else a key of this process only. With the last, a resume from an earlier
+// incarnation cannot be checked: it is taken unverified (the loopback development mode, where
+// every local process is trusted anyway), which an event and the log say. Thread-safe (const).
+#ifndef SHARDCOORD_COORDINATOR_CORE_RESUME_AUTH_H_
+#define SHARDCOORD_COORDINATOR_CORE_RESUME_AUTH_H_
+
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "shardcoord/v1/coordinator.pb.h"
+
+namespace shardcoord::coordinator {
+
+class ResumeAuthority {
+ public:
+  // `key`: at least 16 bytes; `persistent`: whether a restarted daemon has the same key.
+  ResumeAuthority(std::string key, bool persistent) : key_(std::move(key)), persistent_(persistent) {}
+  // A key of this process only (random).
+  static ResumeAuthority Ephemeral();
+
+  bool persistent() const { return persistent_; }
+  // The credential of (job, rank): 32 hex characters.
+  std::string Credential(const std::string& job, int rank) const;
+  bool CheckCredential(const std::string& job, int rank, const std::string& credential) const;
+  // The seal of a decision of `job`: over every field but `seal` and `decided_unix_ms`.
+  std::string Seal(const std::string& job, const v1::MicrobatchDecision& d) const;
+  bool CheckSeal(const std::string& job, const v1::MicrobatchDecision& d) const;
+
+ private:
+  std::string Mac(const std::string& message) const;
+  std::string key_;
+  bool persistent_;
+};
+
+// The daemon's resume key, as the comment above says. NOT_FOUND when neither file is set;
+// an error naming the file when it cannot be read or created.
+struct ResumeKey {
+  std::string key;
+  std::string source;  // For the start-up log line: which file it came from.
+};
+absl::StatusOr<ResumeKey> LoadResumeKey(const std::string& state_file, const std::string& token_file);
+
+}  // namespace shardcoord::coordinator
+
+#endif  // SHARDCOORD_COORDINATOR_CORE_RESUME_AUTH_H_

@@ -1,0 +1,166 @@
+#include "coordinator/core/shard_group.h"
+
+#include <algorithm>
+#include <atomic>
+
+#include "absl/strings/str_cat.h"
+#include "coordinator/core/invariant.h"
+#include "shardcoord/internal/logging.h"
+#include "shardcoord/plan_check.h"
+#include "shardcoord/proto/convert.h"
+
+namespace shardcoord::coordinator {
+namespace {
+
+std::atomic<int64_t> invariant_failures{0};
+
+void CountDecision(const v1::ModuleDecision& md, v1::DecisionCounts* c) {
+  switch (md.decision()) {
+    case v1::DECISION_PER_LAYER: c->set_per_layer(c->per_layer() + 1); break;
+    case v1::DECISION_SKIP: c->set_skip(c->skip() + 1); break;
+    case v1::DECISION_ROOT: c->set_root(c->root() + 1); break;
+    case v1::DECISION_REPLICATE: c->set_replicate(c->replicate() + 1); break;
+    default: break;
+  }
+  if (md.reason() == v1::REASON_DIVERGENT) c->set_divergent(c->divergent() + 1);
+}
+
+}  // namespace
+
+bool InvariantFailed(const char* file, int line, const std::string& what) {
+  invariant_failures++;
+  static const auto log = logging::Get("coordinator");
+  log->error("internal error at {}:{}: {} (a bug in shardcoord: please report it with this log)", file, line,
+             what);
+  return false;
+}
+
+int64_t InvariantFailures() { return invariant_failures.load(); }
+
+ShardGroup::ShardGroup(int index, int first_rank, int size) : index(index) {
+  ranks.reserve(size);
+  members.resize(size);
+  for (int i = 0; i < size; ++i) {
+    ranks.push_back(first_rank + i);
+    members[i].rank = first_rank + i;
+    members[i].group = index;
+  }
+}
+
+ShardGroup::Census ShardGroup::Count() const {
+  Census c;
+  for (const Member& m : members) {
+    switch (m.state) {
+      case v1::RANK_STATE_LIVE: c.live++; break;
+      case v1::RANK_STATE_LEFT: c.left++; break;
+      case v1::RANK_STATE_DEAD: c.dead++; break;
+      default: break;
+    }
+  }
+  return c;
+}
+
+int ShardGroup::PendingOf(int idx) const {
+  int n = 0;
+  for (const auto& [key, p] : pending) n += p.reported[idx] ? 1 : 0;
+  return n;
+}
+
+void ShardGroup::SetReference(const v1::RegisterRequest& req, const PromotionOptions& promotion) {
+  has_reference = true;
+  reference = req;
+  reference.clear_host();
+  reference.clear_pid();
+  reference_rank = req.rank();
+  modules.clear();
+  module_index.clear();
+  for (const auto& m : req.modules()) {
+    module_counts[m.name()];  // Every module's counts exist, at zero, from the start.
+    module_index[m.name()] = static_cast<int>(modules.size());
+    modules.push_back(FromProto(m));
+  }
+  EngineConfig cfg;
+  cfg.group = index;
+  cfg.policy = FromProto(req.policy());
+  cfg.fallback = FromProto(req.fallback());
+  cfg.modules = modules;
+  cfg.promotion = promotion;
+  engine = std::make_unique<DecisionEngine>(std::move(cfg));
+}
+
+int64_t ShardGroup::SetPromotionBudget() {
+  int64_t min_budget = INT64_MAX;
+  for (const Member& m : members) min_budget = std::min(min_budget, m.memory_budget);
+  EngineConfig cfg = engine->config();
+  cfg.min_memory_budget_bytes = min_budget;
+  engine = std::make_unique<DecisionEngine>(std::move(cfg));
+  return min_budget;
+}
+
+absl::StatusOr<ShardGroup::PlanCalls> ShardGroup::ParsePlan(const v1::MicrobatchPlan& plan, const MicrobatchKey& key,
+                                                            const std::string& who) const {
+  auto bad = [&](const std::string& what) {
+    return absl::InvalidArgumentError(absl::StrCat("plan ", key.ToString(), " from ", who, ": ", what));
+  };
+  if (std::string e = CheckPlanKey(key); !e.empty()) return bad(e);
+  PlanCalls calls;
+  calls.reserve(plan.calls_size());
+  for (const auto& [name, count] : plan.calls()) {
+    auto mi = module_index.find(name);
+    const bool known = mi != module_index.end();
+    std::vector<std::string> registered;
+    if (!known) {
+      for (const auto& spec : modules) registered.push_back(spec.name);
+    }
+    if (std::string e = CheckPlanCall(name, count, known, registered); !e.empty()) return bad(e);
+    calls.emplace_back(mi->second, count);
+  }
+  return calls;
+}
+
+absl::Status ShardGroup::CheckPendingRoom(const MicrobatchKey& key, const std::string& who, int max) const {
+  if (static_cast<int>(pending.size()) < max) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "plan ", key.ToString(), " from ", who, ": group ", index, " already holds ", pending.size(),
+      " microbatches that some ranks reported and others not yet (max_pending_microbatches); the ranks of "
+      "the group are too far apart: wait for the slowest, or raise --max-pending-microbatches"));
+}
+
+bool ShardGroup::Report(const MicrobatchKey& key, int idx, const PlanCalls& calls, absl::Time now) {
+  auto [it, inserted] = pending.try_emplace(key);
+  PendingMicrobatch& p = it->second;
+  if (inserted) {
+    p.reported.assign(size(), false);
+    p.first_report = now;
+  }
+  // (An entry kept for a static decision held across a restart has no calls yet.)
+  if (p.calls.empty()) p.calls.assign(modules.size(), std::vector<int32_t>(size(), 0));
+  for (const auto& [mi, count] : calls) p.calls[mi][idx] = count;
+  if (!p.reported[idx]) {  // A rank that left and came back may report a pending key again.
+    p.reported[idx] = true;
+    p.num_reported++;
+  }
+  members[idx].last_planned = key;
+  members[idx].plans_received++;
+  return inserted;
+}
+
+void ShardGroup::Resolve(std::map<MicrobatchKey, PendingMicrobatch>::iterator it) {
+  if (!last_resolved || *last_resolved < it->first) last_resolved = it->first;
+  pending.erase(it);
+}
+
+void ShardGroup::RecordDecision(const v1::MicrobatchDecision& d, int keep) {
+  for (const auto& md : d.modules()) CountDecision(md, &module_counts[md.module()]);
+  last_decided = MicrobatchKey{d.step(), d.microbatch()};
+  history.push_back(d);
+  while (static_cast<int>(history.size()) > keep) history.pop_front();
+}
+
+void ShardGroup::RestartKeys() {
+  pending.clear();
+  last_resolved.reset();
+  for (Member& m : members) m.last_planned.reset();
+}
+
+}  // namespace shardcoord::coordinator

@@ -1,0 +1,84 @@
+// The daemon's HTTP listener (Boost.Beast; `--http-listen`, off by default, loopback unless
+// the daemon is secured): GET / the status page (status_page.h), GET /metrics Prometheus
+// text (metrics.h), GET /healthz "ok". With a token file, / and /metrics need a `read` (or
+// admin) token, as `Authorization: Bearer TOKEN` (Prometheus' bearer_token) or Basic auth
+// with the token as password (what a browser asks for); /healthz needs none. With TLS
+// settings it serves HTTPS with the daemon's certificate, re-read when its files change.
+//
+// Bounded against slow, idle and hostile clients (DESIGN 14): asynchronous on two threads, so
+// a connection that sends nothing holds no thread; one request per connection, the whole
+// exchange (TLS handshake, request, response) within `http_request_timeout`; request line and
+// headers at most 16 KiB (431), no body (GET and HEAD only: 405); at most
+// `http_max_connections` open, further ones closed at once (a descriptor budget of its own, so
+// the HTTP side cannot exhaust the gRPC listener's descriptors).
+#ifndef SHARDCOORD_COORDINATOR_SERVER_HTTP_SERVER_H_
+#define SHARDCOORD_COORDINATOR_SERVER_HTTP_SERVER_H_
+
+#include <atomic>
+#include <chrono>
+#include <deque>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "coordinator/core/coordinator_core.h"
+#include "coordinator/ops/status_page.h"
+#include "coordinator/server/auth.h"
+
+namespace shardcoord::coordinator {
+
+class HttpServer {
+ public:
+  // Binds options.http_listen (port 0 picks one) and serves on its own threads.
+  static absl::StatusOr<std::unique_ptr<HttpServer>> Start(CoordinatorCore* core, const CoordinatorOptions& options,
+                                                           Tokens tokens);
+  ~HttpServer();  // Out of line: Io and TlsContexts are complete only in http_server.cc.
+  HttpServer(const HttpServer&) = delete;
+  HttpServer& operator=(const HttpServer&) = delete;
+
+  const std::string& address() const { return address_; }
+
+ private:
+  struct Io;  // The Beast/Asio parts (http_server.cc).
+  class TlsContexts;
+  template <class Stream>
+  class Connection;
+  struct Reply {
+    int status = 200;
+    std::string content_type, body;
+    std::pair<std::string, std::string> header;  // One more header (name empty: none).
+  };
+
+  HttpServer() = default;
+  void Accept();
+  Reply Serve(const std::string& path, const std::string& authorization, const std::string& query = "");
+  std::optional<Grant> Allowed(const std::string& authorization, const char* what) const;
+  Snapshot Take(const std::string& job) const;  // "" : every job
+  void SampleLoop();
+
+  CoordinatorCore* core_ = nullptr;
+  Tokens tokens_ = Tokens::None();
+  int64_t heartbeat_interval_ms_ = 500;
+  int max_connections_ = 64;
+  std::chrono::milliseconds request_timeout_{5000};
+  std::unique_ptr<TlsContexts> tls_;
+  std::unique_ptr<Io> io_;
+  std::atomic<int> open_{0};
+  std::atomic<int64_t> refused_{0};
+  std::string address_;
+  std::vector<std::thread> threads_;
+  std::thread sampler_;
+  mutable absl::Mutex mu_;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Time last_refusal_log_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+  std::deque<DecisionSample> history_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace shardcoord::coordinator
+
+#endif  // SHARDCOORD_COORDINATOR_SERVER_HTTP_SERVER_H_

@@ -1,0 +1,477 @@
+// The rank Session streams: one SessionCall per stream feeding CoordinatorCore, a bounded
+// outbox per session (SessionSink), N completion queues with a thread each (DESIGN 9).
+#include "coordinator/server/session_stream.h"
+
+#include <algorithm>
+#include <atomic>
+#include <deque>
+#include <optional>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "coordinator/server/auth.h"
+#include "google/protobuf/unknown_field_set.h"
+#include "grpcpp/alarm.h"
+#include "shardcoord/internal/logging.h"
+#include "shardcoord/proto/convert.h"
+
+namespace shardcoord::coordinator {
+namespace {
+
+// Whether `msg` is of a kind that is reserved in WorkerMessage (2, 3, 5: plans, heartbeat and
+// acknowledgement alone): a peer older than 0.1.0, which would otherwise be ignored silently.
+bool SentRetiredKind(const v1::WorkerMessage& msg) {
+  const google::protobuf::UnknownFieldSet& unknown = msg.GetReflection()->GetUnknownFields(msg);
+  for (int i = 0; i < unknown.field_count(); ++i) {
+    const int number = unknown.field(i).number();
+    if (number == 2 || number == 3 || number == 5) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+struct SessionStreams::Shared {
+  CoordinatorCore* core;
+  CoordinatorServiceBase* service;
+  Authorize authorize;
+  std::atomic<uint64_t> next_session{1};
+  std::atomic<int> calls{0};  // SessionCall objects alive (awaited streams included).
+  absl::Mutex mu;
+  bool stopping ABSL_GUARDED_BY(mu) = false;  // No new stream is awaited.
+};
+
+namespace {
+
+// Consecutive decision messages queued for a rank are written as one message, up to a
+// count and a size (a decision lists every module: a big manifest makes big decisions, and
+// the worker's receive limit is kWorkerMaxReceiveBytes, see worker.cc).
+constexpr int kMaxDecisionsPerWrite = 256;
+constexpr size_t kMaxBytesPerWrite = 1 << 20;
+
+class SessionCall;
+
+// The RankSink of one session: a write queue in front of its stream. The core may call it
+// after the stream is gone; it then drops messages. Thread-safe.
+class SessionSink final : public RankSink {
+ public:
+  SessionSink(SessionCall* call, int64_t max_bytes, std::shared_ptr<BufferBudget> budget, uint64_t incarnation)
+      : call_(call), max_bytes_(max_bytes), budget_(std::move(budget)), incarnation_(incarnation) {}
+  ~SessionSink() override {
+    absl::MutexLock lock(&mu_);
+    budget_->Give(charged_);
+  }
+
+  // Queues only (the core calls it under its mutex); refuses once more than max_bytes are
+  // queued, or the daemon's buffers are full and this rank holds more than a short queue:
+  // the rank does not read.
+  absl::Status Send(const v1::CoordinatorMessage& msg) override;
+  // Starts the write of what is queued (the core calls it after unlocking).
+  void Kick() override {
+    absl::MutexLock lock(&mu_);
+    if (!writing_) StartNextLocked();
+  }
+  void Close(const absl::Status& status) override;
+  void OnWriteDone(bool ok);
+  // The stream is over: nothing more is written. Operations started before stay counted
+  // by the call (SessionCall::BeginOp runs under mu_).
+  void Detach() {
+    absl::MutexLock lock(&mu_);
+    call_ = nullptr;
+  }
+
+ private:
+  // Starts the next write or the finish, if nothing is in flight.
+  void StartNextLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  absl::Mutex mu_;
+  SessionCall* call_ ABSL_GUARDED_BY(mu_);
+  // Gives back what the queued messages of `wire_bytes` were charged.
+  void DequeuedLocked(size_t wire_bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    queued_bytes_ -= static_cast<int64_t>(wire_bytes);
+    const int64_t cost = QueuedMessageCost(static_cast<int64_t>(wire_bytes));
+    charged_ -= cost;
+    budget_->Give(cost);
+  }
+
+  const int64_t max_bytes_;
+  const std::shared_ptr<BufferBudget> budget_;
+  const uint64_t incarnation_;  // Stamped on every message (DESIGN 12).
+  std::deque<std::pair<v1::CoordinatorMessage, size_t>> queue_ ABSL_GUARDED_BY(mu_);  // (message, wire size)
+  int64_t queued_bytes_ ABSL_GUARDED_BY(mu_) = 0;   // Wire bytes in queue_.
+  int64_t charged_ ABSL_GUARDED_BY(mu_) = 0;        // Taken from budget_ for queue_.
+  bool overflowed_ ABSL_GUARDED_BY(mu_) = false;  // A Send was refused.
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  std::optional<grpc::Status> finish_ ABSL_GUARDED_BY(mu_);
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  v1::CoordinatorMessage current_ ABSL_GUARDED_BY(mu_);  // Owned by the write in flight.
+};
+
+// What a completion-queue tag stands for: one operation of one call.
+struct Tag {
+  enum Op { kAccepted, kRead, kWrite, kFinish, kDone, kRegisterDeadline };
+  SessionCall* call;
+  Op op;
+};
+
+// One Session stream, from the request for it to its end. Its completions arrive on one
+// queue, drained by one thread, so they never run concurrently; writes and the finish are
+// started from any thread, through the sink. The call deletes itself once the stream is
+// done and no operation it started is outstanding.
+class SessionCall {
+ public:
+  SessionCall(std::shared_ptr<SessionStreams::Shared> shared, grpc::ServerCompletionQueue* cq)
+      : shared_(std::move(shared)), cq_(cq), stream_(&ctx_) {
+    shared_->calls.fetch_add(1);
+    // Only delivered for a call that started: a request failed at shutdown gets no kDone.
+    ctx_.AsyncNotifyWhenDone(&done_tag_);
+    ops_ = 1;  // The request.
+    shared_->service->RequestSession(&ctx_, &stream_, cq_, cq_, &accepted_tag_);
+  }
+
+  ~SessionCall() { shared_->calls.fetch_sub(1); }
+
+  // Awaits the next stream on `cq`, unless the streams stop.
+  static void Await(const std::shared_ptr<SessionStreams::Shared>& shared, grpc::ServerCompletionQueue* cq) {
+    absl::MutexLock lock(&shared->mu);
+    if (!shared->stopping) new SessionCall(shared, cq);
+  }
+
+  // One completion of this call; may delete it.
+  void Proceed(Tag::Op op, bool ok) {
+    switch (op) {
+      case Tag::kAccepted:
+        if (!ok) {  // The server shuts down: no stream, and no kDone to wait for.
+          delete this;
+          return;
+        }
+        Await(shared_, cq_);
+        OnAccepted();
+        break;
+      case Tag::kRead:
+        OnRead(ok);
+        break;
+      case Tag::kWrite:
+        sink_->OnWriteDone(ok);
+        break;
+      case Tag::kFinish:
+        break;
+      case Tag::kRegisterDeadline:
+        // ok: it fired; not ok: cancelled (registered, or the stream is done).
+        if (ok && !registered_) {
+          sink_->Close(absl::DeadlineExceededError(absl::StrCat(
+              "no `register` within ", absl::FormatDuration(shared_->core->options().limits.handshake_timeout),
+              " of opening the Session stream; send a RegisterRequest first (handshake_timeout_ms)")));
+        }
+        break;
+      case Tag::kDone:
+        OnDone();
+        return;  // Not an operation of ours: nothing to count.
+    }
+    EndOp();
+  }
+
+  // For the sink: called with the sink's mutex held, so that a detached sink starts nothing.
+  void StartWrite(const v1::CoordinatorMessage* msg) {
+    BeginOp();
+    stream_.Write(*msg, &write_tag_);
+  }
+  void Finish(const grpc::Status& status) {
+    BeginOp();
+    stream_.Finish(status, &finish_tag_);
+  }
+  // Ends the stream now, failing the write in flight (a rank that does not read would hold
+  // it, its message and the stream's buffers until it went away).
+  void Cancel() { ctx_.TryCancel(); }
+
+ private:
+  void OnAccepted() {
+    id_ = shared_->next_session.fetch_add(1);
+    peer_ = ctx_.peer();
+    CoordinatorCore* core = shared_->core;
+    sink_ = std::make_shared<SessionSink>(this, core->options().limits.max_outbox_bytes, core->buffers(),
+                                          core->incarnation());
+    auto scope = shared_->authorize(&ctx_);
+    if (!scope.ok()) {
+      sink_->Close(scope.status());
+      return;
+    }
+    job_scope_ = *std::move(scope);
+    // A stream that never registers holds a descriptor and a call: closed at a deadline.
+    BeginOp();
+    register_deadline_.Set(cq_, absl::ToChronoTime(absl::Now() + core->options().limits.handshake_timeout),
+                           &register_deadline_tag_);
+    Read();
+  }
+
+  void Read() {
+    BeginOp();
+    stream_.Read(&in_, &read_tag_);
+  }
+
+  void OnRead(bool ok);
+
+  void OnDone() {
+    if (sink_) sink_->Detach();
+    register_deadline_.Cancel();  // Its tag still comes (not ok); the call waits for it.
+    shared_->core->OnSessionClosed(
+        id_, absl::StrCat("stream from ", peer_, ctx_.IsCancelled() ? " cancelled" : " done"));
+    bool last;
+    {
+      absl::MutexLock lock(&mu_);
+      done_ = true;
+      last = ops_ == 0;
+    }
+    if (last) delete this;
+  }
+
+  void BeginOp() {
+    absl::MutexLock lock(&mu_);
+    ++ops_;
+  }
+  void EndOp() {
+    bool last;
+    {
+      absl::MutexLock lock(&mu_);
+      last = --ops_ == 0 && done_;
+    }
+    if (last) delete this;
+  }
+
+  const std::shared_ptr<SessionStreams::Shared> shared_;
+  grpc::ServerCompletionQueue* const cq_;
+  grpc::ServerContext ctx_;
+  grpc::ServerAsyncReaderWriter<v1::CoordinatorMessage, v1::WorkerMessage> stream_;
+  Tag accepted_tag_{this, Tag::kAccepted};
+  Tag read_tag_{this, Tag::kRead};
+  Tag write_tag_{this, Tag::kWrite};
+  Tag finish_tag_{this, Tag::kFinish};
+  Tag done_tag_{this, Tag::kDone};
+  Tag register_deadline_tag_{this, Tag::kRegisterDeadline};
+  grpc::Alarm register_deadline_;
+  uint64_t id_ = 0;
+  std::string peer_;
+  std::string job_scope_;  // The only job this session may register for; "" for any.
+  std::shared_ptr<SessionSink> sink_;
+  v1::WorkerMessage in_;
+  bool registered_ = false;
+  absl::Mutex mu_;
+  int ops_ ABSL_GUARDED_BY(mu_) = 0;  // Started, not yet completed.
+  bool done_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+void SessionCall::OnRead(bool ok) {
+  CoordinatorCore* core = shared_->core;
+  if (!ok) {
+    core->OnSessionClosed(id_, absl::StrCat("stream from ", peer_, " ended"));
+    sink_->Close(absl::OkStatus());
+    return;
+  }
+  if (!registered_) {
+    if (in_.kind_case() != v1::WorkerMessage::kRegister) {
+      sink_->Close(absl::FailedPreconditionError(
+          "the first message of a Session must be `register`; send a RegisterRequest first"));
+      return;
+    }
+    absl::Status s = Grant{Role::kRank, job_scope_}.AllowsJob(in_.register_().job_id(), "register");
+    if (s.ok()) s = core->Register(id_, in_.register_(), sink_);
+    if (!s.ok()) {
+      sink_->Close(s);
+      return;
+    }
+    registered_ = true;
+    register_deadline_.Cancel();
+    Read();
+    return;
+  }
+  if (in_.incarnation() != 0 && in_.incarnation() != core->incarnation()) {
+    const std::string why = absl::StrCat("message meant for coordinator incarnation ", in_.incarnation(),
+                                         ", but this is incarnation ", core->incarnation(),
+                                         ": the coordinator restarted; the worker must resume");
+    sink_->Close(absl::FailedPreconditionError(why));
+    core->OnSessionClosed(id_, why);
+    return;
+  }
+  switch (in_.kind_case()) {
+    case v1::WorkerMessage::kBundle:
+      core->OnBundle(id_, in_.bundle());
+      break;
+    case v1::WorkerMessage::kGoodbye:
+      core->OnGoodbye(id_, in_.goodbye().reason());
+      sink_->Close(absl::OkStatus());
+      return;
+    case v1::WorkerMessage::kRegister:
+      // The client's error first (the core's "declared dead" close then finds it closed).
+      sink_->Close(absl::FailedPreconditionError(
+          "`register` may only be the first message of a Session; open a new stream to "
+          "register again"));
+      core->OnSessionClosed(id_, "register sent twice on one stream");
+      return;
+    default:
+      if (SentRetiredKind(in_)) {
+        const std::string why =
+            "this worker sent plans, heartbeats or abort acknowledgements one kind per message, an "
+            "encoding retired before 0.1.0; upgrade the worker (it sends them in one bundle)";
+        sink_->Close(absl::FailedPreconditionError(why));
+        core->OnSessionClosed(id_, why);
+        return;
+      }
+      break;  // An empty message (a newer client's unknown kind): ignored.
+  }
+  Read();
+}
+
+absl::Status SessionSink::Send(const v1::CoordinatorMessage& msg) {
+  const size_t size = msg.ByteSizeLong();
+  const int64_t cost = QueuedMessageCost(static_cast<int64_t>(size));
+  absl::MutexLock lock(&mu_);
+  if (call_ == nullptr || finish_.has_value()) return absl::OkStatus();  // Closing: not the rank's fault.
+  if (overflowed_) return absl::ResourceExhaustedError("not reading its session stream");
+  if (queued_bytes_ + static_cast<int64_t>(size) > max_bytes_) {
+    overflowed_ = true;
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "not reading its session stream: more than ", max_bytes_,
+        " bytes were queued for it (max_outbox_bytes); a rank must keep reading its decisions"));
+  }
+  if (!budget_->TryTake(cost, charged_)) {
+    overflowed_ = true;
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "not reading its session stream: the daemon's buffers for all clients are full (max_buffered_bytes ",
+        budget_->limit(), ") and ", charged_, " bytes of them are queued for this rank; a rank must keep "
+        "reading its decisions (if many ranks fall behind at once, raise max_buffered_bytes)"));
+  }
+  queue_.emplace_back(msg, size);
+  queue_.back().first.set_incarnation(incarnation_);
+  queued_bytes_ += static_cast<int64_t>(size);
+  charged_ += cost;
+  return absl::OkStatus();
+}
+
+void SessionSink::Close(const absl::Status& status) {
+  absl::MutexLock lock(&mu_);
+  if (call_ == nullptr || finish_.has_value()) return;
+  finish_ = ToGrpcStatus(status);
+  if (overflowed_) {
+    // The rank stopped reading: what is queued would only wait behind the stuck write, and
+    // the stuck write would hold the stream until the client went away: cancel it.
+    queue_.clear();
+    queued_bytes_ = 0;
+    budget_->Give(charged_);
+    charged_ = 0;
+    if (writing_) {
+      call_->Cancel();
+      return;
+    }
+  }
+  if (!writing_) StartNextLocked();
+}
+
+void SessionSink::OnWriteDone(bool ok) {
+  absl::MutexLock lock(&mu_);
+  writing_ = false;
+  if (!ok) {
+    // The stream is broken; nothing more can be written.
+    queue_.clear();
+    queued_bytes_ = 0;
+    budget_->Give(charged_);
+    charged_ = 0;
+    if (!finish_) finish_ = grpc::Status(grpc::StatusCode::UNAVAILABLE, "write failed");
+  }
+  StartNextLocked();
+}
+
+// Starting an operation on the completion-queue API never runs a completion inline, so
+// this may hold mu_ while it does (the callback API's reactions could run inline).
+void SessionSink::StartNextLocked() {
+  if (call_ == nullptr) return;
+  if (!queue_.empty()) {
+    current_ = std::move(queue_.front().first);
+    size_t bytes = queue_.front().second;
+    DequeuedLocked(bytes);
+    queue_.pop_front();
+    if (current_.has_decisions()) {
+      auto* batch = current_.mutable_decisions();
+      while (!queue_.empty() && queue_.front().first.has_decisions() &&
+             batch->decisions_size() + queue_.front().first.decisions().decisions_size() <= kMaxDecisionsPerWrite &&
+             bytes + queue_.front().second <= kMaxBytesPerWrite) {
+        for (auto& d : *queue_.front().first.mutable_decisions()->mutable_decisions()) {
+          *batch->add_decisions() = std::move(d);
+        }
+        bytes += queue_.front().second;
+        DequeuedLocked(queue_.front().second);
+        queue_.pop_front();
+      }
+    }
+    writing_ = true;
+    call_->StartWrite(&current_);
+    return;
+  }
+  if (finish_.has_value() && !finished_) {
+    finished_ = true;
+    call_->Finish(*finish_);
+  }
+}
+
+}  // namespace
+
+SessionStreams::SessionStreams(CoordinatorCore* core, CoordinatorServiceBase* service, Authorize authorize,
+                               int threads, grpc::ServerBuilder& builder)
+    : shared_(std::make_shared<Shared>()) {
+  shared_->core = core;
+  shared_->service = service;
+  shared_->authorize = std::move(authorize);
+  for (int i = 0; i < std::max(1, threads); ++i) queues_.push_back(builder.AddCompletionQueue());
+}
+
+SessionStreams::~SessionStreams() {
+  if (!stopped_) Stop();
+}
+
+void SessionStreams::Start() {
+  started_ = true;
+  for (size_t i = 0; i < queues_.size(); ++i) {
+    grpc::ServerCompletionQueue* cq = queues_[i].get();
+    // Two awaited streams per queue, so that a burst of registrations is accepted quickly.
+    SessionCall::Await(shared_, cq);
+    SessionCall::Await(shared_, cq);
+    threads_.emplace_back([cq] {
+      void* tag = nullptr;
+      bool ok = false;
+      while (cq->Next(&tag, &ok)) {
+        auto* t = static_cast<Tag*>(tag);
+        t->call->Proceed(t->op, ok);
+      }
+    });
+  }
+}
+
+void SessionStreams::Stop() {
+  stopped_ = true;
+  {
+    absl::MutexLock lock(&shared_->mu);
+    shared_->stopping = true;
+  }
+  // The server's Shutdown() returned: its calls are cancelled, and each SessionCall deletes
+  // itself once its last completion ran. Wait for that while the threads still drain the
+  // queues: an operation started on a queue already shut down would abort the process.
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (started_ && shared_->calls.load() > 0 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(1));
+  if (started_ && shared_->calls.load() > 0) {
+    logging::Get("coordinator")->error("{} session streams still open 10 s after the server stopped; stopping anyway",
+                                       shared_->calls.load());
+  }
+  for (auto& cq : queues_) cq->Shutdown();
+  for (auto& t : threads_) t.join();
+  threads_.clear();
+  if (!started_) {
+    // Never served (the server did not start): nothing awaited, drain the empty queues.
+    for (auto& cq : queues_) {
+      void* tag = nullptr;
+      bool ok = false;
+      while (cq->Next(&tag, &ok)) {
+      }
+    }
+  }
+}
+
+}  // namespace shardcoord::coordinator

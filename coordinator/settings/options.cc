@@ -1,0 +1,592 @@
+#include "coordinator/settings/options.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <algorithm>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace shardcoord::coordinator {
+
+// ---------------------------------------------------------------------------------------
+// The table
+
+Setting& Setting::Range(int64_t lo, int64_t hi) {
+  min = lo;
+  max = hi;
+  return *this;
+}
+
+Setting& Setting::Choices(std::vector<std::string> values) {
+  choices = std::move(values);
+  return *this;
+}
+
+Setting& Setting::Check(std::string (*why_refused)(const std::string& value)) {
+  check = why_refused;
+  return *this;
+}
+
+Setting& Setting::Env() {
+  env = true;
+  return *this;
+}
+
+Setting& Setting::RenamedFrom(const char* old_key) {
+  renamed_from = old_key;
+  return *this;
+}
+
+namespace {
+
+// The field `path` of CoordinatorOptions as a SettingField (options.h says why not a member
+// pointer). The unary + makes the lambda the plain function pointer the variant holds.
+#define OPTION_FIELD(path) (+[](CoordinatorOptions& o) -> auto& { return o.path; })
+
+// Why HOST:PORT is not one ("" when it is): the gRPC listener takes nothing else.
+std::string ListenProblem(const std::string& a) {
+  const size_t colon = a.rfind(':');
+  int port = -1;
+  const bool ok = colon != std::string::npos && colon > 0 && absl::SimpleAtoi(a.substr(colon + 1), &port) &&
+                  port >= 0 && port <= 65535 &&
+                  a.substr(colon + 1).find_first_not_of("0123456789") == std::string::npos;
+  return ok ? "" : "is not HOST:PORT with a port in 0..65535, such as 127.0.0.1:7871, 0.0.0.0:7871 or [::]:7871 "
+                   "(port 0 picks a free one)";
+}
+
+// The HTTP listener is off when empty.
+std::string HttpListenProblem(const std::string& a) {
+  return a.empty() || a.rfind(':') != std::string::npos ? "" : "is not HOST:PORT";
+}
+
+// How decisions are made, how fast failures are noticed, and what is kept for operators.
+void AddDecisionSettings(std::vector<Setting>& t) {
+  const int64_t day_ms = absl::ToInt64Milliseconds(kMaxDuration);  // Durations travel as int32 ms.
+  t.insert(t.end(), {
+      Setting("listen", OPTION_FIELD(listen_address), "address to serve on, HOST:PORT (port 0 picks a free port)")
+          .Check(ListenProblem).Env(),
+      Setting("default_policy", OPTION_FIELD(default_policy), "policy for ranks that send none"),
+      Setting("default_fallback", OPTION_FIELD(default_fallback), "fallback for ranks that send none"),
+      // Below these minimums the daemon's own scheduling jitter (its ticker runs every few ms)
+      // is as long as the timeout: silent ranks were never declared dead, and pause events
+      // flooded the log.
+      Setting("heartbeat_interval_ms", OPTION_FIELD(heartbeat_interval), "heartbeat interval told to workers")
+          .Range(absl::ToInt64Milliseconds(kMinHeartbeatInterval), day_ms),
+      Setting("heartbeat_timeout_ms", OPTION_FIELD(heartbeat_timeout),
+              "silence after which a rank is dead (at least twice the interval)")
+          .Range(absl::ToInt64Milliseconds(kMinHeartbeatTimeout), day_ms),
+      Setting("plan_timeout_ms", OPTION_FIELD(plan_timeout),
+              "how long a microbatch may wait for the plans of missing ranks")
+          .Range(1, day_ms),
+      Setting("max_lookahead", OPTION_FIELD(max_lookahead), "largest lookahead a rank may register")
+          .Range(1, kUnbounded),
+      Setting("behind_threshold_ms", OPTION_FIELD(behind_threshold),
+              "name a rank as behind once others waited this long in a collective it has not issued")
+          .Range(1, day_ms),
+      Setting("promote_window", OPTION_FIELD(promotion.window), "auto promotion: microbatches considered")
+          .Range(1, kUnbounded),
+      Setting("promote_threshold", OPTION_FIELD(promotion.promote_threshold),
+              "auto promotion: microbatches in the window that gather the module, to promote")
+          .Range(1, kUnbounded),
+      Setting("demote_threshold", OPTION_FIELD(promotion.demote_threshold),
+              "auto promotion: at most this many gathering microbatches in a full window demotes")
+          .Range(0, kUnbounded),
+      Setting("event_capacity", OPTION_FIELD(event_capacity), "events kept for shardctl events").Range(1, kUnbounded),
+      Setting("decision_history", OPTION_FIELD(decision_history), "decisions kept per group for shardctl decisions")
+          .Range(1, kUnbounded),
+      Setting("log_level", OPTION_FIELD(log_level), "least severe log messages written (stderr)")
+          .Choices({"trace", "debug", "info", "warn", "error", "off"}),
+      Setting("address_file", OPTION_FIELD(address_file),
+              "write the bound HOST:PORT here once serving (for --listen ...:0)"),
+  });
+}
+
+// What clients may make the daemon hold (DESIGN 11): each bound is a setting.
+void AddLimitSettings(std::vector<Setting>& t) {
+  const int64_t day_ms = absl::ToInt64Milliseconds(kMaxDuration);
+  t.insert(t.end(), {
+      Setting("max_world_size", OPTION_FIELD(limits.max_world_size), "most ranks one job may have")
+          .Range(1, kUnbounded),
+      Setting("max_total_ranks", OPTION_FIELD(limits.max_total_ranks), "most ranks of all jobs held at once")
+          .Range(1, kUnbounded),
+      Setting("max_jobs", OPTION_FIELD(limits.max_jobs), "most jobs held at once (finished ones until evicted)")
+          .Range(1, kUnbounded),
+      Setting("max_modules", OPTION_FIELD(limits.max_modules), "most controlled modules in a manifest")
+          .Range(1, kUnbounded),
+      Setting("max_units_per_module", OPTION_FIELD(limits.max_units_per_module), "most layer units of one module")
+          .Range(1, kUnbounded),
+      Setting("max_name_bytes", OPTION_FIELD(limits.max_name_bytes), "longest job id, module, unit or host name")
+          .Range(1, kUnbounded),
+      Setting("max_pending_microbatches", OPTION_FIELD(limits.max_pending_microbatches),
+              "per group: most microbatches reported by some ranks and not yet by all")
+          .Range(1, kUnbounded),
+      Setting("max_communicators_per_job", OPTION_FIELD(limits.max_communicators_per_job),
+              "named communicators one job may open")
+          .Range(1, kUnbounded),
+      Setting("max_store_value_bytes", OPTION_FIELD(limits.max_store_value_bytes),
+              "largest value in a communicator epoch's store")
+          .Range(1, kUnbounded),
+      // One decision batch must fit.
+      Setting("max_outbox_bytes", OPTION_FIELD(limits.max_outbox_bytes),
+              "per rank: most bytes queued for a rank that does not read; over it the rank is failed")
+          .Range(64 << 10, kUnbounded),
+      // The daemon's buffers for all clients together: below 1 MiB a few ranks would fill it.
+      Setting("max_buffered_bytes", OPTION_FIELD(limits.max_buffered_bytes),
+              "daemon-wide: memory held for all clients (queues, resumes); past it the ranks holding most are "
+              "failed and resumes refused")
+          .Range(1 << 20, kUnbounded),
+      Setting("job_retention_ms", OPTION_FIELD(limits.job_retention),
+              "forget a job this long after its last rank ended")
+          .Range(0, day_ms),
+      Setting("handshake_timeout_ms", OPTION_FIELD(limits.handshake_timeout),
+              "close connections that have not completed the HTTP/2 handshake by then")
+          .Range(1, day_ms),
+      Setting("self_check_interval_ms", OPTION_FIELD(limits.self_check_interval),
+              "check this often that the listener still accepts connections (0: never)")
+          .Range(0, day_ms),
+      Setting("session_threads", OPTION_FIELD(session_threads),
+              "threads serving the rank streams, each with its own completion queue (0: one per core)")
+          .Range(0, 1024),
+  });
+}
+
+// Who may connect (tokens, TLS), what else the daemon serves (HTTP) and keeps (the journal,
+// the state file).
+void AddServingSettings(std::vector<Setting>& t) {
+  t.insert(t.end(), {
+      Setting("token_file", OPTION_FIELD(token_file),
+              "tokens with roles (lines 'ROLE TOKEN [job=ID]', mode 600); every call must then carry one")
+          .Env(),
+      Setting("tls_cert_file", OPTION_FIELD(tls.cert_file),
+              "PEM certificate chain: serve TLS only (with --tls-key-file)")
+          .Env().RenamedFrom("tls_cert"),
+      Setting("tls_key_file", OPTION_FIELD(tls.key_file), "PEM private key of --tls-cert-file (mode 600)")
+          .Env().RenamedFrom("tls_key"),
+      Setting("tls_client_ca_file", OPTION_FIELD(tls.client_ca_file),
+              "PEM CA bundle: require callers' certificates signed by it (mutual TLS)")
+          .Env().RenamedFrom("tls_client_ca"),
+      // gRPC takes the refresh period as an unsigned int of seconds.
+      Setting("tls_reload_interval_s", OPTION_FIELD(tls.reload_interval),
+              "check the TLS files this often; renewed ones serve new connections without a restart")
+          .Range(1, 24 * 3600),
+      Setting("insecure", OPTION_FIELD(insecure),
+              "serve a non-loopback address without TLS or tokens (anyone who reaches it may act for any rank)"),
+      Setting("http_listen", OPTION_FIELD(http_listen),
+              "serve the status page, /metrics and /healthz over HTTP on HOST:PORT (off by default)")
+          .Check(HttpListenProblem).Env(),
+      Setting("http_max_connections", OPTION_FIELD(http_max_connections),
+              "HTTP connections open at once; more are closed at accept")
+          .Range(1, 65536),
+      Setting("http_request_timeout_ms", OPTION_FIELD(http_request_timeout),
+              "the time one HTTP exchange (TLS handshake, request, response) may take")
+          .Range(100, 600000),
+      Setting("metrics_rank_series_max", OPTION_FIELD(metrics_rank_series_max),
+              "/metrics gives per-rank series only for jobs of at most this many ranks (0: none)")
+          .Range(0, 65536),
+      Setting("journal_file", OPTION_FIELD(journal_file),
+              "keep every event in this SQLite file too, across restarts (shardctl events reads it)"),
+      Setting("journal_retention_hours", OPTION_FIELD(journal_retention), "delete journal events older than this")
+          .Range(1, kUnbounded),
+      Setting("journal_max_events", OPTION_FIELD(journal_max_events), "keep at most this many journal events")
+          .Range(1, kUnbounded),
+      Setting("recovery_window_ms", OPTION_FIELD(recovery_window),
+              "after a restart, how long groups wait for their ranks to resume before failing them")
+          .Range(1, absl::ToInt64Milliseconds(kMaxDuration)),
+      Setting("state_file", OPTION_FIELD(state_file),
+              "keep the incarnation here across restarts (optional: recovery works without it)"),
+  });
+}
+
+#undef OPTION_FIELD
+
+std::vector<Setting> MakeSettings() {
+  std::vector<Setting> table;
+  AddDecisionSettings(table);
+  AddLimitSettings(table);
+  AddServingSettings(table);
+  return table;
+}
+
+// A duration's unit, from the ending of its key.
+struct Unit {
+  absl::Duration size;
+  const char* name;  // As messages write it.
+  const char* type;  // As --help writes it.
+};
+
+Unit UnitOf(const Setting& s) {
+  const absl::string_view key = s.key;
+  if (absl::EndsWith(key, "_ms")) return {absl::Milliseconds(1), "ms", "MS"};
+  if (absl::EndsWith(key, "_hours")) return {absl::Hours(1), "h", "HOURS"};
+  return {absl::Seconds(1), "s", "S"};  // "_s": the table test checks that every duration key has a unit.
+}
+
+bool IsDuration(const Setting& s) { return std::holds_alternative<SettingField<absl::Duration>>(s.field); }
+
+// How messages describe a setting in words: its key without the unit, with spaces
+// ("heartbeat interval"); SettingNames then says which key and flag set it.
+std::string Described(const Setting& s) {
+  std::string name = s.key;
+  if (IsDuration(s)) name = name.substr(0, name.rfind('_'));
+  std::replace(name.begin(), name.end(), '_', ' ');
+  return name;
+}
+
+// What a value of the setting looks like, for a value of the wrong type.
+std::string Expected(const Setting& s) {
+  const std::vector<std::string> choices = SettingChoices(s);
+  if (!choices.empty()) return absl::StrCat("one of ", absl::StrJoin(choices, ", "));
+  if (IsSwitch(s)) return "true or false";
+  if (IsDuration(s)) return absl::StrCat("a whole number of ", UnitOf(s).name);
+  if (std::holds_alternative<SettingField<std::string>>(s.field)) return "text";
+  return "a whole number";
+}
+
+absl::Status WrongType(const Setting& s, const std::string& text) {
+  return absl::InvalidArgumentError(
+      absl::StrCat("'", text, "' is of the wrong type (", Expected(s), " expected)"));
+}
+
+absl::Status NotAChoice(const Setting& s, const std::string& text) {
+  return absl::InvalidArgumentError(
+      absl::StrCat("'", text, "' is not one of ", absl::StrJoin(SettingChoices(s), ", ")));
+}
+
+}  // namespace
+
+const std::vector<Setting>& Settings() {
+  static const std::vector<Setting> table = MakeSettings();
+  return table;
+}
+
+const Setting* FindSetting(absl::string_view key) {
+  for (const Setting& s : Settings()) {
+    if (key == s.key) return &s;
+  }
+  return nullptr;
+}
+
+std::string FlagName(absl::string_view key) {
+  std::string flag = absl::StrCat("--", key);
+  std::replace(flag.begin(), flag.end(), '_', '-');
+  return flag;
+}
+
+std::string EnvName(absl::string_view key) { return absl::StrCat("SHARDCOORD_DAEMON_", absl::AsciiStrToUpper(key)); }
+
+std::string SettingNames(const Setting& s) {
+  return absl::StrCat("config key ", s.key, ", flag ", FlagName(s.key),
+                      s.env ? absl::StrCat(", environment ", EnvName(s.key)) : "");
+}
+
+std::vector<std::string> SettingChoices(const Setting& s) {
+  if (std::holds_alternative<SettingField<Policy>>(s.field)) {
+    std::vector<std::string> names;
+    for (Policy p : {Policy::kAuto, Policy::kPerLayer, Policy::kRoot, Policy::kReplicate}) {
+      names.push_back(PolicyName(p));
+    }
+    return names;
+  }
+  if (std::holds_alternative<SettingField<Fallback>>(s.field)) {
+    return {FallbackName(Fallback::kRoot), FallbackName(Fallback::kReplicate)};
+  }
+  return s.choices;
+}
+
+bool IsSwitch(const Setting& s) { return std::holds_alternative<SettingField<bool>>(s.field); }
+
+std::string ValueTypeName(const Setting& s) {
+  if (IsSwitch(s)) return "BOOL";
+  if (IsDuration(s)) return UnitOf(s).type;
+  if (std::holds_alternative<SettingField<int>>(s.field) || std::holds_alternative<SettingField<int64_t>>(s.field)) {
+    return "INT";
+  }
+  return "TEXT";
+}
+
+// ---------------------------------------------------------------------------------------
+// Values as text: a YAML scalar or a flag's argument, parsed one way for both.
+
+namespace {
+
+absl::Status Parse(const Setting& s, const std::string& text, std::string& out) {
+  if (!s.choices.empty() && std::find(s.choices.begin(), s.choices.end(), text) == s.choices.end()) {
+    return NotAChoice(s, text);
+  }
+  out = text;
+  return absl::OkStatus();
+}
+
+// YAML 1.1's words for a boolean, as yaml-cpp took them before the table.
+absl::Status Parse(const Setting& s, const std::string& text, bool& out) {
+  const std::string word = absl::AsciiStrToLower(text);
+  if (word == "true" || word == "yes" || word == "on") {
+    out = true;
+  } else if (word == "false" || word == "no" || word == "off") {
+    out = false;
+  } else {
+    return WrongType(s, text);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Parse(const Setting& s, const std::string& text, int64_t& out) {
+  return absl::SimpleAtoi(text, &out) ? absl::OkStatus() : WrongType(s, text);
+}
+
+absl::Status Parse(const Setting& s, const std::string& text, int& out) {
+  int64_t wide = 0;
+  if (absl::Status st = Parse(s, text, wide); !st.ok()) return st;
+  if (wide < std::numeric_limits<int>::min() || wide > std::numeric_limits<int>::max()) {
+    return absl::InvalidArgumentError(absl::StrCat("'", text, "' is out of range (at most ",
+                                                   std::numeric_limits<int>::max(), ")"));
+  }
+  out = static_cast<int>(wide);
+  return absl::OkStatus();
+}
+
+absl::Status Parse(const Setting& s, const std::string& text, absl::Duration& out) {
+  int64_t count = 0;
+  if (absl::Status st = Parse(s, text, count); !st.ok()) return st;
+  out = count * UnitOf(s).size;
+  return absl::OkStatus();
+}
+
+absl::Status Parse(const Setting& s, const std::string& text, Policy& out) {
+  std::optional<Policy> p = ParsePolicy(text);
+  if (!p) return NotAChoice(s, text);
+  out = *p;
+  return absl::OkStatus();
+}
+
+absl::Status Parse(const Setting& s, const std::string& text, Fallback& out) {
+  std::optional<Fallback> f = ParseFallback(text);
+  if (!f) return NotAChoice(s, text);
+  out = *f;
+  return absl::OkStatus();
+}
+
+std::string Text(const Setting&, const std::string& v) { return v; }
+std::string Text(const Setting&, bool v) { return v ? "true" : "false"; }
+std::string Text(const Setting&, int64_t v) { return absl::StrCat(v); }
+std::string Text(const Setting&, int v) { return absl::StrCat(v); }
+std::string Text(const Setting& s, absl::Duration v) {
+  absl::Duration rest;  // Below one unit: not written (a duration set in code, not from text).
+  return absl::StrCat(absl::IDivDuration(v, UnitOf(s).size, &rest));
+}
+std::string Text(const Setting&, Policy v) { return PolicyName(v); }
+std::string Text(const Setting&, Fallback v) { return FallbackName(v); }
+
+// The table's functions give mutable fields, for parsing and checking alike; checking only
+// reads through them.
+CoordinatorOptions& ForReading(const CoordinatorOptions& o) { return const_cast<CoordinatorOptions&>(o); }
+
+}  // namespace
+
+std::string SettingValueText(const Setting& s, const CoordinatorOptions& o) {
+  return std::visit([&](auto field) { return Text(s, field(ForReading(o))); }, s.field);
+}
+
+absl::Status SetFromText(const Setting& s, const std::string& text, CoordinatorOptions& o) {
+  return std::visit([&](auto field) { return Parse(s, text, field(o)); }, s.field);
+}
+
+// ---------------------------------------------------------------------------------------
+// ValidateOptions: each setting's range from the table, then the relations between them.
+
+namespace {
+
+// A bound as messages write it: in the key's unit, and in hours too where that is shorter
+// ("24 h = 86400000 ms").
+std::string BoundText(const Setting& s, int64_t bound) {
+  if (!IsDuration(s)) return absl::StrCat(bound);
+  const Unit unit = UnitOf(s);
+  const absl::Duration d = bound * unit.size;
+  if (unit.size < absl::Hours(1) && d >= absl::Hours(1) && d % absl::Hours(1) == absl::ZeroDuration()) {
+    return absl::StrCat(absl::ToInt64Hours(d), " h = ", bound, " ", unit.name);
+  }
+  return absl::StrCat(bound, " ", unit.name);
+}
+
+absl::Status Refused(const Setting& s, const std::string& what) {
+  return absl::InvalidArgumentError(absl::StrCat(Described(s), " ", what, " (", SettingNames(s), ")"));
+}
+
+// `shown` is the value as messages write it ("5 ms"); `below`: under the minimum, else over
+// the maximum.
+absl::Status OutOfRange(const Setting& s, const std::string& shown, bool below) {
+  return Refused(s, absl::StrCat("(", shown, ") must be at ", below ? "least " : "most ",
+                                 BoundText(s, below ? s.min : s.max)));
+}
+
+absl::Status CheckValue(const Setting& s, const std::string& v) {
+  if (!s.choices.empty() && std::find(s.choices.begin(), s.choices.end(), v) == s.choices.end()) {
+    return Refused(s, absl::StrCat("'", v, "' is not one of ", absl::StrJoin(s.choices, ", ")));
+  }
+  if (s.check != nullptr) {
+    if (std::string why = s.check(v); !why.empty()) return Refused(s, absl::StrCat("'", v, "' ", why));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckValue(const Setting&, bool) { return absl::OkStatus(); }
+
+absl::Status CheckValue(const Setting& s, int64_t v) {
+  if (v < s.min || v > s.max) return OutOfRange(s, absl::StrCat(v), v < s.min);
+  return absl::OkStatus();
+}
+
+absl::Status CheckValue(const Setting& s, int v) { return CheckValue(s, int64_t{v}); }
+
+// Compared as durations, so that a value between two whole units is not rounded into range.
+absl::Status CheckValue(const Setting& s, absl::Duration v) {
+  const Unit unit = UnitOf(s);
+  const bool below = v < s.min * unit.size;
+  if (below || (s.max != kUnbounded && v > s.max * unit.size)) {
+    return OutOfRange(s, absl::StrCat(Text(s, v), " ", unit.name), below);
+  }
+  return absl::OkStatus();
+}
+
+// A policy or fallback the options hold but no name gives (kUnspecified, set in code).
+template <typename Enum>
+absl::Status CheckNamed(const Setting& s, Enum v) {
+  const std::vector<std::string> choices = SettingChoices(s);
+  const std::string name = Text(s, v);
+  if (std::find(choices.begin(), choices.end(), name) != choices.end()) return absl::OkStatus();
+  return Refused(s, absl::StrCat("'", name, "' is not one of ", absl::StrJoin(choices, ", ")));
+}
+
+absl::Status CheckValue(const Setting& s, Policy v) { return CheckNamed(s, v); }
+absl::Status CheckValue(const Setting& s, Fallback v) { return CheckNamed(s, v); }
+
+// Beyond loopback, listeners need TLS and tokens unless the operator accepts the risk.
+absl::Status CheckExposure(const CoordinatorOptions& o) {
+  const bool secured = !o.token_file.empty() && o.tls.enabled();
+  if (!o.insecure && !secured && !IsLoopbackAddress(o.listen_address)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "listen address ", o.listen_address, " is not loopback, and without ",
+        o.token_file.empty() ? "a token file anyone who reaches it can act for any rank"
+                             : "TLS the tokens travel in clear text",
+        ": give --token-file and --tls-cert-file/--tls-key-file (see README, Security), or --insecure to accept "
+        "that"));
+  }
+  if (!o.insecure && !secured && !o.http_listen.empty() && !IsLoopbackAddress(o.http_listen)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "http_listen ", o.http_listen,
+        " is not loopback: give --token-file and --tls-cert-file/--tls-key-file (the page and /metrics then need "
+        "a read token, over HTTPS), or --insecure to accept that"));
+  }
+  return absl::OkStatus();
+}
+
+// The checks that relate settings to each other; each is within its own range already.
+absl::Status CheckRelations(const CoordinatorOptions& o) {
+  if (absl::Status s = CheckExposure(o); !s.ok()) return s;
+  if (o.heartbeat_timeout < 2 * o.heartbeat_interval) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "heartbeat timeout (", absl::ToInt64Milliseconds(o.heartbeat_timeout),
+        " ms) must be at least twice the heartbeat interval (", absl::ToInt64Milliseconds(o.heartbeat_interval),
+        " ms): heartbeat_timeout_ms >= 2 x heartbeat_interval_ms (flags --heartbeat-timeout-ms, "
+        "--heartbeat-interval-ms)"));
+  }
+  const PromotionOptions& p = o.promotion;
+  if (p.promote_threshold > p.window || p.demote_threshold >= p.promote_threshold) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "promotion settings need 1 <= promote_threshold <= promote_window and 0 <= demote_threshold < "
+        "promote_threshold (flags --promote-threshold, --promote-window, --demote-threshold), got promote_window ",
+        p.window, ", promote_threshold ", p.promote_threshold, ", demote_threshold ", p.demote_threshold));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+bool IsLoopbackAddress(const std::string& listen_address) {
+  const size_t colon = listen_address.rfind(':');
+  std::string host = colon == std::string::npos ? listen_address : listen_address.substr(0, colon);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+  return host == "localhost" || host == "::1" || host.rfind("127.", 0) == 0;
+}
+
+absl::Status ValidateOptions(const CoordinatorOptions& o) {
+  for (const Setting& s : Settings()) {
+    absl::Status st = std::visit([&](auto field) { return CheckValue(s, field(ForReading(o))); }, s.field);
+    if (!st.ok()) return st;
+  }
+  return CheckRelations(o);
+}
+
+// ---------------------------------------------------------------------------------------
+// LoadConfigFile
+
+namespace {
+
+// Sorted, as an unknown key's message lists them (scripts/check-deploy.sh reads that list).
+std::string AcceptedKeys() {
+  std::vector<std::string> keys;
+  for (const Setting& s : Settings()) keys.emplace_back(s.key);
+  std::sort(keys.begin(), keys.end());
+  return absl::StrJoin(keys, ", ");
+}
+
+// One key's value into the options: a scalar is read as the same text after the flag would
+// be; an empty value (`key:`) is empty text.
+absl::Status ApplyConfigValue(const std::string& path, const Setting& s, const YAML::Node& v,
+                              CoordinatorOptions& o) {
+  std::string text;
+  if (v.IsScalar()) {
+    text = v.Scalar();
+  } else if (!v.IsNull() || !std::holds_alternative<SettingField<std::string>>(s.field)) {
+    const char* what = v.IsSequence() ? "a list" : v.IsMap() ? "a mapping" : "an empty value";
+    return absl::InvalidArgumentError(absl::StrCat("config file ", path, ": ", s.key, " has ", what,
+                                                   ", a value of the wrong type (", Expected(s), " expected)"));
+  }
+  if (absl::Status st = SetFromText(s, text, o); !st.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("config file ", path, ": ", s.key, " ", st.message()));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<CoordinatorOptions> LoadConfigFile(const std::string& path,
+                                                  CoordinatorOptions o) {
+  YAML::Node root;
+  try {
+    root = YAML::LoadFile(path);
+  } catch (const YAML::BadFile&) {
+    return absl::NotFoundError(absl::StrCat("config file ", path, " cannot be read"));
+  } catch (const YAML::Exception& e) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("config file ", path, " is not valid YAML: ", e.what()));
+  }
+  if (root.IsNull()) return o;
+  if (!root.IsMap()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("config file ", path, " must be a mapping of key: value"));
+  }
+  for (const auto& kv : root) {
+    if (!kv.first.IsScalar()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "config file ", path, ": every key must be a plain name; accepted keys: ", AcceptedKeys()));
+    }
+    const std::string key = kv.first.Scalar();
+    const Setting* s = FindSetting(key);
+    if (s == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("config file ", path, ": unknown key '", key, "'; accepted keys: ", AcceptedKeys()));
+    }
+    if (absl::Status st = ApplyConfigValue(path, *s, kv.second, o); !st.ok()) return st;
+  }
+  return o;
+}
+
+}  // namespace shardcoord::coordinator

@@ -1,0 +1,28 @@
+// The per-group lock rule (DESIGN 9), checked by the compiler: a shard group's state is
+// reachable only through its GroupSlot, whose mutex guards it (ABSL_GUARDED_BY). The clang
+// build (SHARDCOORD_THREAD_SAFETY) compiles this file twice: as it is, where every access
+// holds the mutex (it must compile), and with SHARDCOORD_TOUCH_WITHOUT_LOCK, where one
+// function touches the group without it (the ctest compile_fail.group_lock passes only when
+// that build fails with clang's "requires holding mutex" error).
+#include "absl/synchronization/mutex.h"
+#include "coordinator/core/shard_group.h"
+
+namespace shardcoord::coordinator {
+
+int64_t NextEpochWithTheLock(GroupSlot& slot) {
+  absl::MutexLock lock(&slot.mu);
+  return ++slot.group.epoch;
+}
+
+int LiveMembersWithTheLock(const GroupSlot& slot) {
+  absl::MutexLock lock(&slot.mu);
+  return slot.group.Count().live;
+}
+
+#ifdef SHARDCOORD_TOUCH_WITHOUT_LOCK
+// What the hot path must never do: write a group's state holding only the core's lock (or
+// nothing), while another thread holds the group's mutex.
+int64_t NextEpochWithoutTheLock(GroupSlot& slot) { return ++slot.group.epoch; }
+#endif
+
+}  // namespace shardcoord::coordinator
