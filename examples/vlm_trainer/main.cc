@@ -224,12 +224,11 @@ void Check(const absl::Status& s, const std::string& what) {
   if (!s.ok()) Fail(what, s);
 }
 
-// x plus the frozen part's output: the vision tower (its rest unit, patch embedding and
-// norm, around the layers), then the projector, each gathered and released by the executor
-// when there is one. All of it, the sum included, runs without autograd.
-torch::Tensor AddFrozen(Vlm& model, shardcoord::torchx::FrozenShardExecutor* exec, const torch::Tensor& image,
-                        torch::Tensor x) {
-  torch::NoGradGuard frozen;  // Frozen modules need no backward collectives.
+// The frozen part's output: the vision tower (its rest unit, patch embedding and norm, around
+// the layers), then the projector, each gathered and released by the executor when there is
+// one, all without autograd (frozen modules need no backward collectives).
+torch::Tensor FrozenFeatures(Vlm& model, shardcoord::torchx::FrozenShardExecutor* exec, const torch::Tensor& image) {
+  torch::NoGradGuard frozen;
   if (exec) Check(exec->BeginModule("vision_tower"), "gather");
   torch::Tensor v = model->vision_tower->patch_embed(image);
   for (int u = 0; u < kVisionLayers; ++u) {
@@ -245,7 +244,14 @@ torch::Tensor AddFrozen(Vlm& model, shardcoord::torchx::FrozenShardExecutor* exe
   }
   torch::Tensor p = model->multi_modal_projector(v.mean(1));
   if (exec) Check(exec->EndModule("multi_modal_projector"), "release");
-  return x + p;
+  return p;
+}
+
+// x plus the frozen part's output. The sum is made with autograd on, so the trainable layers
+// before it still learn from microbatches with images.
+torch::Tensor AddFrozen(Vlm& model, shardcoord::torchx::FrozenShardExecutor* exec, const torch::Tensor& image,
+                        const torch::Tensor& x) {
+  return x + FrozenFeatures(model, exec, image);
 }
 
 // The training loop's state across steps.

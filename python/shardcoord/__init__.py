@@ -8,14 +8,15 @@
 
 ``shardcoord.torch`` builds the manifest from a ``torch.nn.Module`` and keeps plans ahead of the
 training loop. ``import shardcoord`` loads no native code and never imports torch; the binding is
-loaded on first use (_native.py says why).
+loaded on first use (_native.py says why), also by the first use of the types it binds
+(``ModuleSpec``, ``WorkerOptions``, ``Decision``, ...).
 """
 
 from ._native import native as _native
 from .errors import (AlreadyExists, Cancelled, DeadlineExceeded, Error, FailedPrecondition, GroupFailed, Internal,
                      InvalidArgument, NotFound, OutOfRange, PermissionDenied, ResourceExhausted, Unavailable,
                      Unimplemented)
-from .worker import ADDRESS_ENV, Decision, GroupInfo, LayerUnit, ModuleDecision, ModuleSpec, Worker, launcher_rank
+from .worker import ADDRESS_ENV, BOUND_TYPES as _BOUND_TYPES, Worker, launcher_rank
 
 
 def classify(nodes, extra_towers=(), extra_projectors=()):
@@ -35,9 +36,12 @@ except ImportError:  # A tree without it: the binding knows.
 
 
 def __getattr__(name):
-    """BUILTIN_TOWER_NAMES and BUILTIN_PROJECTOR_NAMES: the contract's, from the binding on first use
-    (``import shardcoord`` loads no native code: see _native.py)."""
-    if name == "BUILTIN_TOWER_NAMES":
+    """The binding's value types (ModuleSpec, Decision, ...: worker.BOUND_TYPES), BUILTIN_TOWER_NAMES
+    and BUILTIN_PROJECTOR_NAMES (the contract's), from the binding on first use (``import
+    shardcoord`` loads no native code: see _native.py)."""
+    if name in _BOUND_TYPES:
+        value = getattr(_native(), name)
+    elif name == "BUILTIN_TOWER_NAMES":
         value = tuple(_native().builtin_tower_names())
     elif name == "BUILTIN_PROJECTOR_NAMES":
         value = tuple(_native().builtin_projector_names())
@@ -50,6 +54,6 @@ def __getattr__(name):
 __all__ = [
     "ADDRESS_ENV", "AlreadyExists", "BUILTIN_PROJECTOR_NAMES", "BUILTIN_TOWER_NAMES", "Cancelled", "DeadlineExceeded",
     "Decision", "Error", "FailedPrecondition", "GroupFailed", "GroupInfo", "Internal", "InvalidArgument", "LayerUnit",
-    "ModuleDecision", "ModuleSpec", "NotFound", "OutOfRange", "PermissionDenied", "ResourceExhausted", "Unavailable",
-    "Unimplemented", "Worker", "classify", "launcher_rank",
+    "ModuleDecision", "ModuleSpec", "NotFound", "OutOfRange", "PermissionDenied", "ResourceExhausted", "TlsOptions",
+    "Unavailable", "Unimplemented", "Worker", "WorkerOptions", "classify", "launcher_rank",
 ]

@@ -5,8 +5,8 @@ Why lazily: loading it loads gRPC, protobuf, Abseil, Gloo and the rest into the 
 trainer imports torch next. On the GPU machine, with the worker's libraries bundled from another
 distribution (scripts/gpu/bundle.sh), ``import shardcoord, torch`` aborted in torch's import
 ("free(): invalid pointer") while ``import torch, shardcoord`` worked (docs/GPU.md). Loaded at
-first use (``Worker(...)``, ``classify``, the builtin names), the binding comes after torch in the
-usual script: imports at the top, work below.
+first use (``Worker(...)``, the bound types such as ``shardcoord.ModuleSpec``, ``classify``, the
+builtin names), the binding comes after torch in the usual script: imports at the top, work below.
 """
 
 import glob

@@ -55,16 +55,20 @@ contributes zero). This reaches into FSDP2's parameter groups (not public API; c
 2.11): where a torch lacks them, ``shard`` warns and goes on without it.
 """
 
+from __future__ import annotations
+
 import copy
 import functools
 import warnings
-from typing import Dict, Iterable, List, Optional
+from typing import TYPE_CHECKING, Dict, Iterable, List, Optional
 
 import torch
 from torch import nn
 
 from .errors import FailedPrecondition, InvalidArgument
-from .worker import Decision, ModuleSpec
+
+if TYPE_CHECKING:  # pragma: no cover - the binding's types, looked up on first use (worker.py)
+    from .worker import Decision, ModuleSpec
 
 try:
     from torch.distributed.fsdp import fully_shard  # torch >= 2.6

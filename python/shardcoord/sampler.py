@@ -219,26 +219,16 @@ def arrange_step(samples: Sequence[T], microbatches: int, media_of: MediaOf, cal
     min n)`` agreeing microbatches, where an arbitrary order agrees on a microbatch only by chance.
 
     The aim is not always reachable (a sample with 16 images cannot be split; two towers pull
-    apart); what is returned is then close to it, never invalid. How: media samples are placed one
-    at a time (those needing the most towers, then those of the rarest kinds on this rank, then
-    those with the most items, first), each where it brings the calls closest to the aim (ties: the
-    microbatch with the fewest items of those towers, then the fewest samples, then the lowest
-    index); text-only samples fill the room left; then two whole microbatches of the same size, or
-    two samples of different microbatches, are swapped while that brings the calls strictly closer
-    to the aim (a pair of non-negative integers, compared in order: this ends). If that ends short
-    of the aim, two other placement orders are tried and the closest result kept (steps of at most
-    64 samples). With one tower this met the best possible split on every small step the tests
-    enumerate exhaustively; with two towers (vision and audio) it misses it on about 1 step in 100
-    (``per_kind``, ``per_item``). Cost on a 2-core development machine: about 1 ms for 16 samples
-    in 4 microbatches; 2-35 ms for 64-256 samples in 8-16 microbatches, but 40-200 ms with two
-    towers under ``per_kind``, where the aim is often out of reach.
+    apart); what is returned is then close to it, never invalid: media samples placed greedily, then
+    swaps while they bring the calls closer to the aim (:func:`_best_arrangement` says how, and what
+    it costs: milliseconds). With one tower this met the best possible split on every small step the
+    tests enumerate exhaustively; with two towers (vision and audio) it misses it on about 1 step in
+    100 (``per_kind``, ``per_item``).
 
     Guarantees (``tests/python/test_sampler.py`` checks each):
 
-    - The result holds exactly the given samples, each once (the same multiset, by identity): every
-      sample index is placed exactly once, into a microbatch with room left, and a swap exchanges two
-      placed indices (or the contents of two microbatches of the same size); nothing is copied,
-      dropped or added.
+    - The result holds exactly the given samples, each once (the same multiset, by identity):
+      nothing is copied, dropped or added (:func:`_best_arrangement` says why).
     - Microbatch ``j`` holds ``sizes[j]`` samples; by default the step's samples split as evenly as
       possible, the first ``len(samples) % microbatches`` microbatches one larger (as a plain split of
       the step would be), so the loss normalization of gradient accumulation does not change.
@@ -246,33 +236,62 @@ def arrange_step(samples: Sequence[T], microbatches: int, media_of: MediaOf, cal
       ``media_of`` says of each; no randomness, no global state. Within a microbatch, samples keep
       the order they were given in.
 
-    ``media_of(sample)``: kind -> items (see the module docstring), called once per sample.
-    ``calls``: ``"batched"``, ``"per_kind"`` or ``"per_item"``. ``tower_of``: kind -> tower, as for
-    :func:`tower_calls`. ``sizes``: samples per microbatch (non-negative, summing to
-    ``len(samples)``).
+    ``media_of(sample)``: kind -> items (see the module docstring), called once per sample. ``calls``:
+    ``"batched"``, ``"per_kind"`` or ``"per_item"``. ``tower_of``: kind -> tower, as for
+    :func:`tower_calls`. ``sizes``: samples per microbatch (non-negative, summing to ``len(samples)``).
 
     Raises ValueError when ``microbatches < 1``, when there are fewer samples than microbatches and
     no ``sizes`` (a microbatch would be empty), when ``sizes`` does not fit, or for what
     :func:`tower_calls` refuses.
     """
     _check_mode(calls)
+    sizes = _step_sizes(len(samples), microbatches, sizes)
+    tower = _tower_fn(tower_of)
+    media = [_media(s, media_of, tower) for s in samples]
+    best = _best_arrangement(media, sizes, _targets(media, sizes, calls), calls)
+    out: List[List[T]] = [[] for _ in range(microbatches)]
+    for i, sample in enumerate(samples):
+        out[best.where[i]].append(sample)
+    return out
+
+
+def _step_sizes(n: int, microbatches: int, sizes: Optional[Sequence[int]]) -> List[int]:
+    """Samples per microbatch: ``sizes``, checked, or the step's ``n`` samples split as evenly as
+    possible, the first ``n % microbatches`` microbatches one larger."""
     if microbatches < 1:
         raise ValueError(f"microbatches must be >= 1, got {microbatches}")
-    n = len(samples)
     if sizes is None:
         if n < microbatches:
             raise ValueError(f"{n} samples cannot fill {microbatches} microbatches (one would be empty); pass "
                              f"sizes to allow empty microbatches")
-        sizes = [n // microbatches + (1 if j < n % microbatches else 0) for j in range(microbatches)]
-    else:
-        sizes = list(sizes)
-        if len(sizes) != microbatches or any(not isinstance(s, int) or s < 0 for s in sizes) or sum(sizes) != n:
-            raise ValueError(f"sizes must be {microbatches} non-negative ints summing to {n} (the samples given), "
-                             f"got {sizes}")
-    tower = _tower_fn(tower_of)
-    media = [_media(s, media_of, tower) for s in samples]
-    targets = _targets(media, sizes, calls)
+        return [n // microbatches + (1 if j < n % microbatches else 0) for j in range(microbatches)]
+    sizes = list(sizes)
+    if len(sizes) != microbatches or any(not isinstance(s, int) or s < 0 for s in sizes) or sum(sizes) != n:
+        raise ValueError(f"sizes must be {microbatches} non-negative ints summing to {n} (the samples given), "
+                         f"got {sizes}")
+    return sizes
 
+
+def _best_arrangement(media: Sequence[Dict[str, Dict[str, int]]], sizes: Sequence[int],
+                      targets: Dict[str, List[int]], calls: str) -> "_Arrangement":
+    """The placement of a step's samples (``media``: each one's tower -> kind -> items) closest to
+    the aim ``targets`` (see arrange_step).
+
+    Media samples are placed one at a time (those needing the most towers, then those of the rarest
+    kinds on this rank, then those with the most items, first), each where it brings the calls
+    closest to the aim (ties: the microbatch with the fewest items of those towers, then the fewest
+    samples, then the lowest index); text-only samples fill the room left; then two whole
+    microbatches of the same size, or two samples of different microbatches, are swapped while that
+    brings the calls strictly closer to the aim (a pair of non-negative integers, compared in order:
+    this ends). If that ends short of the aim, two other placement orders are tried and the closest
+    result kept (steps of at most _MAX_RETRY_SAMPLES samples).
+
+    Nothing is lost or duplicated: every sample index is placed exactly once, into a microbatch with
+    room left, and a swap exchanges two placed indices (or the contents of two microbatches of the
+    same size). Cost on a 2-core development machine: about 1 ms for 16 samples in 4 microbatches;
+    2-35 ms for 64-256 samples in 8-16 microbatches, but 40-200 ms with two towers under
+    ``per_kind``, where the aim is often out of reach."""
+    n = len(media)
     # Frequency on this rank of each (tower, kinds) signature: rare kinds are placed first.
     signature = [tuple(sorted((t, tuple(sorted(k))) for t, k in m.items())) for m in media]
     frequency: Dict[Hashable, int] = {}
@@ -298,11 +317,7 @@ def arrange_step(samples: Sequence[T], microbatches: int, media_of: MediaOf, cal
         if best.total() == (0, 0):
             break
     assert best is not None
-
-    out: List[List[T]] = [[] for _ in range(microbatches)]
-    for i in range(n):
-        out[best.where[i]].append(samples[i])
-    return out
+    return best
 
 
 class _Arrangement:

@@ -1,64 +1,33 @@
-"""The worker: one per trainer rank. Mirrors the C++ ``shardcoord::Worker``."""
+"""The worker: one per trainer rank. Mirrors the C++ ``shardcoord::Worker``.
+
+The values it takes and gives are the C++ types, bound (python/src/): ``ModuleSpec`` and
+``LayerUnit`` (the manifest), ``WorkerOptions`` and ``TlsOptions`` (what a worker connects with),
+``Decision``, ``ModuleDecision`` and ``GroupInfo`` (what the coordinator answers). They live in the
+native binding, so this module looks them up on first use (``__getattr__`` below) rather than at
+import: ``import shardcoord`` loads no native code (_native.py says why).
+"""
+
+from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, Optional, Sequence, Tuple
 
 from ._native import native
 from .errors import InvalidArgument
 
+if TYPE_CHECKING:  # pragma: no cover
+    from ._shardcoord import Decision, GroupInfo, ModuleSpec, WorkerOptions
+
 ADDRESS_ENV = "SHARDCOORD_ADDR"
 
-
-@dataclass(frozen=True)
-class LayerUnit:
-    """One layer unit of a controlled module: ``name`` relative to the module ("" = the whole module)."""
-
-    name: str
-    param_bytes: int
+# The binding's value types, by the names the package exports.
+BOUND_TYPES = ("Decision", "GroupInfo", "LayerUnit", "ModuleDecision", "ModuleSpec", "TlsOptions", "WorkerOptions")
 
 
-@dataclass(frozen=True)
-class ModuleSpec:
-    """A controlled (fully frozen multimodal) module, as registered with the coordinator."""
-
-    name: str
-    param_bytes: int
-    units: Tuple[LayerUnit, ...] = ()
-    outside_inner_root: bool = False
-
-
-@dataclass(frozen=True)
-class ModuleDecision:
-    decision: str  # "per_layer", "skip", "root" or "replicate"
-    reason: str    # "uniform", "all_skip", "divergent", "static_policy", "sticky_replicate", "promoted"
-
-
-@dataclass(frozen=True)
-class Decision:
-    """The group's decision for one microbatch: identical on every rank of the group."""
-
-    group: int
-    step: int
-    microbatch: int
-    epoch: int
-    seq: int
-    digest: int
-    modules: Dict[str, ModuleDecision] = field(default_factory=dict)
-
-    def __getitem__(self, module: str) -> ModuleDecision:
-        return self.modules[module]
-
-
-@dataclass(frozen=True)
-class GroupInfo:
-    group: int
-    ranks: List[int]
-    epoch: int
-    policy: str
-    fallback: str
-    lookahead: int
-    warnings: List[str]
+def __getattr__(name: str):
+    if name in BOUND_TYPES:
+        return getattr(native(), name)
+    raise AttributeError(f"module 'shardcoord.worker' has no attribute '{name}'")
 
 
 # Where a launcher puts a task's rank and the number of tasks: torchrun first (torchrun inside an
@@ -112,6 +81,7 @@ class Worker:
     ``tls_server_name`` the name its certificate carries when it is not the host dialled.
     Use as a context manager, or call ``close()`` (a clean leave). Thread-safe: a data-loader thread
     may report plans while the training loop waits for decisions (waits release the GIL).
+    :meth:`from_options` connects with a ``shardcoord.WorkerOptions`` instead (the C++ fields).
     """
 
     def __init__(self, job_id: str, modules: Sequence[ModuleSpec], group_size: int, *, rank: Optional[int] = None,
@@ -120,20 +90,30 @@ class Worker:
                  memory_budget_bytes: int = 0, connect_timeout: float = 30.0, reconnect_window: float = 30.0,
                  token: str = "", tls_ca: str = "", tls_cert: str = "", tls_key: str = "",
                  tls_server_name: str = ""):
-        rank, world_size, self.launcher = launcher_rank(rank, world_size)
-        address = address if address is not None else os.environ.get(ADDRESS_ENV, "")
-        native_modules = []
-        for m in modules:
-            if not isinstance(m, ModuleSpec):
-                raise InvalidArgument(f"modules must be shardcoord.ModuleSpec, got {type(m).__name__}")
-            native_modules.append((m.name, int(m.param_bytes), [(u.name, int(u.param_bytes)) for u in m.units],
-                                   bool(m.outside_inner_root)))
-        self._native = native().connect(address, job_id, rank, world_size, group_size, native_modules, policy,
-                                           fallback, wrap_outer_model, lookahead, memory_budget_bytes,
-                                           float(connect_timeout), float(reconnect_window), token,
-                                           (tls_ca, tls_cert, tls_key, tls_server_name))
-        self.rank = rank
-        self.world_size = world_size
+        rank, world_size, launcher = launcher_rank(rank, world_size)
+        bound = native()
+        tls = bound.TlsOptions(ca_file=tls_ca, cert_file=tls_cert, key_file=tls_key, server_name=tls_server_name)
+        options = bound.WorkerOptions(
+            coordinator_address=address if address is not None else os.environ.get(ADDRESS_ENV, ""), job_id=job_id,
+            rank=rank, world_size=world_size, group_size=group_size, modules=modules, policy=policy,
+            fallback=fallback, wrap_outer_model=wrap_outer_model, lookahead=lookahead,
+            memory_budget_bytes=memory_budget_bytes, connect_timeout=connect_timeout,
+            reconnect_window=reconnect_window, token=token, tls=tls)
+        self._connect(options, launcher)
+
+    @classmethod
+    def from_options(cls, options: WorkerOptions) -> "Worker":
+        """Connects with a ``shardcoord.WorkerOptions`` built beforehand (the C++ WorkerOptions'
+        fields, checked as they are set): its rank and world size as given, no launcher's."""
+        worker = cls.__new__(cls)
+        worker._connect(options, "options")
+        return worker
+
+    def _connect(self, options: WorkerOptions, launcher: str) -> None:
+        self._native = native().connect(options)
+        self.launcher = launcher
+        self.rank = options.rank
+        self.world_size = options.world_size
         self.closed = False
 
     def report_plan(self, step: int, microbatch: int, calls: Dict[str, int]) -> None:
@@ -143,9 +123,7 @@ class Worker:
 
     def get_decision(self, step: int, microbatch: int, timeout: float = 30.0) -> Decision:
         """The group's decision for the microbatch, waiting at most ``timeout`` seconds."""
-        d = self._native.get_decision(step, microbatch, float(timeout))
-        return Decision(d["group"], d["step"], d["microbatch"], d["epoch"], d["seq"], d["digest"],
-                        {name: ModuleDecision(*md) for name, md in d["modules"].items()})
+        return self._native.get_decision(step, microbatch, float(timeout))
 
     def report_memory(self, usage: Sequence[Tuple[str, int, int, int]]) -> None:
         """(module, resident_bytes, peak_bytes, gathered_bytes) per controlled module; shown by shardctl."""
@@ -171,7 +149,7 @@ class Worker:
 
     @property
     def group(self) -> GroupInfo:
-        return GroupInfo(**self._native.group())
+        return self._native.group()
 
     def close(self, timeout: float = 10.0, reason: Optional[str] = None) -> None:
         """Says goodbye (the rank becomes LEFT, not dead), waiting at most ``timeout`` seconds for the

@@ -1,34 +1,31 @@
 // _shardcoord: the Python binding of the worker library (pybind11). The Python package
 // `shardcoord` (python/shardcoord/) wraps it in Python idiom; import that, not this.
 //
+// The types Python code builds and receives are bound C++ types: the manifest (manifest.cc),
+// the options a worker connects with (options.cc), decisions and the group (answers.cc); so
+// `connect` takes one WorkerOptions and a decision arrives converted once. This file: the
+// module, the worker, errors.
+//
 // Blocking calls (connect, get_decision, await_group_ready, close) release the GIL while
 // they wait, so a data-loader thread can keep reporting plans. Errors become
 // shardcoord.Error subclasses chosen by the status code (see python/shardcoord/errors.py),
 // carrying the coordinator's message.
-#include <pybind11/chrono.h>
-#include <pybind11/pybind11.h>
-#include <pybind11/stl.h>
-
 #include <cmath>
 #include <map>
 #include <memory>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
-#include "absl/status/status.h"
-#include "absl/time/time.h"
+#include "common.h"
 #include "shardcoord/classify.h"
-#include "shardcoord/types.h"
 #include "shardcoord/version.h"
 #include "shardcoord/worker.h"
 
-namespace py = pybind11;
+namespace shardcoord::python {
 
-namespace shardcoord {
-namespace {
-
-// Raises the Python exception for `status` (set up by the package: errors.raise_for_code).
-[[noreturn]] void Raise(const absl::Status& status) {
+void Raise(const absl::Status& status) {
   py::gil_scoped_acquire gil;
   py::object raise = py::module_::import("shardcoord.errors").attr("raise_for_code");
   raise(static_cast<int>(status.code()), std::string(status.message()));
@@ -46,28 +43,42 @@ absl::Duration Seconds(double s, const char* what) {
   return absl::Seconds(s);
 }
 
+namespace {
+
 template <typename T, typename P>
-T ParseOr(const std::string& name, P parse, const char* what, const char* choices) {
+T FromName(const std::string& name, P parse, const char* unspecified, const char* what, const char* choices) {
+  if (name.empty() || name == unspecified) return T::kUnspecified;
   auto v = parse(name);
   if (!v) Raise(absl::InvalidArgumentError(std::string("unknown ") + what + " '" + name + "'; use " + choices));
   return *v;
 }
 
-py::dict DecisionToDict(const MicrobatchDecision& d) {
-  py::dict modules;
-  for (const auto& m : d.modules) {
-    modules[py::str(m.module)] = py::make_tuple(DecisionName(m.decision), DecisionReasonName(m.reason));
-  }
-  py::dict out;
-  out["group"] = d.group;
-  out["step"] = d.key.step;
-  out["microbatch"] = d.key.microbatch;
-  out["epoch"] = d.epoch;
-  out["seq"] = d.seq;
-  out["digest"] = d.digest;
-  out["modules"] = modules;
-  return out;
+}  // namespace
+
+Policy PolicyFromName(const std::string& name) {
+  return FromName<Policy>(name, ParsePolicy, PolicyName(Policy::kUnspecified), "policy",
+                          "auto, per_layer, root or replicate");
 }
+
+Fallback FallbackFromName(const std::string& name) {
+  return FromName<Fallback>(name, ParseFallback, FallbackName(Fallback::kUnspecified), "fallback",
+                            "root or replicate");
+}
+
+std::string TypeName(const py::handle& obj) {
+  return py::str(py::type::of(obj).attr("__name__")).cast<std::string>();
+}
+
+std::string ReprOf(const py::handle& self, const std::vector<const char*>& names, const py::tuple& values) {
+  std::string out = TypeName(self) + "(";
+  for (size_t i = 0; i < names.size(); ++i) {
+    if (i > 0) out += ", ";
+    out += std::string(names[i]) + "=" + py::repr(values[i]).cast<std::string>();
+  }
+  return out + ")";
+}
+
+namespace {
 
 // The native worker. Thread-safe, as the C++ Worker.
 class PyWorker {
@@ -94,7 +105,7 @@ class PyWorker {
     Check(s);
   }
 
-  py::dict GetDecision(int64_t step, int64_t microbatch, double timeout_s) {
+  PyDecision GetDecision(int64_t step, int64_t microbatch, double timeout_s) {
     if (microbatch < 0 || microbatch > INT32_MAX) {
       Raise(absl::InvalidArgumentError("microbatch " + std::to_string(microbatch) + " must be in 0..2147483647"));
     }
@@ -105,7 +116,7 @@ class PyWorker {
       d = worker().GetDecision({step, static_cast<int32_t>(microbatch)}, timeout);
     }
     Check(d.status());
-    return DecisionToDict(*d);
+    return ToPython(*d);
   }
 
   void ReportMemory(const std::vector<std::tuple<std::string, int64_t, int64_t, int64_t>>& usage) {
@@ -128,18 +139,7 @@ class PyWorker {
     Check(s);
   }
 
-  py::dict Group() const {
-    const GroupInfo g = worker().group();
-    py::dict out;
-    out["group"] = g.group;
-    out["ranks"] = g.ranks;
-    out["epoch"] = g.epoch;
-    out["policy"] = PolicyName(g.policy);
-    out["fallback"] = FallbackName(g.fallback);
-    out["lookahead"] = g.lookahead;
-    out["warnings"] = g.warnings;
-    return out;
-  }
+  GroupInfo Group() const { return worker().group(); }
 
   void Close(double timeout_s, const std::string& reason) {
     const absl::Duration timeout = Seconds(timeout_s, "timeout");
@@ -160,41 +160,11 @@ class PyWorker {
   std::unique_ptr<Worker> w_;
 };
 
-PyWorker Connect(const std::string& address, const std::string& job_id, int rank, int world_size, int group_size,
-                 const std::vector<std::tuple<std::string, int64_t, std::vector<std::pair<std::string, int64_t>>,
-                                              bool>>& modules,
-                 const std::string& policy, const std::string& fallback, bool wrap_outer_model, int lookahead,
-                 int64_t memory_budget_bytes, double connect_timeout_s, double reconnect_window_s,
-                 const std::string& token, const std::tuple<std::string, std::string, std::string, std::string>& tls) {
-  WorkerOptions o;
-  o.coordinator_address = address;
-  o.job_id = job_id;
-  o.rank = rank;
-  o.world_size = world_size;
-  o.group_size = group_size;
-  for (const auto& [name, bytes, units, outside] : modules) {
-    ModuleSpec spec{name, bytes, {}, outside};
-    for (const auto& [unit, unit_bytes] : units) spec.units.push_back({unit, unit_bytes});
-    o.modules.push_back(std::move(spec));
-  }
-  o.policy = policy.empty() ? Policy::kUnspecified
-                            : ParseOr<Policy>(policy, ParsePolicy, "policy", "auto, per_layer, root or replicate");
-  o.fallback = fallback.empty() ? Fallback::kUnspecified
-                                : ParseOr<Fallback>(fallback, ParseFallback, "fallback", "root or replicate");
-  o.wrap_outer_model = wrap_outer_model;
-  if (lookahead < 0) Raise(absl::InvalidArgumentError("lookahead must be >= 0 (0: the default, 4)"));
-  o.lookahead = lookahead;
-  if (memory_budget_bytes < 0) Raise(absl::InvalidArgumentError("memory_budget_bytes must be >= 0"));
-  o.memory_budget_bytes = memory_budget_bytes;
-  o.connect_timeout = Seconds(connect_timeout_s, "connect_timeout");
-  o.reconnect_window = Seconds(reconnect_window_s, "reconnect_window");  // 0: no reconnect.
-  o.token = token;  // Empty: $SHARDCOORD_TOKEN or $SHARDCOORD_TOKEN_FILE.
-  // Empty fields: $SHARDCOORD_TLS_CA, _CERT, _KEY, _SERVER_NAME.
-  std::tie(o.tls.ca_file, o.tls.cert_file, o.tls.key_file, o.tls.server_name) = tls;
+PyWorker Connect(WorkerOptions options) {  // Its fields were checked as they were set.
   absl::StatusOr<std::unique_ptr<Worker>> w;
   {
     py::gil_scoped_release nogil;
-    w = Worker::Connect(std::move(o));
+    w = Worker::Connect(std::move(options));
   }
   Check(w.status());
   return PyWorker(std::move(*w));
@@ -213,13 +183,7 @@ std::vector<std::tuple<std::string, std::string, bool>> Classify(
   return out;
 }
 
-}  // namespace
-}  // namespace shardcoord
-
-PYBIND11_MODULE(_shardcoord, m) {
-  using namespace shardcoord;
-  m.doc() = "Native part of the shardcoord package; use `import shardcoord`.";
-  m.attr("__version__") = shardcoord::kVersion;
+void BindWorker(py::module_& m) {
   py::class_<PyWorker>(m, "NativeWorker")
       .def("report_plan", &PyWorker::ReportPlan, py::arg("step"), py::arg("microbatch"), py::arg("calls"))
       .def("get_decision", &PyWorker::GetDecision, py::arg("step"), py::arg("microbatch"), py::arg("timeout"))
@@ -230,14 +194,24 @@ PYBIND11_MODULE(_shardcoord, m) {
       .def("await_group_ready", &PyWorker::AwaitGroupReady, py::arg("timeout"))
       .def("group", &PyWorker::Group)
       .def("close", &PyWorker::Close, py::arg("timeout"), py::arg("reason") = "");
-  m.def("connect", &Connect, py::arg("address"), py::arg("job_id"), py::arg("rank"), py::arg("world_size"),
-        py::arg("group_size"), py::arg("modules"), py::arg("policy"), py::arg("fallback"),
-        py::arg("wrap_outer_model"), py::arg("lookahead"), py::arg("memory_budget_bytes"),
-        py::arg("connect_timeout"), py::arg("reconnect_window"), py::arg("token"),
-        py::arg("tls"));
+  m.def("connect", &Connect, py::arg("options"),
+        "Connects and registers within options.connect_timeout (the GIL released meanwhile).");
+}
+
+}  // namespace
+}  // namespace shardcoord::python
+
+PYBIND11_MODULE(_shardcoord, m) {
+  using namespace shardcoord::python;
+  m.doc() = "Native part of the shardcoord package; use `import shardcoord`.";
+  m.attr("__version__") = shardcoord::kVersion;
+  BindManifest(m);
+  BindOptions(m);
+  BindAnswers(m);
+  BindWorker(m);
   m.def("classify", &Classify, py::arg("nodes"), py::arg("extra_towers"), py::arg("extra_projectors"),
         "Classifies (path, num_params, num_trainable) nodes with the contract's rules: "
         "[(path, 'tower'|'projector', fully_frozen)].");
-  m.def("builtin_tower_names", &BuiltinTowerNames);
-  m.def("builtin_projector_names", &BuiltinProjectorNames);
+  m.def("builtin_tower_names", &shardcoord::BuiltinTowerNames);
+  m.def("builtin_projector_names", &shardcoord::BuiltinProjectorNames);
 }

@@ -1,6 +1,8 @@
 """The Python binding against a real shardcoordd: decisions, typed errors, bad input, no hangs."""
 
+import copy
 import os
+import pickle
 import subprocess
 import threading
 import time
@@ -250,6 +252,68 @@ def test_classify_is_the_contracts_classifier():
     assert shardcoord.classify([("enc", 1, 0)], extra_towers=["enc"]) == [("enc", "tower", True)]
 
 
+def test_the_manifest_and_decisions_are_values():
+    """The bound types compare, hash, print and pickle as the frozen dataclasses they replaced did."""
+    spec = MODULES[0]
+    assert spec.units == (shardcoord.LayerUnit("blocks.0", 2048), shardcoord.LayerUnit("blocks.1", 2048))
+    assert spec == shardcoord.ModuleSpec("model.visual", 4096, list(spec.units)) != MODULES[1]
+    assert len({spec, copy.deepcopy(spec), MODULES[1]}) == 2
+    assert pickle.loads(pickle.dumps(MODULES)) == MODULES
+    assert repr(MODULES[1]) == ("ModuleSpec(name='model.audio_tower', param_bytes=1024, units=(), "
+                                "outside_inner_root=False)")
+    with pytest.raises(AttributeError):
+        spec.name = "model.audio"
+    with pytest.raises(shardcoord.InvalidArgument, match="units must be shardcoord.LayerUnit, got tuple"):
+        shardcoord.ModuleSpec("model.visual", 8, [("blocks.0", 8)])
+
+    d = shardcoord.Decision(0, 3, 1, 2, 7, 99, {"model.visual": shardcoord.ModuleDecision("root", "divergent")})
+    assert d["model.visual"] == shardcoord.ModuleDecision("root", "divergent") != shardcoord.ModuleDecision("root", "")
+    assert d.modules is d.modules, "converted once, not at every access"
+    assert pickle.loads(pickle.dumps(d)) == d != shardcoord.Decision(0, 3, 1, 2, 8, 99, d.modules)
+    assert repr(d).startswith("Decision(group=0, step=3, microbatch=1, epoch=2, seq=7, digest=99, modules={")
+    with pytest.raises(TypeError):
+        hash(d)  # It holds a dict, as the dataclass did.
+    with pytest.raises(shardcoord.InvalidArgument, match="map module names to shardcoord.ModuleDecision"):
+        shardcoord.Decision(0, 0, 0, 0, 0, 0, {"model.visual": "root"})
+    g = shardcoord.GroupInfo(0, [0, 1], 3, "auto", "root", 4, [])
+    assert (g.ranks, g.policy, g.fallback) == ([0, 1], "auto", "root") and copy.copy(g) == g
+
+
+def test_worker_options_are_built_with_keywords_and_checked_as_they_are_set():
+    o = shardcoord.WorkerOptions(job_id="job", rank=1, world_size=2, group_size=2, modules=MODULES, policy="auto",
+                                 token="rank-secret", tls=shardcoord.TlsOptions(ca_file="/ca.pem"))
+    assert (o.job_id, o.rank, o.modules, o.policy, o.fallback) == ("job", 1, MODULES, "auto", "")
+    assert (o.connect_timeout, o.reconnect_window, o.lookahead, o.wrap_outer_model) == (30.0, 30.0, 0, True)
+    o.tls.server_name = "coordinator"
+    assert (o.tls.ca_file, o.tls.server_name) == ("/ca.pem", "coordinator")
+    assert "rank-secret" not in repr(o) and "token='***'" in repr(o)
+    for bad, match in ((dict(policy="fastest"), "unknown policy 'fastest'"), (dict(fallback="skip"), "fallback"),
+                       (dict(reconnect_window=-1), "reconnect_window"), (dict(lookahead=-1), "lookahead"),
+                       (dict(memory_budget_bytes=-1), "memory_budget_bytes"),
+                       (dict(modules=[("model.visual", 8)]), "modules must be shardcoord.ModuleSpec, got tuple")):
+        with pytest.raises(shardcoord.InvalidArgument, match=match):
+            shardcoord.WorkerOptions(**bad)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'adress'"):
+        shardcoord.WorkerOptions(adress="127.0.0.1:1")
+    with pytest.raises(TypeError):
+        shardcoord.WorkerOptions("job")  # Keywords only.
+
+
+def test_a_worker_connects_with_options_built_beforehand(daemon):
+    def options(rank):
+        return shardcoord.WorkerOptions(coordinator_address=daemon.address, job_id="job", rank=rank, world_size=2,
+                                        group_size=2, modules=MODULES, fallback="replicate", connect_timeout=10)
+
+    with shardcoord.Worker.from_options(options(0)) as w0, shardcoord.Worker.from_options(options(1)) as w1:
+        assert (w1.rank, w1.world_size, w1.launcher) == (1, 2, "options")
+        assert isinstance(w0.group, shardcoord.GroupInfo) and w0.group.fallback == "replicate"
+        w0.report_plan(0, 0, {"model.visual": 1})
+        w1.report_plan(0, 0, {"model.visual": 0})
+        d = w0.get_decision(0, 0, timeout=30)
+        assert isinstance(d, shardcoord.Decision) and d == w1.get_decision(0, 0, timeout=30)
+        assert d["model.visual"] == shardcoord.ModuleDecision("replicate", "divergent")
+
+
 def _openssl(*args):
     subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=30)
 
@@ -265,7 +329,7 @@ def test_a_worker_reaches_a_tls_daemon_with_its_ca_and_a_token(tmp_path):
     tokens = tmp_path / "tokens"
     tokens.write_text("rank rank-token-0123456789abcdef\n")
     os.chmod(tokens, 0o600)
-    d = Daemon(tmp_path, "--tls-cert", cert, "--tls-key", key, "--token-file", str(tokens))
+    d = Daemon(tmp_path, "--tls-cert-file", cert, "--tls-key-file", key, "--token-file", str(tokens))
     try:
         with pytest.raises(shardcoord.Unavailable, match="If it serves TLS, give the CA file"):
             connect(d, 0, connect_timeout=2, token="rank-token-0123456789abcdef")

@@ -182,6 +182,7 @@ def test_import_shardcoord_and_its_torch_module_without_torch():
 def test_import_shardcoord_loads_no_native_code_until_first_use():
     """Imports at the top of a script must not load gRPC, protobuf, ... before torch (python/shardcoord/_native.py)."""
     code = ("import sys, shardcoord, shardcoord.torch, shardcoord.hf, shardcoord.sampler\n"
+            "from shardcoord.torch import *  # Every public name of its modules.\n"
             "assert 'shardcoord._shardcoord' not in sys.modules, 'loaded at import'\n"
             "assert shardcoord.__version__\n"
             "assert 'shardcoord._shardcoord' not in sys.modules, 'loaded for __version__'\n"
