@@ -186,19 +186,18 @@ bool ApplyFlags(const Flags& f, CoordinatorOptions& options) {
   return true;
 }
 
-// Serves until SIGTERM or SIGINT. Exit codes: 0 stopped, 1 cannot write the address file,
-// 2 cannot listen.
-int Serve(CoordinatorOptions options, const std::string& http_address_file) {
-  RouteProtobufLogs();
-  RaiseFileLimit();
-  options.incarnation = shardcoord::coordinator::NextIncarnation(options.state_file, absl::Now());
-  // The resume key (resume_auth.h): from <state file>.key, else the token file, else none.
+// Takes the resume key (resume_auth.h) into `options`: from <state file>.key, else the token
+// file, else none (said as info on loopback, as a warning elsewhere). False: the key file is
+// unusable (said on stderr).
+bool TakeResumeKey(CoordinatorOptions& options) {
   auto resume_key = shardcoord::coordinator::LoadResumeKey(options.state_file, options.token_file);
   if (resume_key.ok()) {
     options.resume_key = resume_key->key;
     shardcoord::logging::Get("coordinator")->info("resume key from {}: resumes after a restart are verified",
                                                   resume_key->source);
-  } else if (absl::IsNotFound(resume_key.status()) && options.token_file.empty()) {
+    return true;
+  }
+  if (absl::IsNotFound(resume_key.status()) && options.token_file.empty()) {
     // Fine on a trusted loopback (the demo, the tests): said, not warned, so that a clean run
     // logs no warning; off loopback a forged resume could hand a group decisions nobody made.
     shardcoord::logging::Get("coordinator")
@@ -206,10 +205,47 @@ int Serve(CoordinatorOptions options, const std::string& http_address_file) {
                                                                                  : spdlog::level::warn,
               "no --state-file or --token-file: resumes after a restart of this daemon cannot be verified and are "
               "taken as sent (fine on a trusted loopback; set --state-file to keep a resume key)");
-  } else {
-    std::cerr << "shardcoordd: " << resume_key.status().message() << std::endl;
-    return 2;
+    return true;
   }
+  std::cerr << "shardcoordd: " << resume_key.status().message() << std::endl;
+  return false;
+}
+
+// Serving beyond loopback without tokens or TLS (only with --insecure): one warning each.
+void WarnIfInsecure(const CoordinatorOptions& options) {
+  if (shardcoord::coordinator::IsLoopbackAddress(options.listen_address)) return;
+  auto log = shardcoord::logging::Get("coordinator");
+  if (options.token_file.empty()) {
+    log->warn("INSECURE: serving {} without tokens (--insecure): anyone who reaches this port can register, "
+              "act for and read every rank; give --token-file instead", options.listen_address);
+  }
+  if (!options.tls.enabled()) {
+    log->warn("INSECURE: serving {} without TLS (--insecure): tokens, plans and rendezvous data travel in "
+              "clear text; give --tls-cert-file and --tls-key-file", options.listen_address);
+  }
+}
+
+// Writes the address files asked for; false (said on stderr) when one cannot be written.
+bool WriteAddressFiles(const CoordinatorOptions& options, const std::string& http_address_file,
+                       const shardcoord::coordinator::CoordinatorServer& server) {
+  if (!http_address_file.empty() && !WriteAddressFile(http_address_file, server.http_address())) {
+    std::cerr << "shardcoordd: cannot write --http-address-file " << http_address_file << "\n";
+    return false;
+  }
+  if (!options.address_file.empty() && !WriteAddressFile(options.address_file, server.address())) {
+    std::cerr << "shardcoordd: cannot write --address-file " << options.address_file << "\n";
+    return false;
+  }
+  return true;
+}
+
+// Serves until SIGTERM or SIGINT. Exit codes: 0 stopped, 1 cannot write the address file,
+// 2 cannot listen.
+int Serve(CoordinatorOptions options, const std::string& http_address_file) {
+  RouteProtobufLogs();
+  RaiseFileLimit();
+  options.incarnation = shardcoord::coordinator::NextIncarnation(options.state_file, absl::Now());
+  if (!TakeResumeKey(options)) return 2;
 
   // Abseil's deadlock detector (on in Debian's build) costs a graph update per lock.
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
@@ -231,26 +267,9 @@ int Serve(CoordinatorOptions options, const std::string& http_address_file) {
     std::cerr << "shardcoordd: " << server.status().message() << "\n";
     return 2;
   }
+  WarnIfInsecure(options);
+  if (!WriteAddressFiles(options, http_address_file, **server)) return 1;
   auto log = shardcoord::logging::Get("coordinator");
-  if (!shardcoord::coordinator::IsLoopbackAddress(options.listen_address)) {
-    if (options.token_file.empty()) {
-      log->warn("INSECURE: serving {} without tokens (--insecure): anyone who reaches this port can register, "
-                "act for and read every rank; give --token-file instead", options.listen_address);
-    }
-    if (!options.tls.enabled()) {
-      log->warn("INSECURE: serving {} without TLS (--insecure): tokens, plans and rendezvous data travel in "
-                "clear text; give --tls-cert-file and --tls-key-file", options.listen_address);
-    }
-  }
-  if (!http_address_file.empty() && !WriteAddressFile(http_address_file, (*server)->http_address())) {
-    std::cerr << "shardcoordd: cannot write --http-address-file " << http_address_file << "\n";
-    return 1;
-  }
-  if (!options.address_file.empty() &&
-      !WriteAddressFile(options.address_file, (*server)->address())) {
-    std::cerr << "shardcoordd: cannot write --address-file " << options.address_file << "\n";
-    return 1;
-  }
   log->info("ready address={} default_policy={} default_fallback={} heartbeat_interval_ms={} "
             "heartbeat_timeout_ms={} plan_timeout_ms={} max_lookahead={} incarnation={}",
             (*server)->address(), shardcoord::PolicyName(options.default_policy),
