@@ -10,6 +10,15 @@
 // - decision latency per (group, microbatch): from the moment the group's LAST plan for
 //   it was handed to gRPC to the moment the LAST member received the decision; p50/p99.
 //
+// --comms world|group: each rank, once registered, also opens a communicator ("world": every
+// rank of the job; "group": its shard group's, "group/<g>") as a trainer does (CommJoin with
+// the session key, then CommReport KIND_READY; no store rendezvous: there is no transport to
+// connect), and from the start of the run sends a heartbeat every heartbeat interval (the
+// coordinator's, or --heartbeat-ms) carrying the communicator's progress (CommProgress: two
+// collectives issued and completed per decided microbatch, so increasing), in the same
+// bundle as any plans it has queued. The joins are bounded (--comm-timeout-s); a rank whose
+// join or report fails counts as a failure. Heartbeats without communicators: --heartbeat-ms.
+//
 //   decision_load --ranks 8,64,512,4096 --group-size 8 --microbatches 200
 #include <grpcpp/grpcpp.h>
 #include <sys/mman.h>
@@ -50,6 +59,12 @@ struct Board {
   std::atomic<int64_t> plans_sent{0};
   std::atomic<int64_t> start_ns{0};  // Set once every rank of every process registered.
   std::atomic<int> cancelled{0};     // The run passed its deadline.
+  // --comms: ranks whose communicator is ready (joined and reported), or failed to be.
+  std::atomic<int> comm_ready{0};
+  std::atomic<int> comm_failed{0};
+  std::atomic<int64_t> comm_epoch{0};      // The epoch a rank joined (the highest).
+  std::atomic<int> heartbeat_interval_ms{0};  // As the coordinator told the first rank.
+  std::atomic<int64_t> heartbeats{0};      // Heartbeats queued (with progress under --comms).
 };
 
 struct Shared {
@@ -62,6 +77,9 @@ struct Shared {
   double rate = 0;
   int channels = 8;
   std::string job;
+  std::string comms;     // "", "world" or "group".
+  int comm_timeout_s = 120;
+  int heartbeat_ms = 0;  // 0: the coordinator's interval (with --comms), else no heartbeats.
   Board* board = nullptr;
   // [group * microbatches + mb]: latest plan send time and latest decision receive time.
   std::atomic<int64_t>* last_send = nullptr;
@@ -77,7 +95,8 @@ struct Shared {
 // One simulated rank: a Session stream driven by callbacks, never blocking.
 class SimRank final : public grpc::ClientBidiReactor<v1::WorkerMessage, v1::CoordinatorMessage> {
  public:
-  SimRank(v1::Coordinator::Stub* stub, Shared* shared, int rank) : shared_(shared), rank_(rank) {
+  SimRank(v1::Coordinator::Stub* stub, Shared* shared, int rank, std::atomic<int>* unary_in_flight)
+      : shared_(shared), rank_(rank), stub_(stub), unary_in_flight_(unary_in_flight) {
     group_ = rank / shared->group_size;
     stub->async()->Session(&ctx_, this);
     v1::WorkerMessage reg;
@@ -117,7 +136,11 @@ class SimRank final : public grpc::ClientBidiReactor<v1::WorkerMessage, v1::Coor
   void OnReadDone(bool ok) override {
     if (!ok) return;
     if (in_.has_registered()) {
+      int expected = 0;
+      shared_->board->heartbeat_interval_ms.compare_exchange_strong(expected, in_.registered().heartbeat_interval_ms());
+      session_key_ = in_.registered().session_key();
       shared_->board->registered.fetch_add(1);
+      if (!shared_->comms.empty()) JoinComm();
     } else if (in_.has_decisions()) {
       const int64_t now = NowNs();
       std::lock_guard<std::mutex> lock(plan_mu_);
@@ -148,16 +171,91 @@ class SimRank final : public grpc::ClientBidiReactor<v1::WorkerMessage, v1::Coor
   void OnWriteDone(bool ok) override {
     std::lock_guard<std::mutex> lock(mu_);
     writing_ = false;
-    if (!ok) return;
+    if (!ok) {
+      closed_ = true;
+      return;
+    }
     StartNextWriteLocked();
   }
 
   void OnDone(const grpc::Status& s) override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      closed_ = true;
+    }
     if (received_ != shared_->microbatches) shared_->board->failed.fetch_add(1);
     shared_->board->finished.fetch_add(1);
   }
 
+  // A heartbeat, with the communicator's progress once it is ready, queued like a plan (and
+  // so written in the same bundle as any plans queued with it).
+  void Heartbeat() {
+    v1::WorkerMessage m;
+    auto* hb = m.mutable_bundle()->mutable_heartbeat();
+    hb->set_sent_unix_ms(absl::ToUnixMillis(absl::Now()));
+    if (comm_ready_.load(std::memory_order_acquire)) {
+      int64_t decided;
+      {
+        std::lock_guard<std::mutex> lock(plan_mu_);
+        decided = received_;
+      }
+      auto* p = hb->add_comms();
+      p->set_name(comm_name_);
+      p->set_epoch(comm_epoch_);
+      p->set_issued(2 * decided);
+      p->set_completed(2 * decided);
+    }
+    if (Enqueue(std::move(m))) shared_->board->heartbeats.fetch_add(1, std::memory_order_relaxed);
+  }
+
  private:
+  // --comms: CommJoin, then CommReport KIND_READY; each a callback call with a deadline.
+  void JoinComm() {
+    comm_name_ = shared_->comms == "world" ? "world" : absl::StrCat("group/", group_);
+    join_req_.set_job_id(shared_->job);
+    join_req_.set_rank(rank_);
+    join_req_.set_name(comm_name_);
+    join_req_.set_timeout_ms(shared_->comm_timeout_s * 1000);
+    join_req_.set_session_key(session_key_);
+    join_ctx_.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(shared_->comm_timeout_s + 5)));
+    unary_in_flight_->fetch_add(1);
+    stub_->async()->CommJoin(&join_ctx_, &join_req_, &join_resp_, [this](grpc::Status s) {
+      if (!s.ok()) {
+        CommFailed("CommJoin", s);
+      } else {
+        comm_epoch_ = join_resp_.epoch();
+        report_req_.set_job_id(shared_->job);
+        report_req_.set_rank(rank_);
+        report_req_.set_name(comm_name_);
+        report_req_.set_epoch(comm_epoch_);
+        report_req_.set_kind(v1::CommReportRequest::KIND_READY);
+        report_req_.set_session_key(session_key_);
+        report_ctx_.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
+        unary_in_flight_->fetch_add(1);
+        stub_->async()->CommReport(&report_ctx_, &report_req_, &report_resp_, [this](grpc::Status s) {
+          if (!s.ok()) {
+            CommFailed("CommReport", s);
+          } else {
+            int64_t seen = shared_->board->comm_epoch.load();
+            while (seen < comm_epoch_ && !shared_->board->comm_epoch.compare_exchange_weak(seen, comm_epoch_)) {
+            }
+            comm_ready_.store(true, std::memory_order_release);
+            shared_->board->comm_ready.fetch_add(1);
+          }
+          unary_in_flight_->fetch_sub(1);
+        });
+      }
+      unary_in_flight_->fetch_sub(1);
+    });
+  }
+
+  void CommFailed(const char* what, const grpc::Status& s) {
+    shared_->board->comm_failed.fetch_add(1);
+    if (shared_->board->failed.fetch_add(1) == 0) {
+      std::fprintf(stderr, "rank %d: %s %s: %s\n", rank_, what, comm_name_.c_str(), s.error_message().c_str());
+    }
+  }
+
   // Sends up to `batch` plans (paced: only released ones) in one message.
   void SendPlansLocked() {
     v1::WorkerMessage m;
@@ -181,23 +279,30 @@ class SimRank final : public grpc::ClientBidiReactor<v1::WorkerMessage, v1::Coor
   }
 
   // `slot` >= 0: record the send time of slots [slot, slot + n) when the write starts.
-  void Enqueue(v1::WorkerMessage m, int slot = -1, int n = 0) {
+  // False once the stream is closed for writes (after the goodbye, or a failed write).
+  bool Enqueue(v1::WorkerMessage m, int slot = -1, int n = 0) {
     std::lock_guard<std::mutex> lock(mu_);
+    if (closed_) return false;
     const bool goodbye = m.has_goodbye();
     queue_.push_back({std::move(m), slot, n, goodbye});
+    if (goodbye) closed_ = true;
     StartNextWriteLocked();
+    return true;
   }
 
   void StartNextWriteLocked() {
     if (writing_ || queue_.empty()) return;
     Pending p = std::move(queue_.front());
     queue_.pop_front();
-    // Coalesce queued plans into one message, as the worker library does.
+    // Coalesce queued plans (and the latest heartbeat) into one bundle, as the worker
+    // library does.
     const int64_t now = NowNs();
     while (p.msg.has_bundle() && !queue_.empty() && queue_.front().msg.has_bundle()) {
-      for (const auto& plan : queue_.front().msg.bundle().plans().plans()) {
+      const v1::WorkerBundle& next = queue_.front().msg.bundle();
+      for (const auto& plan : next.plans().plans()) {
         *p.msg.mutable_bundle()->mutable_plans()->add_plans() = plan;
       }
+      if (next.has_heartbeat()) *p.msg.mutable_bundle()->mutable_heartbeat() = next.heartbeat();
       for (int i = 0; i < queue_.front().n; ++i) shared_->AtomicMax(shared_->last_send[queue_.front().slot + i], now);
       queue_.pop_front();
     }
@@ -220,12 +325,25 @@ class SimRank final : public grpc::ClientBidiReactor<v1::WorkerMessage, v1::Coor
 
   Shared* const shared_;
   const int rank_;
+  v1::Coordinator::Stub* const stub_;
+  std::atomic<int>* const unary_in_flight_;  // The process's CommJoin/CommReport calls.
   int group_ = 0;
   grpc::ClientContext ctx_;
   v1::CoordinatorMessage in_;
+  std::string session_key_;
+  // --comms (written before comm_ready_ is set).
+  std::string comm_name_;
+  int64_t comm_epoch_ = 0;
+  std::atomic<bool> comm_ready_{false};
+  grpc::ClientContext join_ctx_, report_ctx_;
+  v1::CommJoinRequest join_req_;
+  v1::CommJoinResponse join_resp_;
+  v1::CommReportRequest report_req_;
+  v1::CommReportResponse report_resp_;
   std::mutex mu_;
   std::deque<Pending> queue_;
   bool writing_ = false;
+  bool closed_ = false;  // No more writes: goodbye queued, a write failed or the stream ended.
   v1::WorkerMessage current_;
   std::mutex plan_mu_;  // Guards the plan window below (read callbacks and the pacer).
   int next_plan_ = 0;
@@ -265,12 +383,13 @@ void Simulate(const std::string& address, Shared& shared, int part, int parts, a
           grpc::CreateCustomChannel(addresses[a], grpc::InsecureChannelCredentials(), args)));
     }
   }
+  std::atomic<int> unary_in_flight{0};
   std::vector<std::unique_ptr<SimRank>> ranks;
   for (int r = 0; r < shared.world; ++r) {
     const int group = r / shared.group_size;
     if (group % parts != part) continue;
     auto& mine = stubs[group % k];
-    ranks.push_back(std::make_unique<SimRank>(mine[ranks.size() % mine.size()].get(), &shared, r));
+    ranks.push_back(std::make_unique<SimRank>(mine[ranks.size() % mine.size()].get(), &shared, r, &unary_in_flight));
   }
   Board& board = *shared.board;
   while (board.start_ns.load() == 0 && !board.cancelled.load() && absl::Now() < deadline) {
@@ -278,6 +397,21 @@ void Simulate(const std::string& address, Shared& shared, int part, int parts, a
   }
   const absl::Time start = absl::FromUnixNanos(board.start_ns.load());
   absl::SleepFor(start - absl::Now());
+  // Heartbeats: every interval, each rank once, spread over the interval in 10 ms slices (trainers
+  // are not in step), until this process's ranks are done.
+  std::atomic<bool> ranks_done{false};
+  std::thread heartbeats;
+  const int interval_ms =
+      shared.heartbeat_ms > 0 ? shared.heartbeat_ms : (shared.comms.empty() ? 0 : board.heartbeat_interval_ms.load());
+  if (interval_ms > 0 && !board.cancelled.load()) {
+    heartbeats = std::thread([&] {
+      const int slices = std::max(1, interval_ms / 10);
+      for (int64_t tick = 0; !ranks_done.load() && !board.cancelled.load() && absl::Now() < deadline; ++tick) {
+        for (size_t i = tick % slices; i < ranks.size(); i += slices) ranks[i]->Heartbeat();
+        absl::SleepFor(start + absl::Milliseconds(10 * (tick + 1)) - absl::Now());
+      }
+    });
+  }
   for (auto& r : ranks) r->Go();
   if (shared.paced) {
     // Microbatch t of every rank becomes due at start + t / rate.
@@ -289,15 +423,24 @@ void Simulate(const std::string& address, Shared& shared, int part, int parts, a
   while (board.finished.load() < shared.world && !board.cancelled.load() && absl::Now() < deadline) {
     absl::SleepFor(absl::Milliseconds(2));
   }
-  if (board.finished.load() < shared.world) {
+  ranks_done.store(true);
+  if (heartbeats.joinable()) heartbeats.join();
+  // Communicator calls still in flight (a run that never started) hold their reactors too.
+  const absl::Time calls_deadline = std::min(deadline, absl::Now() + absl::Seconds(5));
+  while (unary_in_flight.load() > 0 && absl::Now() < calls_deadline) absl::SleepFor(absl::Milliseconds(2));
+  if (board.finished.load() < shared.world || unary_in_flight.load() > 0) {
     // Reactors are owned here: leak them rather than destroy them under live callbacks.
     for (auto& r : ranks) r.release();
   }
 }
 
 Result RunOnce(const std::string& address, int world, int group_size, int microbatches, int lookahead,
-               int batch, double rate, int channels, int procs, absl::Duration deadline) {
+               int batch, double rate, int channels, int procs, absl::Duration deadline, const std::string& comms,
+               int comm_timeout_s, int heartbeat_ms) {
   Shared shared;
+  shared.comms = comms;
+  shared.comm_timeout_s = comm_timeout_s;
+  shared.heartbeat_ms = heartbeat_ms;
   shared.world = world;
   shared.group_size = group_size;
   shared.microbatches = microbatches;
@@ -348,6 +491,17 @@ Result RunOnce(const std::string& address, int world, int group_size, int microb
   if (board.registered.load() < world) {
     std::fprintf(stderr, "only %d of %d ranks registered in time\n", board.registered.load(), world);
   }
+  if (!comms.empty()) {
+    // Every rank's communicator ready (or failed) before the run starts: each join waits for
+    // every member to be live, then each rank reports it connected.
+    const absl::Time registered = absl::Now();
+    while (board.comm_ready.load() + board.comm_failed.load() < world && absl::Now() < run_deadline) {
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    std::fprintf(stderr, "comms %s: %d of %d ranks ready (epoch %lld), %d failed, %.2f s after the last registration\n",
+                 comms.c_str(), board.comm_ready.load(), world, static_cast<long long>(board.comm_epoch.load()),
+                 board.comm_failed.load(), absl::ToDoubleSeconds(absl::Now() - registered));
+  }
   const absl::Time start = absl::Now() + absl::Milliseconds(20);
   board.start_ns.store(absl::ToUnixNanos(start));
   while (board.finished.load() < world && absl::Now() < run_deadline) absl::SleepFor(absl::Milliseconds(2));
@@ -358,6 +512,12 @@ Result RunOnce(const std::string& address, int world, int group_size, int microb
   }
   if (local.joinable()) local.join();
   for (pid_t pid : children) waitpid(pid, nullptr, 0);
+  if (board.heartbeats.load() > 0) {
+    std::fprintf(stderr, "heartbeats: %lld queued (%s), every %d ms per rank\n",
+                 static_cast<long long>(board.heartbeats.load()),
+                 comms.empty() ? "no communicator" : "with the communicator's progress once ready",
+                 heartbeat_ms > 0 ? heartbeat_ms : board.heartbeat_interval_ms.load());
+  }
 
   std::vector<double> lat;
   lat.reserve(groups * microbatches);
@@ -399,6 +559,8 @@ int main(int argc, char** argv) {
   std::string coordinator;
   int group_size = 8, microbatches = 200, lookahead = 4, batch = 1, channels = 8, deadline_s = 300, procs = 1;
   double rate = 0;
+  std::string comms;
+  int comm_timeout_s = 120, heartbeat_ms = 0;
   app.add_option("--ranks", ranks_arg, "comma-separated rank counts");
   app.add_option("--group-size", group_size, "shard group size");
   app.add_option("--microbatches", microbatches, "microbatches each rank plans");
@@ -414,6 +576,15 @@ int main(int argc, char** argv) {
                  "generator processes, each simulating a share of the groups over its share of --channels "
                  "(needs --coordinator)")
       ->check(CLI::Range(1, 256));
+  app.add_option("--comms", comms,
+                 "each rank opens a communicator once registered (world: every rank's; group: its shard group's) "
+                 "and heartbeats carry its progress")
+      ->check(CLI::IsMember({"world", "group"}));
+  app.add_option("--comm-timeout-s", comm_timeout_s, "how long a rank's CommJoin may wait for every member")
+      ->check(CLI::Range(1, 1800));
+  app.add_option("--heartbeat-ms", heartbeat_ms,
+                 "heartbeat interval (0: the coordinator's with --comms, no heartbeats without)")
+      ->check(CLI::Range(0, 60000));
   CLI11_PARSE(app, argc, argv);
   shardcoord::logging::SetLevel("warn");
   // Abseil's debug deadlock detector costs a graph update per lock; the daemon turns it off too.
@@ -458,8 +629,7 @@ int main(int argc, char** argv) {
       return 2;
     }
     Result r = RunOnce(address, world, group_size, microbatches, lookahead, batch, rate, std::min(channels, world),
-                       procs,
-                       absl::Seconds(deadline_s));
+                       procs, absl::Seconds(deadline_s), comms, comm_timeout_s, heartbeat_ms);
     std::printf("| %d | %d | %lld | %.2f | %.0f | %.0f | %.0f | %.0f | %d |", r.ranks, r.ranks / group_size,
                 static_cast<long long>(r.plans), r.seconds, r.plans_per_s, r.p50_us, r.p99_us, r.max_us,
                 r.failed);

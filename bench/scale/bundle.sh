@@ -4,6 +4,10 @@
 # .gpu-scale/ at the repository root, for bench/scale/run.sh on a many-core machine.
 #
 #   bench/scale/bundle.sh [BASELINE_COMMIT]     then carry .gpu-scale
+#
+# WITH_PERF=1 also packs this machine's perf with its libraries (perf.tar.xz, about 10 MB),
+# for run.sh's PERF_DIR where the GPU machine has none; the binaries stay stripped, so read
+# the samples here (perf report --symfs, with the unstripped binaries of build/).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 "$root/scripts/build.sh" shardcoordd decision_load >/dev/null
@@ -31,4 +35,16 @@ for bin in "$out"/bin/*; do
   done
 done
 strip --strip-unneeded "$out"/bin/* "$out"/lib/*.so* 2>/dev/null || true
+if [[ -n "${WITH_PERF:-}" ]]; then
+  perf_bin=$(command -v perf)
+  tmp=$(mktemp -d)
+  mkdir -p "$tmp/perf/bin" "$tmp/perf/lib"
+  cp -L "$perf_bin" "$tmp/perf/bin/perf"
+  ldd "$perf_bin" | awk '/=> \// {print $1, $3}' | while read -r name path; do
+    [[ "$name" =~ $skip ]] && continue
+    cp -nL "$path" "$tmp/perf/lib/$name"
+  done
+  tar -C "$tmp" -cJf "$out/perf.tar.xz" perf
+  rm -rf "$tmp"
+fi
 du -sh "$out"

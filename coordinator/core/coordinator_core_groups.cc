@@ -91,9 +91,11 @@ void CoordinatorCore::UpdateGroupState(Job& job, ShardGroup& group) {
   } else if (live + left < size) {
     // Some member never registered (it may have died before it did).
     group.state = v1::GROUP_STATE_FORMING;
-  } else if (before == v1::GROUP_STATE_FORMING && group.engine->next_seq() == 0 && group.epoch == 0) {
-    // Formed for the first time: the promotion budget is known now.
+  } else if (before == v1::GROUP_STATE_FORMING && !group.formed && group.epoch == 0) {
+    // Formed for the first time: the promotion budget is known now. (Under root or replicate
+    // its first members may have been given decisions already: they need no group.)
     group.state = v1::GROUP_STATE_HEALTHY;
+    group.formed = true;
     const int64_t min_budget = group.SetPromotionBudget();
     Event("info", EventKind::kGroupFormed, job.id, -1, group.index,
           absl::StrCat("ranks ", RankList(group.ranks), " policy=",
@@ -110,6 +112,7 @@ void CoordinatorCore::UpdateGroupState(Job& job, ShardGroup& group) {
       group.SetPromotionBudget();  // Whole for the first time through a failure.
     }
     group.state = v1::GROUP_STATE_HEALTHY;
+    group.formed = true;
     Event("info", EventKind::kGroupReformed, job.id, -1, group.index,
           absl::StrCat("epoch ", group.epoch, " ranks ", RankList(group.ranks)));
   }

@@ -77,7 +77,8 @@ void CoordinatorCore::FinishRecovery(Job& job, ShardGroup& group) {
   }
   group.epoch = rec.epoch;
   group.state = v1::GROUP_STATE_HEALTHY;
-  group.SetPromotionBudget();  // A new engine: restore its state after.
+  group.formed = true;
+  group.SetPromotionBudget();  // The group's engine is this process's own: restore its state.
   group.engine->Restore(rec.next_seq, rec.promoted, rec.sticky);
   for (auto& [key, d] : rec.binding) RecordDecision(job, group, d);
   if (!rec.binding.empty()) group.last_resolved = rec.binding.rbegin()->first;

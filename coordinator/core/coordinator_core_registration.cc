@@ -146,6 +146,7 @@ CoordinatorCore::Job* CoordinatorCore::ReuseOrForgetEndedJob(const v1::RegisterR
   for (size_t i = 0; i < job->groups.size(); ++i) {
     ShardGroup& g = Owned(*job, static_cast<int>(i));
     g.has_reference = false;
+    g.formed = false;  // A rerun forms its groups afresh.
     g.RestartKeys();
     g.deferred_plans.clear();
     g.last_decided.reset();  // The group re-forms in a new epoch once its members are back.

@@ -61,6 +61,8 @@ class DecisionEngine {
   MicrobatchDecision DecideStatic(const MicrobatchKey& key, int64_t epoch);
 
   uint64_t next_seq() const { return next_seq_; }
+  // The smallest memory budget of the group's members, once known (promotion needs it).
+  void SetMinMemoryBudget(int64_t bytes) { config_.min_memory_budget_bytes = bytes; }
   // After a coordinator restart (DESIGN 12): seq goes on from `next_seq`, and the modules
   // the last decision replicated by promotion or sticky fallback stay so. Promotion's
   // window of recent microbatches starts empty.

@@ -91,9 +91,7 @@ void ShardGroup::SetReference(const v1::RegisterRequest& req, const PromotionOpt
 int64_t ShardGroup::SetPromotionBudget() {
   int64_t min_budget = INT64_MAX;
   for (const Member& m : members) min_budget = std::min(min_budget, m.memory_budget);
-  EngineConfig cfg = engine->config();
-  cfg.min_memory_budget_bytes = min_budget;
-  engine = std::make_unique<DecisionEngine>(std::move(cfg));
+  engine->SetMinMemoryBudget(min_budget);
   return min_budget;
 }
 

@@ -126,6 +126,9 @@ class ShardGroup {
   // the group's totals are their sum.
   std::map<std::string, v1::DecisionCounts> module_counts;
   std::string failure_reason;
+  // Whole at least once since the job (re)started in this process: a later FORMING -> HEALTHY
+  // is a re-form in a new epoch.
+  bool formed = false;
   // GROUP_STATE_RECOVERING (DESIGN 12): fails its missing members at this deadline;
   // plans resumed members send meanwhile wait here, in arrival order.
   absl::Time recovery_deadline = absl::InfiniteFuture();
@@ -142,8 +145,8 @@ class ShardGroup {
   int PendingOf(int idx) const;
   // Takes the manifest, policy and fallback of the group's first registration.
   void SetReference(const v1::RegisterRequest& req, const PromotionOptions& promotion);
-  // A new engine that knows the smallest memory budget of the members (auto's promotion).
-  // Returns that budget.
+  // Tells the engine the smallest memory budget of the members (auto's promotion); its seq
+  // and state go on. Returns that budget.
   int64_t SetPromotionBudget();
   // The plan's key and calls checked against the manifest; `who` names the sender.
   absl::StatusOr<PlanCalls> ParsePlan(const v1::MicrobatchPlan& plan, const MicrobatchKey& key,

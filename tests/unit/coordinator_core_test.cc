@@ -259,6 +259,28 @@ TEST_F(CoreTest, StaticPolicyNeverWaitsForTheGroup) {
   EXPECT_EQ(d[0].modules(0).reason(), v1::REASON_STATIC_POLICY);
 }
 
+TEST_F(CoreTest, AStaticGroupThatFormsAfterItsFirstRankPlannedAheadKeepsItsDecisions) {
+  // Issue 27 (found by chaos.short): with one seq for every policy, the first rank's static
+  // decisions made the group's formation look like a re-form, which began a new epoch,
+  // dropped those keys and gave the second rank other decisions (another seq) for them.
+  ASSERT_TRUE(Register(Request(0, 4, 2, v1::POLICY_REPLICATE)).ok());
+  for (int mb = 0; mb < 4; ++mb) Plan(0, 0, mb, 1);
+  ASSERT_TRUE(Register(Request(1, 4, 2, v1::POLICY_REPLICATE)).ok());
+  for (int mb = 0; mb < 4; ++mb) Plan(1, 0, mb, 1);
+  auto d0 = sinks_[0]->Decisions(), d1 = sinks_[1]->Decisions();
+  ASSERT_EQ(d0.size(), 4u);
+  ASSERT_EQ(d1.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) {
+    EXPECT_EQ(d1[i].seq(), d0[i].seq()) << "microbatch " << i;
+    EXPECT_EQ(d1[i].digest(), d0[i].digest()) << "microbatch " << i;
+    EXPECT_EQ(d1[i].epoch(), 0);
+  }
+  auto groups = core_->Groups("job");
+  EXPECT_EQ(groups.groups(0).epoch(), 0);
+  EXPECT_EQ(groups.groups(0).next_seq(), 4u);
+  EXPECT_EQ(groups.groups(0).pending_microbatches(), 0);
+}
+
 TEST_F(CoreTest, TwoGroupsDecideIndependently) {
   RegisterAll();
   Plan(0, 0, 0, 1);  // Group 0 waits for rank 1.
