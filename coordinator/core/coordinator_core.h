@@ -288,7 +288,7 @@ class CoordinatorCore {
   static void CountGroup(const ShardGroup& group, v1::JobStatus* out);
   void FillGroupStatus(const Job& job, const ShardGroup& group, v1::GroupStatus* out) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  void FillRankStatus(const std::string& job_id, const ShardGroup& group, const Member& m, absl::Time now,
+  void FillRankStatus(const std::string& job_id, const Member& m, int pending_plans, absl::Time now,
                       v1::RankStatus* out) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   void UpdateGroupState(Job& job, ShardGroup& group) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Communicators (coordinator_core_comms.cc): the job's CommTable, through a CommHost that

@@ -47,6 +47,7 @@ v1::CoordinatorMessage CoordinatorCore::Registered(const ShardGroup& group, cons
   resp->set_fallback(req.fallback());
   resp->set_lookahead(req.lookahead());
   resp->set_coordinator_version(shardcoord::kVersion);
+  resp->set_accepts_bundles(true);  // Deprecated: what workers built before bundles only look at.
   if (FromProto(req.policy()) == Policy::kPerLayer) {
     resp->add_warnings("policy per_layer: microbatches where ranks of the group diverge fall back to " +
                        std::string(FallbackName(FromProto(req.fallback()))) +
@@ -91,7 +92,7 @@ void CoordinatorCore::UpdateGroupState(Job& job, ShardGroup& group) {
   } else if (live + left < size) {
     // Some member never registered (it may have died before it did).
     group.state = v1::GROUP_STATE_FORMING;
-  } else if (before == v1::GROUP_STATE_FORMING && !group.formed && group.epoch == 0) {
+  } else if (before == v1::GROUP_STATE_FORMING && !group.formed) {
     // Formed for the first time: the promotion budget is known now. (Under root or replicate
     // its first members may have been given decisions already: they need no group.)
     group.state = v1::GROUP_STATE_HEALTHY;
@@ -138,6 +139,9 @@ void CoordinatorCore::OnLeft(Job& job, ShardGroup& group, const Member& m) {
 void CoordinatorCore::FailGroup(Job& job, ShardGroup& group, const Member& m, const std::string& full) {
   // A death fails the group: cancel everything pending and tell every live member.
   const bool was_failed = group.state == v1::GROUP_STATE_FAILED;
+  // Whole again, it re-forms in a new epoch with a notice, even if it never formed before:
+  // its live members hold this failure until they hear of the re-form.
+  group.formed = true;
   if (group.state == v1::GROUP_STATE_RECOVERING) {
     // The recovery is over: what the members resumed with is held no longer (nor charged).
     for (Member& member : group.members) {

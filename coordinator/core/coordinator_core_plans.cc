@@ -125,14 +125,18 @@ absl::Status CoordinatorCore::CheckPlanFits(const ShardGroup& group, const Membe
                                            " (", group.failure_reason,
                                            "); wait for the group to re-form"));
   }
-  const bool known = group.pending.count(key) > 0;
+  auto pending = group.pending.find(key);
+  const bool known = pending != group.pending.end();
   if (!known && group.last_resolved && key <= *group.last_resolved) {
     return absl::FailedPreconditionError(absl::StrCat(
         "plan ", key.ToString(), " from ", who, " is stale: group ", group.index,
         " already resolved every microbatch up to ", group.last_resolved->ToString()));
   }
-  if (!group.engine->is_static()) {  // A static decision is given at once: no window to wait in.
-    const int undecided = group.PendingOf(group.IndexOf(m.rank));
+  const int idx = group.IndexOf(m.rank);
+  // A static decision is given at once: no window to wait in. A key the rank reported before
+  // (it left and came back) is in its window already.
+  if (!group.engine->is_static() && !(known && pending->second.reported[idx])) {
+    const int undecided = group.PendingOf(idx);
     if (undecided >= m.lookahead) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "plan ", key.ToString(), " from ", who, " is beyond the lookahead window: ", undecided,
@@ -188,10 +192,10 @@ void CoordinatorCore::DrainGroup(Job& job, ShardGroup& group) {
     auto it = group.pending.begin();
     if (it->second.num_reported < group.size()) break;
     // The engine decides in key order (its promotion window and seq depend on it).
-    if (group.last_resolved && !(*group.last_resolved < it->first)) {
+    if (group.last_drained && !(*group.last_drained < it->first)) {
       const std::string what = absl::StrCat("group ", group.index, " of job '", job.id, "' would decide ",
-                                            it->first.ToString(), " after resolving ",
-                                            group.last_resolved->ToString());
+                                            it->first.ToString(), " after deciding ",
+                                            group.last_drained->ToString(), " in epoch ", group.epoch);
       SHARDCOORD_INVARIANT(false, what);
       FailMicrobatch(job, group, it->first, absl::InternalError(absl::StrCat("internal error: ", what)));
       continue;
@@ -205,6 +209,7 @@ void CoordinatorCore::DrainGroup(Job& job, ShardGroup& group) {
     pd.set_seal(resume_auth_.Seal(job.id, pd));
     pd.set_decided_unix_ms(absl::ToUnixMillis(now));
     for (Member& mem : group.members) QueueDecision(mem, pd);
+    group.last_drained = it->first;
     RecordDecision(job, group, pd);
     group.Resolve(it);
     for (const auto& t : transitions) {

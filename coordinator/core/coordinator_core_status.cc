@@ -88,13 +88,16 @@ v1::ListRanksResponse CoordinatorCore::Ranks(const std::string& job_id) const {
     if (!job_id.empty() && id != job_id) continue;
     for (const auto& slot : job->groups) {  // Groups are contiguous ranges: rank order is kept.
       absl::MutexLock group_lock(&slot->mu);
-      for (const Member& m : slot->group.members) FillRankStatus(id, slot->group, m, now, out.add_ranks());
+      const std::vector<int> pending = slot->group.PendingCounts();
+      for (size_t i = 0; i < pending.size(); ++i) {
+        FillRankStatus(id, slot->group.members[i], pending[i], now, out.add_ranks());
+      }
     }
   }
   return out;
 }
 
-void CoordinatorCore::FillRankStatus(const std::string& id, const ShardGroup& g, const Member& m, absl::Time now,
+void CoordinatorCore::FillRankStatus(const std::string& id, const Member& m, int pending_plans, absl::Time now,
                                      v1::RankStatus* rs) const {
   rs->set_job_id(id);
   rs->set_rank(m.rank);
@@ -108,7 +111,7 @@ void CoordinatorCore::FillRankStatus(const std::string& id, const ShardGroup& g,
   if (m.last_planned) {
     ToProto(*m.last_planned, rs->mutable_last_planned());
   }
-  rs->set_pending_plans(g.PendingOf(g.IndexOf(m.rank)));
+  rs->set_pending_plans(pending_plans);
   rs->set_plans_received(m.plans_received);
   rs->set_plans_rejected(m.plans_rejected);
   rs->set_dead_reason(m.dead_reason);

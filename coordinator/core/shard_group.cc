@@ -66,6 +66,14 @@ int ShardGroup::PendingOf(int idx) const {
   return n;
 }
 
+std::vector<int> ShardGroup::PendingCounts() const {
+  std::vector<int> counts(members.size(), 0);
+  for (const auto& [key, p] : pending) {
+    for (size_t i = 0; i < counts.size(); ++i) counts[i] += p.reported[i] ? 1 : 0;
+  }
+  return counts;
+}
+
 void ShardGroup::SetReference(const v1::RegisterRequest& req, const PromotionOptions& promotion) {
   has_reference = true;
   reference = req;
@@ -158,6 +166,7 @@ void ShardGroup::RecordDecision(const v1::MicrobatchDecision& d, int keep) {
 void ShardGroup::RestartKeys() {
   pending.clear();
   last_resolved.reset();
+  last_drained.reset();
   for (Member& m : members) m.last_planned.reset();
 }
 

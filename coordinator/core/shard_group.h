@@ -121,6 +121,8 @@ class ShardGroup {
   std::map<MicrobatchKey, PendingMicrobatch> pending;
   std::optional<MicrobatchKey> last_resolved;  // Decided or failed.
   std::optional<MicrobatchKey> last_decided;
+  // Auto and per_layer: the last key the engine decided in this epoch (it decides in key order).
+  std::optional<MicrobatchKey> last_drained;
   std::deque<v1::MicrobatchDecision> history;
   // Decisions given, by module (every module of the manifest, from the first registration);
   // the group's totals are their sum.
@@ -143,6 +145,8 @@ class ShardGroup {
 
   // Plans member `idx` reported that are not resolved yet: computed, never cached.
   int PendingOf(int idx) const;
+  // The same for every member at once (one pass over the pending microbatches).
+  std::vector<int> PendingCounts() const;
   // Takes the manifest, policy and fallback of the group's first registration.
   void SetReference(const v1::RegisterRequest& req, const PromotionOptions& promotion);
   // Tells the engine the smallest memory budget of the members (auto's promotion); its seq

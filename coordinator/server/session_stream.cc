@@ -311,7 +311,7 @@ void SessionCall::OnRead(bool ok) {
       if (SentRetiredKind(in_)) {
         const std::string why =
             "this worker sent plans, heartbeats or abort acknowledgements one kind per message, an "
-            "encoding retired before 0.1.0; upgrade the worker (it sends them in one bundle)";
+            "encoding this coordinator no longer takes; upgrade the worker (it sends them in one bundle)";
         sink_->Close(absl::FailedPreconditionError(why));
         core->OnSessionClosed(id_, why);
         return;

@@ -618,7 +618,7 @@ TEST_F(NonReaderTest, ANonReaderIsFailedOnceTheDaemonsBuffersAreFullWhateverItsO
 }
 
 TEST_F(InProcessTest, AWorkerOfTheRetiredOneKindPerMessageEncodingIsToldToUpgrade) {
-  // Issue 27: plans alone (WorkerMessage field 2, reserved since 0.1.0) would parse as an
+  // Issue 27: plans alone (WorkerMessage field 2, now reserved) would parse as an
   // empty message, which a newer peer's unknown kind is, and be ignored: the sender would
   // wait for decisions forever. The daemon names the encoding and closes the stream.
   RawSession raw(server_->address());
@@ -631,7 +631,7 @@ TEST_F(InProcessTest, AWorkerOfTheRetiredOneKindPerMessageEncodingIsToldToUpgrad
   EXPECT_FALSE(raw.Next(v1::CoordinatorMessage::kDecisions).has_value());
   const grpc::Status end = raw.stream->Finish();
   EXPECT_EQ(end.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
-  EXPECT_THAT(end.error_message(), HasSubstr("encoding retired before 0.1.0; upgrade the worker"));
+  EXPECT_THAT(end.error_message(), HasSubstr("encoding this coordinator no longer takes; upgrade the worker"));
 }
 
 TEST_F(InProcessTest, APlanBatchBeyondTheLookaheadWindowFailsTheSenderForWhatItDid) {

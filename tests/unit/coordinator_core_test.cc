@@ -281,6 +281,61 @@ TEST_F(CoreTest, AStaticGroupThatFormsAfterItsFirstRankPlannedAheadKeepsItsDecis
   EXPECT_EQ(groups.groups(0).pending_microbatches(), 0);
 }
 
+TEST_F(CoreTest, AGroupThatFailedBeforeItFormedReFormsInANewEpochWithANotice) {
+  // Issue 27 review: ranks 0 and 1 live, rank 1 dies before rank 2 ever registered. Rank 0
+  // holds the group's failure; the group's first whole state must be a re-form it hears of.
+  ASSERT_TRUE(Register(Request(0, 3, 3)).ok());
+  ASSERT_TRUE(Register(Request(1, 3, 3)).ok());
+  core_->OnSessionClosed(sessions_[1], "killed");
+  ASSERT_EQ(sinks_[0]->Where([](const auto& m) { return m.has_group_failure(); }).size(), 1u);
+  ASSERT_TRUE(Register(Request(1, 3, 3)).ok());
+  ASSERT_TRUE(Register(Request(2, 3, 3)).ok());
+  const auto g = core_->Groups("job").groups(0);
+  EXPECT_EQ(g.state(), v1::GROUP_STATE_HEALTHY);
+  EXPECT_EQ(g.epoch(), 1);
+  EXPECT_EQ(sinks_[0]->Where([](const auto& m) {
+                        return m.has_notice() && m.notice().kind() == v1::Notice::KIND_GROUP_REFORMED;
+                      }).size(),
+            1u);
+}
+
+TEST_F(CoreTest, AKeyAfterALaterFailedOneIsStillDecided) {
+  // Issue 27 review: B and C report (0,0), B reports (0,1), C leaves (failing (0,1), which it
+  // never planned), then A reports (0,0): it is decided, as before, with no internal error.
+  RegisterAll(3, 3);
+  Plan(1, 0, 0, 1);
+  Plan(2, 0, 0, 1);
+  Plan(1, 0, 1, 1);
+  core_->OnGoodbye(sessions_[2], "done");
+  Plan(0, 0, 0, 1);
+  auto d = sinks_[0]->Decisions();
+  ASSERT_EQ(d.size(), 1u);
+  EXPECT_EQ(d[0].microbatch(), 0);
+  EXPECT_EQ(sinks_[1]->Decisions().size(), 1u);
+}
+
+TEST_F(CoreTest, ARerunOfAJobThatReFormedStillFormsItsGroupsAfresh) {
+  // Issue 27 review: after a re-form (epoch 1) and every rank leaving, the rerun's group
+  // forms (no new epoch, no re-form notice), and its static decisions are the group's.
+  RegisterAll(2, 2, v1::POLICY_REPLICATE);
+  core_->OnSessionClosed(sessions_[1], "killed");
+  ASSERT_TRUE(Register(Request(1, 2, 2, v1::POLICY_REPLICATE)).ok());
+  ASSERT_EQ(core_->Groups("job").groups(0).epoch(), 1);
+  core_->OnGoodbye(sessions_[0], "done");
+  core_->OnGoodbye(sessions_[1], "done");
+  ASSERT_TRUE(Register(Request(0, 2, 2, v1::POLICY_REPLICATE)).ok());
+  ASSERT_TRUE(Register(Request(1, 2, 2, v1::POLICY_REPLICATE)).ok());
+  EXPECT_EQ(core_->Groups("job").groups(0).epoch(), 1) << "formed afresh, not re-formed";
+  EXPECT_TRUE(sinks_[0]->Where([](const auto& m) { return m.has_notice(); }).empty());
+  Plan(0, 0, 0, 1);
+  Plan(1, 0, 0, 1);
+  auto d0 = sinks_[0]->Decisions(), d1 = sinks_[1]->Decisions();
+  ASSERT_EQ(d0.size(), 1u);
+  ASSERT_EQ(d1.size(), 1u);
+  EXPECT_EQ(d1[0].seq(), d0[0].seq());
+  EXPECT_EQ(d1[0].digest(), d0[0].digest());
+}
+
 TEST_F(CoreTest, TwoGroupsDecideIndependently) {
   RegisterAll();
   Plan(0, 0, 0, 1);  // Group 0 waits for rank 1.
