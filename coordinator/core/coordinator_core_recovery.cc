@@ -120,7 +120,8 @@ void CoordinatorCore::FinishRecovery(Job& job, ShardGroup& group) {
 void CoordinatorCore::KeepStaticBinding(Job& job, ShardGroup& group, const MicrobatchKey& key,
                                         const v1::MicrobatchDecision& d) {
   const int size = group.size();
-  PendingMicrobatch p;
+  PendingMicrobatch p;  // Shaped as ShardGroup::Report makes one: later reports fill it in.
+  p.calls.assign(group.modules.size(), std::vector<int32_t>(size, 0));
   p.reported.assign(size, false);
   p.first_report = clock_->Now();
   p.decided = d;

@@ -136,11 +136,10 @@ bool ShardGroup::Report(const MicrobatchKey& key, int idx, const PlanCalls& call
   auto [it, inserted] = pending.try_emplace(key);
   PendingMicrobatch& p = it->second;
   if (inserted) {
+    p.calls.assign(modules.size(), std::vector<int32_t>(size(), 0));
     p.reported.assign(size(), false);
     p.first_report = now;
   }
-  // (An entry kept for a static decision held across a restart has no calls yet.)
-  if (p.calls.empty()) p.calls.assign(modules.size(), std::vector<int32_t>(size(), 0));
   for (const auto& [mi, count] : calls) p.calls[mi][idx] = count;
   if (!p.reported[idx]) {  // A rank that left and came back may report a pending key again.
     p.reported[idx] = true;
