@@ -8,6 +8,7 @@ static_assert(static_cast<int>(Policy::kReplicate) == v1::POLICY_REPLICATE);
 static_assert(static_cast<int>(Fallback::kReplicate) == v1::FALLBACK_REPLICATE);
 static_assert(static_cast<int>(Decision::kReplicate) == v1::DECISION_REPLICATE);
 static_assert(static_cast<int>(DecisionReason::kPromoted) == v1::REASON_PROMOTED);
+static_assert(static_cast<int>(DecisionReason::kCost) == v1::REASON_COST);
 static_assert(static_cast<int>(absl::StatusCode::kUnauthenticated) ==
               static_cast<int>(grpc::StatusCode::UNAUTHENTICATED));
 

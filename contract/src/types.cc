@@ -43,6 +43,7 @@ const char* DecisionReasonName(DecisionReason r) {
     case DecisionReason::kDivergent: return "divergent";
     case DecisionReason::kStickyReplicate: return "sticky_replicate";
     case DecisionReason::kPromoted: return "promoted";
+    case DecisionReason::kCost: return "cost";
     case DecisionReason::kUnspecified: break;
   }
   return "unspecified";

@@ -226,8 +226,9 @@ class CoordinatorCore {
   void TakePlans(Job& job, ShardGroup& group, Member& m, const v1::PlanBatch& batch) ABSL_SHARED_LOCKS_REQUIRED(mu_);
   void TakeHeartbeat(Job& job, ShardGroup& group, Member& m, const v1::Heartbeat& heartbeat)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The part of a heartbeat that concerns the member alone (liveness, memory).
-  void TakeMemberHeartbeat(const ShardGroup& group, Member& m, const v1::Heartbeat& heartbeat)
+  // The part of a heartbeat that concerns the member and its group's cost model (liveness,
+  // memory, costs).
+  void TakeMemberHeartbeat(const Job& job, ShardGroup& group, Member& m, const v1::Heartbeat& heartbeat)
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
   void TakeCommAborted(Job& job, Member& m, const v1::CommAborted& ack) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Returns the session's member if it is the rank's current live session.

@@ -42,7 +42,7 @@ void CoordinatorCore::OnBundle(uint64_t session_id, const v1::WorkerBundle& bund
   Member* m = LiveIn(slot.group, ref->rank, session_id);
   if (m == nullptr) return;
   if (bundle.has_heartbeat()) {
-    TakeMemberHeartbeat(slot.group, *m, bundle.heartbeat());
+    TakeMemberHeartbeat(*ref->job, slot.group, *m, bundle.heartbeat());
     // Collective progress: under the communicator table's own (leaf) mutex.
     if (bundle.heartbeat().comms_size() > 0) ref->job->comms->RecordProgress(m->rank, bundle.heartbeat(), m->last_seen);
   }
@@ -50,14 +50,19 @@ void CoordinatorCore::OnBundle(uint64_t session_id, const v1::WorkerBundle& bund
 }
 
 void CoordinatorCore::TakeHeartbeat(Job& job, ShardGroup& group, Member& m, const v1::Heartbeat& heartbeat) {
-  TakeMemberHeartbeat(group, m, heartbeat);
+  TakeMemberHeartbeat(job, group, m, heartbeat);
   if (heartbeat.comms_size() > 0) job.comms->RecordProgress(m.rank, heartbeat, m.last_seen);
 }
 
-void CoordinatorCore::TakeMemberHeartbeat(const ShardGroup& group, Member& m, const v1::Heartbeat& heartbeat) {
+void CoordinatorCore::TakeMemberHeartbeat(const Job& job, ShardGroup& group, Member& m,
+                                          const v1::Heartbeat& heartbeat) {
   m.last_seen = clock_->Now();
   m.decision_stalls.Take(heartbeat.decision_stalls());
   m.decision_stall_us.Take(heartbeat.decision_stall_us());
+  if (std::string moved = group.TakeCosts(group.IndexOf(m.rank), heartbeat); !moved.empty()) {
+    Event("info", EventKind::kGroupCostModel, job.id, m.rank, group.index,
+          absl::StrCat("cost model from the members' measures: ", moved));
+  }
   if (heartbeat.memory_size() == 0) return;
   // Bounded by the manifest whatever the client sends: one entry per module of the group's
   // manifest (the first for each), no negative counts; the rest is not kept. A rank's

@@ -213,9 +213,10 @@ void CoordinatorCore::DrainGroup(Job& job, ShardGroup& group) {
     RecordDecision(job, group, pd);
     group.Resolve(it);
     for (const auto& t : transitions) {
-      const EventKind kind = t.what == "promoted"  ? EventKind::kModulePromoted
-                             : t.what == "demoted" ? EventKind::kModuleDemoted
-                                                   : EventKind::kModuleStickyReplicate;
+      const EventKind kind = t.what == "promoted"      ? EventKind::kModulePromoted
+                             : t.what == "demoted"     ? EventKind::kModuleDemoted
+                             : t.what == "cost_choice" ? EventKind::kModuleCostChoice
+                                                       : EventKind::kModuleStickyReplicate;
       Event("info", kind, job.id, -1, group.index,
             absl::StrCat("module '", t.module, "': ", t.detail));
     }

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 
 namespace shardcoord::coordinator {
 
@@ -19,35 +20,120 @@ MicrobatchDecision DecisionEngine::Decide(const MicrobatchKey& key, int64_t epoc
   d.epoch = epoch;
   d.modules.reserve(config_.modules.size());
   for (size_t m = 0; m < config_.modules.size(); ++m) {
-    const ModuleSpec& spec = config_.modules[m];
-    ModuleState& st = state_[m];
-    RuleOutcome rule = ApplyContract(config_.policy, config_.fallback, calls[m]);
-    const bool divergent = rule.reason == DecisionReason::kDivergent;
-
-    ModuleDecision md{spec.name, rule.decision, rule.reason};
-    if (st.sticky_replicate) {
-      md.decision = Decision::kReplicate;
-      md.reason = DecisionReason::kStickyReplicate;
-    } else if (st.promoted) {
-      md.decision = Decision::kReplicate;
-      md.reason = DecisionReason::kPromoted;
-    } else if (divergent && config_.fallback == Fallback::kReplicate) {
-      // This microbatch already gets `replicate` (reason divergent); later ones stay.
-      st.sticky_replicate = true;
-      if (transitions) {
-        transitions->push_back({spec.name, "sticky_replicate",
-                                absl::StrCat("ranks diverged at ", key.ToString(),
-                                             "; fallback replicate keeps the module replicated "
-                                             "from now on")});
-      }
-    }
-    d.modules.push_back(std::move(md));
-
-    UpdatePromotion(spec, st, rule.decision, key, transitions);
+    d.modules.push_back(DecideModule(m, calls[m], key, transitions));
   }
   d.digest = DecisionDigest(d);
   return d;
 }
+
+ModuleDecision DecisionEngine::DecideModule(size_t m, const std::vector<int32_t>& calls, const MicrobatchKey& key,
+                                            std::vector<EngineTransition>* transitions) {
+  const ModuleSpec& spec = config_.modules[m];
+  ModuleState& st = state_[m];
+  const RuleOutcome rule = ApplyContract(config_.policy, config_.fallback, calls);
+  const bool divergent = rule.reason == DecisionReason::kDivergent;
+  const bool by_cost = config_.policy == Policy::kAuto && CostKnown(m);
+
+  ModuleDecision md{spec.name, rule.decision, rule.reason};
+  if (st.sticky_replicate) {
+    md.decision = Decision::kReplicate;
+    md.reason = DecisionReason::kStickyReplicate;
+  } else if (st.promoted) {
+    md.decision = Decision::kReplicate;
+    md.reason = DecisionReason::kPromoted;
+  } else if (divergent && config_.fallback == Fallback::kReplicate) {
+    // This microbatch already gets `replicate` (reason divergent); later ones stay.
+    st.sticky_replicate = true;
+    if (transitions) {
+      transitions->push_back({spec.name, "sticky_replicate",
+                              absl::StrCat("ranks diverged at ", key.ToString(),
+                                           "; fallback replicate keeps the module replicated "
+                                           "from now on")});
+    }
+  } else if (by_cost) {
+    ChooseByCostInto(m, calls, rule, &md, key, transitions);
+  }
+  if (by_cost) {
+    UpdatePromotionByCost(m, calls, key, transitions);
+  } else {
+    UpdatePromotion(spec, st, rule.decision, key, transitions);
+  }
+  return md;
+}
+
+CostInputs DecisionEngine::CostInputsOf(size_t m) const {
+  CostInputs in;
+  in.spec = &config_.modules[m];
+  if (m < config_.costs.size()) in.cost = config_.costs[m];
+  in.group_size = config_.group_size;
+  in.budget_bytes = config_.min_memory_budget_bytes;
+  in.replica_resident = state_[m].promoted || state_[m].sticky_replicate;
+  return in;
+}
+
+void DecisionEngine::ChooseByCostInto(size_t m, const std::vector<int32_t>& calls, const RuleOutcome& rule,
+                                      ModuleDecision* md, const MicrobatchKey& key,
+                                      std::vector<EngineTransition>* transitions) {
+  const CostInputs in = CostInputsOf(m);
+  const CostChoice choice = ChooseByCost(in, calls);
+  const Decision chosen = choice.chosen.decision;
+  const bool overrides = chosen != rule.decision || choice.over_budget;
+  if (chosen != rule.decision) {
+    md->decision = chosen;
+    md->reason = DecisionReason::kCost;
+  }
+  ModuleState& st = state_[m];
+  const Decision mark = overrides ? chosen : Decision::kUnspecified;
+  if (mark == st.last_cost_choice) return;
+  st.last_cost_choice = mark;
+  if (!transitions) return;
+  const int32_t most = calls.empty() ? 0 : *std::max_element(calls.begin(), calls.end());
+  transitions->push_back(
+      {config_.modules[m].name, "cost_choice",
+       overrides ? absl::StrCat("from ", key.ToString(), " on: ", DescribeChoice(choice, in, most))
+                 : absl::StrCat("from ", key.ToString(), " on the contract's rule again (",
+                                DescribeChoice(choice, in, most), ")")});
+}
+
+void DecisionEngine::UpdatePromotionByCost(size_t m, const std::vector<int32_t>& calls, const MicrobatchKey& key,
+                                           std::vector<EngineTransition>* transitions) {
+  const ModuleSpec& spec = config_.modules[m];
+  ModuleState& st = state_[m];
+  const CostInputs in = CostInputsOf(m);
+  const double saving = ReplicaSaving(in, calls);
+  st.recent_savings.push_back(saving);
+  st.savings_in_window += saving;
+  if (static_cast<int>(st.recent_savings.size()) > config_.promotion.window) {
+    st.savings_in_window -= st.recent_savings.front();
+    st.recent_savings.pop_front();
+  }
+  const double build = in.cost.gather_seconds;  // Making a replica gathers the module once.
+  const double kEpsilon = 1e-9;                  // Sums of measured seconds: no exact equality.
+  const bool fits = config_.min_memory_budget_bytes > 0 && spec.param_bytes <= config_.min_memory_budget_bytes;
+  const bool full = static_cast<int>(st.recent_savings.size()) == config_.promotion.window;
+  const std::string window = absl::StrFormat(
+      "a replica would have saved %.4f s over the last %d microbatches (building one: %.4f s); "
+      "%d bytes against the budget of %d",
+      st.savings_in_window, static_cast<int>(st.recent_savings.size()), build, spec.param_bytes,
+      config_.min_memory_budget_bytes);
+  if (!st.promoted && !st.sticky_replicate && fits && build > 0 && st.savings_in_window >= build - kEpsilon) {
+    st.promoted = true;
+    if (transitions) {
+      transitions->push_back({spec.name, "promoted",
+                              absl::StrCat("by cost: ", window, "; replicated from the microbatch after ",
+                                           key.ToString())});
+    }
+  } else if (st.promoted && (!fits || (full && st.savings_in_window < build - kEpsilon))) {
+    st.promoted = false;
+    if (transitions) {
+      transitions->push_back({spec.name, "demoted",
+                              absl::StrCat("by cost: ", fits ? "" : "it no longer fits; ", window,
+                                           "; decided per microbatch again after ", key.ToString())});
+    }
+  }
+}
+
+void DecisionEngine::SetCosts(std::vector<ModuleCostModel> costs) { config_.costs = std::move(costs); }
 
 void DecisionEngine::UpdatePromotion(const ModuleSpec& spec, ModuleState& st, Decision rule_decision,
                                      const MicrobatchKey& key, std::vector<EngineTransition>* transitions) {

@@ -3,9 +3,18 @@
 // Given the calls every member of a shard group will make in a microbatch, it returns the
 // one decision all members receive. On top of the pure rule (ApplyContract) it keeps the
 // only state the contract has: sticky replication after a divergence with fallback
-// `replicate`, and `auto` promotion to `replicate` (see PromotionOptions). Decisions are a
-// deterministic function of the sequence of plans, the config and this state, so the
-// same inputs give the same decisions in any process.
+// `replicate`, and `auto` promotion to `replicate`. Decisions are a deterministic function of
+// the sequence of plans, the config (its cost model included) and this state, so the same
+// inputs give the same decisions in any process.
+//
+// `auto` decides a module in one of two ways (DESIGN 3):
+// - by counting, while nothing is measured: the contract's rule, and promotion to replicate
+//   when `promote_threshold` of the last `window` microbatches gathered it (PromotionOptions);
+// - by cost, once the group's members reported what the module costs (shardcoord/cost.h):
+//   each microbatch the cheapest safe placement that fits the budget (per_layer or root when
+//   every rank runs the module: root when it runs more than once and gathering once is
+//   cheaper), and a replica when the time it saved over the last `window` microbatches would
+//   have paid for building it; demoted when it no longer would, or no longer fits.
 //
 // Not thread-safe: the owner (the coordinator's group state) serializes calls.
 #ifndef SHARDCOORD_COORDINATOR_CORE_DECISION_ENGINE_H_
@@ -18,6 +27,7 @@
 #include <vector>
 
 #include "coordinator/settings/options.h"
+#include "shardcoord/cost.h"
 #include "shardcoord/decide.h"
 #include "shardcoord/types.h"
 
@@ -31,12 +41,16 @@ struct EngineConfig {
   PromotionOptions promotion;
   // Smallest memory budget any member reported; 0 disables promotion.
   int64_t min_memory_budget_bytes = 0;
+  int32_t group_size = 1;
+  // The group's measured cost per module (manifest order; empty or unknown entries: the
+  // module is decided by counting).
+  std::vector<ModuleCostModel> costs;
 };
 
 // A change of a module's state, for the event journal.
 struct EngineTransition {
   std::string module;
-  std::string what;  // "sticky_replicate", "promoted" or "demoted".
+  std::string what;  // "sticky_replicate", "promoted", "demoted" or "cost_choice".
   std::string detail;
 };
 
@@ -63,6 +77,9 @@ class DecisionEngine {
   uint64_t next_seq() const { return next_seq_; }
   // The smallest memory budget of the group's members, once known (promotion needs it).
   void SetMinMemoryBudget(int64_t bytes) { config_.min_memory_budget_bytes = bytes; }
+  // The group's measured costs (manifest order; shorter: the rest unknown). Takes effect
+  // from the next microbatch decided.
+  void SetCosts(std::vector<ModuleCostModel> costs);
   // After a coordinator restart (DESIGN 12): seq goes on from `next_seq`, and the modules
   // the last decision replicated by promotion or sticky fallback stay so. Promotion's
   // window of recent microbatches starts empty.
@@ -76,7 +93,24 @@ class DecisionEngine {
     bool promoted = false;
     std::deque<bool> recent_gathers;  // Last `promotion.window` microbatches: did the contract gather?
     int gathers_in_window = 0;
+    std::deque<double> recent_savings;  // Cost mode: seconds a replica would have saved.
+    double savings_in_window = 0;
+    Decision last_cost_choice = Decision::kUnspecified;  // Cost mode: when the rule was overridden.
   };
+
+  CostInputs CostInputsOf(size_t m) const;
+  bool CostKnown(size_t m) const { return m < config_.costs.size() && config_.costs[m].Known(); }
+  // One module's decision, and the sticky state a divergence with fallback replicate sets.
+  ModuleDecision DecideModule(size_t m, const std::vector<int32_t>& calls, const MicrobatchKey& key,
+                              std::vector<EngineTransition>* transitions);
+  // Cost mode: the cheapest safe placement that fits instead of the rule's, with a
+  // "cost_choice" transition when the choice starts or stops differing from the rule.
+  void ChooseByCostInto(size_t m, const std::vector<int32_t>& calls, const RuleOutcome& rule,
+                        ModuleDecision* md, const MicrobatchKey& key, std::vector<EngineTransition>* transitions);
+  // Cost mode's promotion and demotion (the same rule as every other choice: time, within
+  // the budget).
+  void UpdatePromotionByCost(size_t m, const std::vector<int32_t>& calls, const MicrobatchKey& key,
+                             std::vector<EngineTransition>* transitions);
 
   // `auto` promotion (DESIGN 3): counts the microbatches the contract would gather and
   // promotes or demotes the module, recording the transition.

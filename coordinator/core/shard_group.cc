@@ -2,8 +2,10 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "coordinator/core/invariant.h"
 #include "shardcoord/internal/logging.h"
 #include "shardcoord/plan_check.h"
@@ -99,8 +101,88 @@ void ShardGroup::SetReference(const v1::RegisterRequest& req, const PromotionOpt
 int64_t ShardGroup::SetPromotionBudget() {
   int64_t min_budget = INT64_MAX;
   for (const Member& m : members) min_budget = std::min(min_budget, m.memory_budget);
-  engine->SetMinMemoryBudget(min_budget);
-  return min_budget;
+  registered_budget = min_budget;
+  const int64_t budget = EffectiveBudget();
+  engine->SetMinMemoryBudget(budget);
+  return budget;
+}
+
+int64_t ShardGroup::EffectiveBudget() const {
+  int64_t measured = INT64_MAX;
+  for (const Member& m : members) {
+    if (m.frozen_budget <= 0) return registered_budget;  // Not every member measured it.
+    measured = std::min(measured, m.frozen_budget);
+  }
+  if (registered_budget <= 0) return measured;
+  return std::min(registered_budget, measured);
+}
+
+namespace {
+
+// Seconds a report may claim: finite, not negative, at most an hour (a hostile or broken
+// worker cannot make the model say anything else).
+bool GoodSeconds(double s) { return std::isfinite(s) && s >= 0 && s <= 3600; }
+
+// One module's report, kept to the manifest's size: at most one unit entry per layer unit.
+ModuleCost CostFromReport(const v1::ModuleCostReport& r, const ModuleSpec& spec) {
+  ModuleCost c;
+  c.module = spec.name;
+  c.forward_seconds_per_call = GoodSeconds(r.forward_seconds_per_call()) ? r.forward_seconds_per_call() : 0;
+  const size_t max_units = std::max<size_t>(spec.units.size(), 1);
+  for (const auto& u : r.units()) {
+    if (c.units.size() >= max_units) break;
+    if (!GoodSeconds(u.gather_seconds()) || u.gather_bytes() < 0) continue;
+    c.units.push_back({Printable(u.unit(), 128), u.gather_bytes(), u.gather_seconds()});
+  }
+  return c;
+}
+
+// More than a tenth apart (0 and 0 are not).
+bool Moved(double before, double now) { return std::abs(now - before) > 0.1 * std::max(before, now); }
+
+}  // namespace
+
+std::string ShardGroup::TakeCosts(int idx, const v1::Heartbeat& heartbeat) {
+  if (heartbeat.costs_size() == 0 && heartbeat.frozen_budget_bytes() <= 0) return "";
+  Member& m = members[idx];
+  if (heartbeat.costs_size() > 0) {
+    m.costs.clear();
+    std::vector<bool> seen(modules.size(), false);
+    for (const auto& r : heartbeat.costs()) {
+      auto it = module_index.find(r.module());
+      if (it == module_index.end() || seen[it->second]) continue;
+      seen[it->second] = true;
+      m.costs.push_back(CostFromReport(r, modules[it->second]));
+    }
+  }
+  if (heartbeat.frozen_budget_bytes() > 0) m.frozen_budget = heartbeat.frozen_budget_bytes();
+  return UpdateCostModel();
+}
+
+std::string ShardGroup::UpdateCostModel() {
+  std::vector<ModuleCostModel> model(modules.size());
+  for (const Member& m : members) {
+    for (const ModuleCost& c : m.costs) model[module_index.at(c.module)].Take(c);
+  }
+  const int64_t budget = formed ? EffectiveBudget() : engine->config().min_memory_budget_bytes;
+  if (cost_model.size() != model.size()) cost_model.assign(model.size(), ModuleCostModel{});
+  bool moved = Moved(static_cast<double>(engine->config().min_memory_budget_bytes), static_cast<double>(budget));
+  for (size_t i = 0; i < model.size() && !moved; ++i) {
+    moved = Moved(cost_model[i].forward_seconds_per_call, model[i].forward_seconds_per_call) ||
+            Moved(cost_model[i].gather_seconds, model[i].gather_seconds);
+  }
+  if (!moved) return "";
+  cost_model = model;
+  engine->SetCosts(model);
+  engine->SetMinMemoryBudget(budget);
+  std::string text;
+  for (size_t i = 0; i < model.size(); ++i) {
+    absl::StrAppend(&text, i ? "; " : "", "module '", modules[i].name, "': ",
+                    absl::StrFormat("forward %.4f s/call, gather %.4f s", model[i].forward_seconds_per_call,
+                                    model[i].gather_seconds));
+  }
+  absl::StrAppend(&text, "; budget ", budget, " bytes (registered ", registered_budget, ")");
+  return text;
 }
 
 absl::StatusOr<ShardGroup::PlanCalls> ShardGroup::ParsePlan(const v1::MicrobatchPlan& plan, const MicrobatchKey& key,

@@ -69,6 +69,8 @@ struct Member {
   // send (it does not read), or it broke the protocol. Nothing more is sent to it.
   std::string cut_reason;
   std::vector<v1::ModuleMemory> memory;  // As last reported.
+  std::vector<ModuleCost> costs;         // As last reported (manifest modules only).
+  int64_t frozen_budget = 0;             // Measured by the rank; 0: not reported.
   ReportedTotal decision_stalls, decision_stall_us;  // From heartbeats, across worker restarts.
   std::map<std::string, ReportedTotal> gathered_bytes;  // By module of the manifest, likewise.
   std::string session_key;  // Of the live session (RegisterResponse.session_key).
@@ -135,6 +137,9 @@ class ShardGroup {
   // plans resumed members send meanwhile wait here, in arrival order.
   absl::Time recovery_deadline = absl::InfiniteFuture();
   std::vector<std::pair<int, v1::MicrobatchPlan>> deferred_plans;
+  // The cost model the engine decides by (manifest order) and the budget it was given.
+  std::vector<ModuleCostModel> cost_model;
+  int64_t registered_budget = 0;  // Smallest memory_budget_bytes of the members.
 
   bool Has(int rank) const { return rank >= ranks.front() && rank <= ranks.back(); }
   int IndexOf(int rank) const { return rank - ranks.front(); }
@@ -152,6 +157,12 @@ class ShardGroup {
   // Tells the engine the smallest memory budget of the members (auto's promotion); its seq
   // and state go on. Returns that budget.
   int64_t SetPromotionBudget();
+  // Keeps member `idx`'s cost report (bounded by the manifest; bad numbers dropped) and, when
+  // the group's cost model or measured budget moved by more than a tenth, hands the engine
+  // the new one; returns what changed for the event ("" when the engine's model stays).
+  std::string TakeCosts(int idx, const v1::Heartbeat& heartbeat);
+  // The smallest budget of the members: registered, lowered by what every member measured.
+  int64_t EffectiveBudget() const;
   // The plan's key and calls checked against the manifest; `who` names the sender.
   absl::StatusOr<PlanCalls> ParsePlan(const v1::MicrobatchPlan& plan, const MicrobatchKey& key,
                                       const std::string& who) const;
@@ -165,6 +176,9 @@ class ShardGroup {
   void RecordDecision(const v1::MicrobatchDecision& d, int keep);
   // Keys start afresh (a new epoch, a rerun): nothing pending or resolved, nothing planned.
   void RestartKeys();
+
+ private:
+  std::string UpdateCostModel();
 };
 
 // A group and the mutex that guards it. The hot path takes it with the core's lock held

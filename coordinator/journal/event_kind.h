@@ -35,6 +35,8 @@ namespace shardcoord::coordinator {
   X(kModulePromoted, "module_promoted")                           \
   X(kModuleDemoted, "module_demoted")                             \
   X(kModuleStickyReplicate, "module_sticky_replicate")            \
+  X(kModuleCostChoice, "module_cost_choice")                      \
+  X(kGroupCostModel, "group_cost_model")                          \
   X(kCommForming, "comm_forming")                                 \
   X(kCommReady, "comm_ready")                                     \
   X(kCommClosed, "comm_closed")                                   \

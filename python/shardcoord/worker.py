@@ -129,6 +129,16 @@ class Worker:
         """(module, resident_bytes, peak_bytes, gathered_bytes) per controlled module; shown by shardctl."""
         self._native.report_memory(list(usage))
 
+    def report_costs(self, costs: Sequence[Tuple[str, float, Sequence[Tuple[str, int, float]]]],
+                     frozen_budget_bytes: int = 0) -> None:
+        """What the controlled modules cost on this rank, for the coordinator's cost-aware ``auto``:
+        ``(module, forward_seconds_per_call, [(unit, gather_bytes, gather_seconds), ...])`` per module
+        (medians of recent microbatches; ``shardcoord.torch.CostMeter`` measures them), and the bytes
+        frozen modules may hold at once here (0: not measured). Sent with a heartbeat, at most once
+        every 5 s (the latest report wins); never blocks."""
+        self._native.report_costs([(m, float(f), [tuple(u) for u in units]) for m, f, units in costs],
+                                  int(frozen_budget_bytes))
+
     def health(self) -> None:
         """Returns while the session is usable; raises why it is not."""
         self._native.health()

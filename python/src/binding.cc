@@ -125,6 +125,18 @@ class PyWorker {
     worker().ReportMemory(u);
   }
 
+  using UnitCostTuple = std::tuple<std::string, int64_t, double>;
+  void ReportCosts(const std::vector<std::tuple<std::string, double, std::vector<UnitCostTuple>>>& costs,
+                   int64_t frozen_budget_bytes) {
+    std::vector<ModuleCost> c;
+    for (const auto& [module, forward, units] : costs) {
+      ModuleCost mc{module, forward, {}};
+      for (const auto& [unit, bytes, seconds] : units) mc.units.push_back({unit, bytes, seconds});
+      c.push_back(std::move(mc));
+    }
+    worker().ReportCosts(c, frozen_budget_bytes);
+  }
+
   void Health() const { Check(worker().Health()); }
   void JobHealth() const { Check(worker().JobHealth()); }
   int UndecidedPlans() const { return worker().UndecidedPlans(); }
@@ -188,6 +200,7 @@ void BindWorker(py::module_& m) {
       .def("report_plan", &PyWorker::ReportPlan, py::arg("step"), py::arg("microbatch"), py::arg("calls"))
       .def("get_decision", &PyWorker::GetDecision, py::arg("step"), py::arg("microbatch"), py::arg("timeout"))
       .def("report_memory", &PyWorker::ReportMemory, py::arg("usage"))
+      .def("report_costs", &PyWorker::ReportCosts, py::arg("costs"), py::arg("frozen_budget_bytes") = 0)
       .def("health", &PyWorker::Health)
       .def("job_health", &PyWorker::JobHealth)
       .def("undecided_plans", &PyWorker::UndecidedPlans)

@@ -40,7 +40,7 @@ std::vector<T> ListOf(const py::iterable& items, const char* what, const char* t
 // built the same way.
 struct PyModuleDecision {
   std::string decision;  // "per_layer", "skip", "root" or "replicate".
-  std::string reason;    // "uniform", "all_skip", "divergent", "static_policy", "sticky_replicate", "promoted".
+  std::string reason;    // "uniform", "all_skip", "divergent", "static_policy", "sticky_replicate", "promoted", "cost".
 };
 
 struct PyDecision {

@@ -112,6 +112,31 @@ def test_shardctl_ranks_sums_huge_memory_reports_without_overflow(daemon):
         assert "overflow" in line, out.stdout + out.stderr
 
 
+def test_cost_reports_make_auto_decide_by_cost(daemon):
+    """Issue 28: both ranks report that gathering the tower costs twice its forward; a
+    microbatch that calls it twice on every rank then gathers it once (root, reason cost)
+    instead of once per call (per_layer), and the events say which numbers decided."""
+    with connect(daemon, 0) as w0, connect(daemon, 1) as w1:
+        for w in (w0, w1):
+            w.report_costs([("model.visual", 0.010, [("blocks.0", 2048, 0.010), ("blocks.1", 2048, 0.010)])])
+        deadline, events = time.monotonic() + 20, ""
+        while time.monotonic() < deadline:  # The reports go with the next heartbeats: wait for the model.
+            out = subprocess.run([os.environ["SHARDCTL"], "events", "--job", "job", "--coordinator", daemon.address],
+                                 capture_output=True, text=True, timeout=30)
+            events = out.stdout
+            if "group_cost_model" in events:
+                break
+            time.sleep(0.05)
+        assert "forward 0.0100 s/call, gather 0.0200 s" in events, events
+        for w in (w0, w1):
+            w.report_plan(0, 0, {"model.visual": 2, "model.audio_tower": 0})
+        d0, d1 = w0.get_decision(0, 0, timeout=30), w1.get_decision(0, 0, timeout=30)
+        assert d0 == d1
+        assert d0["model.visual"] == shardcoord.ModuleDecision("root", "cost")
+        with pytest.raises(ValueError):
+            w0.report_costs([("model.visual", "fast", [])])
+
+
 def test_a_trainer_stopping_on_an_error_leaves_cleanly_naming_it(daemon):
     """Issue 25: ranks that stopped because another died were themselves "declared dead: session
     stream lost", and the ranks left behind named them instead of the first cause."""

@@ -3,10 +3,11 @@
 #include "coordinator/core/coordinator_core.h"
 
 #include <gmock/gmock.h>
-#include <algorithm>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <functional>
 #include <thread>
 
@@ -967,6 +968,70 @@ TEST_F(CoreTest, ABundleCountsAsHeartbeatAndItsPlansAreDecidedLikeSeparateMessag
   core_->Tick();
   EXPECT_EQ(RankStatusOf(0).state(), v1::RANK_STATE_LIVE);
   EXPECT_EQ(RankStatusOf(1).state(), v1::RANK_STATE_DEAD);
+}
+
+// Cost-aware auto (issue 28): members' cost reports become the group's model (the slowest
+// member's numbers), said in one event, and decide the next microbatch.
+TEST_F(CoreTest, CostReportsBecomeTheGroupsModelAndDecide) {
+  RegisterAll();
+  auto report = [&](int rank, double forward, double gather) {
+    v1::WorkerBundle bundle;
+    auto* c = bundle.mutable_heartbeat()->add_costs();
+    c->set_module("vision_tower");
+    c->set_forward_seconds_per_call(forward);
+    auto* u = c->add_units();
+    u->set_unit("whole");
+    u->set_gather_bytes(1000);
+    u->set_gather_seconds(gather);
+    core_->OnBundle(sessions_[rank], bundle);
+  };
+  report(0, 0.010, 0.020);
+  report(1, 0.012, 0.015);  // Slower forward, faster gather: the model takes the larger of each.
+  int model_events = 0;
+  for (const auto& e : core_->Events("job", 0, 100)) {
+    if (e.kind() != "group_cost_model") continue;
+    ++model_events;
+    EXPECT_EQ(e.group(), 0);
+  }
+  EXPECT_EQ(model_events, 2);  // The second report moved forward by 20 %.
+  report(1, 0.0121, 0.015);    // Within a tenth: the engine's model stays, no event.
+  int after = 0;
+  for (const auto& e : core_->Events("job", 0, 100)) after += e.kind() == "group_cost_model";
+  EXPECT_EQ(after, 2);
+  // Both ranks call the tower twice: gathering once (root) beats gathering per call.
+  Plan(0, 0, 0, 2);
+  Plan(1, 0, 0, 2);
+  ASSERT_EQ(sinks_[0]->Decisions().size(), 1u);
+  const auto& md = sinks_[0]->Decisions()[0].modules(0);
+  EXPECT_EQ(md.decision(), v1::DECISION_ROOT);
+  EXPECT_EQ(md.reason(), v1::REASON_COST);
+  bool said = false;
+  for (const auto& e : core_->Events("job", 0, 100)) {
+    said |= e.kind() == "module_cost_choice" && e.message().find("root 0.0440 s <= per_layer") != std::string::npos;
+  }
+  EXPECT_TRUE(said);
+}
+
+TEST_F(CoreTest, HostileCostReportsAreBoundedAndBadNumbersDropped) {
+  RegisterAll();
+  v1::WorkerBundle bundle;
+  for (const char* module : {"vision_tower", "vision_tower", "not_in_manifest"}) {
+    auto* c = bundle.mutable_heartbeat()->add_costs();
+    c->set_module(module);
+    c->set_forward_seconds_per_call(std::nan(""));
+    for (int i = 0; i < 1000; ++i) {
+      auto* u = c->add_units();
+      u->set_unit("u" + std::to_string(i));
+      u->set_gather_seconds(i == 0 ? 1e12 : -1);  // An absurd time, then negative ones.
+    }
+  }
+  core_->OnBundle(sessions_[0], bundle);
+  // Nothing usable was reported: no model, the counting rule decides.
+  for (const auto& e : core_->Events("job", 0, 100)) EXPECT_NE(e.kind(), "group_cost_model") << e.message();
+  Plan(0, 0, 0, 2);
+  Plan(1, 0, 0, 2);
+  ASSERT_EQ(sinks_[0]->Decisions().size(), 1u);
+  EXPECT_EQ(sinks_[0]->Decisions()[0].modules(0).decision(), v1::DECISION_PER_LAYER);
 }
 
 TEST_F(CoreTest, MemoryReportsKeepOneEntryPerModuleOfTheManifest) {

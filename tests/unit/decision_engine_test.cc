@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "shardcoord/cost.h"
 #include "shardcoord/decide.h"
 #include "shardcoord/types.h"
 
@@ -21,6 +22,7 @@ using shardcoord::coordinator::EngineTransition;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::IsEmpty;
+using ::testing::Not;
 
 using Calls = std::vector<std::vector<int32_t>>;  // [module][member]
 
@@ -398,6 +400,100 @@ TEST(DecisionEngineTest, TwoEnginesFedTheSameSequenceDecideIdentically) {
     EXPECT_EQ(ta[i].detail, tb[i].detail);
   }
   EXPECT_GT(promoted_seen, 0) << "the sequence should exercise promotion";
+}
+
+// ---- Cost-aware auto (DESIGN 3): the same engine once the group's members reported costs.
+
+// PromotionConfig's module (1000 bytes in two units, window 4) with forward 10 ms a call and gathering 20 ms.
+EngineConfig CostConfig(int64_t budget) {
+  EngineConfig c = PromotionConfig();
+  c.group_size = 2;
+  c.min_memory_budget_bytes = budget;
+  c.modules[0].units = {{"layers.0", 500}, {"layers.1", 500}};
+  c.costs = {ModuleCostModel{0.010, 0.020}};
+  return c;
+}
+
+TEST(DecisionEngineCostTest, RootWhenTheTowerRunsTwiceAndGatheringOnceIsCheaper) {
+  DecisionEngine engine(CostConfig(/*budget=*/0));  // No budget: no replica; root fits.
+  std::vector<EngineTransition> t;
+  ExpectModule(engine.Decide({0, 0}, 0, {{1, 1}}, &t), 0, "vision_tower", Decision::kPerLayer,
+               DecisionReason::kUniform);
+  EXPECT_THAT(t, IsEmpty());
+  ExpectModule(engine.Decide({0, 1}, 0, {{2, 2}}, &t), 0, "vision_tower", Decision::kRoot, DecisionReason::kCost);
+  ASSERT_THAT(Whats(t), ElementsAre("cost_choice"));
+  EXPECT_THAT(t[0].detail, HasSubstr("root 0.0400 s <= per_layer 0.0600 s for 2 call(s)"));
+  ExpectModule(engine.Decide({0, 2}, 0, {{2, 2}}, &t), 0, "vision_tower", Decision::kRoot, DecisionReason::kCost);
+  EXPECT_THAT(Whats(t), ElementsAre("cost_choice"));  // Said once, not per microbatch.
+  ExpectModule(engine.Decide({0, 3}, 0, {{1, 1}}, &t), 0, "vision_tower", Decision::kPerLayer,
+               DecisionReason::kUniform);
+  ASSERT_THAT(Whats(t), ElementsAre("cost_choice", "cost_choice"));
+  EXPECT_THAT(t[1].detail, HasSubstr("contract's rule again"));
+}
+
+TEST(DecisionEngineCostTest, ABudgetBelowTheTowerKeepsPerLayerAndNeverReplicates) {
+  DecisionEngine engine(CostConfig(/*budget=*/600));  // A unit (500) fits, the tower (1000) not.
+  std::vector<EngineTransition> t;
+  for (int i = 0; i < 8; ++i) {
+    ExpectModule(engine.Decide({i, 0}, 0, {{2, 2}}, &t), 0, "vision_tower", Decision::kPerLayer,
+                 DecisionReason::kUniform);
+  }
+  // Divergent calls: root is the one placement that cannot hang, over the budget or not.
+  ExpectModule(engine.Decide({8, 0}, 0, {{1, 0}}, &t), 0, "vision_tower", Decision::kRoot,
+               DecisionReason::kDivergent);
+  ASSERT_THAT(Whats(t), ElementsAre("cost_choice"));
+  EXPECT_THAT(t[0].detail, HasSubstr("nothing safe fits the budget"));
+}
+
+TEST(DecisionEngineCostTest, PromotesWhenTheSavingsPayForTheReplicaAndDemotesWhenTheyStop) {
+  DecisionEngine engine(CostConfig(/*budget=*/kTowerBytes));
+  std::vector<EngineTransition> t;
+  // One gathering microbatch saves 20 ms: as much as building the replica costs.
+  ExpectModule(engine.Decide({0, 0}, 0, kDivergent1, &t), 0, "vision_tower", Decision::kRoot,
+               DecisionReason::kDivergent);
+  ASSERT_THAT(Whats(t), ElementsAre("promoted"));
+  EXPECT_THAT(t[0].detail, HasSubstr("by cost: a replica would have saved 0.0200 s"));
+  for (int i = 1; i <= 3; ++i) {
+    ExpectModule(engine.Decide({i, 0}, 0, kSkip1, &t), 0, "vision_tower", Decision::kReplicate,
+                 DecisionReason::kPromoted);
+  }
+  EXPECT_THAT(Whats(t), ElementsAre("promoted"));  // The window still holds the saving.
+  engine.Decide({4, 0}, 0, kSkip1, &t);             // Four skips: nothing saved in the window.
+  ASSERT_THAT(Whats(t), ElementsAre("promoted", "demoted"));
+  ExpectModule(engine.Decide({5, 0}, 0, kSkip1, &t), 0, "vision_tower", Decision::kSkip, DecisionReason::kAllSkip);
+}
+
+TEST(DecisionEngineCostTest, AReplicaThatNoLongerFitsIsDemoted) {
+  DecisionEngine engine(CostConfig(/*budget=*/kTowerBytes));
+  std::vector<EngineTransition> t;
+  engine.Decide({0, 0}, 0, kUniform1, &t);
+  ASSERT_THAT(Whats(t), ElementsAre("promoted"));
+  engine.SetMinMemoryBudget(kTowerBytes - 1);  // A member measured less room.
+  ExpectModule(engine.Decide({1, 0}, 0, kUniform1, &t), 0, "vision_tower", Decision::kReplicate,
+               DecisionReason::kPromoted);
+  ASSERT_THAT(Whats(t), ElementsAre("promoted", "demoted"));
+  EXPECT_THAT(t[1].detail, HasSubstr("it no longer fits"));
+  ExpectModule(engine.Decide({2, 0}, 0, kUniform1, &t), 0, "vision_tower", Decision::kPerLayer,
+               DecisionReason::kUniform);
+}
+
+TEST(DecisionEngineCostTest, WithoutMeasuresAutoCountsAsBefore) {
+  EngineConfig c = CostConfig(kTowerBytes);
+  c.costs = {ModuleCostModel{}};  // Reported nothing yet.
+  DecisionEngine engine(c);
+  std::vector<EngineTransition> t;
+  engine.Decide({0, 0}, 0, kDivergent1, &t);
+  EXPECT_THAT(t, IsEmpty());  // The counting rule promotes at 2 of 4, not at the first.
+  engine.Decide({0, 1}, 0, kDivergent1, &t);
+  EXPECT_THAT(Whats(t), ElementsAre("promoted"));
+  EXPECT_THAT(t[0].detail, Not(HasSubstr("by cost")));
+}
+
+TEST(DecisionEngineCostTest, PerLayerPolicyIgnoresCosts) {
+  EngineConfig c = CostConfig(0);
+  c.policy = Policy::kPerLayer;
+  DecisionEngine engine(c);
+  ExpectModule(engine.Decide({0, 0}, 0, {{2, 2}}), 0, "vision_tower", Decision::kPerLayer, DecisionReason::kUniform);
 }
 
 }  // namespace

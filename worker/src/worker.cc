@@ -374,6 +374,9 @@ absl::Status Worker::AwaitGroupReady(absl::Duration timeout) {
   return impl_->AwaitGroupReady(timeout);
 }
 void Worker::ReportMemory(const std::vector<ModuleMemoryUsage>& usage) { impl_->ReportMemory(usage); }
+void Worker::ReportCosts(const std::vector<ModuleCost>& costs, int64_t frozen_budget_bytes) {
+  impl_->ReportCosts(costs, frozen_budget_bytes);
+}
 int Worker::UndecidedPlans() const { return impl_->UndecidedPlans(); }
 absl::Status Worker::Health() const { return impl_->Health(); }
 absl::Status Worker::JobHealth() const { return impl_->JobHealth(); }

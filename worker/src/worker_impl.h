@@ -80,6 +80,12 @@ class Worker::Impl {
     memory_ = usage;
     memory_dirty_ = true;
   }
+  void ReportCosts(const std::vector<ModuleCost>& costs, int64_t frozen_budget_bytes) {
+    absl::MutexLock lock(&mu_);
+    costs_ = costs;
+    frozen_budget_bytes_ = frozen_budget_bytes;
+    costs_dirty_ = true;
+  }
   absl::Status Health() const {
     absl::MutexLock lock(&mu_);
     if (!session_status_.ok()) return session_status_;
@@ -187,6 +193,10 @@ class Worker::Impl {
   std::deque<v1::MicrobatchPlan> outbox_ ABSL_GUARDED_BY(mu_);
   std::vector<ModuleMemoryUsage> memory_ ABSL_GUARDED_BY(mu_);
   bool memory_dirty_ ABSL_GUARDED_BY(mu_) = false;  // Not sent yet: send without waiting.
+  std::vector<ModuleCost> costs_ ABSL_GUARDED_BY(mu_);
+  int64_t frozen_budget_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  bool costs_dirty_ ABSL_GUARDED_BY(mu_) = false;  // Not sent yet: goes with a heartbeat.
+  absl::Time costs_sent_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   // GetDecision calls that waited for their decision, and how long in all (heartbeats carry them).
   int64_t decision_stalls_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Duration decision_stall_time_ ABSL_GUARDED_BY(mu_);

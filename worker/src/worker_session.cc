@@ -401,6 +401,24 @@ void Worker::Impl::FillHeartbeat(v1::Heartbeat* hb) {
     pm->set_peak_bytes(m.peak_bytes);
     pm->set_gathered_bytes(m.gathered_bytes);
   }
+  // Costs only when new, and not more often than kCostReportInterval: the coordinator
+  // recomputes its group's model from them (DESIGN 3).
+  const absl::Time now = absl::Now();
+  if (!costs_dirty_ || now < costs_sent_ + kCostReportInterval) return;
+  costs_dirty_ = false;
+  costs_sent_ = now;
+  hb->set_frozen_budget_bytes(frozen_budget_bytes_);
+  for (const ModuleCost& c : costs_) {
+    auto* pc = hb->add_costs();
+    pc->set_module(c.module);
+    pc->set_forward_seconds_per_call(c.forward_seconds_per_call);
+    for (const UnitCost& u : c.units) {
+      auto* pu = pc->add_units();
+      pu->set_unit(u.unit);
+      pu->set_gather_bytes(u.gather_bytes);
+      pu->set_gather_seconds(u.gather_seconds);
+    }
+  }
 }
 
 void Worker::Impl::TakeOutbox(v1::PlanBatch* batch) {

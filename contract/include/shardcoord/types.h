@@ -32,6 +32,7 @@ enum class DecisionReason : int {
   kDivergent = 4,
   kStickyReplicate = 5,
   kPromoted = 6,
+  kCost = 7,  // Cost-aware `auto` chose a safe placement other than the rule's.
 };
 
 // Lower-case names used in flags, config files, JSON and logs: "auto", "per_layer",

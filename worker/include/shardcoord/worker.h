@@ -50,6 +50,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "shardcoord/communicator.h"
+#include "shardcoord/cost.h"
 #include "shardcoord/export.h"
 #include "shardcoord/types.h"
 
@@ -88,6 +89,9 @@ struct TlsFiles {
 SHARDCOORD_EXPORT TlsFiles ResolveTls(const TlsFiles& explicit_files);
 inline constexpr absl::Duration kDefaultConnectTimeout = absl::Seconds(30);
 inline constexpr absl::Duration kDefaultReconnectWindow = absl::Seconds(30);
+// How often at most a worker sends its cost report (Worker::ReportCosts): the coordinator
+// recomputes its group's cost model from each, so a large group's reports stay cheap.
+inline constexpr absl::Duration kCostReportInterval = absl::Seconds(5);
 // How long Close waits for the coordinator to end the session after the goodbye. Normally
 // milliseconds; the bound matters when the coordinator is paused: a session cancelled before
 // the coordinator read the goodbye counts as a death (its group fails), so it is generous.
@@ -163,6 +167,13 @@ class SHARDCOORD_EXPORT Worker {
   // executor's MemoryUsage()); sent with the next heartbeat, shown by `shardctl ranks`.
   // Never blocks.
   void ReportMemory(const std::vector<ModuleMemoryUsage>& usage);
+
+  // Reports what the controlled modules cost on this rank (medians of recent microbatches:
+  // forward seconds per call, each unit's all-gather) and, when measured, the bytes frozen
+  // modules may hold at once here (0: not measured). The coordinator's cost-aware `auto`
+  // decides by the slowest member's numbers (DESIGN 3). Sent with a heartbeat, at most once
+  // per kCostReportInterval (the latest report wins). Never blocks.
+  void ReportCosts(const std::vector<ModuleCost>& costs, int64_t frozen_budget_bytes = 0);
 
   // Plans reported whose decision has not arrived yet.
   int UndecidedPlans() const;
