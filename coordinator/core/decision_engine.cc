@@ -32,7 +32,7 @@ ModuleDecision DecisionEngine::DecideModule(size_t m, const std::vector<int32_t>
   ModuleState& st = state_[m];
   const RuleOutcome rule = ApplyContract(config_.policy, config_.fallback, calls);
   const bool divergent = rule.reason == DecisionReason::kDivergent;
-  const bool by_cost = config_.policy == Policy::kAuto && CostKnown(m);
+  const bool by_cost = config_.policy == Policy::kAuto && config_.promotion.by_cost && CostKnown(m);
 
   ModuleDecision md{spec.name, rule.decision, rule.reason};
   if (st.sticky_replicate) {

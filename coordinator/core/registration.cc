@@ -246,7 +246,8 @@ std::string DescribeManifestDifference(const v1::RegisterRequest& a, int rank_a,
 uint64_t DecisionConfigDigest(const CoordinatorOptions& options) {
   const std::string text = absl::StrCat("promote_window=", options.promotion.window,
                                         " promote_threshold=", options.promotion.promote_threshold,
-                                        " demote_threshold=", options.promotion.demote_threshold);
+                                        " demote_threshold=", options.promotion.demote_threshold,
+                                        options.promotion.by_cost ? "" : " auto_by_cost=false");
   return Fnv1a(text);
 }
 

@@ -98,6 +98,8 @@ void AddDecisionSettings(std::vector<Setting>& t) {
       Setting("demote_threshold", OPTION_FIELD(promotion.demote_threshold),
               "auto promotion: at most this many gathering microbatches in a full window demotes")
           .Range(0, kUnbounded),
+      Setting("auto_by_cost", OPTION_FIELD(promotion.by_cost),
+              "auto decides by the costs workers measure, once they report them (false: by counting only)"),
       Setting("event_capacity", OPTION_FIELD(event_capacity), "events kept for shardctl events").Range(1, kUnbounded),
       Setting("decision_history", OPTION_FIELD(decision_history), "decisions kept per group for shardctl decisions")
           .Range(1, kUnbounded),

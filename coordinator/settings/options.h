@@ -89,6 +89,9 @@ struct PromotionOptions {
   int window = kDefaultPromoteWindow;
   int promote_threshold = kDefaultPromoteThreshold;
   int demote_threshold = kDefaultDemoteThreshold;
+  // Cost-aware `auto` (DESIGN 3): once a group's members reported what a module costs, decide
+  // it by the estimated time within the budget; false: by counting alone, whatever they report.
+  bool by_cost = true;
 };
 
 // Most plans one PlanBatch may carry for a rank of lookahead `window` (the worker sends at

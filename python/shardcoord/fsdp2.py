@@ -7,7 +7,7 @@ Needs torch >= 2.6 (``torch.distributed.fsdp.fully_shard``). Usage, on every ran
     ctl = fsdp2.shard(model, manifest, mesh=mesh)               # instead of your fully_shard calls
     ...
     for step, mb, batch, decision in plan_ahead:                # shardcoord.torch.PlanAhead
-        ctl.begin_microbatch(decision)
+        ctl.begin_microbatch(decision, calls=plan_fn(batch))    # calls: this rank's plan (root releases early)
         loss = model(**batch).loss
         loss.backward()
         ctl.end_microbatch()
@@ -24,7 +24,16 @@ What each decision does, so that every rank of the shard group issues the same c
 - ``skip``: nothing; no rank calls the module, so no rank gathers it.
 - ``root``: every rank gathers every unit up front (``unshard()``, in manifest order) with
   reshard-after-forward off for the microbatch, so a unit's forward issues no all-gather whether or
-  not this rank calls it; ``end_microbatch`` reshards (local, no collective).
+  not this rank calls it. Releasing is local (``reshard()``, no collective), so each rank releases
+  when it no longer needs the tower: with ``root_release="after_forward"`` (the default) and this
+  rank's planned calls given to ``begin_microbatch(decision, calls)``, right after the rank's last
+  planned call of the module (at once, unit by unit, when it plans none). A frozen tower takes no
+  part in backward, so holding it gathered through the backward only raised the peak (by the whole
+  tower, at the moment decoder activations peak: ../shared/FSDP2-NOTES.md, "Memory of the
+  placements"). A call after the release would all-gather on this rank alone (a hang): it raises
+  FailedPrecondition instead. Without ``calls``, with ``root_release="end_of_microbatch"``, or when
+  the module's output needs grad (its backward would need the weights), ``end_microbatch`` reshards
+  after the backward, as before.
 - ``replicate``: a full copy that FSDP does not manage, made (one all-gather per parameter, same
   order on every rank) at the first replicate decision and kept while decisions stay replicate; the
   module's forward runs the copy, so its FSDP units issue nothing. Holding FSDP units unsharded
@@ -60,7 +69,7 @@ from __future__ import annotations
 import copy
 import functools
 import warnings
-from typing import TYPE_CHECKING, Dict, Iterable, List, Optional
+from typing import TYPE_CHECKING, Dict, Iterable, List, Mapping, Optional
 
 import torch
 from torch import nn
@@ -81,6 +90,10 @@ def available() -> bool:
     return fully_shard is not None
 
 
+#: How a ``root`` decision releases the gathered module (see the module's documentation).
+ROOT_RELEASES = ("after_forward", "end_of_microbatch")
+
+
 class _Controlled:
     """One controlled module with a layer list: its FSDP units and its replica."""
 
@@ -92,49 +105,148 @@ class _Controlled:
         self.template = copy.deepcopy(module).to("meta")  # Structure for the replica; no memory.
         self.replica: Optional[nn.Module] = None
         self.decision = "skip"
-        self.root_gathered = False
+        self.root_gathered = False  # Root: units gathered, reshard-after-forward off.
+        self.planned: Optional[int] = None  # Root, released early: this rank's planned calls.
+        self.calls_done = 0  # Calls of the module in this microbatch.
+        self.released = False  # Root: released after the last planned call; a further call would hang.
+
+    def gather_root(self, planned: Optional[int]) -> None:
+        """Root: gathers every unit (same order on every rank). With ``planned`` (this rank's
+        planned calls; None: keep until end_microbatch) 0, each unit is released right after its
+        gather: the rank issues the group's collectives and holds at most one unit."""
+        self.planned, self.calls_done = planned, 0
+        for unit in self.units:
+            unit.set_reshard_after_forward(False, recurse=False)
+        if planned == 0:
+            for unit in self.units:
+                unit.unshard()
+                unit.reshard()  # Local: no collective.
+            self._restore()
+            self.released = True
+            return
+        for unit in self.units:
+            unit.unshard()
+        self.root_gathered = True
+
+    def release_root(self) -> None:
+        """Reshards every unit root gathered (local, no collective)."""
+        if self.root_gathered:
+            for unit in self.units:
+                unit.reshard()
+            self._restore()
+            self.root_gathered = False
+
+    def _restore(self) -> None:
+        for unit in self.units:
+            unit.set_reshard_after_forward(True, recurse=False)
+
+    def before_call(self) -> None:
+        if self.decision == "root" and self.released:
+            raise FailedPrecondition(
+                f"fsdp2: '{self.name}' is called under `root` after this rank's {self.planned} planned "
+                f"call(s) of the microbatch, and root released its gathered units after the last one: running it now "
+                f"would all-gather on this rank only (a hang). Pass the calls this rank makes (the plan reported "
+                f"for the microbatch) to begin_microbatch, or shard(..., root_release='end_of_microbatch')")
+
+    def after_call(self, output) -> None:
+        """Root, released early: after the last planned call, release (unless backward needs it)."""
+        if self.decision != "root" or self.planned is None or not self.root_gathered:
+            return
+        self.calls_done += 1
+        if self.calls_done < self.planned:
+            return
+        if torch.is_grad_enabled() and _requires_grad(output):
+            _warn_once(f"shardcoord.fsdp2: the output of '{self.name}' requires grad, so its backward needs the "
+                       f"gathered weights: root keeps them until end_microbatch (run a frozen module under "
+                       f"torch.no_grad(), with inputs that need no grad, to release it after its forward)")
+            self.planned = None
+            return
+        self.release_root()
+        self.released = True
+
+    def end(self) -> None:
+        self.release_root()
+        self.planned, self.calls_done, self.released = None, 0, False
 
 
 class Fsdp2Control:
-    """Returned by :func:`shard`. Not thread-safe: call from the training loop."""
+    """Returned by :func:`shard`. Not thread-safe: call from the training loop.
 
-    def __init__(self, controlled: Dict[str, _Controlled], left_in_root: List[str], root: nn.Module):
+    ``root_release`` (one of :data:`ROOT_RELEASES`, settable between microbatches): when a ``root``
+    decision releases the gathered module; see the module's documentation."""
+
+    def __init__(self, controlled: Dict[str, _Controlled], left_in_root: List[str], root: nn.Module,
+                 root_release: str = "after_forward"):
         self._root = root  # The model: its root unit holds the rest units' parameters.
         self._controlled = controlled
         self.left_in_root = left_in_root  # Controlled modules without a layer list.
         self._in_microbatch = False
+        self.root_release = root_release
 
-    def begin_microbatch(self, decision: Decision) -> None:
-        """Applies the group's decision before the microbatch's forward. Identical on every rank."""
+    @property
+    def root_release(self) -> str:
+        return self._root_release
+
+    @root_release.setter
+    def root_release(self, value: str) -> None:
+        if value not in ROOT_RELEASES:
+            raise InvalidArgument(f"root_release must be one of {', '.join(ROOT_RELEASES)}, got {value!r}")
+        if getattr(self, "_in_microbatch", False):
+            raise FailedPrecondition("root_release changed inside a microbatch; change it between microbatches")
+        self._root_release = value
+
+    def begin_microbatch(self, decision: Decision, calls: Optional[Mapping[str, int]] = None) -> None:
+        """Applies the group's decision before the microbatch's forward. Identical on every rank.
+
+        ``calls``: how often this rank will call each controlled module in the microbatch (the plan
+        it reported); under ``root`` the module is released right after the last of them (module
+        absent from ``calls``: at ``end_microbatch``)."""
         if self._in_microbatch:
             raise FailedPrecondition("begin_microbatch called twice; call end_microbatch after each backward")
+        chosen = self._chosen(decision)
+        planned = self._planned(calls)
         for name, c in self._controlled.items():
+            c.decision = chosen[name]
+            if c.decision != "replicate" and c.replica is not None:
+                c.replica = None  # Back to sharded: free the copy.
+            if c.decision == "root":
+                c.gather_root(planned.get(name) if self._root_release == "after_forward" else None)
+            elif c.decision == "replicate" and c.replica is None:
+                c.replica = _materialize(c, self._root)
+        self._in_microbatch = True
+
+    def _chosen(self, decision: Decision) -> Dict[str, str]:
+        """module -> decision for every controlled module, checked before any module changes."""
+        chosen = {}
+        for name in self._controlled:
             md = decision.modules.get(name)
             if md is None:
                 raise InvalidArgument(f"the decision names no module '{name}'; the manifest registered with the "
                                       f"coordinator must be the one given to fsdp2.shard")
-            c.decision = md.decision
-            if md.decision != "replicate" and c.replica is not None:
-                c.replica = None  # Back to sharded: free the copy.
-            if md.decision == "root":
-                for unit in c.units:
-                    unit.set_reshard_after_forward(False, recurse=False)
-                for unit in c.units:  # Same order on every rank.
-                    unit.unshard()
-                c.root_gathered = True
-            elif md.decision == "replicate" and c.replica is None:
-                c.replica = _materialize(c, self._root)
-        self._in_microbatch = True
+            chosen[name] = md.decision
+        return chosen
+
+    def _planned(self, calls: Optional[Mapping[str, int]]) -> Dict[str, int]:
+        if calls is None:
+            return {}
+        planned = {}
+        for name, n in calls.items():
+            if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+                raise InvalidArgument(f"calls['{name}'] must be a non-negative int (this rank's planned calls), "
+                                      f"got {n!r}")
+            if name in self._controlled:
+                planned[name] = n
+        return planned
 
     def end_microbatch(self) -> None:
-        """After the microbatch's backward: releases what ``root`` gathered (local, no collective)."""
+        """After the microbatch's backward: releases what ``root`` still holds (local, no collective)."""
         for c in self._controlled.values():
-            if c.root_gathered:
-                for unit in c.units:
-                    unit.reshard()
-                    unit.set_reshard_after_forward(True, recurse=False)
-                c.root_gathered = False
+            c.end()
         self._in_microbatch = False
+
+    def gathered(self, module: str) -> bool:
+        """Whether ``root`` holds ``module``'s units gathered now (False once released)."""
+        return self._controlled[module].root_gathered
 
     def release(self) -> None:
         """Frees every replica (outside a microbatch; local, no collective). The next ``replicate``
@@ -144,6 +256,25 @@ class Fsdp2Control:
         for c in self._controlled.values():
             c.replica = None
             c.decision = "skip"
+
+
+_warned: set = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def _requires_grad(output) -> bool:
+    if isinstance(output, torch.Tensor):
+        return output.requires_grad
+    if isinstance(output, Mapping):
+        return any(_requires_grad(v) for v in output.values())
+    if isinstance(output, (tuple, list)):
+        return any(_requires_grad(v) for v in output)
+    return any(_requires_grad(v) for v in vars(output).values()) if hasattr(output, "__dataclass_fields__") else False
 
 
 def _materialize(c: _Controlled, root: nn.Module) -> nn.Module:
@@ -199,12 +330,16 @@ def _units_of(module: nn.Module, spec: ModuleSpec) -> List[nn.Module]:
 
 
 def shard(model: nn.Module, manifest: Iterable[ModuleSpec], mesh=None, fill_missing_grads: bool = True,
-          **fully_shard_kwargs) -> Fsdp2Control:
+          root_release: str = "after_forward", **fully_shard_kwargs) -> Fsdp2Control:
     """Applies ``fully_shard`` to each layer unit of every controlled module and then to ``model``
     (the root unit), and returns the controller that carries out decisions. Other submodules you
     want as separate units: ``fully_shard`` them yourself before calling this (not inside
     controlled modules). ``fill_missing_grads``: see the module's documentation (trainable
-    parameters only media batches use)."""
+    parameters only media batches use). ``root_release``: when a ``root`` decision releases the
+    gathered module, ``"after_forward"`` (after this rank's last planned call, when
+    ``begin_microbatch`` is given the calls) or ``"end_of_microbatch"`` (after the backward)."""
+    if root_release not in ROOT_RELEASES:
+        raise InvalidArgument(f"root_release must be one of {', '.join(ROOT_RELEASES)}, got {root_release!r}")
     if fully_shard is None:
         raise FailedPrecondition(f"FSDP2 needs torch >= 2.6 (torch.distributed.fsdp.fully_shard); this is torch "
                                  f"{torch.__version__}: use shardcoord.torch.Executor instead")
@@ -234,7 +369,7 @@ def shard(model: nn.Module, manifest: Iterable[ModuleSpec], mesh=None, fill_miss
     fully_shard(model, **kwargs)
     if fill_missing_grads:
         _fill_missing_grads(model)
-    return Fsdp2Control(controlled, left_in_root, model)
+    return Fsdp2Control(controlled, left_in_root, model, root_release)
 
 
 def _fill_missing_grads(model: nn.Module) -> None:
@@ -273,7 +408,9 @@ def _fill_missing_grads(model: nn.Module) -> None:
 
 
 def _route_forward(c: _Controlled) -> None:
-    """Under ``replicate`` the module's forward runs the replica (its FSDP units stay idle)."""
+    """Under ``replicate`` the module's forward runs the replica (its FSDP units stay idle); under
+    ``root`` it counts this rank's calls, releases after the last planned one and refuses a call
+    after that."""
     original = c.module.forward
 
     # functools.wraps keeps the signature visible (inspect.signature follows __wrapped__):
@@ -283,6 +420,9 @@ def _route_forward(c: _Controlled) -> None:
     def forward(*args, **kwargs):
         if c.decision == "replicate" and c.replica is not None:
             return c.replica(*args, **kwargs)
-        return original(*args, **kwargs)
+        c.before_call()
+        output = original(*args, **kwargs)
+        c.after_call(output)  # Root: released after this rank's last planned call.
+        return output
 
     c.module.forward = forward

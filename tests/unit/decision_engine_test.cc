@@ -489,6 +489,13 @@ TEST(DecisionEngineCostTest, WithoutMeasuresAutoCountsAsBefore) {
   EXPECT_THAT(t[0].detail, Not(HasSubstr("by cost")));
 }
 
+TEST(DecisionEngineCostTest, AutoByCostFalseKeepsCountingWhateverIsReported) {
+  EngineConfig c = CostConfig(0);
+  c.promotion.by_cost = false;
+  DecisionEngine engine(c);
+  ExpectModule(engine.Decide({0, 0}, 0, {{2, 2}}), 0, "vision_tower", Decision::kPerLayer, DecisionReason::kUniform);
+}
+
 TEST(DecisionEngineCostTest, PerLayerPolicyIgnoresCosts) {
   EngineConfig c = CostConfig(0);
   c.policy = Policy::kPerLayer;

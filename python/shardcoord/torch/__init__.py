@@ -28,15 +28,18 @@ works without it.
 
 One module per concern, everything public imported here: _manifest.py (the manifest of a model),
 _plan_ahead.py (with_keys, PlanAhead), _failures.py (collectives that name the cause,
-FailureWatch), _executor.py (the executor and the shard group's process group).
+FailureWatch), _executor.py (the executor and the shard group's process group), _costs.py
+(CostMeter: forward and gather seconds, memory headroom, measured on the rank for
+``Worker.report_costs``).
 """
 
+from ._costs import CostMeter
 from ._executor import Executor, ModuleBytes, shard_process_group
 from ._failures import FailureWatch, abort_process_group, collective, collective_failure, wait_collective
 from ._manifest import DEFAULT_LAYER_LISTS, manifest
 from ._plan_ahead import PlanAhead, with_keys
 
 __all__ = [
-    "DEFAULT_LAYER_LISTS", "Executor", "FailureWatch", "ModuleBytes", "PlanAhead", "abort_process_group", "collective",
-    "collective_failure", "manifest", "shard_process_group", "wait_collective", "with_keys",
+    "CostMeter", "DEFAULT_LAYER_LISTS", "Executor", "FailureWatch", "ModuleBytes", "PlanAhead", "abort_process_group",
+    "collective", "collective_failure", "manifest", "shard_process_group", "wait_collective", "with_keys",
 ]
