@@ -2,14 +2,15 @@
 //
 //   shardctl [--coordinator ADDR] [--timeout-ms N] status|ranks|groups|decisions|comms|events [--json]
 //   shardctl replay TRACE.jsonl [--coordinator ADDR] [--ranks 0,1] ...
+//   shardctl plan TRACE.jsonl --manifest MANIFEST.json --cost COST.json [--group-size G] ...
 //
 // ADDR (HOST:PORT or [IPV6]:PORT) defaults to $SHARDCOORD_ADDR, then 127.0.0.1:7871. Every
 // RPC has a deadline: an unreachable coordinator gives a one-line error, never a hang.
 //
 // Exit codes: 0 ok; 1 the coordinator answered but the request failed (a --job that names
 // no job; in replay, a rank failed); 2 usage or bad input (an unknown command, a bad
-// address or flag value, a bad trace) or the coordinator is unreachable; 3 (replay, verify)
-// ranks of a group received different decisions.
+// address or flag value, a bad trace, manifest or cost file) or the coordinator is
+// unreachable; 3 (replay, verify) ranks of a group received different decisions.
 #include <google/protobuf/util/json_util.h>
 #include <grpcpp/grpcpp.h>
 
@@ -38,6 +39,8 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "cost_model.h"
+#include "plan.h"
 #include "replay.h"
 #include "shardcoord/channel_credentials.h"
 #include "watch.h"
@@ -443,6 +446,13 @@ struct VerifyFlags {
   bool complete = false;
 };
 
+// The options of `shardctl plan` as given; CmdPlan reads the files they name.
+struct PlanFlags {
+  std::string trace_path, manifest_path, cost_path;
+  std::string policies = "root,replicate,per_layer,dummy,sc_per_layer,auto";
+  shardcoord::client::PlanOptions po;  // What the flags set directly.
+};
+
 // Everything the command line says.
 struct CliOptions {
   std::string address;  // --coordinator; empty: $SHARDCOORD_ADDR, then kDefaultAddress.
@@ -451,6 +461,7 @@ struct CliOptions {
   QueryFlags query;
   ReplayFlags replay;
   VerifyFlags verify;
+  PlanFlags plan;
 };
 
 // The subcommands, to tell which one was given.
@@ -464,8 +475,11 @@ struct Commands {
   CLI::App* events = nullptr;
   CLI::App* replay = nullptr;
   CLI::App* verify = nullptr;
+  CLI::App* plan = nullptr;
   // The commands an unknown command's error lists.
-  std::vector<CLI::App*> Listed() const { return {status, ranks, groups, decisions, comms, watch, events, replay, verify}; }
+  std::vector<CLI::App*> Listed() const {
+    return {status, ranks, groups, decisions, comms, watch, events, replay, verify, plan};
+  }
 };
 
 void AddGlobalOptions(CLI::App& app, CliOptions* o) {
@@ -577,6 +591,44 @@ CLI::App* AddVerifyCommand(CLI::App& app, VerifyFlags* v) {
   return verify;
 }
 
+constexpr char kPlanFooter[] = R"(
+A trace from a published data mix (../shared/MIXES.md), piped in:
+  python3 scripts/make_trace.py --mix qwen25vl_sft --world-size 8 --steps 20 --microbatches 4 \
+      --samples-per-microbatch 4 --arrange none \
+    | shardctl plan - --manifest examples/plan/manifest.json --cost examples/plan/cost_example.json
+
+Policies: root, replicate (static; a static replica never gathers), per_layer (static, no
+coordinator: HANGS where ranks diverge), dummy (per_layer, every rank of a group running the
+module as often as its busiest rank), sc_per_layer and auto (the daemon's DecisionEngine,
+fallback root; auto promotes with --budget-bytes). Exit codes: 0 ok, 2 bad input.)";
+
+CLI::App* AddPlanCommand(CLI::App& app, PlanFlags* f) {
+  using shardcoord::client::kMaxReplayWorldSize;
+  CLI::App* plan = app.add_subcommand(
+      "plan", "what-if planner: per policy, decisions by kind, bytes gathered, peak frozen memory and estimated "
+              "time per step, from a trace, a manifest and a cost model (no coordinator)");
+  plan->add_option("trace", f->trace_path, "trace file, JSON lines ('-' for stdin)")->required();
+  plan->add_option("--manifest", f->manifest_path, "manifest JSON file: the modules and their bytes")
+      ->required()->check(CLI::ExistingFile);
+  plan->add_option("--cost", f->cost_path, "cost model JSON file (format shardcoord.cost/v1)")
+      ->required()->check(CLI::ExistingFile);
+  plan->add_option("--world-size", f->po.world_size, "ranks in the job (default: highest rank in the trace + 1)")
+      ->check(CLI::Range(1, kMaxReplayWorldSize));
+  plan->add_option("--group-size", f->po.group_size,
+                   "shard group size (default: the cost file's group_size, else the world size)")
+      ->check(CLI::Range(1, kMaxReplayWorldSize));
+  plan->add_option("--policies", f->policies,
+                   "those to estimate, in this order, from root,replicate,per_layer,dummy,sc_per_layer,auto "
+                   "(default: all)");
+  plan->add_option("--budget-bytes", f->po.budget_bytes,
+                   "frozen memory per rank beyond its shards; a policy whose peak exceeds it is not best, and "
+                   "auto promotes to replicate within it (default 0: none)")
+      ->check(CLI::NonNegativeNumber);
+  plan->add_flag("--json", f->po.json, "one JSON object per policy per line instead of the table");
+  plan->footer(kPlanFooter);
+  return plan;
+}
+
 // Defines every option and subcommand, bound to `o`.
 Commands DefineCommandLine(CLI::App& app, CliOptions* o) {
   Commands c;
@@ -586,6 +638,7 @@ Commands DefineCommandLine(CLI::App& app, CliOptions* o) {
   AddReplayJobOptions(c.replay, &o->replay);
   AddReplayRunOptions(c.replay, &o->replay);
   c.verify = AddVerifyCommand(app, &o->verify);
+  c.plan = AddPlanCommand(app, &o->plan);
   return c;
 }
 
@@ -719,6 +772,48 @@ int CmdReplay(const ReplayFlags& f, const std::string& address, const shardcoord
   return shardcoord::client::RunReplay(*trace, *ro, out, std::cerr);
 }
 
+// --policies: names of PlanPolicy, comma-separated. False, and one line on stderr, when one
+// is unknown or given twice.
+bool ParsePlanPolicies(const std::string& text, std::vector<shardcoord::client::PlanPolicy>* policies) {
+  for (absl::string_view name : absl::StrSplit(text, ',', absl::SkipEmpty())) {
+    const auto p = shardcoord::client::ParsePlanPolicy(std::string(name));
+    if (!p || std::find(policies->begin(), policies->end(), *p) != policies->end()) {
+      std::cerr << "shardctl plan: --policies '" << text << "': '" << name
+                << "' is unknown or given twice; the policies are root, replicate, per_layer, dummy, "
+                   "sc_per_layer, auto\n";
+      return false;
+    }
+    policies->push_back(*p);
+  }
+  return true;
+}
+
+absl::StatusOr<shardcoord::client::CostFile> ReadCostFile(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read cost file ", path));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return shardcoord::client::ParseCostFile(ss.str(), path);
+}
+
+int CmdPlan(const PlanFlags& f) {
+  using shardcoord::client::kPlanBadInput;
+  shardcoord::client::PlanOptions po = f.po;
+  po.policies.clear();
+  if (!ParsePlanPolicies(f.policies, &po.policies)) return kPlanBadInput;
+  // The first input that fails stops the others.
+  const auto manifest = ReadManifest(f.manifest_path);
+  const auto costs = manifest.ok() ? ReadCostFile(f.cost_path) : manifest.status();
+  const auto trace = costs.ok() ? ReadTrace(f.trace_path) : costs.status();
+  if (!trace.ok()) {
+    std::cerr << "shardctl plan: " << trace.status().message() << "\n";
+    return kPlanBadInput;
+  }
+  po.trace_name = f.trace_path == "-" ? "<stdin>" : f.trace_path;
+  po.cost_name = f.cost_path;
+  return shardcoord::client::RunPlan(*trace, *manifest, *costs, po, std::cout, std::cerr);
+}
+
 // Connects to the coordinator and runs the query command given.
 int RunQuery(const Commands& c, const CliOptions& o) {
   Client client;
@@ -748,11 +843,12 @@ int Run(const Commands& c, CliOptions& o) {
   if (c.verify->parsed()) {
     return shardcoord::client::VerifyPerRankOutputs(o.verify.files, std::cout, std::cerr, o.verify.complete);
   }
+  if (c.plan->parsed()) return CmdPlan(o.plan);
   if (c.replay->parsed() && std::getenv(shardcoord::logging::kLevelEnv) == nullptr) {
     // The embedded coordinator and the simulated workers log only problems by default.
     shardcoord::logging::SetLevel("warn");
   }
-  // Every command from here on talks to a coordinator (verify, which does not, returned).
+  // Every command from here on talks to a coordinator (verify and plan, which do not, returned).
   if (!ResolveAddress(&o.address)) return kExitUsage;
   if (c.replay->parsed()) return CmdReplay(o.replay, o.address, o.tls);
   return RunQuery(c, o);
@@ -761,7 +857,8 @@ int Run(const Commands& c, CliOptions& o) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"shardctl: query a shardcoord coordinator, or replay a plan trace through one"};
+  CLI::App app{"shardctl: query a shardcoord coordinator, replay a plan trace through one, or plan placements "
+               "from a trace and a cost model"};
   CliOptions options;
   const Commands commands = DefineCommandLine(app, &options);
   try {

@@ -44,8 +44,7 @@ inline constexpr int kReplayDiverged = 3;
 // Most ranks one replay process simulates: each is a thread with a worker and its own
 // stream. More ranks: several processes with --ranks against one coordinator.
 inline constexpr int kMaxReplayRanks = 4096;
-// Largest world size a replay registers (--world-size, or the trace's highest rank + 1).
-inline constexpr int kMaxReplayWorldSize = 1 << 20;
+// The largest world size a replay registers: kMaxReplayWorldSize (trace.h).
 
 // Runs the replay, writing decisions as JSON lines to `out` and failures to `err`.
 // Returns one of the exit codes above.

@@ -17,6 +17,10 @@
 
 namespace shardcoord::client {
 
+// Largest world size a replay registers or a plan simulates (--world-size, or the trace's
+// highest rank + 1).
+inline constexpr int kMaxReplayWorldSize = 1 << 20;
+
 struct Trace {
   // rank -> key -> module -> calls. A (rank, key) absent here runs no controlled module.
   std::map<int, std::map<MicrobatchKey, std::map<std::string, int32_t>>> plans;

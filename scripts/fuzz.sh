@@ -6,9 +6,9 @@
 #   scripts/fuzz.sh --seconds 600 core   # one target
 #
 # Targets: core (CoordinatorCore's message handling, with the one-decision check), trace,
-# manifest, config (YAML config and token file). Each keeps its corpus in
-# build-clang/fuzz-corpus/TARGET across runs and starts from the seeds in fuzz/seeds/ and
-# examples/. A crash, leak, sanitizer report or broken contract stops that target, leaves the
+# manifest, cost (`shardctl plan`'s cost model file), config (YAML config and token file).
+# Each keeps its corpus in build-clang/fuzz-corpus/TARGET across runs and starts from the
+# seeds in fuzz/seeds/ and examples/. A crash, leak, sanitizer report or broken contract stops that target, leaves the
 # input in build-clang/fuzz-findings/ and makes the script exit 1; reproduce it with
 #   build-clang/fuzz/TARGET_fuzz build-clang/fuzz-findings/FILE
 set -euo pipefail
@@ -19,17 +19,18 @@ targets=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --seconds) seconds="$2"; shift 2 ;;
-    core|trace|manifest|config) targets+=("$1"); shift ;;
-    *) echo "fuzz.sh: unknown argument '$1' (targets: core trace manifest config; --seconds N)" >&2; exit 2 ;;
+    core|trace|manifest|cost|config) targets+=("$1"); shift ;;
+    *) echo "fuzz.sh: unknown argument '$1' (targets: core trace manifest cost config; --seconds N)" >&2; exit 2 ;;
   esac
 done
-[[ ${#targets[@]} -eq 0 ]] && targets=(core trace manifest config)
+[[ ${#targets[@]} -eq 0 ]] && targets=(core trace manifest cost config)
 "$root/scripts/clang-build.sh" >/dev/null
 
 declare -A seeds=(
   [core]=""
   [trace]="$root/examples/traces"
   [manifest]="$root/fuzz/seeds/manifest"
+  [cost]="$root/fuzz/seeds/cost"
   [config]="$root/fuzz/seeds/config"
 )
 mkdir -p "$build/fuzz-findings"

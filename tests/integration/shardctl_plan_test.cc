@@ -1,0 +1,314 @@
+// `shardctl plan`, the real binary, on small traces, manifests and cost files written here,
+// against numbers worked out by hand from the model of shardcoord/cost.h:
+//
+//   module visual: 1000 bytes in units of 400 and 600; forward F = 0.01 s per call, gather
+//   G = 0.002 + 0.003 = 0.005 s; 0.1 s per microbatch outside it; groups of 2 ranks.
+//   skip 0; per_layer c(G + F); root G + cF; replicate cF (resident) or G + cF (built).
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <regex>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "support/subprocess.h"
+#include "support/test_env.h"
+
+namespace shardcoord {
+namespace {
+
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+using ::testing::IsEmpty;
+using ::testing::Not;
+using testing::RunCommand;
+using testing::TempDir;
+
+constexpr absl::Duration kCommandTimeout = absl::Seconds(60);
+constexpr double kEps = 1e-9;
+
+constexpr char kManifest[] = R"({"modules":[{"name":"visual","param_bytes":1000,
+  "units":[{"name":"blocks.0","param_bytes":400},{"name":"blocks.1","param_bytes":600}]}]})";
+constexpr char kCost[] = R"({"format":"shardcoord.cost/v1","measured":{"by":"hand"},"group_size":2,
+  "other_seconds_per_microbatch":0.1,
+  "modules":[{"name":"visual","param_bytes":1000,"forward_seconds_per_call":0.01,
+    "units":[{"name":"blocks.0","param_bytes":400,"gather_seconds":0.002},
+             {"name":"blocks.1","param_bytes":600,"gather_seconds":0.003}]}]})";
+
+// Ranks 0 and 1: (0,0) both call twice; (0,1) rank 0 once, rank 1 not (divergent); (1,0)
+// nobody (rank 1 has no line at all).
+constexpr char kTrace[] = R"({"rank":0,"step":0,"microbatch":0,"calls":{"visual":2}}
+{"rank":1,"step":0,"microbatch":0,"calls":{"visual":2}}
+{"rank":0,"step":0,"microbatch":1,"calls":{"visual":1}}
+{"rank":1,"step":0,"microbatch":1,"calls":{"visual":0}}
+{"rank":0,"step":1,"microbatch":0,"calls":{"visual":0}}
+)";
+
+std::string Write(const TempDir& dir, const std::string& name, const std::string& text) {
+  std::ofstream(dir.File(name)) << text;
+  return dir.File(name);
+}
+
+struct Plan {
+  testing::RunResult run;
+  std::map<std::string, nlohmann::json> by_policy;  // --json output.
+};
+
+// Runs `shardctl plan TRACE --manifest M --cost C --json EXTRA...`.
+Plan RunPlanJson(const std::string& trace, const std::string& manifest, const std::string& cost,
+                 std::vector<std::string> extra = {}) {
+  std::vector<std::string> argv = {SHARDCTL_PATH, "plan", trace, "--manifest", manifest, "--cost", cost, "--json"};
+  argv.insert(argv.end(), extra.begin(), extra.end());
+  Plan p;
+  p.run = RunCommand(argv, kCommandTimeout);
+  std::istringstream lines(p.run.out);
+  std::string line;
+  while (std::getline(lines, line)) {
+    nlohmann::json j = nlohmann::json::parse(line);
+    p.by_policy[j["policy"].get<std::string>()] = j;
+  }
+  return p;
+}
+
+// Checks one policy's object: decisions {per_layer, skip, root, replicate}, hangs, seconds per
+// step, bytes gathered per rank per step, peak bytes.
+void ExpectPolicy(const Plan& p, const std::string& policy, std::vector<int> decisions, int hangs, double seconds,
+                  double gathered, int64_t peak) {
+  SCOPED_TRACE(policy);
+  ASSERT_EQ(p.by_policy.count(policy), 1u) << p.run.out << p.run.err;
+  const nlohmann::json& j = p.by_policy.at(policy);
+  EXPECT_EQ(j["decisions"]["per_layer"], decisions[0]);
+  EXPECT_EQ(j["decisions"]["skip"], decisions[1]);
+  EXPECT_EQ(j["decisions"]["root"], decisions[2]);
+  EXPECT_EQ(j["decisions"]["replicate"], decisions[3]);
+  EXPECT_EQ(j["hang_microbatches"], hangs);
+  EXPECT_EQ(j["safe"], hangs == 0);
+  EXPECT_NEAR(j["seconds_per_step"].get<double>(), seconds, kEps);
+  EXPECT_NEAR(j["gathered_bytes_per_rank_per_step"].get<double>(), gathered, kEps);
+  EXPECT_EQ(j["peak_frozen_bytes_per_rank"], peak);
+}
+
+TEST(ShardctlPlanTest, EveryPolicyOnAUniformADivergentAndAnEmptyMicrobatch) {
+  TempDir dir;
+  const Plan p = RunPlanJson(Write(dir, "t.jsonl", kTrace), Write(dir, "m.json", kManifest),
+                             Write(dir, "c.json", kCost));
+  ASSERT_EQ(p.run.exit_code, 0) << p.run.err;
+  EXPECT_THAT(p.run.err, IsEmpty());
+  ASSERT_EQ(p.by_policy.size(), 6u) << p.run.out;
+  // Step 0 holds (0,0) and (0,1), step 1 holds (1,0); each microbatch adds 0.1 s.
+  // root: 0.025 + 0.015 | 0.005 -> (0.24 + 0.105) / 2; 1000 bytes a microbatch.
+  ExpectPolicy(p, "root", {0, 0, 3, 0}, 0, 0.1725, 1500, 1000);
+  // replicate, built before training: 0.02 + 0.01 | 0 -> (0.23 + 0.1) / 2; never gathers.
+  ExpectPolicy(p, "replicate", {0, 0, 0, 3}, 0, 0.165, 0, 1000);
+  // static per_layer: 0.03 + 0.015 (ranks 1 and 0 disagree: it hangs) | 0; peak the largest unit.
+  ExpectPolicy(p, "per_layer", {2, 1, 0, 0}, 1, 0.1725, 1500, 600);
+  // dummy: every rank runs the module as often as any rank does anywhere in the trace (2),
+  // in every microbatch, with dummy inputs where it has none (it cannot know that nobody
+  // else calls it): 2 x 0.015 a microbatch -> (0.26 | 0.13) / 2; 2000 bytes a microbatch.
+  ExpectPolicy(p, "dummy", {3, 0, 0, 0}, 0, 0.195, 3000, 600);
+  // The engine under policy per_layer: per_layer 0.03, root 0.015 (divergent), skip 0.
+  ExpectPolicy(p, "sc_per_layer", {1, 1, 1, 0}, 0, 0.1725, 1500, 1000);
+  // Cost-aware auto prices (0,0)'s two calls as root 0.025 < per_layer 0.03 (gathered once):
+  // (0.125 + 0.115 | 0.1) / 2; 1000 bytes gathered in each of step 0's microbatches.
+  ExpectPolicy(p, "auto", {0, 1, 2, 0}, 0, 0.17, 1000, 1000);
+  for (const auto& [policy, j] : p.by_policy) {
+    EXPECT_EQ(j["best"], policy == "replicate") << policy;
+    EXPECT_EQ(j["fits"], true) << policy;
+    EXPECT_EQ(j["steps"], 2);
+    EXPECT_EQ(j["group_microbatches"], 3);
+  }
+}
+
+TEST(ShardctlPlanTest, ABudgetRulesOutWhatHoldsTheWholeModule) {
+  TempDir dir;
+  const Plan p = RunPlanJson(Write(dir, "t.jsonl", kTrace), Write(dir, "m.json", kManifest),
+                             Write(dir, "c.json", kCost), {"--budget-bytes", "800"});
+  ASSERT_EQ(p.run.exit_code, 0) << p.run.err;
+  // Only the per-layer placements keep within 800 bytes; static per_layer hangs.
+  for (const auto& [policy, j] : p.by_policy) {
+    EXPECT_EQ(j["fits"], policy == "per_layer" || policy == "dummy") << policy;
+    EXPECT_EQ(j["best"], policy == "dummy") << policy;
+    EXPECT_EQ(j["budget_bytes"], 800);
+  }
+}
+
+// 12 microbatches of step 0 in which both ranks call the module once.
+std::string UniformTrace(const TempDir& dir) {
+  std::string text;
+  for (int mb = 0; mb < 12; ++mb) {
+    for (int rank = 0; rank < 2; ++rank) {
+      absl::StrAppend(&text, R"({"rank":)", rank, R"(,"step":0,"microbatch":)", mb, R"(,"calls":{"visual":1}})",
+                      "\n");
+    }
+  }
+  return Write(dir, "uniform.jsonl", text);
+}
+
+TEST(ShardctlPlanTest, AutoReplaysTheEnginesPromotionMicrobatchByMicrobatch) {
+  TempDir dir;
+  const std::string trace = UniformTrace(dir), manifest = Write(dir, "m.json", kManifest),
+                    cost = Write(dir, "c.json", kCost);
+  // The module fits a budget of 2000. Cost-aware auto: the first per_layer microbatch (0.015 s)
+  // would have cost 0.005 s less on a replica, as much as building one (G): promoted from the
+  // 2nd microbatch on, which builds it (G + F = 0.015 s, 1000 bytes); the 10 after it run on
+  // the resident replica (F = 0.01 s). 12 x 0.1 + 0.015 + 0.015 + 10 x 0.01.
+  const Plan fits = RunPlanJson(trace, manifest, cost, {"--budget-bytes", "2000", "--policies", "auto,sc_per_layer"});
+  ASSERT_EQ(fits.run.exit_code, 0) << fits.run.err;
+  ExpectPolicy(fits, "auto", {1, 0, 0, 11}, 0, 1.33, 2000, 1000);
+  // shardcoord's per_layer never promotes: 12 x (0.1 + 0.015).
+  ExpectPolicy(fits, "sc_per_layer", {12, 0, 0, 0}, 0, 1.38, 12000, 600);
+  EXPECT_EQ(fits.by_policy.at("auto")["best"], true);
+  // Within 999 bytes the replica does not fit: auto stays per_layer.
+  const Plan tight = RunPlanJson(trace, manifest, cost, {"--budget-bytes", "999", "--policies", "auto"});
+  ASSERT_EQ(tight.run.exit_code, 0) << tight.run.err;
+  ExpectPolicy(tight, "auto", {12, 0, 0, 0}, 0, 1.38, 12000, 600);
+}
+
+TEST(ShardctlPlanTest, AStepTakesAsLongAsItsSlowestGroup) {
+  TempDir dir;
+  // 4 ranks, groups of 2 (the cost file's group size): group 1 runs the module twice in
+  // step 0, group 0 twice in step 1. Under replicate each step's slowest group takes
+  // 0.1 + 2 x 0.01; the mean of each group's steps would have been 0.11.
+  const std::string trace = Write(dir, "t.jsonl",
+                                  R"({"rank":2,"step":0,"microbatch":0,"calls":{"visual":2}}
+{"rank":3,"step":0,"microbatch":0,"calls":{"visual":2}}
+{"rank":0,"step":1,"microbatch":0,"calls":{"visual":2}}
+{"rank":1,"step":1,"microbatch":0,"calls":{"visual":2}}
+)");
+  const Plan p = RunPlanJson(trace, Write(dir, "m.json", kManifest), Write(dir, "c.json", kCost),
+                             {"--policies", "replicate,auto"});
+  ASSERT_EQ(p.run.exit_code, 0) << p.run.err;
+  ExpectPolicy(p, "replicate", {0, 0, 0, 4}, 0, 0.12, 0, 1000);
+  // Cost-aware auto gathers each group's tower once (root: 0.005 + 2 x 0.01 < 2 x 0.015).
+  ExpectPolicy(p, "auto", {0, 2, 2, 0}, 0, 0.125, 1000, 1000);
+  EXPECT_EQ(p.by_policy.at("auto")["groups"], 2);
+}
+
+TEST(ShardctlPlanTest, GroupsTheTraceNeverNamesSkipEveryMicrobatch) {
+  TempDir dir;
+  const Plan p = RunPlanJson(Write(dir, "t.jsonl", kTrace), Write(dir, "m.json", kManifest),
+                             Write(dir, "c.json", kCost), {"--world-size", "6", "--policies", "root,auto"});
+  ASSERT_EQ(p.run.exit_code, 0) << p.run.err;
+  // Groups 1 and 2 run nothing: root still gathers there (0.105 s a microbatch, below group
+  // 0's), auto skips. The slowest group is group 0, as before.
+  ExpectPolicy(p, "root", {0, 0, 9, 0}, 0, 0.1725, 1500, 1000);
+  ExpectPolicy(p, "auto", {0, 7, 2, 0}, 0, 0.17, 1000, 1000);
+  EXPECT_EQ(p.by_policy.at("auto")["group_microbatches"], 9);
+}
+
+TEST(ShardctlPlanTest, AManifestModuleWithoutCostsTakesNoTimeButItsBytes) {
+  TempDir dir;
+  const std::string manifest = Write(dir, "m.json", R"({"modules":[{"name":"visual","param_bytes":1000,
+      "units":[{"name":"blocks.0","param_bytes":400},{"name":"blocks.1","param_bytes":600}]},
+      {"name":"audio_tower","param_bytes":500}]})");
+  const Plan p = RunPlanJson(Write(dir, "t.jsonl", kTrace), manifest, Write(dir, "c.json", kCost),
+                             {"--policies", "root"});
+  ASSERT_EQ(p.run.exit_code, 0) << p.run.err;
+  EXPECT_THAT(p.run.err, HasSubstr("warning: " + dir.File("c.json") +
+                                   ": no costs for module 'audio_tower' of the manifest; it is taken to cost nothing"));
+  // Root gathers audio_tower too (500 bytes a microbatch), in no time.
+  ExpectPolicy(p, "root", {0, 0, 6, 0}, 0, 0.1725, 2250, 1500);
+}
+
+TEST(ShardctlPlanTest, TheTableReadsATraceFromStdin) {
+  TempDir dir;
+  const std::string trace = Write(dir, "t.jsonl", kTrace), manifest = Write(dir, "m.json", kManifest),
+                    cost = Write(dir, "c.json", kCost);
+  auto r = RunCommand({"/bin/sh", "-c",
+                       absl::StrCat("cat '", trace, "' | '", SHARDCTL_PATH, "' plan - --manifest '", manifest,
+                                    "' --cost '", cost, "'")},
+                      kCommandTimeout);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_THAT(r.out, AllOf(HasSubstr("<stdin>: 2 ranks in 1 group of 2, 3 microbatches in 2 steps"),
+                           HasSubstr("POLICY"), HasSubstr("HANGS"),
+                           HasSubstr("best safe policy: replicate (0.1650 s per step, peak 1000 B per rank)")));
+  // The per_layer row says it hangs, once.
+  const size_t row = r.out.find("\nper_layer ");
+  ASSERT_NE(row, std::string::npos) << r.out;
+  const std::string line = r.out.substr(row + 1, r.out.find('\n', row + 1) - row - 1);
+  EXPECT_THAT(line, AllOf(HasSubstr(" 1 "), HasSubstr("HANGS"))) << line;
+}
+
+// The decisions by kind that `shardctl replay` reports on stderr ("group decisions:
+// per_layer=N skip=N root=N replicate=N").
+std::vector<int> ReplayCounts(const std::string& err) {
+  std::smatch m;
+  const std::regex counts(R"(group decisions: per_layer=(\d+) skip=(\d+) root=(\d+) replicate=(\d+))");
+  if (!std::regex_search(err, m, counts)) return {};
+  return {std::stoi(m[1]), std::stoi(m[2]), std::stoi(m[3]), std::stoi(m[4])};
+}
+
+TEST(ShardctlPlanTest, AutoDecidesAsTheDaemonDoesInAReplay) {
+  TempDir dir;
+  // The bundled trace: 8 ranks, 3 modules, uniform, mixed and empty microbatches. The daemon
+  // (replay's embedded coordinator) and the planner must count the same decisions, with
+  // promotion off, on for the small modules only, and on for all of them.
+  const std::string trace = absl::StrCat(SHARDCOORD_SOURCE_DIR, "/examples/traces/mixed_8ranks.jsonl");
+  const std::string manifest = Write(dir, "m.json", R"({"modules":[
+      {"name":"vision_tower","param_bytes":4096,"units":[{"name":"layers.0","param_bytes":2048},
+                                                        {"name":"layers.1","param_bytes":2048}]},
+      {"name":"multi_modal_projector","param_bytes":512},{"name":"audio_tower","param_bytes":1024}]})");
+  // Replay's simulated ranks report no costs, so the daemon decides by counting: the planner
+  // is given no costs either (each module then costs nothing, with a warning) and counts too.
+  const std::string cost =
+      Write(dir, "c.json", R"({"format":"shardcoord.cost/v1","other_seconds_per_microbatch":0.1,"modules":[]})");
+  for (const std::string budget : {"0", "1024", "4096"}) {
+    for (const auto& [policy, daemon_policy] : {std::pair{"auto", "auto"}, std::pair{"sc_per_layer", "per_layer"}}) {
+      SCOPED_TRACE(absl::StrCat(policy, " budget ", budget));
+      auto replay = RunCommand({SHARDCTL_PATH, "replay", trace, "--group-size", "4", "--manifest", manifest,
+                                "--policy", daemon_policy, "--fallback", "root", "--memory-budget-bytes", budget},
+                               kCommandTimeout);
+      ASSERT_EQ(replay.exit_code, 0) << replay.err;
+      const std::vector<int> daemon = ReplayCounts(replay.err);
+      ASSERT_EQ(daemon.size(), 4u) << replay.err;
+      const Plan p = RunPlanJson(trace, manifest, cost, {"--world-size", "8", "--group-size", "4", "--budget-bytes",
+                                                         budget, "--policies", policy});
+      ASSERT_EQ(p.run.exit_code, 0) << p.run.err;
+      const nlohmann::json& d = p.by_policy.at(policy)["decisions"];
+      EXPECT_EQ(std::vector<int>({d["per_layer"].get<int>(), d["skip"].get<int>(), d["root"].get<int>(),
+                                  d["replicate"].get<int>()}),
+                daemon);
+    }
+  }
+}
+
+TEST(ShardctlPlanTest, BadInputIsExitTwoWithOneLineNamingIt) {
+  TempDir dir;
+  const std::string trace = Write(dir, "t.jsonl", kTrace), manifest = Write(dir, "m.json", kManifest),
+                    cost = Write(dir, "c.json", kCost);
+  const std::string unknown = Write(dir, "unknown.json", R"({"format":"shardcoord.cost/v1",
+      "other_seconds_per_microbatch":0.1,"modules":[{"name":"audio","forward_seconds_per_call":1,"units":[]}]})");
+  const std::string negative = Write(dir, "negative.json", R"({"format":"shardcoord.cost/v1",
+      "other_seconds_per_microbatch":0.1,"modules":[{"name":"visual","forward_seconds_per_call":-1,"units":[]}]})");
+  const std::string audio_trace =
+      Write(dir, "audio.jsonl", R"({"rank":0,"step":0,"microbatch":0,"calls":{"audio_tower":1}}
+{"rank":1,"step":0,"microbatch":0})");
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{trace, "--manifest", manifest, "--cost", unknown}, "module 'audio' is not in the manifest [visual]"},
+      {{trace, "--manifest", manifest, "--cost", negative},
+       "modules[0] ('visual'): 'forward_seconds_per_call' must be a non-negative number (seconds), got -1"},
+      {{audio_trace, "--manifest", manifest, "--cost", cost},
+       "the trace names module 'audio_tower' which is not in the manifest [visual]"},
+      {{trace, "--manifest", manifest, "--cost", cost, "--group-size", "3"}, "group size 3 does not divide world size 2"},
+      {{trace, "--manifest", manifest, "--cost", cost, "--world-size", "1"}, "names rank 1 but --world-size is 1"},
+      {{trace, "--manifest", manifest, "--cost", cost, "--policies", "root,fastest"}, "'fastest' is unknown"},
+      {{trace, "--manifest", manifest}, "--cost is required"},
+  };
+  for (const auto& [args, error] : cases) {
+    std::vector<std::string> argv = {SHARDCTL_PATH, "plan"};
+    argv.insert(argv.end(), args.begin(), args.end());
+    auto r = RunCommand(argv, kCommandTimeout);
+    EXPECT_EQ(r.exit_code, 2) << error << ": " << r.err;
+    EXPECT_THAT(r.err, HasSubstr(error));
+    EXPECT_THAT(r.out, IsEmpty()) << error;
+    EXPECT_THAT(r.err, Not(HasSubstr("\n\n"))) << error;
+  }
+}
+
+}  // namespace
+}  // namespace shardcoord
