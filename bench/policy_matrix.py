@@ -912,7 +912,7 @@ def calibrate(ctx) -> None:
     meter = CostMeter.attach(ctx.api.model, ctx.specs, window=1024)
     text, media = Data("none", args, {}), Data("all", args, {})
     mb_s, opt_s = calib_phase(ctx, text, "skip", 1_000_000, meter)
-    calib_phase(ctx, media, "replicate", 2_000_000, meter)
+    media_s, _ = calib_phase(ctx, media, "replicate", 2_000_000, meter)
     ctx.ctl.release()
     calib_phase(ctx, media, "root", 3_000_000, meter)
     meter.next_microbatch()
@@ -920,7 +920,10 @@ def calibrate(ctx) -> None:
     meter.detach()
     units = [u for u in ctx.specs[0].units if u.name]  # The rest unit "" is in FSDP's root unit.
     gathers = {u: s for u, _, s in measured}
-    vec = torch.tensor([statistics.median(mb_s) + statistics.median(opt_s) / args.accum, forward]
+    # What one call adds to the rest of the model (the decoder on its image tokens): a media
+    # microbatch (one batched call) under replicate, less a text-only one and the tower's forward.
+    per_call = max(0.0, statistics.median(media_s) - statistics.median(mb_s) - forward)
+    vec = torch.tensor([statistics.median(mb_s) + statistics.median(opt_s) / args.accum, forward, per_call]
                        + [gathers.get(u.name, 0.0) for u in units], dtype=torch.float64, device=ctx.device)
     ctx.dist.all_reduce(vec, op=ctx.dist.ReduceOp.MAX)
     if ctx.rank == 0:
@@ -937,10 +940,11 @@ def cost_record(ctx, name: str, units: List[Any], vec: List[float]) -> Dict[str,
     if one:
         notes.append("one rank per shard group: nothing is all-gathered (FSDP2 copies the shard), so gather_seconds "
                      "are 0; measure on 2 or more GPUs for the gathers")
-    gathers = [0.0 if one else round(s, 7) for s in vec[2:]]
+    gathers = [0.0 if one else round(s, 7) for s in vec[3:]]
     return {
         "format": COST_FORMAT, "group_size": ctx.group_size, "other_seconds_per_microbatch": round(vec[0], 7),
         "modules": [{"name": name, "param_bytes": tower_bytes(ctx), "forward_seconds_per_call": round(vec[1], 7),
+                     "other_seconds_per_call": round(vec[2], 7),
                      "units": [{"name": u.name, "param_bytes": u.param_bytes, "gather_bytes": u.param_bytes,
                                 "gather_seconds": s} for u, s in zip(units, gathers)]}],
         "notes": notes}
@@ -1122,8 +1126,13 @@ def parse_args(published: Dict[str, Any]) -> argparse.Namespace:
                "calibration_steps")
     bad = [n for n in numbers if getattr(args, n) < 1] + [n for n in ("visit_warmup", "warmup", "group_size")
                                                            if getattr(args, n) < 0]
-    if bad or args.timeout <= 0 or args.gpus % (args.group_size or args.gpus):
-        ap.error(f"check {', '.join('--' + b.replace('_', '-') for b in bad) or '--gpus / --group-size / --timeout'}")
+    if bad:
+        ap.error("must be >= 1 (>= 0 for --visit-warmup, --warmup, --group-size): "
+                 + ", ".join(f"--{n.replace('_', '-')} {getattr(args, n)}" for n in bad))
+    if args.timeout <= 0:
+        ap.error(f"--timeout {args.timeout} must be > 0 seconds")
+    if args.gpus % (args.group_size or args.gpus):
+        ap.error(f"--gpus {args.gpus} must be >= 1 and a multiple of --group-size {args.group_size}")
     needs_daemon = any(p.startswith("sc_") for p in args.placements) and not (args.rank_main or args.list_mixes)
     if needs_daemon and not args.shardcoordd:
         ap.error("--shardcoordd is required for the sc_* placements")

@@ -123,7 +123,10 @@ void DecisionEngine::UpdatePromotionByCost(size_t m, const std::vector<int32_t>&
                               absl::StrCat("by cost: ", window, "; replicated from the microbatch after ",
                                            key.ToString())});
     }
-  } else if (st.promoted && (!fits || (full && st.savings_in_window < build - kEpsilon))) {
+  } else if (st.promoted && (!fits || (full && (st.savings_in_window < build - kEpsilon ||
+                                                   st.savings_in_window <= kEpsilon)))) {
+    // No longer fits, or a full window saved less than a rebuild would cost, or nothing at all
+    // (a group of one gathers nothing: a replica there only holds memory).
     st.promoted = false;
     if (transitions) {
       transitions->push_back({spec.name, "demoted",

@@ -496,6 +496,25 @@ TEST(DecisionEngineCostTest, AutoByCostFalseKeepsCountingWhateverIsReported) {
   ExpectModule(engine.Decide({0, 0}, 0, {{2, 2}}), 0, "vision_tower", Decision::kPerLayer, DecisionReason::kUniform);
 }
 
+TEST(DecisionEngineCostTest, AReplicaThatSavesNothingIsDemotedAfterAFullWindow) {
+  // Promoted by counting before the costs arrived, on a group of one: gathering costs nothing
+  // there, so once the members report, a full window shows the replica saves nothing.
+  EngineConfig c = CostConfig(kTowerBytes);
+  c.group_size = 1;
+  c.costs = {ModuleCostModel{}};
+  DecisionEngine engine(c);
+  std::vector<EngineTransition> t;
+  engine.Decide({0, 0}, 0, {{1}}, &t);
+  engine.Decide({0, 1}, 0, {{1}}, &t);
+  ASSERT_THAT(Whats(t), ElementsAre("promoted"));
+  engine.SetCosts({ModuleCostModel{0.010, 0.0}});
+  for (int i = 0; i < 3; ++i) engine.Decide({1, i}, 0, {{1}}, &t);
+  EXPECT_THAT(Whats(t), ElementsAre("promoted"));  // The window is not full yet.
+  engine.Decide({1, 3}, 0, {{1}}, &t);
+  ASSERT_THAT(Whats(t), ElementsAre("promoted", "demoted"));
+  EXPECT_THAT(t[1].detail, HasSubstr("a replica would have saved 0.0000 s"));
+}
+
 TEST(DecisionEngineCostTest, PerLayerPolicyIgnoresCosts) {
   EngineConfig c = CostConfig(0);
   c.policy = Policy::kPerLayer;
