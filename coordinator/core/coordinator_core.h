@@ -261,6 +261,13 @@ class CoordinatorCore {
   absl::Status AdmitJob(const std::string& job_id, int world_size) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Register's steps (DESIGN 3, "Registration"; DESIGN 8 for the group it joins).
   Job* ReuseOrForgetEndedJob(const v1::RegisterRequest& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The job the rank joins (nullptr: a new one, admitted), or why it may not.
+  absl::StatusOr<Job*> FindOrAdmitJob(const v1::RegisterRequest& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // PERMISSION_DENIED for a resume no key can check, past the recovery window after a start.
+  absl::Status CheckUnverifiedResumeIsTimely(const v1::RegisterRequest& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The RegisterResponse for an accepted rank (session key, resume credential), with its events.
+  v1::CoordinatorMessage Welcome(const Job& job, const ShardGroup& group, const Member& m,
+                                 const v1::RegisterRequest& req, bool rejoin) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckJobAccepts(const Job& job, const v1::RegisterRequest& req) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   Job& CreateJob(const v1::RegisterRequest& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

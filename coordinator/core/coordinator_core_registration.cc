@@ -59,22 +59,12 @@ absl::Status CoordinatorCore::Register(uint64_t session_id, const v1::RegisterRe
 
   Locked lock(this);
   if (shut_down_) return absl::UnavailableError("coordinator is shutting down");
-  if (resuming && !verified && clock_->Now() - started_ > options_.recovery_window) {
-    // Honest resumes come within seconds of a restart (a worker reconnects for its reconnect
-    // window); an unverifiable one long after is no restart's.
-    return absl::PermissionDeniedError(absl::StrCat(
-        "register: rank ", req.rank(), " of job '", req.job_id(), "' resumes from an earlier coordinator ",
-        absl::ToInt64Seconds(clock_->Now() - started_), " s after this one started: without a resume key (--state-file "
-        "or --token-file) a resume is taken unverified only within the recovery window (",
-        absl::ToInt64Milliseconds(options_.recovery_window), " ms) after a start; register afresh"));
+  if (resuming && !verified) {
+    if (absl::Status s = CheckUnverifiedResumeIsTimely(req); !s.ok()) return s;
   }
-  Job* job = ReuseOrForgetEndedJob(req);
-  if (job == nullptr) {
-    if (absl::Status s = AdmitJob(req.job_id(), req.world_size()); !s.ok()) return s;
-  } else if (absl::Status s = CheckJobAccepts(*job, req); !s.ok()) {
-    return s;
-  }
-
+  absl::StatusOr<Job*> found = FindOrAdmitJob(req);
+  if (!found.ok()) return found.status();
+  Job* job = *found;
   BufferCharge resume_charge;
   if (resuming) {
     absl::StatusOr<BufferCharge> charge = ChargeResume(req);
@@ -102,18 +92,7 @@ absl::Status CoordinatorCore::Register(uint64_t session_id, const v1::RegisterRe
   const bool rejoin = m.state == v1::RANK_STATE_DEAD || m.state == v1::RANK_STATE_LEFT;
   SetLive(*job, m, session_id, std::move(sink), req);
 
-  v1::CoordinatorMessage msg = Registered(group, req);
-  msg.mutable_registered()->set_session_key(m.session_key);
-  msg.mutable_registered()->set_resume_credential(resume_auth_.Credential(job->id, req.rank()));
-  const Policy policy = FromProto(req.policy());
-  Event("info", rejoin ? EventKind::kRankRejoined : EventKind::kRankRegistered, job->id, req.rank(), group.index,
-        absl::StrCat("host=", req.host(), " policy=", PolicyName(policy),
-                     " fallback=", FallbackName(FromProto(req.fallback())), " modules=", req.modules_size(),
-                     " lookahead=", req.lookahead()));
-  if (policy == Policy::kPerLayer) {
-    Event("warning", EventKind::kPerLayerRequested, job->id, req.rank(), group.index, msg.registered().warnings(0));
-  }
-
+  v1::CoordinatorMessage msg = Welcome(*job, group, m, req, rejoin);
   const int64_t epoch_before = group.epoch;
   UpdateGroupState(*job, group);
   msg.mutable_registered()->set_epoch(group.epoch);
@@ -121,6 +100,43 @@ absl::Status CoordinatorCore::Register(uint64_t session_id, const v1::RegisterRe
   OnMemberBack(*job, req.rank());
   if (group.epoch != epoch_before) AnnounceReformed(*job, group, req.rank());
   return absl::OkStatus();
+}
+
+absl::StatusOr<CoordinatorCore::Job*> CoordinatorCore::FindOrAdmitJob(const v1::RegisterRequest& req) {
+  Job* job = ReuseOrForgetEndedJob(req);
+  if (job == nullptr) {
+    if (absl::Status s = AdmitJob(req.job_id(), req.world_size()); !s.ok()) return s;
+  } else if (absl::Status s = CheckJobAccepts(*job, req); !s.ok()) {
+    return s;
+  }
+  return job;
+}
+
+absl::Status CoordinatorCore::CheckUnverifiedResumeIsTimely(const v1::RegisterRequest& req) {
+  if (clock_->Now() - started_ <= options_.recovery_window) return absl::OkStatus();
+  // Honest resumes come within seconds of a restart (a worker reconnects for its reconnect
+  // window); an unverifiable one long after is no restart's.
+  return absl::PermissionDeniedError(absl::StrCat(
+      "register: rank ", req.rank(), " of job '", req.job_id(), "' resumes from an earlier coordinator ",
+      absl::ToInt64Seconds(clock_->Now() - started_), " s after this one started: without a resume key (--state-file "
+      "or --token-file) a resume is taken unverified only within the recovery window (",
+      absl::ToInt64Milliseconds(options_.recovery_window), " ms) after a start; register afresh"));
+}
+
+v1::CoordinatorMessage CoordinatorCore::Welcome(const Job& job, const ShardGroup& group, const Member& m,
+                                                const v1::RegisterRequest& req, bool rejoin) {
+  v1::CoordinatorMessage msg = Registered(group, req);
+  msg.mutable_registered()->set_session_key(m.session_key);
+  msg.mutable_registered()->set_resume_credential(resume_auth_.Credential(job.id, req.rank()));
+  const Policy policy = FromProto(req.policy());
+  Event("info", rejoin ? EventKind::kRankRejoined : EventKind::kRankRegistered, job.id, req.rank(), group.index,
+        absl::StrCat("host=", req.host(), " policy=", PolicyName(policy),
+                     " fallback=", FallbackName(FromProto(req.fallback())), " modules=", req.modules_size(),
+                     " lookahead=", req.lookahead()));
+  if (policy == Policy::kPerLayer) {
+    Event("warning", EventKind::kPerLayerRequested, job.id, req.rank(), group.index, msg.registered().warnings(0));
+  }
+  return msg;
 }
 
 CoordinatorCore::Job* CoordinatorCore::ReuseOrForgetEndedJob(const v1::RegisterRequest& req) {
