@@ -102,8 +102,11 @@ CostChoice ChooseByCost(const CostInputs& in, const std::vector<int32_t>& calls)
     if (!found || Better(*e, choice.chosen)) choice.chosen = *e;
     found = true;
   }
-  if (!found) {
+  if (!found) {  // Nothing safe fits: the safe placement that holds the least (root is always safe).
     choice.chosen = choice.root;
+    for (const PlacementEstimate* e : candidates) {
+      if (e->safe && e->peak_bytes < choice.chosen.peak_bytes) choice.chosen = *e;
+    }
     choice.over_budget = true;
   }
   return choice;
@@ -130,7 +133,8 @@ std::string DescribeChoice(const CostChoice& choice, const CostInputs& in, int32
                 other.seconds, calls, in.cost.forward_seconds_per_call, in.cost.gather_seconds,
                 static_cast<long long>(choice.chosen.peak_bytes), static_cast<long long>(other.peak_bytes),
                 static_cast<long long>(in.budget_bytes),
-                choice.over_budget ? "; nothing safe fits the budget, root is the one placement that cannot hang"
+                choice.over_budget ? "; nothing safe fits the budget: the safe placement that holds the least "
+                                     "(for divergent calls root, the one placement that cannot hang)"
                                    : "");
   return text;
 }

@@ -59,7 +59,7 @@ void CoordinatorCore::TakeMemberHeartbeat(const Job& job, ShardGroup& group, Mem
   m.last_seen = clock_->Now();
   m.decision_stalls.Take(heartbeat.decision_stalls());
   m.decision_stall_us.Take(heartbeat.decision_stall_us());
-  if (std::string moved = group.TakeCosts(group.IndexOf(m.rank), heartbeat); !moved.empty()) {
+  if (std::string moved = group.TakeCosts(group.IndexOf(m.rank), heartbeat, m.last_seen); !moved.empty()) {
     Event("info", EventKind::kGroupCostModel, job.id, m.rank, group.index,
           absl::StrCat("cost model from the members' measures: ", moved));
   }

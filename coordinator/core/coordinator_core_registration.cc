@@ -77,6 +77,7 @@ absl::Status CoordinatorCore::Register(uint64_t session_id, const v1::RegisterRe
   ShardGroup& group = Owned(*job, req.rank() / job->group_size);
   Member& m = group.member(req.rank());
   if (!group.has_reference) group.SetReference(req, options_.promotion);
+  group.ForgetMeasures(group.IndexOf(req.rank()));  // Its process measures afresh (and resends).
   // The first rank of a group this process has not seen at work resumes: the group waits
   // for all its members (another group's fresh rank may have created the job first).
   if (resuming && IsFreshGroup(*job, group)) StartRecovery(*job, group);

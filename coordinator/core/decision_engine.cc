@@ -82,17 +82,14 @@ void DecisionEngine::ChooseByCostInto(size_t m, const std::vector<int32_t>& call
     md->decision = chosen;
     md->reason = DecisionReason::kCost;
   }
+  if (!overrides) return;
   ModuleState& st = state_[m];
-  const Decision mark = overrides ? chosen : Decision::kUnspecified;
-  if (mark == st.last_cost_choice) return;
-  st.last_cost_choice = mark;
-  if (!transitions) return;
+  if (!st.announced.insert({rule.decision, chosen, choice.over_budget}).second || !transitions) return;
   const int32_t most = calls.empty() ? 0 : *std::max_element(calls.begin(), calls.end());
-  transitions->push_back(
-      {config_.modules[m].name, "cost_choice",
-       overrides ? absl::StrCat("from ", key.ToString(), " on: ", DescribeChoice(choice, in, most))
-                 : absl::StrCat("from ", key.ToString(), " on the contract's rule again (",
-                                DescribeChoice(choice, in, most), ")")});
+  transitions->push_back({config_.modules[m].name, "cost_choice",
+                          absl::StrCat(DecisionName(chosen), " instead of ", DecisionName(rule.decision),
+                                       " from ", key.ToString(), " on (said once per model): ",
+                                       DescribeChoice(choice, in, most))});
 }
 
 void DecisionEngine::UpdatePromotionByCost(size_t m, const std::vector<int32_t>& calls, const MicrobatchKey& key,
@@ -136,7 +133,10 @@ void DecisionEngine::UpdatePromotionByCost(size_t m, const std::vector<int32_t>&
   }
 }
 
-void DecisionEngine::SetCosts(std::vector<ModuleCostModel> costs) { config_.costs = std::move(costs); }
+void DecisionEngine::SetCosts(std::vector<ModuleCostModel> costs) {
+  config_.costs = std::move(costs);
+  for (ModuleState& st : state_) st.announced.clear();  // A new model: its choices are news.
+}
 
 void DecisionEngine::UpdatePromotion(const ModuleSpec& spec, ModuleState& st, Decision rule_decision,
                                      const MicrobatchKey& key, std::vector<EngineTransition>* transitions) {

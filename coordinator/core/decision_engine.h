@@ -24,6 +24,7 @@
 #include <deque>
 #include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "coordinator/settings/options.h"
@@ -95,7 +96,9 @@ class DecisionEngine {
     int gathers_in_window = 0;
     std::deque<double> recent_savings;  // Cost mode: seconds a replica would have saved.
     double savings_in_window = 0;
-    Decision last_cost_choice = Decision::kUnspecified;  // Cost mode: when the rule was overridden.
+    // Cost mode: the overrides (rule's decision, chosen, over budget) said in an event since
+    // the model last changed; each is said once, so alternating shapes do not flood the journal.
+    std::set<std::tuple<Decision, Decision, bool>> announced;
   };
 
   CostInputs CostInputsOf(size_t m) const;
@@ -104,7 +107,7 @@ class DecisionEngine {
   ModuleDecision DecideModule(size_t m, const std::vector<int32_t>& calls, const MicrobatchKey& key,
                               std::vector<EngineTransition>* transitions);
   // Cost mode: the cheapest safe placement that fits instead of the rule's, with a
-  // "cost_choice" transition when the choice starts or stops differing from the rule.
+  // "cost_choice" transition the first time each kind of override happens under a model.
   void ChooseByCostInto(size_t m, const std::vector<int32_t>& calls, const RuleOutcome& rule,
                         ModuleDecision* md, const MicrobatchKey& key, std::vector<EngineTransition>* transitions);
   // Cost mode's promotion and demotion (the same rule as every other choice: time, within

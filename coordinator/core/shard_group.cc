@@ -95,7 +95,16 @@ void ShardGroup::SetReference(const v1::RegisterRequest& req, const PromotionOpt
   cfg.fallback = FromProto(req.fallback());
   cfg.modules = modules;
   cfg.promotion = promotion;
+  cfg.group_size = size();
   engine = std::make_unique<DecisionEngine>(std::move(cfg));
+  // A new manifest (a rerun may bring one): what was measured against the old one is dropped.
+  for (Member& m : members) {
+    m.costs.clear();
+    m.frozen_budget = 0;
+    m.costs_taken = absl::InfinitePast();
+  }
+  cost_model.clear();
+  RecomputeMeasured();
 }
 
 int64_t ShardGroup::SetPromotionBudget() {
@@ -108,13 +117,10 @@ int64_t ShardGroup::SetPromotionBudget() {
 }
 
 int64_t ShardGroup::EffectiveBudget() const {
-  int64_t measured = INT64_MAX;
-  for (const Member& m : members) {
-    if (m.frozen_budget <= 0) return registered_budget;  // Not every member measured it.
-    measured = std::min(measured, m.frozen_budget);
-  }
-  if (registered_budget <= 0) return measured;
-  return std::min(registered_budget, measured);
+  // 0 (no budget registered) disables promotion, measured or not; a measured room only lowers
+  // a registered budget, once every member measured one.
+  if (registered_budget <= 0 || budget_reporters < size()) return registered_budget;
+  return std::min(registered_budget, measured_budget);
 }
 
 namespace {
@@ -123,17 +129,17 @@ namespace {
 // worker cannot make the model say anything else).
 bool GoodSeconds(double s) { return std::isfinite(s) && s >= 0 && s <= 3600; }
 
-// One module's report, kept to the manifest's size: at most one unit entry per layer unit.
-ModuleCost CostFromReport(const v1::ModuleCostReport& r, const ModuleSpec& spec) {
-  ModuleCost c;
-  c.module = spec.name;
+// One module's report as the group keeps it: forward, and the sum of at most one gather per
+// layer unit of the manifest.
+ModuleCostModel CostFromReport(const v1::ModuleCostReport& r, const ModuleSpec& spec) {
+  ModuleCostModel c;
   c.forward_seconds_per_call = GoodSeconds(r.forward_seconds_per_call()) ? r.forward_seconds_per_call() : 0;
-  const size_t max_units = std::max<size_t>(spec.units.size(), 1);
-  for (const auto& u : r.units()) {
-    if (c.units.size() >= max_units) break;
-    if (!GoodSeconds(u.gather_seconds()) || u.gather_bytes() < 0) continue;
-    c.units.push_back({Printable(u.unit(), 128), u.gather_bytes(), u.gather_seconds()});
+  const int max_units = std::max<int>(static_cast<int>(spec.units.size()), 1);
+  for (int i = 0; i < r.units_size() && i < max_units; ++i) {
+    const auto& u = r.units(i);
+    if (GoodSeconds(u.gather_seconds()) && u.gather_bytes() >= 0) c.gather_seconds += u.gather_seconds();
   }
+  if (!GoodSeconds(c.gather_seconds)) c.gather_seconds = 0;
   return c;
 }
 
@@ -142,46 +148,106 @@ bool Moved(double before, double now) { return std::abs(now - before) > 0.1 * st
 
 }  // namespace
 
-std::string ShardGroup::TakeCosts(int idx, const v1::Heartbeat& heartbeat) {
+std::string ShardGroup::TakeCosts(int idx, const v1::Heartbeat& heartbeat, absl::Time now) {
   if (heartbeat.costs_size() == 0 && heartbeat.frozen_budget_bytes() <= 0) return "";
   Member& m = members[idx];
+  if (now < m.costs_taken + kMinCostReportSpacing) return "";  // Faster than any worker sends.
+  m.costs_taken = now;
   if (heartbeat.costs_size() > 0) {
-    m.costs.clear();
+    std::vector<ModuleCostModel> mine(modules.size());
     std::vector<bool> seen(modules.size(), false);
     for (const auto& r : heartbeat.costs()) {
       auto it = module_index.find(r.module());
       if (it == module_index.end() || seen[it->second]) continue;
       seen[it->second] = true;
-      m.costs.push_back(CostFromReport(r, modules[it->second]));
+      mine[it->second] = CostFromReport(r, modules[it->second]);
     }
+    TakeMemberCosts(m, std::move(mine));
   }
-  if (heartbeat.frozen_budget_bytes() > 0) m.frozen_budget = heartbeat.frozen_budget_bytes();
+  if (heartbeat.frozen_budget_bytes() > 0) TakeMemberBudget(m, heartbeat.frozen_budget_bytes());
   return UpdateCostModel();
 }
 
-std::string ShardGroup::UpdateCostModel() {
-  std::vector<ModuleCostModel> model(modules.size());
-  for (const Member& m : members) {
-    for (const ModuleCost& c : m.costs) model[module_index.at(c.module)].Take(c);
+void ShardGroup::TakeMemberCosts(Member& m, std::vector<ModuleCostModel> mine) {
+  measured.resize(modules.size());
+  const std::vector<ModuleCostModel> old = std::move(m.costs);
+  m.costs = std::move(mine);
+  bool recompute = false;
+  for (size_t i = 0; i < modules.size(); ++i) {
+    ModuleCostModel& max = measured[i];
+    const ModuleCostModel& now = m.costs[i];
+    // A lowered maximum is found again among all members; a raised one is the new value.
+    if (!old.empty() && (old[i].forward_seconds_per_call >= max.forward_seconds_per_call ||
+                         old[i].gather_seconds >= max.gather_seconds)) {
+      recompute = recompute || now.forward_seconds_per_call < old[i].forward_seconds_per_call ||
+                  now.gather_seconds < old[i].gather_seconds;
+    }
+    max.forward_seconds_per_call = std::max(max.forward_seconds_per_call, now.forward_seconds_per_call);
+    max.gather_seconds = std::max(max.gather_seconds, now.gather_seconds);
   }
-  const int64_t budget = formed ? EffectiveBudget() : engine->config().min_memory_budget_bytes;
-  if (cost_model.size() != model.size()) cost_model.assign(model.size(), ModuleCostModel{});
-  bool moved = Moved(static_cast<double>(engine->config().min_memory_budget_bytes), static_cast<double>(budget));
-  for (size_t i = 0; i < model.size() && !moved; ++i) {
-    moved = Moved(cost_model[i].forward_seconds_per_call, model[i].forward_seconds_per_call) ||
-            Moved(cost_model[i].gather_seconds, model[i].gather_seconds);
+  if (recompute) RecomputeMeasured();
+}
+
+void ShardGroup::TakeMemberBudget(Member& m, int64_t bytes) {
+  const int64_t old = m.frozen_budget;
+  m.frozen_budget = bytes;
+  if (old <= 0) budget_reporters++;
+  if (bytes <= measured_budget) {
+    measured_budget = bytes;
+  } else if (old == measured_budget) {  // The smallest went up: find the smallest again.
+    RecomputeMeasured();
+  }
+}
+
+void ShardGroup::RecomputeMeasured() {
+  measured.assign(modules.size(), ModuleCostModel{});
+  measured_budget = INT64_MAX;
+  budget_reporters = 0;
+  for (const Member& m : members) {
+    for (size_t i = 0; i < m.costs.size() && i < measured.size(); ++i) {
+      measured[i].forward_seconds_per_call = std::max(measured[i].forward_seconds_per_call,
+                                                      m.costs[i].forward_seconds_per_call);
+      measured[i].gather_seconds = std::max(measured[i].gather_seconds, m.costs[i].gather_seconds);
+    }
+    if (m.frozen_budget > 0) {
+      budget_reporters++;
+      measured_budget = std::min(measured_budget, m.frozen_budget);
+    }
+  }
+}
+
+void ShardGroup::ForgetMeasures(int idx) {
+  Member& m = members[idx];
+  if (m.costs.empty() && m.frozen_budget <= 0) return;
+  m.costs.clear();
+  m.frozen_budget = 0;
+  m.costs_taken = absl::InfinitePast();
+  RecomputeMeasured();
+}
+
+std::string ShardGroup::UpdateCostModel() {
+  measured.resize(modules.size());
+  const int64_t before = engine->config().min_memory_budget_bytes;
+  const int64_t budget = formed ? EffectiveBudget() : before;
+  if (cost_model.size() != modules.size()) cost_model.assign(modules.size(), ModuleCostModel{});
+  // A budget is a limit: any decrease applies at once; seconds (and raises) move by a tenth.
+  bool moved = budget < before || Moved(static_cast<double>(before), static_cast<double>(budget));
+  for (size_t i = 0; i < modules.size() && !moved; ++i) {
+    moved = Moved(cost_model[i].forward_seconds_per_call, measured[i].forward_seconds_per_call) ||
+            Moved(cost_model[i].gather_seconds, measured[i].gather_seconds);
   }
   if (!moved) return "";
-  cost_model = model;
-  engine->SetCosts(model);
+  cost_model = measured;
+  engine->SetCosts(cost_model);
   engine->SetMinMemoryBudget(budget);
   std::string text;
-  for (size_t i = 0; i < model.size(); ++i) {
+  for (size_t i = 0; i < cost_model.size(); ++i) {
     absl::StrAppend(&text, i ? "; " : "", "module '", modules[i].name, "': ",
-                    absl::StrFormat("forward %.4f s/call, gather %.4f s", model[i].forward_seconds_per_call,
-                                    model[i].gather_seconds));
+                    absl::StrFormat("forward %.4f s/call, gather %.4f s", cost_model[i].forward_seconds_per_call,
+                                    cost_model[i].gather_seconds));
   }
-  absl::StrAppend(&text, "; budget ", budget, " bytes (registered ", registered_budget, ")");
+  absl::StrAppend(&text, "; budget ", budget, " bytes (registered ", registered_budget, ", ", budget_reporters, " of ",
+                  size(), " members measured one)");
   return text;
 }
 

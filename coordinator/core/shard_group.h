@@ -69,8 +69,11 @@ struct Member {
   // send (it does not read), or it broke the protocol. Nothing more is sent to it.
   std::string cut_reason;
   std::vector<v1::ModuleMemory> memory;  // As last reported.
-  std::vector<ModuleCost> costs;         // As last reported (manifest modules only).
-  int64_t frozen_budget = 0;             // Measured by the rank; 0: not reported.
+  // As last reported, per manifest module (empty: none yet): forward and the sum of its
+  // units' gathers, no names (a 16k-rank group holds two numbers per rank and module).
+  std::vector<ModuleCostModel> costs;
+  int64_t frozen_budget = 0;                               // Measured by the rank; 0: not reported.
+  absl::Time costs_taken = absl::InfinitePast();           // When its last report was taken.
   ReportedTotal decision_stalls, decision_stall_us;  // From heartbeats, across worker restarts.
   std::map<std::string, ReportedTotal> gathered_bytes;  // By module of the manifest, likewise.
   std::string session_key;  // Of the live session (RegisterResponse.session_key).
@@ -137,9 +140,13 @@ class ShardGroup {
   // plans resumed members send meanwhile wait here, in arrival order.
   absl::Time recovery_deadline = absl::InfiniteFuture();
   std::vector<std::pair<int, v1::MicrobatchPlan>> deferred_plans;
-  // The cost model the engine decides by (manifest order) and the budget it was given.
+  // The cost model the engine decides by (manifest order), the members' maxima it follows, and
+  // the smallest measured budget (with how many members measured one).
   std::vector<ModuleCostModel> cost_model;
+  std::vector<ModuleCostModel> measured;
   int64_t registered_budget = 0;  // Smallest memory_budget_bytes of the members.
+  int budget_reporters = 0;
+  int64_t measured_budget = INT64_MAX;
 
   bool Has(int rank) const { return rank >= ranks.front() && rank <= ranks.back(); }
   int IndexOf(int rank) const { return rank - ranks.front(); }
@@ -157,10 +164,15 @@ class ShardGroup {
   // Tells the engine the smallest memory budget of the members (auto's promotion); its seq
   // and state go on. Returns that budget.
   int64_t SetPromotionBudget();
-  // Keeps member `idx`'s cost report (bounded by the manifest; bad numbers dropped) and, when
-  // the group's cost model or measured budget moved by more than a tenth, hands the engine
-  // the new one; returns what changed for the event ("" when the engine's model stays).
-  std::string TakeCosts(int idx, const v1::Heartbeat& heartbeat);
+  // Keeps member `idx`'s cost report (bounded by the manifest; bad numbers dropped; one per
+  // kMinCostReportSpacing per member, whatever the client sends) and, when the group's cost
+  // model moved by more than a tenth or its budget went down at all, hands the engine the new
+  // one; returns what changed for the event ("" when the engine's model stays). The group's
+  // maxima are kept incrementally: a report costs O(modules), and O(members) only when the
+  // member that held a maximum lowers it.
+  std::string TakeCosts(int idx, const v1::Heartbeat& heartbeat, absl::Time now);
+  // A (re)registered member starts afresh: what its earlier process measured is dropped.
+  void ForgetMeasures(int idx);
   // The smallest budget of the members: registered, lowered by what every member measured.
   int64_t EffectiveBudget() const;
   // The plan's key and calls checked against the manifest; `who` names the sender.
@@ -178,8 +190,15 @@ class ShardGroup {
   void RestartKeys();
 
  private:
+  void TakeMemberCosts(Member& m, std::vector<ModuleCostModel> mine);
+  void TakeMemberBudget(Member& m, int64_t bytes);
+  void RecomputeMeasured();
   std::string UpdateCostModel();
 };
+
+// Cost reports a member sends closer together than this are dropped by the coordinator (the
+// worker sends at most one per kCostReportInterval, 5 s).
+inline constexpr absl::Duration kMinCostReportSpacing = absl::Seconds(4);
 
 // A group and the mutex that guards it. The hot path takes it with the core's lock held
 // shared; the clang build checks every access (tests/compile_fail/).

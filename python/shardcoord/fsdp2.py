@@ -30,8 +30,11 @@ What each decision does, so that every rank of the shard group issues the same c
   planned call of the module (at once, unit by unit, when it plans none). A frozen tower takes no
   part in backward, so holding it gathered through the backward only raised the peak (by the whole
   tower, at the moment decoder activations peak: ../shared/FSDP2-NOTES.md, "Memory of the
-  placements"). A call after the release would all-gather on this rank alone (a hang): it raises
-  FailedPrecondition instead. Without ``calls``, with ``root_release="end_of_microbatch"``, or when
+  placements"). ``calls`` must be exactly (or more than) what the rank runs: a call after the
+  release would all-gather on this rank alone, so it raises FailedPrecondition instead, and the
+  other ranks then wait in their next collective until its timeout (or until shardcoord's failure
+  watch stops them). Give the calls the rank reported (``PlanAhead``'s plan), not a second
+  evaluation of a plan function that could differ; when unsure, leave ``calls`` out. Without ``calls``, with ``root_release="end_of_microbatch"``, or when
   the module's output needs grad (its backward would need the weights), ``end_microbatch`` reshards
   after the backward, as before.
 - ``replicate``: a full copy that FSDP does not manage, made (one all-gather per parameter, same

@@ -994,6 +994,7 @@ TEST_F(CoreTest, CostReportsBecomeTheGroupsModelAndDecide) {
     EXPECT_EQ(e.group(), 0);
   }
   EXPECT_EQ(model_events, 2);  // The second report moved forward by 20 %.
+  clock_->Advance(absl::Seconds(5));
   report(1, 0.0121, 0.015);    // Within a tenth: the engine's model stays, no event.
   int after = 0;
   for (const auto& e : core_->Events("job", 0, 100)) after += e.kind() == "group_cost_model";
@@ -1008,6 +1009,73 @@ TEST_F(CoreTest, CostReportsBecomeTheGroupsModelAndDecide) {
   bool said = false;
   for (const auto& e : core_->Events("job", 0, 100)) {
     said |= e.kind() == "module_cost_choice" && e.message().find("root 0.0440 s <= per_layer") != std::string::npos;
+  }
+  EXPECT_TRUE(said);
+}
+
+// Issue 28 review: a rerun may bring another manifest; what members measured against the old
+// one is dropped (it crashed the daemon: a module name the new manifest lacks), and the
+// rerun's reports reach its engine even when they equal the old ones.
+TEST_F(CoreTest, ARerunWithAnotherManifestStartsItsCostModelAfresh) {
+  auto report = [&](int rank, const std::string& module) {
+    v1::WorkerBundle bundle;
+    auto* c = bundle.mutable_heartbeat()->add_costs();
+    c->set_module(module);
+    c->set_forward_seconds_per_call(0.010);
+    c->add_units()->set_gather_seconds(0.020);
+    core_->OnBundle(sessions_[rank], bundle);
+  };
+  RegisterAll(2, 2);
+  report(0, "vision_tower");
+  report(1, "vision_tower");
+  core_->OnGoodbye(sessions_[0], "done");
+  core_->OnGoodbye(sessions_[1], "done");
+  for (int rank : {0, 1}) {
+    v1::RegisterRequest r = Request(rank, 2, 2);
+    r.mutable_modules(0)->set_name("renamed_tower");
+    ASSERT_TRUE(Register(r).ok());
+  }
+  clock_->Advance(absl::Seconds(5));
+  report(0, "renamed_tower");  // Rank 1's old report names a module the manifest no longer has.
+  report(1, "renamed_tower");
+  v1::PlanBatch batch;
+  batch.set_epoch(core_->Groups("job").groups(0).epoch());
+  auto* p = batch.add_plans();
+  (*p->mutable_calls())["renamed_tower"] = 2;
+  OnPlans(sessions_[0], batch);
+  OnPlans(sessions_[1], batch);
+  ASSERT_EQ(sinks_[0]->Decisions().size(), 1u);
+  EXPECT_EQ(sinks_[0]->Decisions()[0].modules(0).reason(), v1::REASON_COST);
+}
+
+TEST_F(CoreTest, CostReportsFasterThanAWorkerSendsAreDroppedAndABudgetDropAppliesAtOnce) {
+  v1::RegisterRequest r0 = Request(0, 2, 2), r1 = Request(1, 2, 2);
+  r0.set_memory_budget_bytes(10000);
+  r1.set_memory_budget_bytes(10000);
+  ASSERT_TRUE(Register(r0).ok());
+  ASSERT_TRUE(Register(r1).ok());
+  auto budget = [&](int rank, int64_t bytes) {
+    v1::WorkerBundle bundle;
+    bundle.mutable_heartbeat()->set_frozen_budget_bytes(bytes);
+    core_->OnBundle(sessions_[rank], bundle);
+  };
+  auto model_events = [&] {
+    int n = 0;
+    for (const auto& e : core_->Events("job", 0, 1000)) n += e.kind() == "group_cost_model";
+    return n;
+  };
+  budget(0, 9800);
+  budget(1, 9900);  // Every member measured: 9800 < 10000 by 2 %, a budget drop: applied.
+  EXPECT_EQ(model_events(), 1);
+  for (int i = 0; i < 100; ++i) budget(1, i % 2 ? 500 : 9900);  // A hostile flood: dropped.
+  EXPECT_EQ(model_events(), 1);
+  clock_->Advance(absl::Seconds(5));
+  budget(1, 500);
+  EXPECT_EQ(model_events(), 2);
+  bool said = false;
+  for (const auto& e : core_->Events("job", 0, 1000)) {
+    said |= e.kind() == "group_cost_model" && e.message().find("budget 500 bytes (registered 10000, 2 of 2") !=
+                                                  std::string::npos;
   }
   EXPECT_TRUE(said);
 }

@@ -82,6 +82,10 @@ TEST_F(CostTest, DivergentCallsOverTheBudgetStillGetRootAndSaySo) {
   EXPECT_EQ(c.chosen.decision, Decision::kRoot);
   EXPECT_TRUE(c.over_budget);
   EXPECT_THAT(DescribeChoice(c, in_, 1), HasSubstr("nothing safe fits the budget"));
+  in_.budget_bytes = 100;  // Not even a unit fits: uniform calls get the lowest peak, per_layer.
+  CostChoice uniform = ChooseByCost(in_, {2, 2});
+  EXPECT_EQ(uniform.chosen.decision, Decision::kPerLayer);
+  EXPECT_TRUE(uniform.over_budget);
 }
 
 TEST_F(CostTest, AReplicaSavesTheGathersOfTheCheapestOtherChoice) {

@@ -425,10 +425,16 @@ TEST(DecisionEngineCostTest, RootWhenTheTowerRunsTwiceAndGatheringOnceIsCheaper)
   EXPECT_THAT(t[0].detail, HasSubstr("root 0.0400 s <= per_layer 0.0600 s for 2 call(s)"));
   ExpectModule(engine.Decide({0, 2}, 0, {{2, 2}}, &t), 0, "vision_tower", Decision::kRoot, DecisionReason::kCost);
   EXPECT_THAT(Whats(t), ElementsAre("cost_choice"));  // Said once, not per microbatch.
-  ExpectModule(engine.Decide({0, 3}, 0, {{1, 1}}, &t), 0, "vision_tower", Decision::kPerLayer,
-               DecisionReason::kUniform);
-  ASSERT_THAT(Whats(t), ElementsAre("cost_choice", "cost_choice"));
-  EXPECT_THAT(t[1].detail, HasSubstr("contract's rule again"));
+  for (int i = 0; i < 20; ++i) {  // Alternating shapes do not flood the journal either.
+    ExpectModule(engine.Decide({1, 2 * i}, 0, {{1, 1}}, &t), 0, "vision_tower", Decision::kPerLayer,
+                 DecisionReason::kUniform);
+    ExpectModule(engine.Decide({1, 2 * i + 1}, 0, {{2, 2}}, &t), 0, "vision_tower", Decision::kRoot,
+                 DecisionReason::kCost);
+  }
+  EXPECT_THAT(Whats(t), ElementsAre("cost_choice"));
+  engine.SetCosts({ModuleCostModel{0.010, 0.030}});  // A new model: its choices are said again.
+  engine.Decide({2, 0}, 0, {{2, 2}}, &t);
+  EXPECT_THAT(Whats(t), ElementsAre("cost_choice", "cost_choice"));
 }
 
 TEST(DecisionEngineCostTest, ABudgetBelowTheTowerKeepsPerLayerAndNeverReplicates) {
@@ -443,6 +449,10 @@ TEST(DecisionEngineCostTest, ABudgetBelowTheTowerKeepsPerLayerAndNeverReplicates
                DecisionReason::kDivergent);
   ASSERT_THAT(Whats(t), ElementsAre("cost_choice"));
   EXPECT_THAT(t[0].detail, HasSubstr("nothing safe fits the budget"));
+  // Uniform calls when not even a unit fits: per_layer, the safe placement that holds the least.
+  engine.SetMinMemoryBudget(100);
+  ExpectModule(engine.Decide({9, 0}, 0, {{2, 2}}, &t), 0, "vision_tower", Decision::kPerLayer,
+               DecisionReason::kUniform);
 }
 
 TEST(DecisionEngineCostTest, PromotesWhenTheSavingsPayForTheReplicaAndDemotesWhenTheyStop) {

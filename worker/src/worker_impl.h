@@ -80,6 +80,11 @@ class Worker::Impl {
     memory_ = usage;
     memory_dirty_ = true;
   }
+  // The last cost report goes out again with the next heartbeat.
+  void ResendCosts() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    costs_dirty_ = !costs_.empty() || frozen_budget_bytes_ > 0;
+    costs_sent_ = absl::InfinitePast();
+  }
   void ReportCosts(const std::vector<ModuleCost>& costs, int64_t frozen_budget_bytes) {
     absl::MutexLock lock(&mu_);
     costs_ = costs;

@@ -227,6 +227,7 @@ absl::Status Worker::Impl::OnResumed(const v1::RegisterResponse& r) {
     outbox_.pop_front();
   }
   ready_acks_.clear();   // Acknowledgements of the old process's aborts.
+  ResendCosts();         // A new coordinator process knows none of them.
   if (r.epoch() != group_.epoch) {
     // The group re-formed meanwhile (it failed while we were away): keys start afresh.
     const int cancelled = queue_.FailPending(absl::AbortedError(absl::StrCat(
@@ -347,6 +348,7 @@ void Worker::Impl::OnRegistered(const v1::RegisterResponse& r) {
   group_.heartbeat_interval = absl::Milliseconds(r.heartbeat_interval_ms());
   group_.warnings.assign(r.warnings().begin(), r.warnings().end());
   registered_ = true;
+  ResendCosts();  // A registration starts the rank afresh at the coordinator: measures included.
 }
 
 void Worker::Impl::OnPlanRejected(const v1::PlanRejected& r) {

@@ -82,8 +82,9 @@ SHARDCOORD_EXPORT PlacementEstimate EstimatePlacement(const CostInputs& in, Deci
 // The cheapest safe placement that fits among skip, per_layer and root (a replica is state
 // across microbatches: the engine decides it with ReplicaSaving). Ties go to the lower peak,
 // then to the order skip, per_layer, root, so with nothing measured the choice is the
-// contract's rule. When no safe placement fits (divergent calls and a module larger than
-// the budget), root: the only placement that cannot hang; `over_budget` says so.
+// contract's rule. When no safe placement fits, the safe one with the lowest peak (for
+// divergent calls and a module larger than the budget, root: the only placement that cannot
+// hang); `over_budget` says so.
 struct CostChoice {
   PlacementEstimate chosen;
   PlacementEstimate per_layer;  // The estimates it compared, for the reason's text.
