@@ -432,7 +432,7 @@ struct QueryFlags {
 
 // The options of `shardctl replay` as given; ReplayOptionsFrom checks and completes them.
 struct ReplayFlags {
-  std::string trace_path, ranks_arg, modules_arg, manifest_path, policy, fallback, output;
+  std::string trace_path, ranks_arg, modules_arg, manifest_path, policy, fallback, output, cost_path;
   shardcoord::client::ReplayOptions ro;  // What the flags set directly.
   int interval_ms = 0;
   int decision_timeout_ms = 60000;
@@ -566,6 +566,10 @@ void AddReplayJobOptions(CLI::App* replay, ReplayFlags* f) {
   replay->add_option("--modules", f->modules_arg, "controlled module names, comma-separated (default: those in the trace)");
   replay->add_option("--manifest", f->manifest_path, "manifest JSON file instead of --modules")->check(CLI::ExistingFile);
   replay->add_flag("--no-outer-root", f->no_outer, "register wrap_outer_model=false");
+  replay->add_option("--cost", f->cost_path,
+                     "cost model JSON file (shardcoord.cost/v1): every rank reports it before its first plan, so "
+                     "auto decides by cost as `shardctl plan` predicts")
+      ->check(CLI::ExistingFile);
 }
 
 // How the replay plays: which ranks, at what pace, and where its decisions go.
@@ -728,6 +732,20 @@ bool ReadModules(const ReplayFlags& f, std::vector<shardcoord::ModuleSpec>* modu
   return true;
 }
 
+absl::StatusOr<shardcoord::client::CostFile> ReadCostFile(const std::string& path);
+
+// --cost's modules as every rank reports them; false (and one line on stderr) on a bad file.
+bool ReadReplayCosts(const std::string& path, std::vector<shardcoord::ModuleCost>* costs) {
+  if (path.empty()) return true;
+  const auto file = ReadCostFile(path);
+  if (!file.ok()) {
+    std::cerr << "shardctl replay: " << file.status().message() << "\n";
+    return false;
+  }
+  for (const auto& m : file->modules) costs->push_back(m.cost);
+  return true;
+}
+
 // The replay's options from its flags; nullopt (and one line on stderr) on bad input.
 std::optional<shardcoord::client::ReplayOptions> ReplayOptionsFrom(const ReplayFlags& f, const std::string& address,
                                                                    const shardcoord::TlsFiles& tls) {
@@ -742,7 +760,7 @@ std::optional<shardcoord::client::ReplayOptions> ReplayOptionsFrom(const ReplayF
   ro.reconnect_window = absl::Milliseconds(f.reconnect_window_ms);
   ro.tls = tls;
   if (!f.ranks_arg.empty() && !ParseRanks(f.ranks_arg, &ro.ranks)) return std::nullopt;
-  if (!ReadModules(f, &ro.modules)) return std::nullopt;
+  if (!ReadModules(f, &ro.modules) || !ReadReplayCosts(f.cost_path, &ro.costs)) return std::nullopt;
   return ro;
 }
 

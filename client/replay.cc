@@ -156,6 +156,7 @@ void PlayRank(const Trace& trace, const ReplayOptions& o, const std::string& add
     run->failure = absl::StrCat("registration failed: ", worker.status().ToString());
     return;
   }
+  if (!o.costs.empty()) (*worker)->ReportCosts(o.costs);
   PlayMicrobatches(trace, o, **worker, run);
   (*worker)->Close();
 }

@@ -33,6 +33,10 @@ struct ReplayOptions {
   absl::Duration reconnect_window = kDefaultReconnectWindow;  // See WorkerOptions.
   bool per_rank = false;
   TlsFiles tls;  // See WorkerOptions; empty fields come from the environment.
+  // Each rank reports these costs (Worker::ReportCosts) before its first plan, as a measuring
+  // trainer would: the coordinator's `auto` then decides by cost from the first microbatch, as
+  // `shardctl plan` assumes. Empty: no report (auto counts).
+  std::vector<ModuleCost> costs;
 };
 
 // Exit codes of `shardctl replay`.

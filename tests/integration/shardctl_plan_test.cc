@@ -277,6 +277,38 @@ TEST(ShardctlPlanTest, AutoDecidesAsTheDaemonDoesInAReplay) {
   }
 }
 
+TEST(ShardctlPlanTest, CostAwareAutoDecidesAsTheDaemonDoesWhenTheRanksReportTheCosts) {
+  TempDir dir;
+  // The same trace and manifest, but every replayed rank reports the cost file before its first
+  // plan (as a measuring trainer would): the daemon's auto decides by cost from the first
+  // microbatch, and the planner, given the same file, must count the same decisions.
+  const std::string trace = absl::StrCat(SHARDCOORD_SOURCE_DIR, "/examples/traces/mixed_8ranks.jsonl");
+  const std::string manifest = Write(dir, "m.json", R"({"modules":[
+      {"name":"vision_tower","param_bytes":4096,"units":[{"name":"layers.0","param_bytes":2048},
+                                                        {"name":"layers.1","param_bytes":2048}]},
+      {"name":"multi_modal_projector","param_bytes":512},{"name":"audio_tower","param_bytes":1024}]})");
+  const std::string cost = Write(dir, "c.json", R"({"format":"shardcoord.cost/v1","other_seconds_per_microbatch":0.1,
+      "modules":[{"name":"vision_tower","forward_seconds_per_call":0.01,"units":[{"name":"layers.0",
+                  "gather_seconds":0.002},{"name":"layers.1","gather_seconds":0.002}]},
+                 {"name":"audio_tower","forward_seconds_per_call":0.004,"units":[{"name":"whole","gather_seconds":0.001}]}]})");
+  for (const std::string budget : {"0", "1024", "4096"}) {
+    SCOPED_TRACE(absl::StrCat("budget ", budget));
+    auto replay = RunCommand({SHARDCTL_PATH, "replay", trace, "--group-size", "4", "--manifest", manifest, "--policy",
+                              "auto", "--fallback", "root", "--memory-budget-bytes", budget, "--cost", cost},
+                             kCommandTimeout);
+    ASSERT_EQ(replay.exit_code, 0) << replay.err;
+    const std::vector<int> daemon = ReplayCounts(replay.err);
+    ASSERT_EQ(daemon.size(), 4u) << replay.err;
+    const Plan p = RunPlanJson(trace, manifest, cost,
+                               {"--world-size", "8", "--group-size", "4", "--budget-bytes", budget, "--policies", "auto"});
+    ASSERT_EQ(p.run.exit_code, 0) << p.run.err;
+    const nlohmann::json& d = p.by_policy.at("auto")["decisions"];
+    EXPECT_EQ(std::vector<int>({d["per_layer"].get<int>(), d["skip"].get<int>(), d["root"].get<int>(),
+                                d["replicate"].get<int>()}),
+              daemon);
+  }
+}
+
 TEST(ShardctlPlanTest, BadInputIsExitTwoWithOneLineNamingIt) {
   TempDir dir;
   const std::string trace = Write(dir, "t.jsonl", kTrace), manifest = Write(dir, "m.json", kManifest),

@@ -80,6 +80,10 @@ class Worker::Impl {
     memory_ = usage;
     memory_dirty_ = true;
   }
+  // A cost report waits to be sent and its interval has passed.
+  bool CostsDue() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return costs_dirty_ && absl::Now() >= costs_sent_ + kCostReportInterval;
+  }
   // The last cost report goes out again with the next heartbeat.
   void ResendCosts() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     costs_dirty_ = !costs_.empty() || frozen_budget_bytes_ > 0;

@@ -448,17 +448,21 @@ void Worker::Impl::WriterLoop() {
     {
       absl::MutexLock lock(&mu_);
       auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return !outbox_.empty() || !ready_acks_.empty() || memory_dirty_ || closing_ || read_ended_;
+        return !outbox_.empty() || !ready_acks_.empty() || memory_dirty_ || CostsDue() || closing_ || read_ended_;
       };
       mu_.AwaitWithDeadline(absl::Condition(&ready), last_heartbeat + interval);
       if (read_ended_) break;
       msg.set_incarnation(incarnation_);
       // Heartbeats go out on time even while plans flow: they carry collective progress.
       const bool heartbeat_due = absl::Now() >= last_heartbeat + interval || (memory_dirty_ && outbox_.empty());
-      if (heartbeat_due || memory_dirty_ || !ready_acks_.empty() || !outbox_.empty()) {
+      // Measures go before the plans of the same message: a cost report made before the first
+      // plan is in force when that plan is decided (the coordinator takes a bundle's heartbeat
+      // first).
+      const bool measures = memory_dirty_ || CostsDue();
+      if (heartbeat_due || measures || !ready_acks_.empty() || !outbox_.empty()) {
         // Everything queued, in one message (DESIGN 9, "Messages").
         auto* bundle = msg.mutable_bundle();
-        if (heartbeat_due || memory_dirty_) {
+        if (heartbeat_due || measures) {
           FillHeartbeat(bundle->mutable_heartbeat());
           memory_dirty_ = false;
           last_heartbeat = absl::Now();

@@ -171,8 +171,10 @@ class SHARDCOORD_EXPORT Worker {
   // Reports what the controlled modules cost on this rank (medians of recent microbatches:
   // forward seconds per call, each unit's all-gather) and, when measured, the bytes frozen
   // modules may hold at once here (0: not measured). The coordinator's cost-aware `auto`
-  // decides by the slowest member's numbers (DESIGN 3). Sent with a heartbeat, at most once
-  // per kCostReportInterval (the latest report wins). Never blocks.
+  // decides by the slowest member's numbers (DESIGN 3). Sent at once, at most once per
+  // kCostReportInterval (the latest report wins), ahead of any plan reported after it: a
+  // report made before the first plan is in force when the group decides that plan (every
+  // member's, when each reports before planning). Never blocks.
   void ReportCosts(const std::vector<ModuleCost>& costs, int64_t frozen_budget_bytes = 0);
 
   // Plans reported whose decision has not arrived yet.
