@@ -955,7 +955,8 @@ def rank_main(args: argparse.Namespace) -> int:
     ctx.published = load_make_trace().MIXES
     if args.report_costs and any(p.startswith("sc_") for p in args.placements):
         from shardcoord.torch._costs import CostMeter
-        ctx.meter = CostMeter.attach(ctx.api.model, ctx.specs)  # Every cell runs with its hooks: fair.
+        # Every cell runs with its hooks (fair); the replicas fsdp2 holds count as held memory.
+        ctx.meter = CostMeter.attach(ctx.api.model, ctx.specs, held_outside=ctx.ctl.held_outside_bytes)
     if ctx.rank == 0:
         print("INFO " + json.dumps(info_record(ctx)), flush=True)
     for mix in args.mixes:

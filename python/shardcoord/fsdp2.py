@@ -251,6 +251,12 @@ class Fsdp2Control:
         """Whether ``root`` holds ``module``'s units gathered now (False once released)."""
         return self._controlled[module].root_gathered
 
+    def held_outside_bytes(self) -> int:
+        """Bytes of the replicas this control holds outside the model now (for
+        ``shardcoord.torch.CostMeter(held_outside=...)``: a measured room must count them)."""
+        return sum(p.numel() * p.element_size() for c in self._controlled.values() if c.replica is not None
+                   for p in c.replica.parameters())
+
     def release(self) -> None:
         """Frees every replica (outside a microbatch; local, no collective). The next ``replicate``
         decision gathers the module again."""

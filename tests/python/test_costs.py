@@ -112,6 +112,16 @@ def test_headroom_is_minus_one_and_the_budget_unmeasured_on_cpu():
     assert meter.frozen_budget_bytes() == 0
 
 
+def test_what_is_held_outside_the_model_counts_as_held():
+    """A replica fsdp2 keeps outside the model is memory the frozen modules hold: a measured room
+    that missed it would be one tower low, and auto would demote the replica it just made."""
+    model = Model()
+    plain = sct.CostMeter.attach(model, specs(model))
+    outside = sct.CostMeter.attach(model, specs(model), held_outside=lambda: 12345)
+    assert outside._held_bytes() == plain._held_bytes() + 12345
+    assert plain._held_bytes() == nbytes(model.visual)
+
+
 def test_report_gives_the_worker_the_costs_and_the_budget_in_the_bound_shapes():
     clock, cost = Clock(), [0.002]
     model = Model(clock, cost)

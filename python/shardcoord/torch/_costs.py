@@ -146,14 +146,19 @@ class CostMeter:
 
     ``window``: samples kept per estimate (the median of the last ``window``). ``clock``: the
     seconds clock for modules not on a GPU (default ``time.perf_counter``; tests pass their own).
-    ``reset_peak``: :meth:`end_step` resets ``max_memory_allocated`` after reading it."""
+    ``reset_peak``: :meth:`end_step` resets ``max_memory_allocated`` after reading it.
+    ``held_outside``: bytes the controlled modules hold outside the model (``shardcoord.fsdp2``'s
+    replicas: pass ``ctl.held_outside_bytes``), counted as held: without it a rank holding a
+    replica measures its room one tower too low, and ``auto`` demotes the replica it just made."""
 
-    def __init__(self, window: int = 32, clock: Optional[Callable[[], float]] = None, reset_peak: bool = False):
+    def __init__(self, window: int = 32, clock: Optional[Callable[[], float]] = None, reset_peak: bool = False,
+                 held_outside: Optional[Callable[[], int]] = None):
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
         self.window = window
         self._clock = clock
         self._reset_peak = reset_peak
+        self._held_outside = held_outside
         self._modules: Dict[str, _Module] = {}
         self._pending: Deque[Tuple[str, Any, Any, Any]] = collections.deque()  # (kind, target, start, end)
         self._handles: List[Any] = []
@@ -314,8 +319,8 @@ class CostMeter:
 
     def _held_bytes(self) -> int:
         """Bytes of the controlled modules' parameter storage on this rank now, each storage once
-        (an FSDP2 shard's, or the gathered unit's; a replica that ``shardcoord.fsdp2`` keeps outside
-        the model is not seen, so the budget errs low)."""
+        (an FSDP2 shard's, or the gathered unit's), plus ``held_outside()`` (a replica that
+        ``shardcoord.fsdp2`` keeps outside the model)."""
         seen: Dict[int, int] = {}
         for module in self._module_refs:
             for p in module.parameters():
@@ -325,7 +330,7 @@ class CostMeter:
                     seen[storage.data_ptr()] = storage.nbytes()
                 except (AttributeError, RuntimeError):  # pragma: no cover - an older torch
                     seen[id(local)] = local.numel() * local.element_size()
-        return sum(seen.values())
+        return sum(seen.values()) + (int(self._held_outside()) if self._held_outside else 0)
 
     def calls(self, module: str) -> int:
         """Forward calls of ``module`` seen so far."""
