@@ -78,6 +78,7 @@ import torch
 from torch import nn
 
 from .errors import FailedPrecondition, InvalidArgument
+from .torch._executor import _requires_grad  # Whether a module's output takes part in backward.
 
 if TYPE_CHECKING:  # pragma: no cover - the binding's types, looked up on first use (worker.py)
     from .worker import Decision, ModuleSpec
@@ -274,16 +275,6 @@ def _warn_once(message: str) -> None:
     if message not in _warned:
         _warned.add(message)
         warnings.warn(message, RuntimeWarning, stacklevel=3)
-
-
-def _requires_grad(output) -> bool:
-    if isinstance(output, torch.Tensor):
-        return output.requires_grad
-    if isinstance(output, Mapping):
-        return any(_requires_grad(v) for v in output.values())
-    if isinstance(output, (tuple, list)):
-        return any(_requires_grad(v) for v in output)
-    return any(_requires_grad(v) for v in vars(output).values()) if hasattr(output, "__dataclass_fields__") else False
 
 
 def _materialize(c: _Controlled, root: nn.Module) -> nn.Module:

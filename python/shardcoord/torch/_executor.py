@@ -406,4 +406,6 @@ def _requires_grad(output: Any) -> bool:
         return any(_requires_grad(v) for v in output.values())
     if isinstance(output, (tuple, list)):
         return any(_requires_grad(v) for v in output)
+    if hasattr(output, "__dataclass_fields__"):
+        return any(_requires_grad(v) for v in vars(output).values())
     return False
