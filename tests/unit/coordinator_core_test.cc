@@ -1003,7 +1003,7 @@ TEST_F(CoreTest, CostReportsBecomeTheGroupsModelAndDecide) {
   Plan(0, 0, 0, 2);
   Plan(1, 0, 0, 2);
   ASSERT_EQ(sinks_[0]->Decisions().size(), 1u);
-  const auto& md = sinks_[0]->Decisions()[0].modules(0);
+  const v1::ModuleDecision md = sinks_[0]->Decisions()[0].modules(0);  // A copy: Decisions() is a temporary.
   EXPECT_EQ(md.decision(), v1::DECISION_ROOT);
   EXPECT_EQ(md.reason(), v1::REASON_COST);
   bool said = false;
