@@ -108,16 +108,19 @@ void DecisionEngine::UpdatePromotionByCost(size_t m, const std::vector<int32_t>&
   const double kEpsilon = 1e-9;                  // Sums of measured seconds: no exact equality.
   const bool fits = config_.min_memory_budget_bytes > 0 && spec.param_bytes <= config_.min_memory_budget_bytes;
   const bool full = static_cast<int>(st.recent_savings.size()) == config_.promotion.window;
-  const std::string window = absl::StrFormat(
-      "a replica would have saved %.4f s over the last %d microbatches (building one: %.4f s); "
-      "%d bytes against the budget of %d",
-      st.savings_in_window, static_cast<int>(st.recent_savings.size()), build, spec.param_bytes,
-      config_.min_memory_budget_bytes);
+  // The numbers that decided, formatted only for a transition (not on every decision).
+  auto window = [&] {
+    return absl::StrFormat(
+        "a replica would have saved %.4f s over the last %d microbatches (building one: %.4f s); "
+        "%d bytes against the budget of %d",
+        st.savings_in_window, static_cast<int>(st.recent_savings.size()), build, spec.param_bytes,
+        config_.min_memory_budget_bytes);
+  };
   if (!st.promoted && !st.sticky_replicate && fits && build > 0 && st.savings_in_window >= build - kEpsilon) {
     st.promoted = true;
     if (transitions) {
       transitions->push_back({spec.name, "promoted",
-                              absl::StrCat("by cost: ", window, "; replicated from the microbatch after ",
+                              absl::StrCat("by cost: ", window(), "; replicated from the microbatch after ",
                                            key.ToString())});
     }
   } else if (st.promoted && (!fits || (full && (st.savings_in_window < build - kEpsilon ||
@@ -127,7 +130,7 @@ void DecisionEngine::UpdatePromotionByCost(size_t m, const std::vector<int32_t>&
     st.promoted = false;
     if (transitions) {
       transitions->push_back({spec.name, "demoted",
-                              absl::StrCat("by cost: ", fits ? "" : "it no longer fits; ", window,
+                              absl::StrCat("by cost: ", fits ? "" : "it no longer fits; ", window(),
                                            "; decided per microbatch again after ", key.ToString())});
     }
   }

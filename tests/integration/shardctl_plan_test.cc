@@ -243,16 +243,44 @@ std::vector<int> ReplayCounts(const std::string& err) {
   return {std::stoi(m[1]), std::stoi(m[2]), std::stoi(m[3]), std::stoi(m[4])};
 }
 
-TEST(ShardctlPlanTest, AutoDecidesAsTheDaemonDoesInAReplay) {
-  TempDir dir;
-  // The bundled trace: 8 ranks, 3 modules, uniform, mixed and empty microbatches. The daemon
-  // (replay's embedded coordinator) and the planner must count the same decisions, with
-  // promotion off, on for the small modules only, and on for all of them.
-  const std::string trace = absl::StrCat(SHARDCOORD_SOURCE_DIR, "/examples/traces/mixed_8ranks.jsonl");
-  const std::string manifest = Write(dir, "m.json", R"({"modules":[
+// The bundled trace: 8 ranks, 3 modules, uniform, mixed and empty microbatches.
+const std::string kMixedTrace = absl::StrCat(SHARDCOORD_SOURCE_DIR, "/examples/traces/mixed_8ranks.jsonl");
+
+std::string MixedManifest(const TempDir& dir) {
+  return Write(dir, "m.json", R"({"modules":[
       {"name":"vision_tower","param_bytes":4096,"units":[{"name":"layers.0","param_bytes":2048},
                                                         {"name":"layers.1","param_bytes":2048}]},
       {"name":"multi_modal_projector","param_bytes":512},{"name":"audio_tower","param_bytes":1024}]})");
+}
+
+// Replays kMixedTrace through a real (embedded) coordinator in groups of 4 under
+// `daemon_policy` with fallback root and `budget` (plus `replay_extra`), and expects the
+// planner's `policy`, given `cost` and the same budget, to count the same decisions.
+void ExpectThePlannerCountsWhatTheDaemonDecided(const std::string& manifest, const std::string& cost,
+                                                const std::string& budget, const std::string& policy,
+                                                const std::string& daemon_policy,
+                                                std::vector<std::string> replay_extra = {}) {
+  std::vector<std::string> argv = {SHARDCTL_PATH, "replay", kMixedTrace, "--group-size", "4", "--manifest", manifest,
+                                   "--policy", daemon_policy, "--fallback", "root", "--memory-budget-bytes", budget};
+  argv.insert(argv.end(), replay_extra.begin(), replay_extra.end());
+  auto replay = RunCommand(argv, kCommandTimeout);
+  ASSERT_EQ(replay.exit_code, 0) << replay.err;
+  const std::vector<int> daemon = ReplayCounts(replay.err);
+  ASSERT_EQ(daemon.size(), 4u) << replay.err;
+  const Plan p = RunPlanJson(kMixedTrace, manifest, cost,
+                             {"--world-size", "8", "--group-size", "4", "--budget-bytes", budget, "--policies", policy});
+  ASSERT_EQ(p.run.exit_code, 0) << p.run.err;
+  const nlohmann::json& d = p.by_policy.at(policy)["decisions"];
+  EXPECT_EQ(std::vector<int>({d["per_layer"].get<int>(), d["skip"].get<int>(), d["root"].get<int>(),
+                              d["replicate"].get<int>()}),
+            daemon);
+}
+
+TEST(ShardctlPlanTest, AutoDecidesAsTheDaemonDoesInAReplay) {
+  TempDir dir;
+  // The daemon and the planner must count the same decisions, with promotion off, on for the
+  // small modules only, and on for all of them.
+  const std::string manifest = MixedManifest(dir);
   // Replay's simulated ranks report no costs, so the daemon decides by counting: the planner
   // is given no costs either (each module then costs nothing, with a warning) and counts too.
   const std::string cost =
@@ -260,19 +288,7 @@ TEST(ShardctlPlanTest, AutoDecidesAsTheDaemonDoesInAReplay) {
   for (const std::string budget : {"0", "1024", "4096"}) {
     for (const auto& [policy, daemon_policy] : {std::pair{"auto", "auto"}, std::pair{"sc_per_layer", "per_layer"}}) {
       SCOPED_TRACE(absl::StrCat(policy, " budget ", budget));
-      auto replay = RunCommand({SHARDCTL_PATH, "replay", trace, "--group-size", "4", "--manifest", manifest,
-                                "--policy", daemon_policy, "--fallback", "root", "--memory-budget-bytes", budget},
-                               kCommandTimeout);
-      ASSERT_EQ(replay.exit_code, 0) << replay.err;
-      const std::vector<int> daemon = ReplayCounts(replay.err);
-      ASSERT_EQ(daemon.size(), 4u) << replay.err;
-      const Plan p = RunPlanJson(trace, manifest, cost, {"--world-size", "8", "--group-size", "4", "--budget-bytes",
-                                                         budget, "--policies", policy});
-      ASSERT_EQ(p.run.exit_code, 0) << p.run.err;
-      const nlohmann::json& d = p.by_policy.at(policy)["decisions"];
-      EXPECT_EQ(std::vector<int>({d["per_layer"].get<int>(), d["skip"].get<int>(), d["root"].get<int>(),
-                                  d["replicate"].get<int>()}),
-                daemon);
+      ExpectThePlannerCountsWhatTheDaemonDecided(manifest, cost, budget, policy, daemon_policy);
     }
   }
 }
@@ -282,30 +298,14 @@ TEST(ShardctlPlanTest, CostAwareAutoDecidesAsTheDaemonDoesWhenTheRanksReportTheC
   // The same trace and manifest, but every replayed rank reports the cost file before its first
   // plan (as a measuring trainer would): the daemon's auto decides by cost from the first
   // microbatch, and the planner, given the same file, must count the same decisions.
-  const std::string trace = absl::StrCat(SHARDCOORD_SOURCE_DIR, "/examples/traces/mixed_8ranks.jsonl");
-  const std::string manifest = Write(dir, "m.json", R"({"modules":[
-      {"name":"vision_tower","param_bytes":4096,"units":[{"name":"layers.0","param_bytes":2048},
-                                                        {"name":"layers.1","param_bytes":2048}]},
-      {"name":"multi_modal_projector","param_bytes":512},{"name":"audio_tower","param_bytes":1024}]})");
+  const std::string manifest = MixedManifest(dir);
   const std::string cost = Write(dir, "c.json", R"({"format":"shardcoord.cost/v1","other_seconds_per_microbatch":0.1,
       "modules":[{"name":"vision_tower","forward_seconds_per_call":0.01,"units":[{"name":"layers.0",
                   "gather_seconds":0.002},{"name":"layers.1","gather_seconds":0.002}]},
                  {"name":"audio_tower","forward_seconds_per_call":0.004,"units":[{"name":"whole","gather_seconds":0.001}]}]})");
   for (const std::string budget : {"0", "1024", "4096"}) {
     SCOPED_TRACE(absl::StrCat("budget ", budget));
-    auto replay = RunCommand({SHARDCTL_PATH, "replay", trace, "--group-size", "4", "--manifest", manifest, "--policy",
-                              "auto", "--fallback", "root", "--memory-budget-bytes", budget, "--cost", cost},
-                             kCommandTimeout);
-    ASSERT_EQ(replay.exit_code, 0) << replay.err;
-    const std::vector<int> daemon = ReplayCounts(replay.err);
-    ASSERT_EQ(daemon.size(), 4u) << replay.err;
-    const Plan p = RunPlanJson(trace, manifest, cost,
-                               {"--world-size", "8", "--group-size", "4", "--budget-bytes", budget, "--policies", "auto"});
-    ASSERT_EQ(p.run.exit_code, 0) << p.run.err;
-    const nlohmann::json& d = p.by_policy.at("auto")["decisions"];
-    EXPECT_EQ(std::vector<int>({d["per_layer"].get<int>(), d["skip"].get<int>(), d["root"].get<int>(),
-                                d["replicate"].get<int>()}),
-              daemon);
+    ExpectThePlannerCountsWhatTheDaemonDecided(manifest, cost, budget, "auto", "auto", {"--cost", cost});
   }
 }
 
