@@ -1,7 +1,8 @@
 // CoordinatorCore's base: construction, events, finding a session's member, and the send
-// path every part uses. The parts, each using only those listed before it and this base:
-// _plans.cc (plan intake and decisions), _groups.cc (a group's membership and state machine),
-// _comms.cc (communicators, through the job's CommTable), _recovery.cc (groups after a
+// path every part uses, Apply (a group's effects) included. The group's own rules (plans,
+// decisions, its state machine, recovery) are ShardGroup's (shard_group*.cc). The parts, each
+// using only those listed before it and this base: _groups.cc (a rank becoming live, the
+// rest of the job hearing of a death), _comms.cc (communicators, through the job's CommTable), _recovery.cc (groups after a
 // coordinator restart), _liveness.cc (bundles and heartbeats, leaves, deaths, the tick),
 // _registration.cc (ranks joining); _status.cc (the views operators query) reads only.
 #include "coordinator/core/coordinator_core.h"
@@ -76,9 +77,34 @@ Member* CoordinatorCore::LiveMember(uint64_t session_id, Job** job) {
   return m;
 }
 
-void CoordinatorCore::QueueDecision(Member& m, const v1::MicrobatchDecision& d) {
-  if (m.state != v1::RANK_STATE_LIVE || !m.sink) return;
-  *m.outgoing.mutable_decisions()->add_decisions() = d;
+void CoordinatorCore::Apply(Job& job, ShardGroup& group, GroupEffects& fx) {
+  const auto deliver = [&](Member& m, const GroupEffects::Message& out) ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    if (!out.decision) {
+      SendTo(m, out.message);
+    } else if (m.live() && m.sink) {
+      *m.outgoing.mutable_decisions()->add_decisions() = *out.decision;
+    }
+  };
+  for (const GroupEffects::Message& out : fx.messages) {
+    if (out.member != GroupEffects::kEveryMember) {
+      deliver(group.members[out.member], out);
+      continue;
+    }
+    for (Member& m : group.members) deliver(m, out);
+  }
+  Flush(group);
+  job.plans_received += fx.plans_accepted;
+  job.microbatches_decided += fx.decided;
+  for (const absl::Duration latency : fx.decision_latencies) metrics_->ObserveDecisionLatency(latency);
+  if (fx.recovered) metrics_->ObserveGroupRecovery(clock_->Now() - started_);
+  for (GroupEffects::Event& e : fx.events) Event(e.severity, e.kind, job.id, e.rank, group.index, e.message);
+  for (std::string& line : fx.warnings) {
+    Defer([line = std::move(line)] {
+      static const auto log = logging::Get("coordinator");
+      log->warn("{}", line);
+    });
+  }
+  fx = GroupEffects{};
 }
 
 void CoordinatorCore::Flush(ShardGroup& group) {

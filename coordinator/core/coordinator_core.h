@@ -221,36 +221,21 @@ class CoordinatorCore {
   // The member of `group` behind `session_id` if that is the rank's current live session.
   static Member* LiveIn(ShardGroup& group, int rank, uint64_t session_id);
 
-  // The parts of a bundle, in the order OnBundle takes them: TakePlans with the group's mutex
-  // held too, or mu_ exclusively.
-  void TakePlans(Job& job, ShardGroup& group, Member& m, const v1::PlanBatch& batch) ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Carries out what one of `group`'s operations asked (GroupEffects), under the group's
+  // lock: its messages, in order, to its live members' sinks, then its events and counters.
+  void Apply(Job& job, ShardGroup& group, GroupEffects& fx) ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // The parts of a bundle, in the order OnBundle takes them: heartbeat and plans with the
+  // group's mutex held too, or mu_ exclusively; CommAbort acknowledgements under mu_ exclusive.
   void TakeHeartbeat(Job& job, ShardGroup& group, Member& m, const v1::Heartbeat& heartbeat)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The part of a heartbeat that concerns the member and its group's cost model (liveness,
-  // memory, costs).
-  void TakeMemberHeartbeat(const Job& job, ShardGroup& group, Member& m, const v1::Heartbeat& heartbeat)
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  void TakePlans(Job& job, ShardGroup& group, Member& m, const v1::PlanBatch& batch) ABSL_SHARED_LOCKS_REQUIRED(mu_);
   void TakeCommAborted(Job& job, Member& m, const v1::CommAborted& ack) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Returns the session's member if it is the rank's current live session.
   Member* LiveMember(uint64_t session_id, Job** job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  static v1::CoordinatorMessage PlanRejectedMessage(const v1::MicrobatchPlan& plan, const absl::Status& why,
-                                                    int64_t epoch);
-  // Handles one plan; returns a non-OK status to reject it (nothing changed then). Static
-  // and dynamic policies share it up to the decision.
-  absl::Status AcceptPlan(Job& job, ShardGroup& group, Member& member, const v1::MicrobatchPlan& plan)
-      ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  // Decides pending microbatches from the front while every member has reported.
-  void DrainGroup(Job& job, ShardGroup& group) ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  void FailMicrobatch(Job& job, ShardGroup& group, const MicrobatchKey& key, absl::Status why)
-      ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Marks the rank dead (or left) and fails / cancels what its group was waiting for.
   void RemoveMember(Job& job, Member& member, bool clean, const std::string& reason)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void RecordDecision(Job& job, ShardGroup& group, const v1::MicrobatchDecision& d)
-      ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  void QueueDecision(Member& member, const v1::MicrobatchDecision& d)
-      ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Sends the decisions batched in members' `outgoing`.
   void Flush(ShardGroup& group) ABSL_SHARED_LOCKS_REQUIRED(mu_);
   void SendTo(Member& member, const v1::CoordinatorMessage& msg) ABSL_SHARED_LOCKS_REQUIRED(mu_);
@@ -265,6 +250,10 @@ class CoordinatorCore {
   absl::StatusOr<Job*> FindOrAdmitJob(const v1::RegisterRequest& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // PERMISSION_DENIED for a resume no key can check, past the recovery window after a start.
   absl::Status CheckUnverifiedResumeIsTimely(const v1::RegisterRequest& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // An accepted rank becomes live in its group (not recovering): its RegisterResponse, the
+  // group's state, its communicators, and a notice to the others if the group re-formed.
+  void JoinGroup(Job& job, ShardGroup& group, Member& m, uint64_t session_id, std::shared_ptr<RankSink> sink,
+                 const v1::RegisterRequest& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The RegisterResponse for an accepted rank (session key, resume credential), with its events.
   v1::CoordinatorMessage Welcome(const Job& job, const ShardGroup& group, const Member& m,
                                  const v1::RegisterRequest& req, bool rejoin) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -275,20 +264,8 @@ class CoordinatorCore {
                const v1::RegisterRequest& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   v1::CoordinatorMessage Registered(const ShardGroup& group, const v1::RegisterRequest& req) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void AnnounceReformed(Job& job, ShardGroup& group, int rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Forgets jobs with no live rank for longer than the retention.
   void EvictEndedJobs(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Whether the group can take `key` from `member` now: in order, the group not failed, the
-  // key not resolved already, within the member's lookahead window and the group's room.
-  absl::Status CheckPlanFits(const ShardGroup& group, const Member& member, const MicrobatchKey& key,
-                             const std::string& who) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  // Static policies: the group's decision for `key`, made once, when the first rank reports
-  // it, and shared by every rank; the key is resolved once every rank reported it.
-  void DecideStatic(Job& job, ShardGroup& group, const MicrobatchKey& key) ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  // Fails earlier pending microbatches that `member` (at `idx`) skipped by reporting `key`,
-  // and `key` itself when other members already moved past it. False if `key` failed.
-  bool FailSkipped(Job& job, ShardGroup& group, Member& member, const MicrobatchKey& key, int idx, bool inserted)
-      ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // The status queries' parts, under mu_ shared: FillJobStatus takes each group's mutex
   // itself; the callers of FillGroupStatus and FillRankStatus hold the group's.
   void FillJobStatus(const Job& job, v1::JobStatus* out) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
@@ -298,7 +275,6 @@ class CoordinatorCore {
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
   void FillRankStatus(const std::string& job_id, const Member& m, int pending_plans, absl::Time now,
                       v1::RankStatus* out) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  void UpdateGroupState(Job& job, ShardGroup& group) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Communicators (coordinator_core_comms.cc): the job's CommTable, through a CommHost that
   // answers for the job's members. Exclusive holders of mu_ only.
   class JobHost;
@@ -316,35 +292,20 @@ class CoordinatorCore {
   // RemoveMember's steps: the job ends when no rank is live; a clean leave fails only what
   // the leaver never planned; a death fails the group (DESIGN 3, "Failures").
   void MaybeEndJob(Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void OnLeft(Job& job, ShardGroup& group, const Member& m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void FailGroup(Job& job, ShardGroup& group, const Member& m, const std::string& full)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Member `idx` of `group` died (`full` says why): the group fails, the job hears of it.
+  void FailGroup(Job& job, ShardGroup& group, int idx, const std::string& full) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Tells the live ranks of the job's other groups that `rank` of `group` was declared dead.
   void NotifyRankLost(Job& job, const ShardGroup& group, int rank, const std::string& reason)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  // Recovery after a restart (coordinator_core_recovery.cc, DESIGN 12).
-  // True for a group that has done nothing in this process: forming, no live member.
-  bool IsFreshGroup(const Job& job, const ShardGroup& group) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The group waits for every member to resume (or register) before it decides again.
-  void StartRecovery(Job& job, ShardGroup& group) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // A rank (resuming, or registering for the first time) joins a recovering group.
-  // OnPaused's work, under the lock.
+  // Recovery after a restart (coordinator_core_recovery.cc, DESIGN 12; the group's part in
+  // shard_group_states.cc). OnPaused's work, under the lock.
   void RestartHeartbeatDeadlines(absl::Duration gap) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A rank (resuming, or registering for the first time) joins a recovering group.
   void ResumeMember(Job& job, ShardGroup& group, Member& m, uint64_t session_id, std::shared_ptr<RankSink> sink,
                     const v1::RegisterRequest& req, BufferCharge charge) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Takes the memory a resume will be held in from buffers_, or says which bound refuses it.
   absl::StatusOr<BufferCharge> ChargeResume(const v1::RegisterRequest& req);
-  // Every member is back: applies the recovery rule, or fails the group.
-  void FinishRecovery(Job& job, ShardGroup& group) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void FailRecovery(Job& job, ShardGroup& group, const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Static policies: binding keys some member has not reported yet stay pending with
-  // their decision, for that member to receive when it does.
-  void KeepStaticBinding(Job& job, ShardGroup& group, const MicrobatchKey& key, const v1::MicrobatchDecision& d)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Replays plans (resumed, then deferred) through the ordinary intake.
-  void ReplayPlans(Job& job, ShardGroup& group, const std::vector<std::pair<int, v1::MicrobatchPlan>>& plans)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Fails the missing members of groups whose recovery window passed.
   void ExpireRecovery(Job& job, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 

@@ -41,45 +41,23 @@ void CoordinatorCore::OnBundle(uint64_t session_id, const v1::WorkerBundle& bund
   absl::MutexLock group_lock(&slot.mu);
   Member* m = LiveIn(slot.group, ref->rank, session_id);
   if (m == nullptr) return;
-  if (bundle.has_heartbeat()) {
-    TakeMemberHeartbeat(*ref->job, slot.group, *m, bundle.heartbeat());
-    // Collective progress: under the communicator table's own (leaf) mutex.
-    if (bundle.heartbeat().comms_size() > 0) ref->job->comms->RecordProgress(m->rank, bundle.heartbeat(), m->last_seen);
-  }
+  if (bundle.has_heartbeat()) TakeHeartbeat(*ref->job, slot.group, *m, bundle.heartbeat());
   if (bundle.has_plans()) TakePlans(*ref->job, slot.group, *m, bundle.plans());
 }
 
 void CoordinatorCore::TakeHeartbeat(Job& job, ShardGroup& group, Member& m, const v1::Heartbeat& heartbeat) {
-  TakeMemberHeartbeat(job, group, m, heartbeat);
-  if (heartbeat.comms_size() > 0) job.comms->RecordProgress(m.rank, heartbeat, m.last_seen);
+  const absl::Time now = clock_->Now();
+  GroupEffects fx;
+  group.TakeHeartbeat(group.IndexOf(m.rank), heartbeat, now, fx);
+  // Collective progress: under the communicator table's own (leaf) mutex.
+  if (heartbeat.comms_size() > 0) job.comms->RecordProgress(m.rank, heartbeat, now);
+  Apply(job, group, fx);
 }
 
-void CoordinatorCore::TakeMemberHeartbeat(const Job& job, ShardGroup& group, Member& m,
-                                          const v1::Heartbeat& heartbeat) {
-  m.last_seen = clock_->Now();
-  m.decision_stalls.Take(heartbeat.decision_stalls());
-  m.decision_stall_us.Take(heartbeat.decision_stall_us());
-  if (std::string moved = group.TakeCosts(group.IndexOf(m.rank), heartbeat, m.last_seen); !moved.empty()) {
-    Event("info", EventKind::kGroupCostModel, job.id, m.rank, group.index,
-          absl::StrCat("cost model from the members' measures: ", moved));
-  }
-  if (heartbeat.memory_size() == 0) return;
-  // Bounded by the manifest whatever the client sends: one entry per module of the group's
-  // manifest (the first for each), no negative counts; the rest is not kept. A rank's
-  // reports then cost no more than its share of the manifest (DESIGN 11).
-  m.memory.clear();
-  std::vector<bool> seen(group.modules.size(), false);
-  for (const auto& e : heartbeat.memory()) {
-    if (m.memory.size() >= group.modules.size()) break;
-    auto it = group.module_index.find(e.module());
-    if (it == group.module_index.end() || seen[it->second] || e.resident_bytes() < 0 || e.peak_bytes() < 0 ||
-        e.gathered_bytes() < 0) {
-      continue;
-    }
-    seen[it->second] = true;
-    m.memory.push_back(e);
-    m.gathered_bytes[e.module()].Take(e.gathered_bytes());
-  }
+void CoordinatorCore::TakePlans(Job& job, ShardGroup& group, Member& m, const v1::PlanBatch& batch) {
+  GroupEffects fx;
+  group.TakePlans(group.IndexOf(m.rank), batch, clock_->Now(), fx);
+  Apply(job, group, fx);
 }
 
 void CoordinatorCore::OnGoodbye(uint64_t session_id, const std::string& reason) {
@@ -125,9 +103,11 @@ void CoordinatorCore::RemoveMember(Job& job, Member& m, bool clean, const std::s
   MaybeEndJob(job);
   OnMemberLost(job, m.rank, clean, full);
   if (clean) {
-    OnLeft(job, group, m);
+    GroupEffects fx;
+    group.OnLeft(group.IndexOf(m.rank), clock_->Now(), fx);
+    Apply(job, group, fx);
   } else {
-    FailGroup(job, group, m, full);
+    FailGroup(job, group, group.IndexOf(m.rank), full);
   }
 }
 
@@ -173,23 +153,9 @@ void CoordinatorCore::Tick(absl::Time started) {
     });
     for (size_t g = 0; g < job->groups.size(); ++g) {
       ShardGroup& group = Owned(*job, static_cast<int>(g));
-      std::vector<std::pair<MicrobatchKey, absl::Status>> expired;
-      for (const auto& [k, p] : group.pending) {
-        absl::Duration waited = now - p.first_report;
-        if (waited <= options_.plan_timeout) continue;
-        std::vector<int> missing, have;
-        for (size_t i = 0; i < group.ranks.size(); ++i) {
-          (p.reported[i] ? have : missing).push_back(group.ranks[i]);
-        }
-        expired.emplace_back(k, absl::DeadlineExceededError(absl::StrCat(
-            "group ", group.index, " waited ", absl::ToInt64Milliseconds(waited),
-            " ms for the plan of ", k.ToString(), " from ranks ", RankList(missing), " (ranks ",
-            RankList(have), " reported it); plan timeout is ",
-            absl::ToInt64Milliseconds(options_.plan_timeout),
-            " ms: raise --plan-timeout-ms if ranks legitimately fall this far behind")));
-      }
-      for (auto& [k, s] : expired) FailMicrobatch(*job, group, k, s);
-      if (!expired.empty()) Flush(group);
+      GroupEffects fx;
+      group.ExpirePlans(now, fx);
+      Apply(*job, group, fx);
     }
     TickComms(*job, now);
   }

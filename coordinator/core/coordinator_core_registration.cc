@@ -80,7 +80,11 @@ absl::Status CoordinatorCore::Register(uint64_t session_id, const v1::RegisterRe
   group.ForgetMeasures(group.IndexOf(req.rank()));  // Its process measures afresh (and resends).
   // The first rank of a group this process has not seen at work resumes: the group waits
   // for all its members (another group's fresh rank may have created the job first).
-  if (resuming && IsFreshGroup(*job, group)) StartRecovery(*job, group);
+  if (resuming && group.IsFresh()) {
+    GroupEffects fx;
+    group.StartRecovery(clock_->Now(), fx);
+    Apply(*job, group, fx);
+  }
   if (resuming && !verified) {
     Event("warning", EventKind::kResumeUnverified, job->id, req.rank(), group.index,
           "taken as sent: this coordinator has no resume key that outlived the last one (start it with --state-file "
@@ -90,17 +94,26 @@ absl::Status CoordinatorCore::Register(uint64_t session_id, const v1::RegisterRe
     ResumeMember(*job, group, m, session_id, std::move(sink), req, std::move(resume_charge));
     return absl::OkStatus();
   }
-  const bool rejoin = m.state == v1::RANK_STATE_DEAD || m.state == v1::RANK_STATE_LEFT;
-  SetLive(*job, m, session_id, std::move(sink), req);
+  JoinGroup(*job, group, m, session_id, std::move(sink), req);
+  return absl::OkStatus();
+}
 
-  v1::CoordinatorMessage msg = Welcome(*job, group, m, req, rejoin);
+void CoordinatorCore::JoinGroup(Job& job, ShardGroup& group, Member& m, uint64_t session_id,
+                                std::shared_ptr<RankSink> sink, const v1::RegisterRequest& req) {
+  const bool rejoin = m.state == v1::RANK_STATE_DEAD || m.state == v1::RANK_STATE_LEFT;
+  SetLive(job, m, session_id, std::move(sink), req);
+  v1::CoordinatorMessage msg = Welcome(job, group, m, req, rejoin);
   const int64_t epoch_before = group.epoch;
-  UpdateGroupState(*job, group);
+  GroupEffects fx;
+  group.UpdateState(fx);
   msg.mutable_registered()->set_epoch(group.epoch);
   SendTo(m, msg);  // The RegisterResponse precedes anything else this rank is sent.
-  OnMemberBack(*job, req.rank());
-  if (group.epoch != epoch_before) AnnounceReformed(*job, group, req.rank());
-  return absl::OkStatus();
+  Apply(job, group, fx);
+  OnMemberBack(job, req.rank());
+  if (group.epoch != epoch_before) {
+    group.AnnounceReformed(req.rank(), fx);
+    Apply(job, group, fx);
+  }
 }
 
 absl::StatusOr<CoordinatorCore::Job*> CoordinatorCore::FindOrAdmitJob(const v1::RegisterRequest& req) {
@@ -208,7 +221,8 @@ CoordinatorCore::Job& CoordinatorCore::CreateJob(const v1::RegisterRequest& req)
   const int groups = req.world_size() / req.group_size();
   created->groups.reserve(groups);
   for (int g = 0; g < groups; ++g) {
-    created->groups.push_back(std::make_unique<GroupSlot>(g, g * req.group_size(), req.group_size()));
+    created->groups.push_back(std::make_unique<GroupSlot>(
+        g, g * req.group_size(), req.group_size(), GroupRules{req.job_id(), &options_, &resume_auth_}));
   }
   created->comms = std::make_unique<CommTable>(req.job_id(), req.world_size(), req.group_size(), options_.limits,
                                                options_.behind_threshold);

@@ -39,7 +39,7 @@ bool InvariantFailed(const char* file, int line, const std::string& what) {
 
 int64_t InvariantFailures() { return invariant_failures.load(); }
 
-ShardGroup::ShardGroup(int index, int first_rank, int size) : index(index) {
+ShardGroup::ShardGroup(int index, int first_rank, int size, GroupRules rules) : index(index), rules_(std::move(rules)) {
   ranks.reserve(size);
   members.resize(size);
   for (int i = 0; i < size; ++i) {

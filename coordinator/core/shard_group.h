@@ -1,9 +1,13 @@
 // ShardGroup: one shard group's state (its members, epoch, manifest, decision engine,
-// pending microbatches, history and counts) and the rules that touch nothing else. Like
-// DecisionEngine it is not thread-safe: the core keeps each group in a GroupSlot, whose mutex
-// guards it (ABSL_GUARDED_BY), so that the clang build's lock analysis refuses code that
-// touches a group without holding that mutex (DESIGN 9). The core's exclusive lock stands in
-// for every group's mutex (CoordinatorCore::Owned); nothing else does.
+// pending microbatches, history and counts) and its rules (DESIGN 3 and 8): plan intake and
+// decisions for every policy, the group's state machine, leaves and deaths, recovery after a
+// restart. Its operations change the group and return what follows outside it as
+// GroupEffects (messages for members, events, counters), which the core carries out; the
+// group itself never sends, logs or touches another group, a session or a communicator.
+// Like DecisionEngine it is not thread-safe: the core keeps each group in a GroupSlot, whose
+// mutex guards it (ABSL_GUARDED_BY), so that the clang build's lock analysis refuses code
+// that touches a group without holding that mutex (DESIGN 9). The core's exclusive lock
+// stands in for every group's mutex (CoordinatorCore::Owned); nothing else does.
 #ifndef SHARDCOORD_COORDINATOR_CORE_SHARD_GROUP_H_
 #define SHARDCOORD_COORDINATOR_CORE_SHARD_GROUP_H_
 
@@ -23,6 +27,9 @@
 #include "absl/time/time.h"
 #include "coordinator/core/buffer_budget.h"
 #include "coordinator/core/decision_engine.h"
+#include "coordinator/core/group_effects.h"
+#include "coordinator/core/resume_auth.h"
+#include "coordinator/settings/options.h"
 #include "shardcoord/v1/coordinator.pb.h"
 
 namespace shardcoord::coordinator {
@@ -102,6 +109,13 @@ struct PendingMicrobatch {
   std::optional<v1::MicrobatchDecision> decided;
 };
 
+// What a group's operations need of the daemon, fixed for the group's life.
+struct GroupRules {
+  std::string job_id;
+  const CoordinatorOptions* options = nullptr;  // Limits, timeouts, history kept.
+  const ResumeAuthority* auth = nullptr;        // Seals the decisions.
+};
+
 class ShardGroup {
  public:
   using PlanCalls = std::vector<std::pair<int, int32_t>>;  // (module index, calls)
@@ -109,8 +123,43 @@ class ShardGroup {
     int live = 0, left = 0, dead = 0;
   };
 
-  // The group `index` of ranks [first_rank, first_rank + size).
-  ShardGroup(int index, int first_rank, int size);
+  // The group `index` of ranks [first_rank, first_rank + size) of job rules.job_id.
+  ShardGroup(int index, int first_rank, int size, GroupRules rules);
+
+  // --- Operations. Each appends to `fx` what the core is to carry out; member arguments are
+  // indexes in the group (IndexOf).
+  // shard_group_plans.cc: plans and decisions (DESIGN 3).
+  // A bundle's plans from live member `idx`: each accepted or rejected (PlanRejected), the
+  // decisions that became ready given; held while the group recovers.
+  void TakePlans(int idx, const v1::PlanBatch& batch, absl::Time now, GroupEffects& fx);
+  // A heartbeat's part that concerns the member and the group's cost model: liveness, memory,
+  // measured costs (collective progress is the communicators').
+  void TakeHeartbeat(int idx, const v1::Heartbeat& heartbeat, absl::Time now, GroupEffects& fx);
+  // Fails microbatches pending longer than the plan timeout.
+  void ExpirePlans(absl::Time now, GroupEffects& fx);
+  // Decides pending microbatches from the front while every member has reported.
+  void Drain(absl::Time now, GroupEffects& fx);
+  // shard_group_states.cc: the state machine (DESIGN 8), leaves, deaths and recovery (DESIGN 12).
+  // FORMING -> HEALTHY -> FAILED -> FORMING (epoch + 1), FINISHED when every member left.
+  void UpdateState(GroupEffects& fx);
+  // Tells the other members the group re-formed because `rank` registered again.
+  void AnnounceReformed(int rank, GroupEffects& fx);
+  // Member `idx` left cleanly: what it never planned fails; the rest may still be decided.
+  void OnLeft(int idx, absl::Time now, GroupEffects& fx);
+  // Member `idx` was declared dead (`full` says why): the group fails, everything pending is
+  // cancelled. Returns the failure's reason, for the rest of the job.
+  std::string Fail(int idx, const std::string& full, GroupEffects& fx);
+  // True for a group that has done nothing in this process: forming, no live member.
+  bool IsFresh() const;
+  // A rank resumed after a coordinator restart: the group waits for every member.
+  void StartRecovery(absl::Time now, GroupEffects& fx);
+  // A member resumed: once every member is live and has resumed, the recovery rule is
+  // applied (held decisions binding, contradictions fail the group, recovery.h).
+  void MaybeFinishRecovery(absl::Time now, GroupEffects& fx);
+  // Past the recovery deadline: members that did not resume are marked dead and returned
+  // (the core tells their communicators); `each` is the reason each is given, `why` the
+  // group's. The group fails (Fail) when the list is not empty.
+  std::vector<int> ExpireRecovery(absl::Time now, std::string* why, std::string* each, GroupEffects& fx);
 
   int index = 0;
   std::vector<int> ranks;       // Ascending and contiguous.
@@ -188,8 +237,34 @@ class ShardGroup {
   void RecordDecision(const v1::MicrobatchDecision& d, int keep);
   // Keys start afresh (a new epoch, a rerun): nothing pending or resolved, nothing planned.
   void RestartKeys();
+  const GroupRules& rules() const { return rules_; }
 
  private:
+  // Plan intake (shard_group_plans.cc).
+  absl::Status AcceptPlan(int idx, const v1::MicrobatchPlan& plan, absl::Time now, GroupEffects& fx);
+  // Whether the group can take `key` from member `idx` now: in order, the group not failed,
+  // the key not resolved already, within the member's lookahead window and the group's room.
+  absl::Status CheckPlanFits(int idx, const MicrobatchKey& key, const std::string& who) const;
+  // Fails earlier pending microbatches member `idx` skipped by reporting `key`, and `key`
+  // itself when other members already moved past it. False if `key` failed.
+  bool FailSkipped(int idx, const MicrobatchKey& key, bool inserted, GroupEffects& fx);
+  // Static policies: the decision for `key`, made once, when the first rank reports it.
+  void DecideStatic(const MicrobatchKey& key, absl::Time now, GroupEffects& fx);
+  v1::MicrobatchDecision Sealed(const MicrobatchDecision& d, absl::Time now) const;
+  void Given(const v1::MicrobatchDecision& d, GroupEffects& fx);
+  void FailMicrobatch(const MicrobatchKey& key, const absl::Status& why, GroupEffects& fx);
+  void Reject(int idx, const v1::MicrobatchPlan& plan, const absl::Status& why, int64_t epoch, GroupEffects& fx);
+  // Recovery (shard_group_states.cc).
+  void FinishRecovery(absl::Time now, GroupEffects& fx);
+  void FailRecovery(const std::string& why, GroupEffects& fx);
+  // Static policies: binding keys some member has not reported yet stay pending with their
+  // decision, for that member to receive when it does.
+  void KeepStaticBinding(const MicrobatchKey& key, const v1::MicrobatchDecision& d, absl::Time now);
+  // Replays plans (resumed, then deferred) through the ordinary intake.
+  void ReplayPlans(const std::vector<std::pair<int, v1::MicrobatchPlan>>& plans, absl::Time now, GroupEffects& fx);
+  void DropResumes();
+
+  GroupRules rules_;
   void TakeMemberCosts(Member& m, std::vector<ModuleCostModel> mine);
   void TakeMemberBudget(Member& m, int64_t bytes);
   void RecomputeMeasured();
@@ -203,7 +278,7 @@ inline constexpr absl::Duration kMinCostReportSpacing = absl::Seconds(4);
 // A group and the mutex that guards it. The hot path takes it with the core's lock held
 // shared; the clang build checks every access (tests/compile_fail/).
 struct GroupSlot {
-  GroupSlot(int index, int first_rank, int size) : group(index, first_rank, size) {}
+  GroupSlot(int index, int first_rank, int size, GroupRules rules) : group(index, first_rank, size, std::move(rules)) {}
   mutable absl::Mutex mu;
   ShardGroup group ABSL_GUARDED_BY(mu);
 };

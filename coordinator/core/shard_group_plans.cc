@@ -1,0 +1,293 @@
+// ShardGroup: plan intake and decisions (DESIGN 3), for static and dynamic policies alike,
+// and the heartbeat's share of the group (liveness, memory, costs).
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "coordinator/core/invariant.h"
+#include "coordinator/core/shard_group.h"
+#include "coordinator/core/text.h"
+#include "shardcoord/internal/logging.h"
+#include "shardcoord/plan_check.h"
+#include "shardcoord/proto/convert.h"
+
+namespace shardcoord::coordinator {
+
+void ShardGroup::TakePlans(int idx, const v1::PlanBatch& batch, absl::Time now, GroupEffects& fx) {
+  Member& m = members[idx];
+  m.last_seen = now;
+  if (batch.plans_size() > MaxPlansPerBatch(m.lookahead)) {
+    // A worker sends at most its window per message (a window and as many again while plans
+    // of entries that failed locally wait to be sent, in an older worker): a client sending
+    // more would get a rejection for each plan past the window, and those alone could fill
+    // its outbox.
+    if (m.cut_reason.empty()) {
+      m.cut_reason = absl::StrCat("broke the protocol: sent ", batch.plans_size(),
+                                  " plans in one batch; with a lookahead window of ", m.lookahead,
+                                  " a worker sends at most ", MaxPlansPerBatch(m.lookahead));
+    }
+    return;
+  }
+  const int max_pending = rules_.options->limits.max_pending_microbatches;
+  if (state == v1::GROUP_STATE_RECOVERING) {
+    // Decided once every member has resumed (a static decision made now could contradict
+    // one a member not back yet holds). Bounded like the pending microbatches.
+    for (const auto& plan : batch.plans()) {
+      if (static_cast<int>(deferred_plans.size()) < max_pending) {
+        deferred_plans.emplace_back(m.rank, plan);
+        continue;
+      }
+      Reject(idx, plan,
+             absl::ResourceExhaustedError(absl::StrCat(
+                 "group ", index, " is recovering after a coordinator restart and already holds "
+                 "max_pending_microbatches plans; plan again once it recovered")),
+             batch.epoch(), fx);
+    }
+    return;
+  }
+  for (const auto& plan : batch.plans()) {
+    absl::Status s = batch.epoch() == epoch
+                         ? AcceptPlan(idx, plan, now, fx)
+                         : absl::AbortedError(absl::StrCat(
+                               "plan ", MicrobatchKey{plan.step(), plan.microbatch()}.ToString(), " from rank ", m.rank,
+                               " was made in epoch ", batch.epoch(), " but group ", index, " is at epoch ", epoch,
+                               ": it was queued before the group failed; plan again"));
+    if (!s.ok()) Reject(idx, plan, s, batch.epoch(), fx);
+  }
+}
+
+void ShardGroup::Reject(int idx, const v1::MicrobatchPlan& plan, const absl::Status& why, int64_t in_epoch,
+                        GroupEffects& fx) {
+  Member& m = members[idx];
+  m.plans_rejected++;
+  v1::CoordinatorMessage msg;
+  auto* rej = msg.mutable_plan_rejected();
+  rej->set_step(plan.step());
+  rej->set_microbatch(plan.microbatch());
+  rej->set_code(static_cast<int>(why.code()));
+  rej->set_message(std::string(why.message()));
+  rej->set_epoch(in_epoch);
+  fx.Send(idx, std::move(msg));
+  static logging::RateLimit limit(10);  // A client sending 10^5 bad plans gets 10 lines a second.
+  int64_t suppressed = 0;
+  if (!limit.Allow(&suppressed)) return;
+  fx.warnings.push_back(absl::StrCat(
+      "plan_rejected job=", rules_.job_id, " rank=", m.rank, " step=", plan.step(), " mb=", plan.microbatch(),
+      " code=", absl::StatusCodeToString(why.code()), " ", why.message(),
+      suppressed > 0 ? absl::StrCat(" (", suppressed, " more plan rejections not logged)") : ""));
+}
+
+absl::Status ShardGroup::AcceptPlan(int idx, const v1::MicrobatchPlan& plan, absl::Time now, GroupEffects& fx) {
+  const MicrobatchKey key{plan.step(), plan.microbatch()};
+  const std::string who = absl::StrCat("rank ", ranks[idx], " (job '", rules_.job_id, "', group ", index, ")");
+  absl::StatusOr<PlanCalls> calls = ParsePlan(plan, key, who);
+  if (!calls.ok()) return calls.status();
+  if (absl::Status s = CheckPlanFits(idx, key, who); !s.ok()) return s;
+
+  // Accepted.
+  fx.plans_accepted++;
+  const bool inserted = Report(key, idx, *calls, now);
+  const bool is_static = engine->is_static();
+  if (is_static) {
+    // root / replicate: the rank gets its decision at once, without waiting for the group.
+    if (inserted) DecideStatic(key, now, fx);
+    fx.Decide(idx, *pending.at(key).decided);
+  }
+  if (!FailSkipped(idx, key, inserted, fx)) return absl::OkStatus();
+  if (!is_static) {
+    Drain(now, fx);
+    return absl::OkStatus();
+  }
+  // A static key stays pending until every rank reported it, which is how a rank that skips
+  // a microbatch is caught (the microbatch fails for the whole group, as under auto).
+  auto it = pending.find(key);
+  if (it->second.num_reported == size()) Resolve(it);
+  return absl::OkStatus();
+}
+
+absl::Status ShardGroup::CheckPlanFits(int idx, const MicrobatchKey& key, const std::string& who) const {
+  const Member& m = members[idx];
+  if (m.last_planned && key <= *m.last_planned) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "out-of-order plan ", key.ToString(), " from ", who, ": its previous plan was ",
+        m.last_planned->ToString(), "; plans must be reported in increasing (step, microbatch) order"));
+  }
+  if (state == v1::GROUP_STATE_FAILED) {
+    return absl::AbortedError(absl::StrCat("plan ", key.ToString(), " from ", who, " dropped: the group failed at epoch ",
+                                           epoch, " (", failure_reason, "); wait for the group to re-form"));
+  }
+  auto found = pending.find(key);
+  const bool known = found != pending.end();
+  if (!known && last_resolved && key <= *last_resolved) {
+    return absl::FailedPreconditionError(absl::StrCat("plan ", key.ToString(), " from ", who, " is stale: group ",
+                                                      index, " already resolved every microbatch up to ",
+                                                      last_resolved->ToString()));
+  }
+  // A static decision is given at once: no window to wait in. A key the rank reported before
+  // (it left and came back) is in its window already.
+  if (!engine->is_static() && !(known && found->second.reported[idx])) {
+    const int undecided = PendingOf(idx);
+    if (undecided >= m.lookahead) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "plan ", key.ToString(), " from ", who, " is beyond the lookahead window: ", undecided,
+          " plans are undecided and the window is ", m.lookahead,
+          "; wait for the oldest decision before planning further ahead"));
+    }
+  }
+  if (known) return absl::OkStatus();
+  return CheckPendingRoom(key, who, rules_.options->limits.max_pending_microbatches);
+}
+
+bool ShardGroup::FailSkipped(int idx, const MicrobatchKey& key, bool inserted, GroupEffects& fx) {
+  // Microbatches this rank skipped: earlier pending ones it never reported.
+  std::vector<MicrobatchKey> skipped;
+  for (auto& [k, pk] : pending) {
+    if (!(k < key)) break;
+    if (!pk.reported[idx]) skipped.push_back(k);
+  }
+  for (const auto& k : skipped) {
+    FailMicrobatch(k,
+                   absl::FailedPreconditionError(absl::StrCat(
+                       "microbatch ", k.ToString(), " of group ", index, " can never be decided: rank ", ranks[idx],
+                       " reported ", key.ToString(), " without reporting ", k.ToString(),
+                       "; every rank of a shard group must run the same microbatches")),
+                   fx);
+  }
+  if (!inserted) return true;
+  // Ranks that already moved past this key (or left) will never report it.
+  const PendingMicrobatch& p = pending.at(key);
+  std::vector<int> never;
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    if (!p.reported[i] && members[i].WillNeverReport(key)) never.push_back(ranks[i]);
+  }
+  if (never.empty()) return true;
+  FailMicrobatch(key,
+                 absl::FailedPreconditionError(absl::StrCat(
+                     "microbatch ", key.ToString(), " of group ", index, " can never be decided: ranks ",
+                     RankList(never),
+                     " already planned later microbatches or left; every rank of a shard group must run the same "
+                     "microbatches")),
+                 fx);
+  return false;
+}
+
+v1::MicrobatchDecision ShardGroup::Sealed(const MicrobatchDecision& d, absl::Time now) const {
+  v1::MicrobatchDecision pd;
+  ToProto(d, &pd);
+  pd.set_seal(rules_.auth->Seal(rules_.job_id, pd));
+  pd.set_decided_unix_ms(absl::ToUnixMillis(now));
+  return pd;
+}
+
+void ShardGroup::Given(const v1::MicrobatchDecision& d, GroupEffects& fx) {
+  fx.decided++;
+  RecordDecision(d, rules_.options->decision_history);
+}
+
+void ShardGroup::DecideStatic(const MicrobatchKey& key, absl::Time now, GroupEffects& fx) {
+  v1::MicrobatchDecision pd = Sealed(engine->DecideStatic(key, epoch), now);
+  Given(pd, fx);
+  pending.at(key).decided = std::move(pd);
+}
+
+namespace {
+
+EventKind TransitionKind(const std::string& what) {
+  return what == "promoted"      ? EventKind::kModulePromoted
+         : what == "demoted"     ? EventKind::kModuleDemoted
+         : what == "cost_choice" ? EventKind::kModuleCostChoice
+                                 : EventKind::kModuleStickyReplicate;
+}
+
+}  // namespace
+
+void ShardGroup::Drain(absl::Time now, GroupEffects& fx) {
+  if (state != v1::GROUP_STATE_HEALTHY) return;  // Forming: not everyone can plan yet.
+  if (engine->is_static()) return;              // Decided as reported (AcceptPlan).
+  while (!pending.empty()) {
+    auto it = pending.begin();
+    if (it->second.num_reported < size()) break;
+    // The engine decides in key order (its promotion window and seq depend on it).
+    if (last_drained && !(*last_drained < it->first)) {
+      const std::string what = absl::StrCat("group ", index, " of job '", rules_.job_id, "' would decide ",
+                                            it->first.ToString(), " after deciding ", last_drained->ToString(),
+                                            " in epoch ", epoch);
+      SHARDCOORD_INVARIANT(false, what);
+      FailMicrobatch(it->first, absl::InternalError(absl::StrCat("internal error: ", what)), fx);
+      continue;
+    }
+    std::vector<EngineTransition> transitions;
+    const MicrobatchDecision d = engine->Decide(it->first, epoch, it->second.calls, &transitions);
+    fx.decision_latencies.push_back(now - it->second.first_report);
+    v1::MicrobatchDecision pd = Sealed(d, now);
+    last_drained = it->first;
+    Given(pd, fx);
+    fx.Decide(GroupEffects::kEveryMember, std::move(pd));
+    Resolve(it);
+    for (const auto& t : transitions) {
+      fx.Record("info", TransitionKind(t.what), -1, absl::StrCat("module '", t.module, "': ", t.detail));
+    }
+  }
+}
+
+void ShardGroup::FailMicrobatch(const MicrobatchKey& key, const absl::Status& why, GroupEffects& fx) {
+  auto it = pending.find(key);
+  if (it == pending.end()) return;
+  v1::CoordinatorMessage msg;
+  auto* f = msg.mutable_microbatch_failed();
+  f->set_group(index);
+  f->set_step(key.step);
+  f->set_microbatch(key.microbatch);
+  f->set_code(static_cast<int>(why.code()));
+  f->set_message(std::string(why.message()));
+  fx.Send(GroupEffects::kEveryMember, std::move(msg));
+  Resolve(it);
+  fx.Record("error", EventKind::kMicrobatchFailed, -1, std::string(why.message()));
+}
+
+void ShardGroup::ExpirePlans(absl::Time now, GroupEffects& fx) {
+  const absl::Duration timeout = rules_.options->plan_timeout;
+  std::vector<std::pair<MicrobatchKey, absl::Status>> expired;
+  for (const auto& [k, p] : pending) {
+    const absl::Duration waited = now - p.first_report;
+    if (waited <= timeout) continue;
+    std::vector<int> missing, have;
+    for (size_t i = 0; i < ranks.size(); ++i) (p.reported[i] ? have : missing).push_back(ranks[i]);
+    expired.emplace_back(
+        k, absl::DeadlineExceededError(absl::StrCat(
+               "group ", index, " waited ", absl::ToInt64Milliseconds(waited), " ms for the plan of ", k.ToString(),
+               " from ranks ", RankList(missing), " (ranks ", RankList(have), " reported it); plan timeout is ",
+               absl::ToInt64Milliseconds(timeout),
+               " ms: raise --plan-timeout-ms if ranks legitimately fall this far behind")));
+  }
+  for (auto& [k, s] : expired) FailMicrobatch(k, s, fx);
+}
+
+void ShardGroup::TakeHeartbeat(int idx, const v1::Heartbeat& heartbeat, absl::Time now, GroupEffects& fx) {
+  Member& m = members[idx];
+  m.last_seen = now;
+  m.decision_stalls.Take(heartbeat.decision_stalls());
+  m.decision_stall_us.Take(heartbeat.decision_stall_us());
+  if (std::string moved = TakeCosts(idx, heartbeat, now); !moved.empty()) {
+    fx.Record("info", EventKind::kGroupCostModel, m.rank,
+              absl::StrCat("cost model from the members' measures: ", moved));
+  }
+  if (heartbeat.memory_size() == 0) return;
+  // Bounded by the manifest whatever the client sends: one entry per module of the group's
+  // manifest (the first for each), no negative counts; the rest is not kept. A rank's
+  // reports then cost no more than its share of the manifest (DESIGN 11).
+  m.memory.clear();
+  std::vector<bool> seen(modules.size(), false);
+  for (const auto& e : heartbeat.memory()) {
+    if (m.memory.size() >= modules.size()) break;
+    auto it = module_index.find(e.module());
+    if (it == module_index.end() || seen[it->second] || e.resident_bytes() < 0 || e.peak_bytes() < 0 ||
+        e.gathered_bytes() < 0) {
+      continue;
+    }
+    seen[it->second] = true;
+    m.memory.push_back(e);
+    m.gathered_bytes[e.module()].Take(e.gathered_bytes());
+  }
+}
+
+}  // namespace shardcoord::coordinator

@@ -1,0 +1,290 @@
+// ShardGroup: its state machine (DESIGN 8): forming, failing when a member dies, re-forming in
+// a new epoch, what a clean leave costs; and recovery after a coordinator restart (DESIGN 12):
+// a group the new process first hears of from a resuming rank waits until every member has
+// resumed and reported what it holds, then applies the rule of recovery.h: held decisions are
+// binding and re-sent unchanged, contradictions fail the group, keys nobody holds are decided
+// afresh once every member reported them.
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "coordinator/core/recovery.h"
+#include "coordinator/core/shard_group.h"
+#include "coordinator/core/text.h"
+#include "shardcoord/proto/convert.h"
+
+namespace shardcoord::coordinator {
+
+void ShardGroup::UpdateState(GroupEffects& fx) {
+  const auto [live, left, dead] = Count();
+  const v1::GroupState before = state;
+  // Recovering after a restart: FinishRecovery or ExpireRecovery ends it, or a death.
+  if (before == v1::GROUP_STATE_RECOVERING && dead == 0) return;
+  const bool reforming = before == v1::GROUP_STATE_FAILED || before == v1::GROUP_STATE_FINISHED;
+  if (dead > 0) {
+    state = v1::GROUP_STATE_FAILED;
+  } else if (left == size()) {
+    state = v1::GROUP_STATE_FINISHED;
+  } else if (reforming && live < size()) {
+    // After a failure (or after everyone left) the group re-forms only once every member
+    // is live again: members that merely left would make it decide for ranks not there.
+    state = v1::GROUP_STATE_FORMING;
+    failure_reason.clear();
+  } else if (live + left < size()) {
+    // Some member never registered (it may have died before it did).
+    state = v1::GROUP_STATE_FORMING;
+  } else if (before == v1::GROUP_STATE_FORMING && !formed) {
+    // Formed for the first time: the promotion budget is known now. (Under root or replicate
+    // its first members may have been given decisions already: they need no group.)
+    state = v1::GROUP_STATE_HEALTHY;
+    formed = true;
+    const int64_t min_budget = SetPromotionBudget();
+    fx.Record("info", EventKind::kGroupFormed, -1,
+              absl::StrCat("ranks ", RankList(ranks), " policy=", PolicyName(engine->config().policy),
+                           " fallback=", FallbackName(engine->config().fallback),
+                           " min_memory_budget_bytes=", min_budget));
+  } else if (before != v1::GROUP_STATE_HEALTHY) {
+    // Whole again after a failure: a new epoch. Microbatch keys start afresh (a job
+    // resumed from a checkpoint plans earlier steps again). The seq goes on, for every policy.
+    epoch++;
+    failure_reason.clear();
+    RestartKeys();
+    if (engine->config().min_memory_budget_bytes == 0 && engine->next_seq() == 0) {
+      SetPromotionBudget();  // Whole for the first time through a failure.
+    }
+    state = v1::GROUP_STATE_HEALTHY;
+    formed = true;
+    fx.Record("info", EventKind::kGroupReformed, -1, absl::StrCat("epoch ", epoch, " ranks ", RankList(ranks)));
+  }
+}
+
+namespace {
+
+v1::CoordinatorMessage Reformed(int group, int64_t epoch, const std::string& why) {
+  v1::CoordinatorMessage notice;
+  notice.mutable_notice()->set_kind(v1::Notice::KIND_GROUP_REFORMED);
+  notice.mutable_notice()->set_group(group);
+  notice.mutable_notice()->set_epoch(epoch);
+  notice.mutable_notice()->set_message(absl::StrCat("group ", group, " re-formed at epoch ", epoch, " ", why));
+  return notice;
+}
+
+v1::CoordinatorMessage GroupFailure(int group, int64_t epoch) {
+  v1::CoordinatorMessage msg;
+  msg.mutable_group_failure()->set_group(group);
+  msg.mutable_group_failure()->set_epoch(epoch);
+  return msg;
+}
+
+}  // namespace
+
+void ShardGroup::AnnounceReformed(int rank, GroupEffects& fx) {
+  const v1::CoordinatorMessage notice = Reformed(index, epoch, absl::StrCat("(rank ", rank, " registered again)"));
+  for (int i = 0; i < size(); ++i) {
+    if (ranks[i] != rank) fx.Send(i, notice);
+  }
+}
+
+void ShardGroup::OnLeft(int idx, absl::Time now, GroupEffects& fx) {
+  // Pending microbatches it never reported can never be decided.
+  std::vector<MicrobatchKey> doomed;
+  for (const auto& [k, p] : pending) {
+    if (!p.reported[idx]) doomed.push_back(k);
+  }
+  for (const auto& k : doomed) {
+    FailMicrobatch(k,
+                   absl::FailedPreconditionError(absl::StrCat("microbatch ", k.ToString(), " of group ", index,
+                                                              " can never be decided: rank ", ranks[idx],
+                                                              " left the job without planning it")),
+                   fx);
+  }
+  UpdateState(fx);
+  Drain(now, fx);
+}
+
+void ShardGroup::DropResumes() {
+  for (Member& m : members) {
+    m.resume.reset();
+    m.resume_charge = BufferCharge();
+  }
+}
+
+std::string ShardGroup::Fail(int idx, const std::string& full, GroupEffects& fx) {
+  // A death fails the group: cancel everything pending and tell every live member.
+  const bool was_failed = state == v1::GROUP_STATE_FAILED;
+  // Whole again, it re-forms in a new epoch with a notice, even if it never formed before:
+  // its live members hold this failure until they hear of the re-form.
+  formed = true;
+  if (state == v1::GROUP_STATE_RECOVERING) {
+    DropResumes();  // The recovery is over: what the members resumed with is held no longer.
+    recovery_deadline = absl::InfiniteFuture();
+  }
+  v1::CoordinatorMessage msg = GroupFailure(index, epoch);
+  auto* gf = msg.mutable_group_failure();
+  for (const Member& m : members) {
+    if (m.state == v1::RANK_STATE_DEAD) gf->add_dead_ranks(m.rank);
+  }
+  for (const auto& [k, p] : pending) ToProto(k, gf->add_cancelled());
+  pending.clear();
+  failure_reason = was_failed && !failure_reason.empty() ? absl::StrCat(failure_reason, "; ", full) : full;
+  gf->set_reason(
+      absl::StrCat("group ", index, " of job '", rules_.job_id, "' failed at epoch ", epoch, ": ", failure_reason));
+  UpdateState(fx);
+  std::string reason = gf->reason();
+  fx.Record("error", EventKind::kGroupFailed, ranks[idx],
+            absl::StrCat(reason, "; cancelled ", gf->cancelled_size(), " pending microbatches"));
+  fx.Send(GroupEffects::kEveryMember, std::move(msg));
+  return reason;
+}
+
+bool ShardGroup::IsFresh() const {
+  if (state != v1::GROUP_STATE_FORMING || epoch != 0 || last_decided) return false;
+  return Count().live == 0;
+}
+
+void ShardGroup::StartRecovery(absl::Time now, GroupEffects& fx) {
+  const absl::Duration window = rules_.options->recovery_window;
+  state = v1::GROUP_STATE_RECOVERING;
+  recovery_deadline = now + window;
+  fx.Record("warning", EventKind::kGroupRecovering, -1,
+            absl::StrCat("a rank resumed after a coordinator restart: the group waits up to ",
+                         absl::ToInt64Milliseconds(window), " ms for its members to report what they hold"));
+}
+
+void ShardGroup::MaybeFinishRecovery(absl::Time now, GroupEffects& fx) {
+  const bool all_back =
+      std::all_of(members.begin(), members.end(), [](const Member& x) { return x.live() && x.resume.has_value(); });
+  if (all_back) FinishRecovery(now, fx);
+}
+
+namespace {
+
+v1::CoordinatorMessage LostInRestart(int group, const MicrobatchKey& key) {
+  v1::CoordinatorMessage msg;
+  auto* f = msg.mutable_microbatch_failed();
+  f->set_group(group);
+  f->set_step(key.step);
+  f->set_microbatch(key.microbatch);
+  f->set_code(static_cast<int>(absl::StatusCode::kAborted));
+  f->set_message(absl::StrCat("microbatch ", key.ToString(), " of group ", group,
+                              ": its decision was lost in the coordinator restart (no member holds it any more)"));
+  return msg;
+}
+
+std::string Recovered(int64_t epoch, const GroupRecovery& rec) {
+  return absl::StrCat(
+      "epoch ", epoch, ": ", rec.binding.size(), " held decisions kept, ", rec.resend.size(), " re-sent, ",
+      rec.undecided.size(), " plans to decide, ", rec.lost.size(), " lost; seq goes on from ", rec.next_seq,
+      rec.promoted.empty()
+          ? ""
+          : absl::StrCat("; promoted: ", NameList(std::vector<std::string>(rec.promoted.begin(), rec.promoted.end()))));
+}
+
+}  // namespace
+
+void ShardGroup::FinishRecovery(absl::Time now, GroupEffects& fx) {
+  std::vector<MemberResume> reports;
+  for (Member& m : members) reports.push_back({m.rank, std::move(*m.resume)});
+  DropResumes();
+  GroupRecovery rec = PlanGroupRecovery(index, reports);
+  recovery_deadline = absl::InfiniteFuture();
+  epoch = rec.epoch;
+  if (!rec.status.ok()) {
+    FailRecovery(std::string(rec.status.message()), fx);
+    return;
+  }
+  state = v1::GROUP_STATE_HEALTHY;
+  formed = true;
+  SetPromotionBudget();  // The group's engine is this process's own: restore its state.
+  engine->Restore(rec.next_seq, rec.promoted, rec.sticky);
+  for (auto& [key, d] : rec.binding) Given(d, fx);
+  if (!rec.binding.empty()) last_resolved = rec.binding.rbegin()->first;
+  for (Member& m : members) {  // Out-of-order checks go on from what each rank received.
+    for (auto& [key, holders] : rec.holders) {
+      if (holders.count(m.rank) && (!m.last_planned || *m.last_planned < key)) m.last_planned = key;
+    }
+  }
+  for (const auto& [rank, d] : rec.resend) {
+    Member& m = member(rank);
+    if (!m.last_planned || *m.last_planned < KeyOf(d)) m.last_planned = KeyOf(d);
+    fx.Decide(IndexOf(rank), d);
+  }
+  if (engine->is_static()) {
+    for (const auto& [key, d] : rec.binding) KeepStaticBinding(key, d, now);
+  }
+  for (const auto& [rank, key] : rec.lost) fx.Send(IndexOf(rank), LostInRestart(index, key));
+  fx.recovered = true;
+  fx.Record("info", EventKind::kGroupRecovered, -1, Recovered(epoch, rec));
+  ReplayPlans(rec.undecided, now, fx);
+  auto deferred = std::move(deferred_plans);
+  deferred_plans.clear();
+  ReplayPlans(deferred, now, fx);
+}
+
+void ShardGroup::KeepStaticBinding(const MicrobatchKey& key, const v1::MicrobatchDecision& d, absl::Time now) {
+  PendingMicrobatch p;  // Shaped as Report makes one: later reports fill it in.
+  p.calls.assign(modules.size(), std::vector<int32_t>(size(), 0));
+  p.reported.assign(size(), false);
+  p.first_report = now;
+  p.decided = d;
+  for (int i = 0; i < size(); ++i) {
+    const Member& m = members[i];
+    if (m.last_planned && key <= *m.last_planned) {
+      p.reported[i] = true;
+      p.num_reported++;
+    }
+  }
+  if (p.num_reported == size()) return;  // Every member has it: nothing left to hand out.
+  pending[key] = std::move(p);
+}
+
+void ShardGroup::ReplayPlans(const std::vector<std::pair<int, v1::MicrobatchPlan>>& plans, absl::Time now,
+                             GroupEffects& fx) {
+  for (const auto& [rank, plan] : plans) {
+    const int idx = IndexOf(rank);
+    if (!members[idx].live()) continue;
+    if (absl::Status s = AcceptPlan(idx, plan, now, fx); !s.ok()) Reject(idx, plan, s, epoch, fx);
+  }
+}
+
+void ShardGroup::FailRecovery(const std::string& why, GroupEffects& fx) {
+  state = v1::GROUP_STATE_FAILED;
+  failure_reason = why;
+  pending.clear();
+  deferred_plans.clear();
+  v1::CoordinatorMessage msg = GroupFailure(index, epoch);
+  msg.mutable_group_failure()->set_reason(
+      absl::StrCat("group ", index, " of job '", rules_.job_id, "' failed at epoch ", epoch, ": ", why));
+  fx.Send(GroupEffects::kEveryMember, std::move(msg));
+  fx.Record("error", EventKind::kGroupRecoveryFailed, -1, why);
+  // Every member is live: the group re-forms at once in a new epoch, keys start afresh.
+  UpdateState(fx);
+  fx.Send(GroupEffects::kEveryMember, Reformed(index, epoch, "after its recovery failed"));
+}
+
+std::vector<int> ShardGroup::ExpireRecovery(absl::Time now, std::string* why, std::string* each, GroupEffects& fx) {
+  if (state != v1::GROUP_STATE_RECOVERING || now < recovery_deadline) return {};
+  std::vector<int> missing;
+  for (const Member& m : members) {
+    if (!m.live()) missing.push_back(m.rank);
+  }
+  // One event for the group, naming the missing ranks (capped), and a short reason per rank:
+  // the work and the text stay linear in the group, however many ranks did not come back.
+  const std::string window = absl::StrCat("the recovery window (",
+                                          absl::ToInt64Milliseconds(rules_.options->recovery_window),
+                                          " ms, --recovery-window-ms) after the coordinator restarted");
+  *why = absl::StrCat(missing.size(), " of ", ranks.size(), " ranks (", RankList(missing), ") did not resume within ",
+                      window);
+  *each = absl::StrCat("did not resume within ", window);
+  state = v1::GROUP_STATE_FAILED;
+  recovery_deadline = absl::InfiniteFuture();
+  deferred_plans.clear();
+  DropResumes();
+  if (!missing.empty()) fx.Record("error", EventKind::kRecoveryExpired, -1, *why);
+  for (int r : missing) {
+    member(r).state = v1::RANK_STATE_DEAD;
+    member(r).dead_reason = *each;
+  }
+  return missing;
+}
+
+}  // namespace shardcoord::coordinator
