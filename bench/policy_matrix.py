@@ -58,8 +58,10 @@ How the numbers are made:
   other_seconds_per_microbatch (microbatch + an optimizer step's share, CUDA events), microbatches
   with media under replicate the tower's forward seconds per call, under root each unit's gather
   seconds (CUDA events around FSDP's unshard; 0 with one GPU, said in measured.notes); the slowest
-  rank's numbers. --manifest-out and --trace-dir write the manifest and each mix's plans (the
-  calls of every rank, step and microbatch, warm-up steps included) for ``shardctl plan``.
+  rank's numbers; other_seconds_per_token, the decoder's seconds per token, is the line through
+  the text-only and the media phase (token_fit). --manifest-out and --trace-dir write the manifest
+  and each mix's plans (the calls and decoder tokens of every rank, step and microbatch, warm-up
+  steps included, and MIX.measured.jsonl: the measured steps only) for ``shardctl plan``.
 
 Size matters for the noise: with --size small (a 1.14 B decoder, 1024 text tokens) steps are
 partly host-bound (FSDP2's per-unit Python work), and an A/A run on one H200 differed by -7.5 %
@@ -255,6 +257,30 @@ class Data:
                    default=0)
 
 
+def qwen_sample_lengths(size: Size, micro: Micro) -> List[int]:
+    """Each sample's tokens in hf-qwen2vl's batch (the layout _qwen_batch builds): its share of the
+    microbatch's images and videos (dealt round-robin, each image_tokens framed by vision start and
+    end; a video's temporal patch is 2 frames), then its text_tokens."""
+    images = sum(n for k, n in micro.calls if k != "video")
+    videos = sum(max(1, n // 2) for k, n in micro.calls if k == "video")
+    lengths = [size.text_tokens] * micro.samples
+    for i in range(images + videos):
+        lengths[i % micro.samples] += size.image_tokens + 2
+    return lengths
+
+
+def decoder_tokens(size: Size, model: str, micro: Micro) -> int:
+    """The positions the decoder computes on in one microbatch (pure Python: the launcher writes
+    them into the traces' "tokens", the calibration fits other_seconds_per_token against them).
+    builtin: one packed sequence, every sample's text and every image's tokens (a video counts
+    --video-frames images, at most --max-images per call): the real tokens. hf-qwen2vl: a padded
+    batch, samples x the longest sample (padding is computed too; tokens/s counts only the real
+    ones)."""
+    if model == "hf-qwen2vl":
+        return micro.samples * max(qwen_sample_lengths(size, micro))
+    return micro.samples * size.text_tokens + micro.images * size.image_tokens
+
+
 # ---------------------------------------------------------------------------------------------
 # Statistics (rank 0 and the launcher)
 
@@ -350,8 +376,7 @@ def build_builtin(size: Size, device) -> types.SimpleNamespace:
     return types.SimpleNamespace(model=model, tower="visual", decoder_layers=list(model.layers),
                                  batch=lambda micro, seed: _builtin_batch(size, device, micro, seed),
                                  loss=lambda batch, dummies: model(**batch, dummies=dummies),
-                                 tokens=lambda micro, batch: micro.samples * size.text_tokens
-                                 + micro.images * size.image_tokens)
+                                 tokens=lambda micro, batch: decoder_tokens(size, "builtin", micro))
 
 
 def _builtin_vlm(size: Size, device, VisionTower, Block):
@@ -737,6 +762,18 @@ def regime(args: argparse.Namespace, tower: int) -> str:
     return "b: the replica does not fit"
 
 
+def measured_steps(args: argparse.Namespace) -> List[int]:
+    """The steps every cell measures (each cell walks the same steps from 0, run_rounds' schedule):
+    per round, after --visit-warmup steps (and --warmup more at the first visit), --steps-per-round.
+    Fewer when the deadline cut the rounds short."""
+    out, step = [], 0
+    for r in range(args.repeats):
+        step += args.visit_warmup + (args.warmup if r == 0 else 0)
+        out += range(step, step + args.steps_per_round)
+        step += args.steps_per_round
+    return out
+
+
 def make_cells(ctx, data: Data) -> List[Cell]:
     """The mix's cells in --placements order, the unsafe or unfitting ones marked skipped, and the
     A/A copy of the first one that runs (named NAME#2) last."""
@@ -837,6 +874,7 @@ def cell_record(ctx, data: Data, cell: Cell, ref: Optional[Cell]) -> Dict[str, A
     rec.update(rounds=len(cell.rounds), steps=len(steps), tok_s_median=round(pooled_median(cell.rounds)),
                tok_s_ci95=[round(x) for x in ci] if ci else None, ci_method=CI_METHOD, tok_s_min=round(min(steps)),
                tok_s_max=round(max(steps)), step_ms_median=round(statistics.median(cell.step_ms), 1),
+               step_ms_mean=round(statistics.mean(cell.step_ms), 1),
                per_round_median=[round(statistics.median(r)) for r in cell.rounds],
                peak_gib=round(cell.peak / 2**30, 3),
                gathered_gib_per_step=round(statistics.mean(cell.gathered) / 2**30, 3),
@@ -923,11 +961,39 @@ def calibrate(ctx) -> None:
     # What one call adds to the rest of the model (the decoder on its image tokens): a media
     # microbatch (one batched call) under replicate, less a text-only one and the tower's forward.
     per_call = max(0.0, statistics.median(media_s) - statistics.median(mb_s) - forward)
-    vec = torch.tensor([statistics.median(mb_s) + statistics.median(opt_s) / args.accum, forward, per_call]
-                       + [gathers.get(u.name, 0.0) for u in units], dtype=torch.float64, device=ctx.device)
+    per_token, text_tokens = token_fit(ctx, text, media, mb_s, media_s, forward)
+    vec = torch.tensor([statistics.median(mb_s) + statistics.median(opt_s) / args.accum, forward, per_call,
+                        per_token, text_tokens] + [gathers.get(u.name, 0.0) for u in units],
+                       dtype=torch.float64, device=ctx.device)
     ctx.dist.all_reduce(vec, op=ctx.dist.ReduceOp.MAX)
     if ctx.rank == 0:
         print("COST " + json.dumps(cost_record(ctx, name, units, vec.tolist())), flush=True)
+
+
+def token_fit(ctx, text: Data, media: Data, text_s: List[float], media_s: List[float],
+              forward: float) -> Tuple[float, int]:
+    """(other_seconds_per_token, other_tokens_per_microbatch): the decoder's seconds per token
+    (forward and backward, the optimizer's share excluded), and the tokens of the text-only
+    microbatch that other_seconds_per_microbatch was measured on, which the line passes through.
+
+    Each calibration microbatch is a point (its decoder tokens, its seconds less the tower's
+    forward per call it made); the two phases have two token counts (text only; every sample with
+    an image), and the least-squares line through points at two x values passes through the two
+    groups' means. Medians stand in for the means (one slow microbatch, an allocator pause, must
+    not tilt the line). Its slope is per token; its intercept can be negative (attention grows
+    faster than linearly with the tokens), so the cost file keeps the text-only point instead:
+    the planner prices a microbatch of N tokens at other_seconds_per_microbatch +
+    other_seconds_per_token x (N - other_tokens_per_microbatch). Between the two token counts it
+    interpolates; above the media phase's count it extrapolates a line under a slightly convex
+    curve (the error is measured in docs/GPU.md)."""
+    size, model, step = SIZES[ctx.args.size], ctx.args.model, 1_000_000
+    text_tokens = decoder_tokens(size, model, text.micro(ctx.rank, step, 0))
+    media_tokens = decoder_tokens(size, model, media.micro(ctx.rank, step, 0))
+    if media_tokens <= text_tokens:
+        return 0.0, text_tokens
+    # The media phase makes one batched call per microbatch (Data("all")): one forward to take away.
+    rise = statistics.median(media_s) - forward - statistics.median(text_s)
+    return max(0.0, rise / (media_tokens - text_tokens)), text_tokens
 
 
 def cost_record(ctx, name: str, units: List[Any], vec: List[float]) -> Dict[str, Any]:
@@ -940,9 +1006,13 @@ def cost_record(ctx, name: str, units: List[Any], vec: List[float]) -> Dict[str,
     if one:
         notes.append("one rank per shard group: nothing is all-gathered (FSDP2 copies the shard), so gather_seconds "
                      "are 0; measure on 2 or more GPUs for the gathers")
-    gathers = [0.0 if one else round(s, 7) for s in vec[3:]]
+    notes.append(f"other_seconds_per_token: the decoder's seconds per token (forward and backward), the line "
+                 f"through the text-only phase ({int(vec[4])} tokens a microbatch) and the media phase, less the "
+                 f"tower's forward; used by `shardctl plan` on traces with tokens (bench/policy_matrix.py token_fit)")
+    gathers = [0.0 if one else round(s, 7) for s in vec[5:]]
     return {
         "format": COST_FORMAT, "group_size": ctx.group_size, "other_seconds_per_microbatch": round(vec[0], 7),
+        "other_seconds_per_token": round(vec[3], 10), "other_tokens_per_microbatch": int(vec[4]),
         "modules": [{"name": name, "param_bytes": tower_bytes(ctx), "forward_seconds_per_call": round(vec[1], 7),
                      "other_seconds_per_call": round(vec[2], 7),
                      "units": [{"name": u.name, "param_bytes": u.param_bytes, "gather_bytes": u.param_bytes,
@@ -1047,19 +1117,27 @@ def table(cells: List[Dict[str, Any]], mixes: List[Dict[str, Any]], order: List[
 
 
 def write_traces(args: argparse.Namespace, info: Dict[str, Any], published: Dict[str, Any]) -> None:
-    """Per mix, the calls of every rank, step and microbatch the run planned (shardctl plan / replay)."""
+    """Per mix, the calls and decoder tokens of every rank, step and microbatch the run planned
+    (shardctl plan / replay): MIX.jsonl every step, warm-up steps included; MIX.measured.jsonl only the
+    steps whose times the cells' medians and means are of (measured_steps), to plan against them."""
     os.makedirs(args.trace_dir, exist_ok=True)
     total_steps = args.warmup + args.repeats * (args.visit_warmup + args.steps_per_round)
-    tower = info.get("tower", "visual")
+    measured = set(measured_steps(args))
+    tower, size = info.get("tower", "visual"), SIZES[args.size]
     for mix in args.mixes:
         data = Data(mix, args, published, mode="per_kind" if args.model == "hf-qwen2vl" else None)
-        with open(os.path.join(args.trace_dir, mix.replace("@", "_at_") + ".jsonl"), "w") as f:
+        base = os.path.join(args.trace_dir, mix.replace("@", "_at_"))
+        with open(base + ".jsonl", "w") as every, open(base + ".measured.jsonl", "w") as timed:
             for step in range(total_steps):
                 for mb in range(args.accum):
                     for rank in range(args.gpus):
-                        calls = {tower: data.calls(rank, step, mb)}
-                        line = {"rank": rank, "step": step, "microbatch": mb, "calls": calls}
-                        f.write(json.dumps(line, separators=(",", ":")) + "\n")
+                        micro = data.micro(rank, step, mb)
+                        line = {"rank": rank, "step": step, "microbatch": mb, "calls": {tower: len(micro.calls)},
+                                "tokens": decoder_tokens(size, args.model, micro)}
+                        text = json.dumps(line, separators=(",", ":")) + "\n"
+                        every.write(text)
+                        if step in measured:
+                            timed.write(text)
 
 
 def write_cost(args: argparse.Namespace, cost: Dict[str, Any], info: Dict[str, Any]) -> None:

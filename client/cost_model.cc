@@ -139,7 +139,23 @@ absl::StatusOr<CostFileModule> ParseModule(const json& m, const std::string& at,
   return module;
 }
 
-// "format", "measured", "group_size" and "other_seconds_per_microbatch".
+// "other_seconds_per_token" and "other_tokens_per_microbatch" (the tokens without the price: a
+// warning, it is ignored).
+absl::Status ParseTokenPrice(const json& j, const std::string& source, CostFile* file) {
+  double per_token = 0;
+  absl::Status s = ReadSeconds(j, "other_seconds_per_token", source, /*required=*/false, &per_token);
+  if (s.ok()) s = ReadInteger(j, "other_tokens_per_microbatch", source, 0, INT32_MAX, &file->other_tokens_per_microbatch);
+  if (!s.ok()) return s;
+  if (j.contains("other_seconds_per_token")) {
+    file->other_seconds_per_token = per_token;
+  } else if (j.contains("other_tokens_per_microbatch")) {
+    file->warnings.push_back(absl::StrCat(source, ": 'other_tokens_per_microbatch' without 'other_seconds_per_token' ",
+                                          "is ignored (give both to price a trace's tokens)"));
+  }
+  return absl::OkStatus();
+}
+
+// "format", "measured", "group_size", "other_seconds_per_microbatch" and the token price.
 absl::Status ParseHeader(const json& j, const std::string& source, CostFile* file) {
   if (!j.contains("format")) return Missing(source, "format", absl::StrCat("\"", kCostFormat, "\"").c_str());
   if (j.at("format") != kCostFormat) {
@@ -156,6 +172,7 @@ absl::Status ParseHeader(const json& j, const std::string& source, CostFile* fil
   if (s.ok()) {
     s = ReadSeconds(j, "other_seconds_per_microbatch", source, /*required=*/true, &file->other_seconds_per_microbatch);
   }
+  if (s.ok()) s = ParseTokenPrice(j, source, file);
   return s;
 }
 
@@ -185,8 +202,10 @@ absl::StatusOr<CostFile> ParseCostFile(const std::string& text, const std::strin
     }
     file.modules.push_back(std::move(*m));
   }
-  WarnUnknown(j, {"format", "measured", "group_size", "other_seconds_per_microbatch", "modules"}, source,
-              &file.warnings);
+  WarnUnknown(j,
+              {"format", "measured", "group_size", "other_seconds_per_microbatch", "other_seconds_per_token",
+               "other_tokens_per_microbatch", "modules"},
+              source, &file.warnings);
   return file;
 }
 

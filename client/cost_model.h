@@ -6,6 +6,10 @@
 //    "measured": {...free-form: machine, date, command...},          (optional)
 //    "group_size": 2,                                (optional: the group size measured at)
 //    "other_seconds_per_microbatch": 0.081,          (everything but the controlled modules)
+//    "other_seconds_per_token": 0.0000466,           (optional: the decoder's seconds per token,
+//    "other_tokens_per_microbatch": 8192,             forward and backward, and the tokens of the
+//                                                     microbatch other_seconds_per_microbatch was
+//                                                     measured on; optional, default 0)
 //    "modules": [{"name": "visual",
 //                 "param_bytes": 1234,               (optional; the manifest's are used)
 //                 "forward_seconds_per_call": 0.0123,
@@ -44,6 +48,12 @@ struct CostFileModule {
 struct CostFile {
   int group_size = 0;                       // The group size the costs were measured at; 0: not given.
   double other_seconds_per_microbatch = 0;  // Seconds of a microbatch outside the controlled modules.
+  // The decoder's seconds per token of a microbatch (forward and backward), when given: with a
+  // trace that gives tokens, `shardctl plan` prices a microbatch of N tokens outside the modules
+  // at other_seconds_per_microbatch + other_seconds_per_token x (N - other_tokens_per_microbatch)
+  // (at least 0), instead of other_seconds_per_microbatch + the modules' other_seconds_per_call.
+  std::optional<double> other_seconds_per_token;
+  int64_t other_tokens_per_microbatch = 0;
   std::vector<CostFileModule> modules;      // File order; names distinct.
   std::vector<std::string> warnings;        // Fields it ignored (unknown names), one line each.
 };

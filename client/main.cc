@@ -604,7 +604,9 @@ A trace from a published data mix (../shared/MIXES.md), piped in:
 Policies: root, replicate (static; a static replica never gathers), per_layer (static, no
 coordinator: HANGS where ranks diverge), dummy (per_layer, every rank of a group running the
 module as often as its busiest rank), sc_per_layer and auto (the daemon's DecisionEngine,
-fallback root; auto promotes with --budget-bytes). Exit codes: 0 ok, 2 bad input.)";
+fallback root; auto promotes with --budget-bytes). A trace whose lines give their decoder
+"tokens" (scripts/make_trace.py --tokens, bench/policy_matrix.py --trace-dir) is priced per token
+where the cost file has other_seconds_per_token. Exit codes: 0 ok, 2 bad input.)";
 
 CLI::App* AddPlanCommand(CLI::App& app, PlanFlags* f) {
   using shardcoord::client::kMaxReplayWorldSize;

@@ -55,44 +55,62 @@ int32_t CallsOf(const std::map<std::string, int32_t>* line, const std::string& m
   return it == line->end() ? 0 : it->second;
 }
 
+// One rank's entries of a per-rank map of the trace (its lines, or its tokens), walked in key
+// order: each entry is passed once.
+template <typename Lines>
+class MemberWalk {
+ public:
+  MemberWalk(const std::map<int, Lines>& per_rank, int rank) {
+    auto it = per_rank.find(rank);
+    if (it != per_rank.end()) {
+      lines_ = &it->second;
+      next_ = lines_->begin();
+    }
+  }
+
+  // The entry of `key` (nullptr: none); keys must come in increasing order.
+  const typename Lines::mapped_type* At(const MicrobatchKey& key) {
+    if (lines_ == nullptr) return nullptr;
+    while (next_ != lines_->end() && next_->first < key) ++next_;
+    return next_ != lines_->end() && next_->first == key ? &next_->second : nullptr;
+  }
+
+ private:
+  const Lines* lines_ = nullptr;  // None: the trace never names the rank.
+  typename Lines::const_iterator next_;
+};
+
 // The calls of one group's members, microbatch by microbatch: 0 where the trace has no line
-// or the line does not name the module.
+// or the line does not name the module; and the most tokens any member's line gives.
 class GroupCalls {
  public:
   GroupCalls(const Trace& trace, const std::vector<ModuleSpec>& modules, int group, int group_size)
       : modules_(modules), calls_(modules.size(), std::vector<int32_t>(group_size, 0)) {
     for (int i = 0; i < group_size; ++i) {
-      auto it = trace.plans.find(group * group_size + i);
-      members_.push_back(it == trace.plans.end() ? Member{} : Member{&it->second, it->second.begin()});
+      lines_.emplace_back(trace.plans, group * group_size + i);
+      tokens_.emplace_back(trace.tokens, group * group_size + i);
     }
   }
 
   // The calls in `key`; keys must come in increasing order (each member's lines are walked
-  // once, so a group costs its lines, not lines x keys).
+  // once, so a group costs its lines, not lines x keys). Then tokens() is the key's.
   const Calls& At(const MicrobatchKey& key) {
-    for (size_t i = 0; i < members_.size(); ++i) {
-      const std::map<std::string, int32_t>* line = members_[i].LineAt(key);
+    most_tokens_ = 0;
+    for (size_t i = 0; i < lines_.size(); ++i) {
+      const std::map<std::string, int32_t>* line = lines_[i].At(key);
       for (size_t m = 0; m < modules_.size(); ++m) calls_[m][i] = CallsOf(line, modules_[m].name);
+      if (const int64_t* tokens = tokens_[i].At(key)) most_tokens_ = std::max(most_tokens_, *tokens);
     }
     return calls_;
   }
+  int64_t tokens() const { return most_tokens_; }
 
  private:
-  using Lines = std::map<MicrobatchKey, std::map<std::string, int32_t>>;
-  struct Member {
-    const Lines* lines = nullptr;  // None: the trace never names the rank.
-    Lines::const_iterator next;
-
-    const std::map<std::string, int32_t>* LineAt(const MicrobatchKey& key) {
-      if (lines == nullptr) return nullptr;
-      while (next != lines->end() && next->first < key) ++next;
-      return next != lines->end() && next->first == key ? &next->second : nullptr;
-    }
-  };
-
   const std::vector<ModuleSpec>& modules_;
-  std::vector<Member> members_;
+  std::vector<MemberWalk<std::map<MicrobatchKey, std::map<std::string, int32_t>>>> lines_;
+  std::vector<MemberWalk<std::map<MicrobatchKey, int64_t>>> tokens_;
   Calls calls_;
+  int64_t most_tokens_ = 0;
 };
 
 bool UsesEngine(PlanPolicy p) { return p == PlanPolicy::kAuto || p == PlanPolicy::kScPerLayer; }
@@ -167,21 +185,36 @@ struct GroupTotals {
   std::vector<double> step_gathered;  // Bytes per rank.
 };
 
-// Adds one group microbatch, whose modules were placed as `decided`. `resident[m]`: the
-// group holds a replica of module m (built by an earlier replicate decision; static
-// replicate builds it before training).
-void AddMicrobatch(const PlanSetup& s, PlanPolicy policy, const std::vector<Decision>& decided, const Calls& calls,
-                   size_t step, std::vector<bool>* resident, GroupTotals* t) {
+// The seconds of a group microbatch outside the modules' placements (the decoder, the rest of
+// the model, the optimizer's share): the same under every placement, on the group's busiest
+// rank. Per token when the trace gives tokens and the cost file prices them (`tokens`: the most
+// any member's microbatch has); otherwise per microbatch, plus the rest of the model's work on
+// what each module's calls produced (the decoder on the image tokens) for the most calls any
+// member makes.
+double OtherSeconds(const PlanSetup& s, const Calls& calls, int64_t tokens) {
+  if (s.per_token) {
+    const double extra = s.other_seconds_per_token * static_cast<double>(tokens - s.other_tokens_per_microbatch);
+    return std::max(0.0, s.other_seconds_per_microbatch + extra);
+  }
   double seconds = s.other_seconds_per_microbatch;
+  for (size_t m = 0; m < calls.size(); ++m) {
+    seconds += s.other_seconds_per_call[m] * *std::max_element(calls[m].begin(), calls[m].end());
+  }
+  return seconds;
+}
+
+// Adds one group microbatch of `tokens` (the busiest member's), whose modules were placed as
+// `decided`. `resident[m]`: the group holds a replica of module m (built by an earlier replicate
+// decision; static replicate builds it before training).
+void AddMicrobatch(const PlanSetup& s, PlanPolicy policy, const std::vector<Decision>& decided, const Calls& calls,
+                   int64_t tokens, size_t step, std::vector<bool>* resident, GroupTotals* t) {
+  double seconds = OtherSeconds(s, calls, tokens);
   double gathered = 0;
   int64_t peak = 0;
   bool hang = false;
   for (size_t m = 0; m < decided.size(); ++m) {
     const PlacementEstimate e = EstimateModule(s, policy, m, decided[m], calls[m], (*resident)[m]);
     seconds += e.seconds;
-    // The rest of the model's work on what the module's calls produced (the decoder on the
-    // image tokens): the same under every placement, on the busiest rank.
-    seconds += s.other_seconds_per_call[m] * *std::max_element(calls[m].begin(), calls[m].end());
     gathered += static_cast<double>(e.gathered_bytes);
     peak = SaturatingAdd(peak, e.peak_bytes);
     hang = hang || !e.safe;
@@ -214,7 +247,7 @@ GroupTotals SimulateGroup(const PlanSetup& s, PlanPolicy policy, int group, size
     }
     const Calls& c = calls.At(key);
     DecideMicrobatch(policy, engine ? &*engine : nullptr, key, c, &decided);
-    AddMicrobatch(s, policy, decided, c, step, &resident, &t);
+    AddMicrobatch(s, policy, decided, c, calls.tokens(), step, &resident, &t);
   }
   return t;
 }
@@ -382,6 +415,31 @@ bool CheckTraceBounds(const Trace& trace, int group_size, std::ostream& err) {
   return true;
 }
 
+// How the rest of a microbatch is priced (OtherSeconds): per token when the trace gives tokens
+// and the cost file prices them, else per call; a warning when only one of them has tokens.
+void ResolveOtherCosts(const Trace& trace, const CostFile& costs, const PlanOptions& o, std::ostream& err,
+                       PlanSetup* s) {
+  s->other_seconds_per_call.assign(s->modules.size(), 0);
+  for (const CostFileModule& f : costs.modules) {
+    for (size_t m = 0; m < s->modules.size(); ++m) {
+      if (s->modules[m].name == f.cost.module) s->other_seconds_per_call[m] = f.other_seconds_per_call;
+    }
+  }
+  const bool priced = costs.other_seconds_per_token.has_value();
+  s->per_token = trace.has_tokens() && priced;
+  s->other_seconds_per_token = costs.other_seconds_per_token.value_or(0);
+  s->other_tokens_per_microbatch = costs.other_tokens_per_microbatch;
+  if (trace.has_tokens() && !priced) {
+    err << "shardctl plan: warning: " << o.trace_name << " gives tokens but " << o.cost_name
+        << " has no other_seconds_per_token: the rest of each microbatch is priced per call (calibrate one with "
+           "bench/policy_matrix.py --cost-out)\n";
+  } else if (priced && !trace.has_tokens()) {
+    err << "shardctl plan: warning: " << o.cost_name << " prices tokens but " << o.trace_name
+        << " gives none: the rest of each microbatch is priced per call (write the trace with its tokens: "
+           "bench/policy_matrix.py --trace-dir, scripts/make_trace.py --tokens)\n";
+  }
+}
+
 std::optional<PlanSetup> ResolveSetup(const Trace& trace, const std::vector<ModuleSpec>& manifest,
                                       const CostFile& costs, const PlanOptions& o, std::ostream& err) {
   if (trace.keys.empty()) {
@@ -413,12 +471,7 @@ std::optional<PlanSetup> ResolveSetup(const Trace& trace, const std::vector<Modu
       }
     }
   }
-  s.other_seconds_per_call.assign(s.modules.size(), 0);
-  for (const CostFileModule& f : costs.modules) {
-    for (size_t m = 0; m < s.modules.size(); ++m) {
-      if (s.modules[m].name == f.cost.module) s.other_seconds_per_call[m] = f.other_seconds_per_call;
-    }
-  }
+  ResolveOtherCosts(trace, costs, o, err, &s);
   return s;
 }
 
@@ -446,10 +499,15 @@ void PrintHeader(const PlanSetup& s, const PlanOptions& o, int64_t steps, std::o
                                       Bytes(static_cast<double>(s.modules[m].param_bytes)),
                                       s.costs[m].forward_seconds_per_call, s.costs[m].gather_seconds));
   }
-  out << absl::StrFormat("%s: %s in %s of %d, %s in %s; %s; other %.4f s per microbatch; budget %s\n",
-                         o.trace_name, Count(s.world_size, "rank"), Count(s.world_size / s.group_size, "group"),
-                         s.group_size, Count(static_cast<int64_t>(s.trace->keys.size()), "microbatch"),
-                         Count(steps, "step"), absl::StrJoin(modules, ", "), s.other_seconds_per_microbatch,
+  const std::string other =
+      s.per_token ? absl::StrFormat("other %.4f s per microbatch of %d tokens, %.3g s per token more",
+                                    s.other_seconds_per_microbatch, s.other_tokens_per_microbatch,
+                                    s.other_seconds_per_token)
+                  : absl::StrFormat("other %.4f s per microbatch", s.other_seconds_per_microbatch);
+  out << absl::StrFormat("%s: %s in %s of %d, %s in %s; %s; %s; budget %s\n", o.trace_name,
+                         Count(s.world_size, "rank"), Count(s.world_size / s.group_size, "group"), s.group_size,
+                         Count(static_cast<int64_t>(s.trace->keys.size()), "microbatch"), Count(steps, "step"),
+                         absl::StrJoin(modules, ", "), other,
                          s.budget_bytes > 0 ? Bytes(static_cast<double>(s.budget_bytes)) + " per rank" : "none");
 }
 
@@ -511,6 +569,7 @@ void PrintJson(const PlanSetup& s, const std::vector<PolicyEstimate>& estimates,
     j["gathered_bytes_per_rank_per_step"] = e.gathered_bytes_per_step;
     j["peak_frozen_bytes_per_rank"] = e.peak_bytes;
     j["budget_bytes"] = s.budget_bytes;
+    j["other_priced_by"] = s.per_token ? "tokens" : "calls";
     out << j.dump() << "\n";
   }
 }

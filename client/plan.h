@@ -16,8 +16,14 @@
 //                    (the daemon's engine, replayed microbatch by microbatch per group)
 //
 // Static per_layer and dummy count a microbatch in which no rank calls the module as `skip`
-// (nothing runs, nothing is gathered). No shared state: callable from any thread; no clock,
-// no I/O but the streams given.
+// (nothing runs, nothing is gathered).
+//
+// The rest of a group microbatch (the decoder, the optimizer's share), the same under every
+// policy, is priced in one place (OtherSeconds in plan.cc), on the group's busiest rank: per
+// token when the trace gives tokens and the cost file other_seconds_per_token (the most tokens
+// any member's microbatch has; a member without a line has none), else per microbatch plus each
+// module's other_seconds_per_call for the most calls any member makes. No shared state: callable
+// from any thread; no clock, no I/O but the streams given.
 #ifndef SHARDCOORD_CLIENT_PLAN_H_
 #define SHARDCOORD_CLIENT_PLAN_H_
 
@@ -91,6 +97,10 @@ struct PlanSetup {
   // least 1): what `dummy` pads every rank to in every microbatch.
   std::vector<int32_t> most_calls;
   double other_seconds_per_microbatch = 0;
+  // The trace gives tokens and the cost file prices them: see CostFile::other_seconds_per_token.
+  bool per_token = false;
+  double other_seconds_per_token = 0;
+  int64_t other_tokens_per_microbatch = 0;
   int world_size = 0;
   int group_size = 0;
   int64_t budget_bytes = 0;

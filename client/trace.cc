@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -31,12 +32,29 @@ absl::Status CheckFields(const json& j, const std::string& where) {
     }
   }
   for (auto it = j.begin(); it != j.end(); ++it) {
-    if (it.key() != "rank" && it.key() != "step" && it.key() != "microbatch" && it.key() != "calls") {
+    if (it.key() != "rank" && it.key() != "step" && it.key() != "microbatch" && it.key() != "calls" &&
+        it.key() != "tokens") {
       return absl::InvalidArgumentError(absl::StrCat(
-          where, "unknown field '", it.key(), "' (fields: rank, step, microbatch, calls)"));
+          where, "unknown field '", it.key(), "' (fields: rank, step, microbatch, calls, tokens)"));
     }
   }
   return absl::OkStatus();
+}
+
+// The line's "tokens" (nullopt when absent): a non-negative integer up to kMaxTraceTokens.
+absl::StatusOr<std::optional<int64_t>> ParseTokens(const json& j, const std::string& where) {
+  if (!j.contains("tokens")) return std::optional<int64_t>();
+  const json& v = j["tokens"];
+  const bool ok = v.is_number_integer() && !(v.is_number_unsigned() && v.get<uint64_t>() > uint64_t{kMaxTraceTokens}) &&
+                  v.get<int64_t>() >= 0 && v.get<int64_t>() <= kMaxTraceTokens;
+  if (!ok) {
+    std::string shown = v.dump();
+    if (shown.size() > 40) shown = shown.substr(0, 37) + "...";
+    return absl::InvalidArgumentError(absl::StrCat(where, "'tokens' must be a non-negative integer (the decoder tokens "
+                                                   "of the rank's microbatch, at most ", kMaxTraceTokens, "), got ",
+                                                   shown));
+  }
+  return std::optional<int64_t>(v.get<int64_t>());
 }
 
 // The line's "calls" (module -> count; none when absent); adds their modules to the trace's.
@@ -58,8 +76,9 @@ absl::StatusOr<std::map<std::string, int32_t>> ParseCalls(const json& j, const s
   return calls;
 }
 
-// Adds one (not blank) line of a trace. `where` starts each error.
-absl::Status AddLine(const std::string& line, const std::string& where, Trace* trace) {
+// Adds one (not blank) line of a trace; returns whether it gave "tokens". `where` starts each
+// error.
+absl::StatusOr<bool> AddLine(const std::string& line, const std::string& where, Trace* trace) {
   json j;
   try {
     j = json::parse(line);
@@ -72,15 +91,27 @@ absl::Status AddLine(const std::string& line, const std::string& where, Trace* t
   const MicrobatchKey key{j["step"].get<int64_t>(), j["microbatch"].get<int32_t>()};
   absl::StatusOr<std::map<std::string, int32_t>> calls = ParseCalls(j, where, trace);
   if (!calls.ok()) return calls.status();
+  absl::StatusOr<std::optional<int64_t>> tokens = ParseTokens(j, where);
+  if (!tokens.ok()) return tokens.status();
   auto& per_rank = trace->plans[rank];
   if (per_rank.count(key)) {
     return absl::InvalidArgumentError(absl::StrCat(where, "rank ", rank, " microbatch ",
                                                    key.ToString(), " appears twice"));
   }
   per_rank[key] = std::move(*calls);
+  if (tokens->has_value()) trace->tokens[rank][key] = **tokens;
   trace->keys.insert(key);
   trace->max_rank = std::max(trace->max_rank, rank);
-  return absl::OkStatus();
+  return tokens->has_value();
+}
+
+// A trace gives tokens on every line or on none: a line that differs from the first one is an
+// error naming both (a trace with holes would be priced per token in some microbatches only).
+absl::Status CheckTokensAlike(bool has_tokens, int first_lineno, bool first_has_tokens, const std::string& where) {
+  if (has_tokens == first_has_tokens) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      where, has_tokens ? "'tokens' is given, but line " : "'tokens' is missing, but line ", first_lineno,
+      has_tokens ? " has none" : " gives it", ": give every line its microbatch's tokens, or none"));
 }
 
 }  // namespace
@@ -88,11 +119,21 @@ absl::Status AddLine(const std::string& line, const std::string& where, Trace* t
 absl::StatusOr<Trace> ParseTrace(std::istream& in, const std::string& source) {
   Trace trace;
   std::string line;
-  int lineno = 0;
+  int lineno = 0, first_lineno = 0;
+  bool first_has_tokens = false;
   while (std::getline(in, line)) {
     ++lineno;
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-    if (absl::Status s = AddLine(line, absl::StrCat(source, ":", lineno, ": "), &trace); !s.ok()) return s;
+    const std::string where = absl::StrCat(source, ":", lineno, ": ");
+    absl::StatusOr<bool> has_tokens = AddLine(line, where, &trace);
+    if (!has_tokens.ok()) return has_tokens.status();
+    if (first_lineno == 0) {
+      first_lineno = lineno;
+      first_has_tokens = *has_tokens;
+    }
+    if (absl::Status s = CheckTokensAlike(*has_tokens, first_lineno, first_has_tokens, where); !s.ok()) {
+      return s;
+    }
   }
   if (trace.keys.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(source, ": the trace holds no microbatch"));

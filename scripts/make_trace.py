@@ -26,6 +26,14 @@ per rank, the group size is `shardctl replay`'s.
 
 The same --seed draws the same samples for every --arrange: only their placement differs.
 
+With --mix and --tokens, every line also says the decoder tokens of that rank's microbatch
+("tokens": N, what `shardctl plan` prices with a cost file's other_seconds_per_token): per sample
+--text-tokens, plus --image-tokens per image and per video frame (a video counts --video-frames
+frames), plus --audio-tokens per audio clip. The trace cannot know the model's numbers: the
+defaults are bench/policy_matrix.py's --size vlm builtin model (2048 text tokens a sample, 1024 an
+image, 2 frames a video, audio not counted); give the model's (LLaVA-1.5: 576 an image; Qwen2.5-VL:
+its merged patches, e.g. 1024 for a 896 x 896 image).
+
   python3 scripts/make_trace.py --mix qwen25vl_sft --world-size 32 --steps 20 --microbatches 4 \\
       --samples-per-microbatch 4 --arrange spread > qwen.jsonl
   shardctl replay qwen.jsonl --group-size 8 --policy per_layer
@@ -182,6 +190,12 @@ def modality_key(sample, calls):
     return "+".join(parts) or "text"
 
 
+def sample_tokens(sample, a):
+    """The decoder tokens one sample ({kind: items}) brings (--tokens; see the top)."""
+    return (a.text_tokens + a.image_tokens * (sample.get("image", 0) + a.video_frames * sample.get("video", 0))
+            + a.audio_tokens * sample.get("audio", 0))
+
+
 def mix_trace(a, out):
     sampler = load_sampler()
     mix = MIXES[a.mix]
@@ -210,6 +224,8 @@ def mix_trace(a, out):
                 got = sampler.tower_calls(plan[step][rank][mb], identity, calls, TOWER_OF)
                 line = {"rank": rank, "step": step, "microbatch": mb,
                         "calls": {t: got.get(t, 0) for t in mix.towers}}
+                if a.tokens:
+                    line["tokens"] = sum(sample_tokens(s, a) for s in plan[step][rank][mb])
                 out.write(json.dumps(line, separators=(",", ":")) + "\n")
 
 
@@ -251,8 +267,21 @@ def main():
                         "modality kind, once per media item (default: the mix's model's)")
     p.add_argument("--arrange", choices=["none", "spread", "group_by_modality"], default="none",
                    help="with --mix: how a rank's samples become microbatches (see above)")
+    p.add_argument("--tokens", action="store_true",
+                   help="with --mix: each line also gives its microbatch's decoder tokens (see above)")
+    p.add_argument("--text-tokens", type=int, default=2048, help="with --tokens: text tokens per sample (2048)")
+    p.add_argument("--image-tokens", type=int, default=1024,
+                   help="with --tokens: tokens per image and per video frame (1024)")
+    p.add_argument("--video-frames", type=int, default=2, help="with --tokens: frames a video counts (2)")
+    p.add_argument("--audio-tokens", type=int, default=0, help="with --tokens: tokens per audio clip (0)")
     p.add_argument("--list-mixes", action="store_true", help="print the mixes and their default --calls")
     a = p.parse_args()
+    token_options = ("text_tokens", "image_tokens", "video_frames", "audio_tokens")
+    for name in token_options:
+        if getattr(a, name) < 0:
+            p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(a, name)}")
+    if not a.tokens and any(getattr(a, n) != p.get_default(n) for n in token_options):
+        p.error("--text-tokens, --image-tokens, --video-frames and --audio-tokens need --tokens")
     if a.list_mixes:
         for name, mix in sorted(MIXES.items()):
             total = sum(w for w, _ in mix.weights)
@@ -261,8 +290,8 @@ def main():
             print(f"{name}: {shares}{audio}; calls {mix.calls}")
         return
     if a.mix is None:
-        if a.calls or a.arrange != "none" or a.samples_per_microbatch != 1:
-            p.error("--calls, --arrange and --samples-per-microbatch need --mix")
+        if a.calls or a.arrange != "none" or a.samples_per_microbatch != 1 or a.tokens:
+            p.error("--calls, --arrange, --samples-per-microbatch and --tokens need --mix")
         synthetic_trace(a)
         return
     for name in ("world_size", "steps", "microbatches", "samples_per_microbatch"):

@@ -309,6 +309,108 @@ TEST(ShardctlPlanTest, CostAwareAutoDecidesAsTheDaemonDoesWhenTheRanksReportTheC
   }
 }
 
+// ---------------------------------------------------------------------------------------
+// The decoder priced per token: a trace whose lines give "tokens" and a cost file with
+// other_seconds_per_token. The rest of a group microbatch is then
+//   max(0, 0.1 + 0.00001 x (T - 1000)),  T the most tokens of any member's line (0 without one),
+// instead of 0.1 + other_seconds_per_call (0.05 here) x the most calls of any member.
+
+constexpr char kTokenCost[] = R"({"format":"shardcoord.cost/v1","group_size":2,"other_seconds_per_microbatch":0.1,
+  "other_seconds_per_token":0.00001,"other_tokens_per_microbatch":1000,
+  "modules":[{"name":"visual","forward_seconds_per_call":0.01,"other_seconds_per_call":0.05,
+    "units":[{"name":"blocks.0","gather_seconds":0.002},{"name":"blocks.1","gather_seconds":0.003}]}]})";
+
+// kTrace's calls with tokens: (0,0) 3000 and 5000 -> 5000: 0.14 s; (0,1) 1500 and 1000 -> 1500:
+// 0.105 s; (1,0) rank 0 200, rank 1 no line -> 200: 0.1 - 0.008 = 0.092 s.
+constexpr char kTokenTrace[] = R"({"rank":0,"step":0,"microbatch":0,"calls":{"visual":2},"tokens":3000}
+{"rank":1,"step":0,"microbatch":0,"calls":{"visual":2},"tokens":5000}
+{"rank":0,"step":0,"microbatch":1,"calls":{"visual":1},"tokens":1500}
+{"rank":1,"step":0,"microbatch":1,"calls":{"visual":0},"tokens":1000}
+{"rank":0,"step":1,"microbatch":0,"calls":{"visual":0},"tokens":200}
+)";
+
+TEST(ShardctlPlanTest, ATraceWithTokensIsPricedPerTokenOnTheBusiestMember) {
+  TempDir dir;
+  const Plan p = RunPlanJson(Write(dir, "t.jsonl", kTokenTrace), Write(dir, "m.json", kManifest),
+                             Write(dir, "c.json", kTokenCost), {"--policies", "root,replicate,dummy"});
+  ASSERT_EQ(p.run.exit_code, 0) << p.run.err;
+  EXPECT_THAT(p.run.err, IsEmpty());
+  // root: (0.14 + 0.025 + 0.105 + 0.015 | 0.092 + 0.005) / 2; other_seconds_per_call is not added.
+  ExpectPolicy(p, "root", {0, 0, 3, 0}, 0, (0.285 + 0.097) / 2, 1500, 1000);
+  // replicate (resident): (0.14 + 0.02 + 0.105 + 0.01 | 0.092) / 2.
+  ExpectPolicy(p, "replicate", {0, 0, 0, 3}, 0, (0.275 + 0.092) / 2, 0, 1000);
+  // dummy: 2 x 0.015 in every microbatch: (0.14 + 0.03 + 0.105 + 0.03 | 0.092 + 0.03) / 2.
+  ExpectPolicy(p, "dummy", {3, 0, 0, 0}, 0, (0.305 + 0.122) / 2, 3000, 600);
+  for (const auto& [policy, j] : p.by_policy) EXPECT_EQ(j["other_priced_by"], "tokens") << policy;
+}
+
+TEST(ShardctlPlanTest, ThePerTokenPriceNeverGoesBelowZero) {
+  TempDir dir;
+  // Priced at 1 s for 2000 tokens, 0.001 s a token more: (1,0)'s 200 tokens would be -0.8 s.
+  const std::string cost = Write(dir, "c.json", R"({"format":"shardcoord.cost/v1","other_seconds_per_microbatch":1,
+      "other_seconds_per_token":0.001,"other_tokens_per_microbatch":2000,
+      "modules":[{"name":"visual","forward_seconds_per_call":0.01,"units":[]}]})");
+  const Plan p = RunPlanJson(Write(dir, "t.jsonl", kTokenTrace), Write(dir, "m.json", kManifest), cost,
+                             {"--group-size", "2", "--policies", "replicate"});
+  ASSERT_EQ(p.run.exit_code, 0) << p.run.err;
+  // Step 0: 1 + 3 (5000 tokens) + 0.02, 1 - 0.5 (1500) + 0.01; step 1: max(0, -0.8) + 0.
+  ExpectPolicy(p, "replicate", {0, 0, 0, 3}, 0, (4.02 + 0.51 + 0.0) / 2, 0, 1000);
+}
+
+TEST(ShardctlPlanTest, WithoutTokensOnBothSidesTheRestIsPricedPerCallAsBefore) {
+  TempDir dir;
+  const std::string manifest = Write(dir, "m.json", kManifest);
+  // The per-token cost file on kTrace (no tokens): per call, with a warning naming both files.
+  // root: (0.1 + 0.1 + 0.025 + 0.1 + 0.05 + 0.015 | 0.1 + 0.005) / 2.
+  const std::string trace = Write(dir, "t.jsonl", kTrace), cost = Write(dir, "c.json", kTokenCost);
+  const Plan old_trace = RunPlanJson(trace, manifest, cost, {"--policies", "root"});
+  ASSERT_EQ(old_trace.run.exit_code, 0) << old_trace.run.err;
+  ExpectPolicy(old_trace, "root", {0, 0, 3, 0}, 0, (0.39 + 0.105) / 2, 1500, 1000);
+  EXPECT_EQ(old_trace.by_policy.at("root")["other_priced_by"], "calls");
+  EXPECT_THAT(old_trace.run.err, HasSubstr(absl::StrCat("shardctl plan: warning: ", cost, " prices tokens but ", trace,
+                                                        " gives none: the rest of each microbatch is priced per call")));
+  // kTokenTrace with kCost (no price): per call as in EveryPolicyOn..., with the other warning.
+  const std::string token_trace = Write(dir, "tokens.jsonl", kTokenTrace), old_cost = Write(dir, "old.json", kCost);
+  const Plan old_cost_plan = RunPlanJson(token_trace, manifest, old_cost, {"--policies", "root"});
+  ASSERT_EQ(old_cost_plan.run.exit_code, 0) << old_cost_plan.run.err;
+  ExpectPolicy(old_cost_plan, "root", {0, 0, 3, 0}, 0, 0.1725, 1500, 1000);
+  EXPECT_EQ(old_cost_plan.by_policy.at("root")["other_priced_by"], "calls");
+  EXPECT_THAT(old_cost_plan.run.err,
+              HasSubstr(absl::StrCat("shardctl plan: warning: ", token_trace, " gives tokens but ", old_cost,
+                                     " has no other_seconds_per_token: the rest of each microbatch is priced per call")));
+  // Neither: today's numbers, no warning.
+  const Plan neither = RunPlanJson(trace, manifest, old_cost, {"--policies", "root"});
+  ASSERT_EQ(neither.run.exit_code, 0) << neither.run.err;
+  ExpectPolicy(neither, "root", {0, 0, 3, 0}, 0, 0.1725, 1500, 1000);
+  EXPECT_THAT(neither.run.err, IsEmpty());
+}
+
+TEST(ShardctlPlanTest, TheTableSaysTheTokenPrice) {
+  TempDir dir;
+  const std::string trace = Write(dir, "t.jsonl", kTokenTrace), manifest = Write(dir, "m.json", kManifest),
+                    cost = Write(dir, "c.json", kTokenCost);
+  auto r = RunCommand({SHARDCTL_PATH, "plan", trace, "--manifest", manifest, "--cost", cost}, kCommandTimeout);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("; other 0.1000 s per microbatch of 1000 tokens, 1e-05 s per token more; budget none"));
+}
+
+TEST(ShardctlPlanTest, BadTokensAreExitTwoNamingTheLine) {
+  TempDir dir;
+  const std::string manifest = Write(dir, "m.json", kManifest), cost = Write(dir, "c.json", kTokenCost);
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {R"({"rank":0,"step":0,"microbatch":0,"tokens":-3})", ":1: 'tokens' must be a non-negative integer"},
+      {"{\"rank\":0,\"step\":0,\"microbatch\":0,\"tokens\":7}\n{\"rank\":1,\"step\":0,\"microbatch\":0}",
+       ":2: 'tokens' is missing, but line 1 gives it"},
+  };
+  for (const auto& [text, error] : cases) {
+    const std::string trace = Write(dir, "bad.jsonl", text);
+    auto r = RunCommand({SHARDCTL_PATH, "plan", trace, "--manifest", manifest, "--cost", cost}, kCommandTimeout);
+    EXPECT_EQ(r.exit_code, 2) << r.err;
+    EXPECT_THAT(r.err, HasSubstr(trace + error));
+    EXPECT_THAT(r.out, IsEmpty());
+  }
+}
+
 TEST(ShardctlPlanTest, BadInputIsExitTwoWithOneLineNamingIt) {
   TempDir dir;
   const std::string trace = Write(dir, "t.jsonl", kTrace), manifest = Write(dir, "m.json", kManifest),
