@@ -78,11 +78,14 @@ Member* CoordinatorCore::LiveMember(uint64_t session_id, Job** job) {
 }
 
 void CoordinatorCore::Apply(Job& job, ShardGroup& group, GroupEffects& fx) {
+  if (fx.empty()) return;  // Most heartbeats: no scan of the members.
+  bool batched = false;
   const auto deliver = [&](Member& m, const GroupEffects::Message& out) ABSL_SHARED_LOCKS_REQUIRED(mu_) {
     if (!out.decision) {
       SendTo(m, out.message);
     } else if (m.live() && m.sink) {
       *m.outgoing.mutable_decisions()->add_decisions() = *out.decision;
+      batched = true;
     }
   };
   for (const GroupEffects::Message& out : fx.messages) {
@@ -92,13 +95,17 @@ void CoordinatorCore::Apply(Job& job, ShardGroup& group, GroupEffects& fx) {
     }
     for (Member& m : group.members) deliver(m, out);
   }
-  Flush(group);
+  if (batched) Flush(group);
   job.plans_received += fx.plans_accepted;
   job.microbatches_decided += fx.decided;
   for (const absl::Duration latency : fx.decision_latencies) metrics_->ObserveDecisionLatency(latency);
   if (fx.recovered) metrics_->ObserveGroupRecovery(clock_->Now() - started_);
   for (GroupEffects::Event& e : fx.events) Event(e.severity, e.kind, job.id, e.rank, group.index, e.message);
+  static logging::RateLimit limit(10);  // A client sending 10^5 bad plans gets 10 lines a second.
   for (std::string& line : fx.warnings) {
+    int64_t suppressed = 0;
+    if (!limit.Allow(&suppressed)) continue;
+    if (suppressed > 0) absl::StrAppend(&line, " (", suppressed, " more warnings not logged)");
     Defer([line = std::move(line)] {
       static const auto log = logging::Get("coordinator");
       log->warn("{}", line);

@@ -1,8 +1,10 @@
 // CoordinatorCore: the coordinator's state and rules, independent of gRPC.
 //
-// It keeps the registry of jobs, ranks and shard groups, validates registrations and
-// plans, runs one DecisionEngine per group, detects dead ranks (stream lost, heartbeats
-// missed), fails microbatches that can never be decided, and answers status queries.
+// It keeps the registry of jobs, sessions and shard groups, validates registrations,
+// detects dead ranks (stream lost, heartbeats missed), runs the communicators (CommTable)
+// and answers status queries. Each group's rules (plans, decisions, its state machine,
+// recovery) are ShardGroup's: the core calls a group's operation under the group's lock and
+// carries out the effects it returns (Apply).
 // The gRPC adapter (coordinator_server.cc; the Session streams in session_stream.h)
 // converts streams and calls into calls on this class and gives each session a RankSink
 // through which the core sends messages.
@@ -11,8 +13,9 @@
 // sessions, communicators) is guarded by one reader/writer mutex, `mu_` (DESIGN 9), held
 // exclusively by everything but the hot path and the status queries; each shard group, its
 // members included, by its GroupSlot's mutex (shard_group.h, ABSL_GUARDED_BY: checked by
-// clang). The hot path (plans, and heartbeats that carry no collective progress) only
-// touches one group: it holds `mu_` shared (`SharedLocked`) plus that group's mutex, so that
+// clang). The hot path (bundles of plans and heartbeats, collective progress included, that
+// carry no CommAbort acknowledgement) only touches one group (the progress goes to the
+// communicator table under its own leaf mutex): it holds `mu_` shared (`SharedLocked`) plus that group's mutex, so that
 // different groups, of one job or of several, are served in parallel. A holder of `mu_`
 // exclusive holds every group (their mutexes are only taken under `mu_` shared) and reaches
 // them through Owned(). The functions annotated ABSL_SHARED_LOCKS_REQUIRED(mu_) take a
@@ -266,15 +269,8 @@ class CoordinatorCore {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Forgets jobs with no live rank for longer than the retention.
   void EvictEndedJobs(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The status queries' parts, under mu_ shared: FillJobStatus takes each group's mutex
-  // itself; the callers of FillGroupStatus and FillRankStatus hold the group's.
+  // The status query's part, under mu_ shared: takes each group's mutex itself.
   void FillJobStatus(const Job& job, v1::JobStatus* out) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  // One group's share of a job's status (its ranks, state, counts); the caller holds its mutex.
-  static void CountGroup(const ShardGroup& group, v1::JobStatus* out);
-  void FillGroupStatus(const Job& job, const ShardGroup& group, v1::GroupStatus* out) const
-      ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  void FillRankStatus(const std::string& job_id, const Member& m, int pending_plans, absl::Time now,
-                      v1::RankStatus* out) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Communicators (coordinator_core_comms.cc): the job's CommTable, through a CommHost that
   // answers for the job's members. Exclusive holders of mu_ only.
   class JobHost;
@@ -289,9 +285,11 @@ class CoordinatorCore {
   void ResumeComms(Job& job, int rank, const v1::ResumeState& state) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FailAllCommWaiters(const absl::Status& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  // RemoveMember's steps: the job ends when no rank is live; a clean leave fails only what
-  // the leaver never planned; a death fails the group (DESIGN 3, "Failures").
+  // RemoveMember's steps: the job ends when no rank is live; the group reacts to a clean
+  // leave (ShardGroup::OnLeft) or a death (FailGroup) (DESIGN 3, "Failures").
   void MaybeEndJob(Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // OnPaused's work, under the lock.
+  void RestartHeartbeatDeadlines(absl::Duration gap) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Member `idx` of `group` died (`full` says why): the group fails, the job hears of it.
   void FailGroup(Job& job, ShardGroup& group, int idx, const std::string& full) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Tells the live ranks of the job's other groups that `rank` of `group` was declared dead.
@@ -299,8 +297,7 @@ class CoordinatorCore {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Recovery after a restart (coordinator_core_recovery.cc, DESIGN 12; the group's part in
-  // shard_group_states.cc). OnPaused's work, under the lock.
-  void RestartHeartbeatDeadlines(absl::Duration gap) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // shard_group_states.cc).
   // A rank (resuming, or registering for the first time) joins a recovering group.
   void ResumeMember(Job& job, ShardGroup& group, Member& m, uint64_t session_id, std::shared_ptr<RankSink> sink,
                     const v1::RegisterRequest& req, BufferCharge charge) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

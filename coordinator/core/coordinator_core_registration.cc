@@ -173,14 +173,7 @@ CoordinatorCore::Job* CoordinatorCore::ReuseOrForgetEndedJob(const v1::RegisterR
   // A rerun plans its keys from the start again: each group begins a new epoch with no
   // microbatch resolved (else every plan of the rerun is "stale" until job_retention_ms
   // forgets the job).
-  for (size_t i = 0; i < job->groups.size(); ++i) {
-    ShardGroup& g = Owned(*job, static_cast<int>(i));
-    g.has_reference = false;
-    g.formed = false;  // A rerun forms its groups afresh.
-    g.RestartKeys();
-    g.deferred_plans.clear();
-    g.last_decided.reset();  // The group re-forms in a new epoch once its members are back.
-  }
+  for (size_t i = 0; i < job->groups.size(); ++i) Owned(*job, static_cast<int>(i)).StartRerun();
   Event("info", EventKind::kJobRerun, job->id, req.rank(), -1,
         "every rank had left: the job runs again under the same id and sizes, its keys from the start");
   return job;

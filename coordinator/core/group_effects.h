@@ -41,7 +41,7 @@ struct GroupEffects {
 
   std::vector<Message> messages;
   std::vector<Event> events;
-  std::vector<std::string> warnings;  // Log lines, written after unlocking.
+  std::vector<std::string> warnings;  // Log lines, written after unlocking (10 a second at most).
   std::vector<absl::Duration> decision_latencies;  // First report to decision, per decision.
   int64_t plans_accepted = 0;
   int64_t decided = 0;    // Decisions given (the job's counter).

@@ -2,8 +2,9 @@
 // pending microbatches, history and counts) and its rules (DESIGN 3 and 8): plan intake and
 // decisions for every policy, the group's state machine, leaves and deaths, recovery after a
 // restart. Its operations change the group and return what follows outside it as
-// GroupEffects (messages for members, events, counters), which the core carries out; the
-// group itself never sends, logs or touches another group, a session or a communicator.
+// GroupEffects (messages for members, events, log lines, counters), which the core carries
+// out; the group itself never sends, journals or touches another group, a session or a
+// communicator (only a broken invariant is logged at once, invariant.h).
 // Like DecisionEngine it is not thread-safe: the core keeps each group in a GroupSlot, whose
 // mutex guards it (ABSL_GUARDED_BY), so that the clang build's lock analysis refuses code
 // that touches a group without holding that mutex (DESIGN 9). The core's exclusive lock
@@ -88,12 +89,14 @@ struct Member {
   // its memory is charged to the daemon's buffers meanwhile.
   std::optional<v1::ResumeState> resume;
   BufferCharge resume_charge;
-  v1::CoordinatorMessage outgoing;  // Decisions batched during one call (CoordinatorCore::Flush).
+  v1::CoordinatorMessage outgoing;  // Decisions batched during one CoordinatorCore::Apply.
 
   bool live() const { return state == v1::RANK_STATE_LIVE; }
-  // Whether the rank can no longer report `key`: it planned past it, or it left before it.
+  // Whether the rank can no longer report `key` (one it has not reported): it left (a rank
+  // that comes back registers afresh, its earlier keys failed or decided by then), or it
+  // planned past the key (plans come in key order).
   bool WillNeverReport(const MicrobatchKey& key) const {
-    if (state == v1::RANK_STATE_LEFT) return !last_planned || *last_planned < key;
+    if (state == v1::RANK_STATE_LEFT) return true;
     return last_planned && key < *last_planned;
   }
 };
@@ -146,8 +149,8 @@ class ShardGroup {
   void AnnounceReformed(int rank, GroupEffects& fx);
   // Member `idx` left cleanly: what it never planned fails; the rest may still be decided.
   void OnLeft(int idx, absl::Time now, GroupEffects& fx);
-  // Member `idx` was declared dead (`full` says why): the group fails, everything pending is
-  // cancelled. Returns the failure's reason, for the rest of the job.
+  // Member `idx`, marked dead by the caller (`full` says why): the group fails, everything
+  // pending is cancelled. Returns the failure's reason, for the rest of the job.
   std::string Fail(int idx, const std::string& full, GroupEffects& fx);
   // True for a group that has done nothing in this process: forming, no live member.
   bool IsFresh() const;
@@ -237,6 +240,14 @@ class ShardGroup {
   void RecordDecision(const v1::MicrobatchDecision& d, int keep);
   // Keys start afresh (a new epoch, a rerun): nothing pending or resolved, nothing planned.
   void RestartKeys();
+  // A rerun of the job under the same id (every rank had left): the group takes the manifest
+  // of its first rank to register again and forms afresh, its keys from the start.
+  void StartRerun();
+  // shard_group_status.cc: the group's share of its job's status (rank and group counts,
+  // decisions by kind, the module names), its own status, and one status per member.
+  void CountInto(v1::JobStatus* out) const;
+  void Describe(v1::GroupStatus* out) const;
+  void DescribeMembers(absl::Time now, google::protobuf::RepeatedPtrField<v1::RankStatus>* out) const;
   const GroupRules& rules() const { return rules_; }
 
  private:

@@ -6,7 +6,6 @@
 #include "coordinator/core/invariant.h"
 #include "coordinator/core/shard_group.h"
 #include "coordinator/core/text.h"
-#include "shardcoord/internal/logging.h"
 #include "shardcoord/plan_check.h"
 #include "shardcoord/proto/convert.h"
 
@@ -67,13 +66,9 @@ void ShardGroup::Reject(int idx, const v1::MicrobatchPlan& plan, const absl::Sta
   rej->set_message(std::string(why.message()));
   rej->set_epoch(in_epoch);
   fx.Send(idx, std::move(msg));
-  static logging::RateLimit limit(10);  // A client sending 10^5 bad plans gets 10 lines a second.
-  int64_t suppressed = 0;
-  if (!limit.Allow(&suppressed)) return;
-  fx.warnings.push_back(absl::StrCat(
-      "plan_rejected job=", rules_.job_id, " rank=", m.rank, " step=", plan.step(), " mb=", plan.microbatch(),
-      " code=", absl::StatusCodeToString(why.code()), " ", why.message(),
-      suppressed > 0 ? absl::StrCat(" (", suppressed, " more plan rejections not logged)") : ""));
+  fx.warnings.push_back(absl::StrCat("plan_rejected job=", rules_.job_id, " rank=", m.rank, " step=", plan.step(),
+                                     " mb=", plan.microbatch(), " code=", absl::StatusCodeToString(why.code()), " ",
+                                     why.message()));
 }
 
 absl::Status ShardGroup::AcceptPlan(int idx, const v1::MicrobatchPlan& plan, absl::Time now, GroupEffects& fx) {
@@ -86,20 +81,17 @@ absl::Status ShardGroup::AcceptPlan(int idx, const v1::MicrobatchPlan& plan, abs
   // Accepted.
   fx.plans_accepted++;
   const bool inserted = Report(key, idx, *calls, now);
-  const bool is_static = engine->is_static();
-  if (is_static) {
-    // root / replicate: the rank gets its decision at once, without waiting for the group.
-    if (inserted) DecideStatic(key, now, fx);
-    fx.Decide(idx, *pending.at(key).decided);
-  }
-  if (!FailSkipped(idx, key, inserted, fx)) return absl::OkStatus();
-  if (!is_static) {
+  if (!FailSkipped(idx, key, inserted, fx)) return absl::OkStatus();  // Failed: nothing to decide.
+  if (!engine->is_static()) {
     Drain(now, fx);
     return absl::OkStatus();
   }
-  // A static key stays pending until every rank reported it, which is how a rank that skips
-  // a microbatch is caught (the microbatch fails for the whole group, as under auto).
+  // root / replicate: the rank gets its decision at once, without waiting for the group. The
+  // key stays pending until every rank reported it, which is how a rank that skips a
+  // microbatch is caught (the microbatch fails for the whole group, as under auto).
+  if (inserted) DecideStatic(key, now, fx);
   auto it = pending.find(key);
+  fx.Decide(idx, *it->second.decided);
   if (it->second.num_reported == size()) Resolve(it);
   return absl::OkStatus();
 }
@@ -260,6 +252,7 @@ void ShardGroup::ExpirePlans(absl::Time now, GroupEffects& fx) {
                " ms: raise --plan-timeout-ms if ranks legitimately fall this far behind")));
   }
   for (auto& [k, s] : expired) FailMicrobatch(k, s, fx);
+  if (!expired.empty()) Drain(now, fx);  // What waited behind a failed key may be complete.
 }
 
 void ShardGroup::TakeHeartbeat(int idx, const v1::Heartbeat& heartbeat, absl::Time now, GroupEffects& fx) {

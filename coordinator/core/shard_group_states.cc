@@ -7,6 +7,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "coordinator/core/invariant.h"
 #include "coordinator/core/recovery.h"
 #include "coordinator/core/shard_group.h"
 #include "coordinator/core/text.h"
@@ -109,13 +110,16 @@ void ShardGroup::DropResumes() {
 }
 
 std::string ShardGroup::Fail(int idx, const std::string& full, GroupEffects& fx) {
+  SHARDCOORD_INVARIANT(members[idx].state == v1::RANK_STATE_DEAD,
+                       absl::StrCat("group ", index, " fails for rank ", ranks[idx], ", which is not marked dead"));
   // A death fails the group: cancel everything pending and tell every live member.
   const bool was_failed = state == v1::GROUP_STATE_FAILED;
   // Whole again, it re-forms in a new epoch with a notice, even if it never formed before:
   // its live members hold this failure until they hear of the re-form.
   formed = true;
   if (state == v1::GROUP_STATE_RECOVERING) {
-    DropResumes();  // The recovery is over: what the members resumed with is held no longer.
+    DropResumes();  // The recovery is over: what the members resumed with is held no longer,
+    deferred_plans.clear();  // nor the plans it held back (the members plan again after the re-form).
     recovery_deadline = absl::InfiniteFuture();
   }
   v1::CoordinatorMessage msg = GroupFailure(index, epoch);

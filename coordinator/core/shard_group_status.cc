@@ -1,0 +1,91 @@
+// ShardGroup: how the group describes itself to operators (shardctl status, ranks, groups;
+// the status page and /metrics read the same answers). Read-only; the caller holds the group.
+#include "absl/strings/str_cat.h"
+#include "coordinator/core/shard_group.h"
+#include "coordinator/core/text.h"
+#include "shardcoord/proto/convert.h"
+
+namespace shardcoord::coordinator {
+
+void ShardGroup::CountInto(v1::JobStatus* js) const {
+  for (const Member& m : members) {
+    switch (m.state) {
+      case v1::RANK_STATE_LIVE: js->set_ranks_live(js->ranks_live() + 1); break;
+      case v1::RANK_STATE_DEAD: js->set_ranks_dead(js->ranks_dead() + 1); break;
+      case v1::RANK_STATE_LEFT: js->set_ranks_left(js->ranks_left() + 1); break;
+      default: js->set_ranks_unregistered(js->ranks_unregistered() + 1); break;
+    }
+  }
+  switch (state) {
+    case v1::GROUP_STATE_HEALTHY: js->set_groups_healthy(js->groups_healthy() + 1); break;
+    case v1::GROUP_STATE_FAILED: js->set_groups_failed(js->groups_failed() + 1); break;
+    case v1::GROUP_STATE_FINISHED: js->set_groups_finished(js->groups_finished() + 1); break;
+    case v1::GROUP_STATE_RECOVERING: js->set_groups_recovering(js->groups_recovering() + 1); break;
+    default: js->set_groups_forming(js->groups_forming() + 1); break;
+  }
+  for (const auto& [module, counts] : module_counts) AddDecisionCounts(counts, js->mutable_counts());
+  if (has_reference && js->modules_size() == 0) {
+    // A status line, not the manifest: a job may control a thousand modules.
+    for (size_t i = 0; i < modules.size() && i < kNamesInMessages; ++i) js->add_modules(modules[i].name);
+    if (modules.size() > kNamesInMessages) {
+      js->add_modules(absl::StrCat("... (", modules.size() - kNamesInMessages, " more)"));
+    }
+  }
+}
+
+void ShardGroup::Describe(v1::GroupStatus* gs) const {
+  gs->set_job_id(rules_.job_id);
+  gs->set_group(index);
+  for (int r : ranks) gs->add_ranks(r);
+  gs->set_state(state);
+  gs->set_epoch(epoch);
+  gs->set_pending_microbatches(static_cast<int32_t>(pending.size()));
+  for (const auto& [module, c] : module_counts) {
+    (*gs->mutable_module_counts())[module] = c;
+    AddDecisionCounts(c, gs->mutable_counts());
+  }
+  gs->set_failure_reason(failure_reason);
+  if (engine) {
+    gs->set_next_seq(engine->next_seq());
+    for (const auto& name : engine->ReplicatedModules()) gs->add_promoted_modules(name);
+    gs->set_policy(ToProto(engine->config().policy));
+    gs->set_fallback(ToProto(engine->config().fallback));
+  }
+  if (last_decided) ToProto(*last_decided, gs->mutable_last_decided());
+}
+
+void ShardGroup::DescribeMembers(absl::Time now, google::protobuf::RepeatedPtrField<v1::RankStatus>* out) const {
+  const std::vector<int> pending_plans = PendingCounts();
+  for (size_t i = 0; i < members.size(); ++i) {
+    const Member& m = members[i];
+    v1::RankStatus* rs = out->Add();
+    rs->set_job_id(rules_.job_id);
+    rs->set_rank(m.rank);
+    rs->set_group(m.group);
+    rs->set_state(m.state);
+    rs->set_host(m.host);
+    rs->set_pid(m.pid);
+    rs->set_last_heartbeat_age_ms(m.last_seen == absl::InfinitePast() ? -1
+                                                                       : absl::ToInt64Milliseconds(now - m.last_seen));
+    if (m.last_planned) ToProto(*m.last_planned, rs->mutable_last_planned());
+    rs->set_pending_plans(pending_plans[i]);
+    rs->set_plans_received(m.plans_received);
+    rs->set_plans_rejected(m.plans_rejected);
+    rs->set_dead_reason(m.dead_reason);
+    rs->set_registrations(m.registrations);
+    rs->set_decision_stalls(m.decision_stalls.total());
+    rs->set_decision_stall_us(m.decision_stall_us.total());
+    for (const auto& [module, t] : m.gathered_bytes) (*rs->mutable_gathered_bytes_total())[module] = t.total();
+    for (const auto& mem : m.memory) *rs->add_memory() = mem;
+  }
+}
+
+void ShardGroup::StartRerun() {
+  has_reference = false;
+  formed = false;  // A rerun forms its groups afresh.
+  RestartKeys();
+  deferred_plans.clear();
+  last_decided.reset();  // The group re-forms in a new epoch once its members are back.
+}
+
+}  // namespace shardcoord::coordinator
