@@ -159,9 +159,9 @@ class ShardGroup {
   // A member resumed: once every member is live and has resumed, the recovery rule is
   // applied (held decisions binding, contradictions fail the group, recovery.h).
   void MaybeFinishRecovery(absl::Time now, GroupEffects& fx);
-  // Past the recovery deadline: members that did not resume are marked dead and returned
-  // (the core tells their communicators); `each` is the reason each is given, `why` the
-  // group's. The group fails (Fail) when the list is not empty.
+  // Past the recovery deadline: members that did not resume are marked dead and returned;
+  // `each` is the reason each is given, `why` the group's. The core then tells their
+  // communicators and, when the list is not empty, fails the group (Fail).
   std::vector<int> ExpireRecovery(absl::Time now, std::string* why, std::string* each, GroupEffects& fx);
 
   int index = 0;
