@@ -17,13 +17,11 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "shardcoord/proto/convert.h"
 #include "shardcoord/types.h"
 #include "shardcoord/v1/coordinator.pb.h"
 
 namespace shardcoord::coordinator {
-
-inline MicrobatchKey KeyOf(const v1::MicrobatchDecision& d) { return {d.step(), d.microbatch()}; }
-inline MicrobatchKey KeyOf(const v1::MicrobatchPlan& p) { return {p.step(), p.microbatch()}; }
 
 // One member's report, as it resumed.
 struct MemberResume {

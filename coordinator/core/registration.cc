@@ -332,8 +332,8 @@ absl::Status CheckResumeTrust(const v1::RegisterRequest& req, const ResumeAuthor
   }
   for (const auto& d : r.held()) {
     if (std::string why = ImpossibleDecision(req, d); !why.empty()) {
-      return absl::InvalidArgumentError(absl::StrCat(who, " holds a decision for (", d.step(), ",", d.microbatch(),
-                                                     ") that its group could not have received: ", why));
+      return absl::InvalidArgumentError(absl::StrCat(who, " holds a decision for ", KeyOf(d).ToString(),
+                                                     " that its group could not have received: ", why));
     }
   }
   *verified = auth.CheckCredential(req.job_id(), req.rank(), r.credential());
@@ -347,7 +347,7 @@ absl::Status CheckResumeTrust(const v1::RegisterRequest& req, const ResumeAuthor
   for (const auto& d : r.held()) {
     if (!auth.CheckSeal(req.job_id(), d)) {
       return absl::PermissionDeniedError(absl::StrCat(
-          who, " holds a decision for (", d.step(), ",", d.microbatch(), ") seq ", d.seq(),
+          who, " holds a decision for ", KeyOf(d).ToString(), " seq ", d.seq(),
           " that no coordinator with this resume key made (its seal does not verify): the resume is refused whole"));
     }
   }

@@ -305,7 +305,7 @@ void ShardGroup::Resolve(std::map<MicrobatchKey, PendingMicrobatch>::iterator it
 
 void ShardGroup::RecordDecision(const v1::MicrobatchDecision& d, int keep) {
   for (const auto& md : d.modules()) CountDecision(md, &module_counts[md.module()]);
-  last_decided = MicrobatchKey{d.step(), d.microbatch()};
+  last_decided = KeyOf(d);
   history.push_back(d);
   while (static_cast<int>(history.size()) > keep) history.pop_front();
 }

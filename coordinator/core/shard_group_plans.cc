@@ -47,7 +47,7 @@ void ShardGroup::TakePlans(int idx, const v1::PlanBatch& batch, absl::Time now, 
     absl::Status s = batch.epoch() == epoch
                          ? AcceptPlan(idx, plan, now, fx)
                          : absl::AbortedError(absl::StrCat(
-                               "plan ", MicrobatchKey{plan.step(), plan.microbatch()}.ToString(), " from rank ", m.rank,
+                               "plan ", KeyOf(plan).ToString(), " from rank ", m.rank,
                                " was made in epoch ", batch.epoch(), " but group ", index, " is at epoch ", epoch,
                                ": it was queued before the group failed; plan again"));
     if (!s.ok()) Reject(idx, plan, s, batch.epoch(), fx);
@@ -72,7 +72,7 @@ void ShardGroup::Reject(int idx, const v1::MicrobatchPlan& plan, const absl::Sta
 }
 
 absl::Status ShardGroup::AcceptPlan(int idx, const v1::MicrobatchPlan& plan, absl::Time now, GroupEffects& fx) {
-  const MicrobatchKey key{plan.step(), plan.microbatch()};
+  const MicrobatchKey key = KeyOf(plan);
   const std::string who = absl::StrCat("rank ", ranks[idx], " (job '", rules_.job_id, "', group ", index, ")");
   absl::StatusOr<PlanCalls> calls = ParsePlan(plan, key, who);
   if (!calls.ok()) return calls.status();

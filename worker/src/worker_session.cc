@@ -223,7 +223,7 @@ absl::Status Worker::Impl::OnResumed(const v1::RegisterResponse& r) {
   // Plans the resume carried are not sent again; plans reported after it was built (while
   // the answer was on its way) still are.
   while (!outbox_.empty() && resumed_through_ &&
-         !(*resumed_through_ < MicrobatchKey{outbox_.front().step(), outbox_.front().microbatch()})) {
+         !(*resumed_through_ < KeyOf(outbox_.front()))) {
     outbox_.pop_front();
   }
   ready_acks_.clear();   // Acknowledgements of the old process's aborts.
@@ -288,7 +288,7 @@ void Worker::Impl::Handle(const v1::CoordinatorMessage& msg, PendingAborts* abor
       break;
     case v1::CoordinatorMessage::kDecisions:
       for (const auto& pd : msg.decisions().decisions()) {
-        const MicrobatchKey key{pd.step(), pd.microbatch()};
+        const MicrobatchKey key = KeyOf(pd);
         if (std::string why = UnusableDecision(pd); !why.empty()) {
           // Never handed to the trainer: it could not carry it out (and a guess could hang).
           log_->error("{} step={} mb={} refused a decision it cannot carry out: {}", Prefix(), key.step,
@@ -305,7 +305,7 @@ void Worker::Impl::Handle(const v1::CoordinatorMessage& msg, PendingAborts* abor
       break;
     case v1::CoordinatorMessage::kMicrobatchFailed: {
       const auto& f = msg.microbatch_failed();
-      MicrobatchKey key{f.step(), f.microbatch()};
+      const MicrobatchKey key = KeyOf(f);
       log_->error("{} step={} mb={} microbatch failed: {}", Prefix(), key.step, key.microbatch, f.message());
       queue_.Fail(key, MakeStatus(f.code(), f.message()));  // Also a decision not taken yet.
       break;
@@ -352,7 +352,7 @@ void Worker::Impl::OnRegistered(const v1::RegisterResponse& r) {
 }
 
 void Worker::Impl::OnPlanRejected(const v1::PlanRejected& r) {
-  MicrobatchKey key{r.step(), r.microbatch()};
+  const MicrobatchKey key = KeyOf(r);
   if (r.epoch() != group_.epoch) {
     // Sent before the group failed, rejected after it re-formed: not about this epoch's plan.
     log_->debug("{} step={} mb={} epoch {} plan rejected after re-forming: {}", Prefix(), key.step,
