@@ -28,7 +28,7 @@ done
 
 declare -A seeds=(
   [core]=""
-  [trace]="$root/examples/traces"
+  [trace]="$root/examples/traces $root/fuzz/seeds/trace"
   [manifest]="$root/fuzz/seeds/manifest"
   [cost]="$root/fuzz/seeds/cost"
   [config]="$root/fuzz/seeds/config"
@@ -40,7 +40,7 @@ for t in "${targets[@]}"; do
   mkdir -p "$corpus"
   log="$build/fuzz-findings/$t.log"
   echo "fuzz: $t for ${seconds}s (corpus $corpus, log $log)"
-  # shellcheck disable=SC2086  # seeds[$t] is empty or one folder
+  # shellcheck disable=SC2086  # seeds[$t] is empty or folders without spaces
   if ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
       LSAN_OPTIONS="suppressions=$root/scripts/lsan.supp" \
       "$build/fuzz/${t}_fuzz" -max_total_time="$seconds" -max_len=4096 -timeout=10 -rss_limit_mb=2048 \
