@@ -279,11 +279,21 @@ std::vector<int> ShardGroup::ExpireRecovery(absl::Time now, std::string* why, st
   *why = absl::StrCat(missing.size(), " of ", ranks.size(), " ranks (", RankList(missing), ") did not resume within ",
                       window);
   *each = absl::StrCat("did not resume within ", window);
+  if (missing.empty()) {
+    // Every member is live yet one has not resumed: not reachable (a rank joining a recovering
+    // group always resumes, ResumeMember), so a bug; the group re-forms instead of staying
+    // FAILED with no event and no notice.
+    SHARDCOORD_INVARIANT(false, absl::StrCat("group ", index, " is past its recovery deadline with every member live"));
+    DropResumes();
+    recovery_deadline = absl::InfiniteFuture();
+    FailRecovery(absl::StrCat("every member is live but not every one resumed within ", window), fx);
+    return {};
+  }
   state = v1::GROUP_STATE_FAILED;
   recovery_deadline = absl::InfiniteFuture();
   deferred_plans.clear();
   DropResumes();
-  if (!missing.empty()) fx.Record("error", EventKind::kRecoveryExpired, -1, *why);
+  fx.Record("error", EventKind::kRecoveryExpired, -1, *why);
   for (int r : missing) {
     member(r).state = v1::RANK_STATE_DEAD;
     member(r).dead_reason = *each;

@@ -14,6 +14,7 @@
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "coordinator/core/group_effects.h"
+#include "coordinator/core/invariant.h"
 #include "coordinator/core/registration.h"
 #include "coordinator/core/resume_auth.h"
 #include "coordinator/journal/event_kind.h"
@@ -605,6 +606,32 @@ TEST_F(ShardGroupTest, ARecoveringGroupDefersPlansAndFailsTheMembersNotBackByIts
 
 // ---------------------------------------------------------------------------------------
 // Heartbeats: memory and costs
+
+TEST_F(ShardGroupTest, ARecoveryWindowEndingWithEveryMemberLiveReFormsTheGroupAndSaysWhy) {
+  // Not reachable through the core (a rank joining a recovering group always resumes): a
+  // broken invariant, said as one, and the group re-forms with a notice instead of staying
+  // FAILED without an event.
+  Make(2, v1::POLICY_PER_LAYER);
+  GroupEffects started;
+  group_->StartRecovery(kT0, started);
+  SetLive(0);
+  SetLive(1);
+  group_->members[0].resume = v1::ResumeState{};
+  const int64_t broken_before = InvariantFailures();
+  GroupEffects fx;
+  std::string why, each;
+  EXPECT_THAT(group_->ExpireRecovery(kT0 + options_.recovery_window, &why, &each, fx), IsEmpty());
+  EXPECT_EQ(InvariantFailures(), broken_before + 1);
+  EXPECT_EQ(group_->state, v1::GROUP_STATE_HEALTHY);
+  EXPECT_EQ(group_->epoch, 1);
+  EXPECT_FALSE(group_->members[0].resume.has_value());
+  EXPECT_EQ(group_->recovery_deadline, absl::InfiniteFuture());
+  EXPECT_THAT(EventNames(fx), ElementsAre("group_recovery_failed", "group_reformed"));
+  ASSERT_THAT(fx.messages, SizeIs(2));
+  EXPECT_TRUE(fx.messages[0].message.has_group_failure());
+  EXPECT_THAT(fx.messages[0].message.group_failure().reason(), HasSubstr("not every one resumed"));
+  EXPECT_EQ(fx.messages[1].message.notice().kind(), v1::Notice::KIND_GROUP_REFORMED);
+}
 
 TEST_F(ShardGroupTest, AHeartbeatKeepsMemoryOnlyForManifestModulesWithSaneNumbers) {
   Make(2, v1::POLICY_AUTO);
