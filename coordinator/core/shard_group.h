@@ -264,6 +264,9 @@ class ShardGroup {
   v1::MicrobatchDecision Sealed(const MicrobatchDecision& d, absl::Time now) const;
   void Given(const v1::MicrobatchDecision& d, GroupEffects& fx);
   void FailMicrobatch(const MicrobatchKey& key, const absl::Status& why, GroupEffects& fx);
+  // The messages that tell members `key` failed, and that the group failed (reason `why`).
+  v1::CoordinatorMessage MicrobatchFailed(const MicrobatchKey& key, const absl::Status& why) const;
+  v1::CoordinatorMessage GroupFailed(const std::string& why) const;
   void Reject(int idx, const v1::MicrobatchPlan& plan, const absl::Status& why, int64_t epoch, GroupEffects& fx);
   // Recovery (shard_group_states.cc).
   void FinishRecovery(absl::Time now, GroupEffects& fx);

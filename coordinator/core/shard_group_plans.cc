@@ -221,9 +221,7 @@ void ShardGroup::Drain(absl::Time now, GroupEffects& fx) {
   }
 }
 
-void ShardGroup::FailMicrobatch(const MicrobatchKey& key, const absl::Status& why, GroupEffects& fx) {
-  auto it = pending.find(key);
-  if (it == pending.end()) return;
+v1::CoordinatorMessage ShardGroup::MicrobatchFailed(const MicrobatchKey& key, const absl::Status& why) const {
   v1::CoordinatorMessage msg;
   auto* f = msg.mutable_microbatch_failed();
   f->set_group(index);
@@ -231,7 +229,13 @@ void ShardGroup::FailMicrobatch(const MicrobatchKey& key, const absl::Status& wh
   f->set_microbatch(key.microbatch);
   f->set_code(static_cast<int>(why.code()));
   f->set_message(std::string(why.message()));
-  fx.Send(GroupEffects::kEveryMember, std::move(msg));
+  return msg;
+}
+
+void ShardGroup::FailMicrobatch(const MicrobatchKey& key, const absl::Status& why, GroupEffects& fx) {
+  auto it = pending.find(key);
+  if (it == pending.end()) return;
+  fx.Send(GroupEffects::kEveryMember, MicrobatchFailed(key, why));
   Resolve(it);
   fx.Record("error", EventKind::kMicrobatchFailed, -1, std::string(why.message()));
 }

@@ -69,14 +69,16 @@ v1::CoordinatorMessage Reformed(int group, int64_t epoch, const std::string& why
   return notice;
 }
 
-v1::CoordinatorMessage GroupFailure(int group, int64_t epoch) {
+}  // namespace
+
+v1::CoordinatorMessage ShardGroup::GroupFailed(const std::string& why) const {
   v1::CoordinatorMessage msg;
-  msg.mutable_group_failure()->set_group(group);
-  msg.mutable_group_failure()->set_epoch(epoch);
+  auto* gf = msg.mutable_group_failure();
+  gf->set_group(index);
+  gf->set_epoch(epoch);
+  gf->set_reason(absl::StrCat("group ", index, " of job '", rules_.job_id, "' failed at epoch ", epoch, ": ", why));
   return msg;
 }
-
-}  // namespace
 
 void ShardGroup::AnnounceReformed(int rank, GroupEffects& fx) {
   const v1::CoordinatorMessage notice = Reformed(index, epoch, absl::StrCat("(rank ", rank, " registered again)"));
@@ -122,16 +124,14 @@ std::string ShardGroup::Fail(int idx, const std::string& full, GroupEffects& fx)
     deferred_plans.clear();  // nor the plans it held back (the members plan again after the re-form).
     recovery_deadline = absl::InfiniteFuture();
   }
-  v1::CoordinatorMessage msg = GroupFailure(index, epoch);
+  failure_reason = was_failed && !failure_reason.empty() ? absl::StrCat(failure_reason, "; ", full) : full;
+  v1::CoordinatorMessage msg = GroupFailed(failure_reason);
   auto* gf = msg.mutable_group_failure();
   for (const Member& m : members) {
     if (m.state == v1::RANK_STATE_DEAD) gf->add_dead_ranks(m.rank);
   }
   for (const auto& [k, p] : pending) ToProto(k, gf->add_cancelled());
   pending.clear();
-  failure_reason = was_failed && !failure_reason.empty() ? absl::StrCat(failure_reason, "; ", full) : full;
-  gf->set_reason(
-      absl::StrCat("group ", index, " of job '", rules_.job_id, "' failed at epoch ", epoch, ": ", failure_reason));
   UpdateState(fx);
   std::string reason = gf->reason();
   fx.Record("error", EventKind::kGroupFailed, ranks[idx],
@@ -161,18 +161,6 @@ void ShardGroup::MaybeFinishRecovery(absl::Time now, GroupEffects& fx) {
 }
 
 namespace {
-
-v1::CoordinatorMessage LostInRestart(int group, const MicrobatchKey& key) {
-  v1::CoordinatorMessage msg;
-  auto* f = msg.mutable_microbatch_failed();
-  f->set_group(group);
-  f->set_step(key.step);
-  f->set_microbatch(key.microbatch);
-  f->set_code(static_cast<int>(absl::StatusCode::kAborted));
-  f->set_message(absl::StrCat("microbatch ", key.ToString(), " of group ", group,
-                              ": its decision was lost in the coordinator restart (no member holds it any more)"));
-  return msg;
-}
 
 std::string Recovered(int64_t epoch, const GroupRecovery& rec) {
   return absl::StrCat(
@@ -215,7 +203,12 @@ void ShardGroup::FinishRecovery(absl::Time now, GroupEffects& fx) {
   if (engine->is_static()) {
     for (const auto& [key, d] : rec.binding) KeepStaticBinding(key, d, now);
   }
-  for (const auto& [rank, key] : rec.lost) fx.Send(IndexOf(rank), LostInRestart(index, key));
+  for (const auto& [rank, key] : rec.lost) {
+    fx.Send(IndexOf(rank), MicrobatchFailed(key, absl::AbortedError(absl::StrCat(
+                                                     "microbatch ", key.ToString(), " of group ", index,
+                                                     ": its decision was lost in the coordinator restart (no member "
+                                                     "holds it any more)"))));
+  }
   fx.recovered = true;
   fx.Record("info", EventKind::kGroupRecovered, -1, Recovered(epoch, rec));
   ReplayPlans(rec.undecided, now, fx);
@@ -255,10 +248,7 @@ void ShardGroup::FailRecovery(const std::string& why, GroupEffects& fx) {
   failure_reason = why;
   pending.clear();
   deferred_plans.clear();
-  v1::CoordinatorMessage msg = GroupFailure(index, epoch);
-  msg.mutable_group_failure()->set_reason(
-      absl::StrCat("group ", index, " of job '", rules_.job_id, "' failed at epoch ", epoch, ": ", why));
-  fx.Send(GroupEffects::kEveryMember, std::move(msg));
+  fx.Send(GroupEffects::kEveryMember, GroupFailed(why));
   fx.Record("error", EventKind::kGroupRecoveryFailed, -1, why);
   // Every member is live: the group re-forms at once in a new epoch, keys start afresh.
   UpdateState(fx);
