@@ -18,15 +18,22 @@ using nlohmann::json;
 
 namespace {
 
+// Whether `v` is an integer in [0, max] (an unsigned one past INT64_MAX included: refused, not
+// wrapped).
+bool IntegerIn(const json& v, int64_t max) {
+  if (!v.is_number_integer()) return false;
+  if (v.is_number_unsigned()) return v.get<uint64_t>() <= static_cast<uint64_t>(max);
+  const int64_t n = v.get<int64_t>();
+  return n >= 0 && n <= max;
+}
+
 // Checks the fields of one trace line: rank, step and microbatch present and in range, and
 // no field but those and calls. `where` starts each error.
 absl::Status CheckFields(const json& j, const std::string& where) {
   for (const char* field : {"rank", "step", "microbatch"}) {
     // step is 64-bit; rank and microbatch are 32-bit on the wire.
     const int64_t max = std::string(field) == "step" ? INT64_MAX : INT32_MAX;
-    if (!j.contains(field) || !j[field].is_number_integer() || j[field].get<int64_t>() < 0 ||
-        (j[field].is_number_unsigned() && j[field].get<uint64_t>() > static_cast<uint64_t>(max)) ||
-        j[field].get<int64_t>() > max) {
+    if (!j.contains(field) || !IntegerIn(j[field], max)) {
       return absl::InvalidArgumentError(absl::StrCat(
           where, "'", field, "' must be a non-negative integer (at most ", max, ")"));
     }
@@ -45,9 +52,7 @@ absl::Status CheckFields(const json& j, const std::string& where) {
 absl::StatusOr<std::optional<int64_t>> ParseTokens(const json& j, const std::string& where) {
   if (!j.contains("tokens")) return std::optional<int64_t>();
   const json& v = j["tokens"];
-  const bool ok = v.is_number_integer() && !(v.is_number_unsigned() && v.get<uint64_t>() > uint64_t{kMaxTraceTokens}) &&
-                  v.get<int64_t>() >= 0 && v.get<int64_t>() <= kMaxTraceTokens;
-  if (!ok) {
+  if (!IntegerIn(v, kMaxTraceTokens)) {
     std::string shown = v.dump();
     if (shown.size() > 40) shown = shown.substr(0, 37) + "...";
     return absl::InvalidArgumentError(absl::StrCat(where, "'tokens' must be a non-negative integer (the decoder tokens "
@@ -65,8 +70,7 @@ absl::StatusOr<std::map<std::string, int32_t>> ParseCalls(const json& j, const s
     return absl::InvalidArgumentError(where + "'calls' must be an object of module -> count");
   }
   for (auto it = j["calls"].begin(); it != j["calls"].end(); ++it) {
-    if (!it.value().is_number_integer() || it.value().get<int64_t>() < 0 ||
-        it.value().get<int64_t>() > INT32_MAX) {
+    if (!IntegerIn(it.value(), INT32_MAX)) {
       return absl::InvalidArgumentError(absl::StrCat(
           where, "calls of module '", it.key(), "' must be a non-negative integer (at most ", INT32_MAX, ")"));
     }
