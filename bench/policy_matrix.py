@@ -22,6 +22,10 @@ images (image tokens each) to the tower. The same processes run every cell (data
                                    per_layer / skip when the ranks agree, root otherwise
               sc_per_layer         shardcoord, policy per_layer, fallback root
               sc_auto              shardcoord, policy auto, memory budget --memory-budget-bytes
+              sc_padded            shardcoord, policy per_layer, fallback padded (divergent calls:
+                                   per_layer with gather-only passes on the ranks that call less)
+              sc_auto_padded       shardcoord, policy auto with fallback padded (cost-aware: padded
+                                   where the tower does not fit the budget)
   mixes       all, none, random50 (per rank and microbatch), skewed (even ranks 90 %, odd ranks
               10 %), alternating (every rank has media on even steps); and the published mixes of
               ../shared/MIXES.md (scripts/make_trace.py --list-mixes; its tables are imported, not
@@ -108,7 +112,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SYNTHETIC_MIXES = ["all", "none", "random50", "skewed", "alternating"]
 UNIFORM_MIXES = {"all", "none", "alternating"}
 PLACEMENTS = ["root", "root_hold", "replicate", "per_layer", "per_layer_dummy", "per_layer_allreduce",
-              "sc_per_layer", "sc_auto"]
+              "sc_per_layer", "sc_auto", "sc_padded", "sc_auto_padded"]
+# The shardcoord placements: (policy, fallback) each registers.
+SC_PLACEMENTS = {"sc_per_layer": ("per_layer", "root"), "sc_auto": ("auto", "root"),
+                 "sc_padded": ("per_layer", "padded"), "sc_auto_padded": ("auto", "padded")}
 MODELS = ["builtin", "hf-qwen2vl"]
 COST_FORMAT = "shardcoord.cost/v1"
 BOOTSTRAP = 2000
@@ -799,10 +806,10 @@ def open_worker(ctx, cell: Cell, total_steps: int, run_id: str) -> None:
     import shardcoord.torch as sct
 
     args, data, tower = ctx.args, cell.data, ctx.api.tower
-    policy = cell.placement[3:]
+    policy, fallback = SC_PLACEMENTS[cell.placement]
     job = f"matrix-{run_id}-{data.name}-{cell.name}".replace("#", "-").replace("@", "-")
     cell.worker = shardcoord.Worker(job, ctx.specs, ctx.group_size, rank=ctx.rank, world_size=ctx.world,
-                                    address=args.coordinator, policy=policy, fallback="root", lookahead=4,
+                                    address=args.coordinator, policy=policy, fallback=fallback, lookahead=4,
                                     memory_budget_bytes=args.memory_budget_bytes if policy == "auto" else 0)
     accum = args.accum
     keys = ((i // accum, i % accum, data.calls(ctx.rank, i // accum, i % accum)) for i in range(total_steps * accum))

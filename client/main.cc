@@ -194,8 +194,8 @@ int ColumnWidth(const Rows& rows, size_t min, Text text) {
 }
 
 void PrintCounts(const v1::DecisionCounts& c) {
-  std::cout << absl::StrFormat("  decisions: per_layer %d  skip %d  root %d  replicate %d  (divergent %d)\n",
-                               c.per_layer(), c.skip(), c.root(), c.replicate(), c.divergent());
+  std::cout << absl::StrFormat("  decisions: per_layer %d  skip %d  root %d  replicate %d  padded %d  (divergent %d)\n",
+                               c.per_layer(), c.skip(), c.root(), c.replicate(), c.padded(), c.divergent());
 }
 
 int CmdStatus(Client& c, const std::string& job, bool json) {
@@ -276,18 +276,18 @@ int CmdGroups(Client& c, const std::string& job, bool json) {
     std::cout << ToJson(resp) << "\n";
     return kExitOk;
   }
-  std::cout << absl::StrFormat("%-10s %5s %-16s %-9s %5s %7s %7s %9s %7s %7s %9s %9s  %s\n", "JOB",
+  std::cout << absl::StrFormat("%-10s %5s %-16s %-9s %5s %7s %7s %9s %7s %7s %9s %7s %9s  %s\n", "JOB",
                                "GROUP", "RANKS", "STATE", "EPOCH", "SEQ", "PENDING", "PER_LAYER",
-                               "SKIP", "ROOT", "REPLICATE", "DIVERGENT", "REPLICATED / REASON");
+                               "SKIP", "ROOT", "REPLICATE", "PADDED", "DIVERGENT", "REPLICATED / REASON");
   for (const auto& g : resp.groups()) {
     std::string note = absl::StrJoin(g.promoted_modules(), ",");
     if (!g.failure_reason().empty()) note += (note.empty() ? "" : " / ") + g.failure_reason();
-    std::cout << absl::StrFormat("%-10s %5d %-16s %-9s %5d %7d %7d %9d %7d %7d %9d %9d  %s\n", g.job_id(),
+    std::cout << absl::StrFormat("%-10s %5d %-16s %-9s %5d %7d %7d %9d %7d %7d %9d %7d %9d  %s\n", g.job_id(),
                                  g.group(), absl::StrJoin(g.ranks(), ","),
                                  shardcoord::StateName(g.state()), g.epoch(),
                                  g.next_seq(), g.pending_microbatches(), g.counts().per_layer(),
                                  g.counts().skip(), g.counts().root(), g.counts().replicate(),
-                                 g.counts().divergent(), note);
+                                 g.counts().padded(), g.counts().divergent(), note);
   }
   return kExitOk;
 }
@@ -450,6 +450,7 @@ struct VerifyFlags {
 struct PlanFlags {
   std::string trace_path, manifest_path, cost_path;
   std::string policies = "root,replicate,per_layer,dummy,sc_per_layer,auto";
+  std::string fallback = "root";
   shardcoord::client::PlanOptions po;  // What the flags set directly.
 };
 
@@ -604,7 +605,7 @@ A trace from a published data mix (../shared/MIXES.md), piped in:
 Policies: root, replicate (static; a static replica never gathers), per_layer (static, no
 coordinator: HANGS where ranks diverge), dummy (per_layer, every rank of a group running the
 module as often as its busiest rank), sc_per_layer and auto (the daemon's DecisionEngine,
-fallback root; auto promotes with --budget-bytes). A trace whose lines give their decoder
+with --fallback: root by default, or padded, replicate; auto promotes with --budget-bytes). A trace whose lines give their decoder
 "tokens" (scripts/make_trace.py --tokens, bench/policy_matrix.py --trace-dir) is priced per token
 where the cost file has other_seconds_per_token. Exit codes: 0 ok, 2 bad input.)";
 
@@ -630,6 +631,9 @@ CLI::App* AddPlanCommand(CLI::App& app, PlanFlags* f) {
                    "frozen memory per rank beyond its shards; a policy whose peak exceeds it is not best, and "
                    "auto promotes to replicate within it (default 0: none)")
       ->check(CLI::NonNegativeNumber);
+  plan->add_option("--fallback", f->fallback,
+                   "sc_per_layer's and auto's fallback for divergent calls: root, replicate or padded (default root)")
+      ->check(CLI::IsMember({"root", "replicate", "padded"}));
   plan->add_flag("--json", f->po.json, "one JSON object per policy per line instead of the table");
   plan->footer(kPlanFooter);
   return plan;
@@ -821,6 +825,7 @@ int CmdPlan(const PlanFlags& f) {
   shardcoord::client::PlanOptions po = f.po;
   po.policies.clear();
   if (!ParsePlanPolicies(f.policies, &po.policies)) return kPlanBadInput;
+  po.fallback = *shardcoord::ParseFallback(f.fallback);  // CLI11 checked the name.
   // The first input that fails stops the others.
   const auto manifest = ReadManifest(f.manifest_path);
   const auto costs = manifest.ok() ? ReadCostFile(f.cost_path) : manifest.status();

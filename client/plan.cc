@@ -116,7 +116,7 @@ class GroupCalls {
 bool UsesEngine(PlanPolicy p) { return p == PlanPolicy::kAuto || p == PlanPolicy::kScPerLayer; }
 
 // The one place the planner configures the daemon's DecisionEngine: as shardcoordd would for
-// a group registered with this policy (fallback root, the default promotion settings) whose
+// a group registered with this policy (the options' fallback, the default promotion settings) whose
 // members report `setup.budget_bytes` as their memory budget and the cost file's costs (so
 // `auto` decides by cost, as it does once workers report). It prices whatever the engine
 // decides with EstimatePlacement.
@@ -124,7 +124,7 @@ coordinator::DecisionEngine MakeEngine(const PlanSetup& setup, int group, PlanPo
   coordinator::EngineConfig config;
   config.group = group;
   config.policy = policy == PlanPolicy::kAuto ? Policy::kAuto : Policy::kPerLayer;
-  config.fallback = Fallback::kRoot;
+  config.fallback = setup.fallback;
   config.modules = setup.modules;
   config.group_size = setup.group_size;
   config.costs = setup.costs;
@@ -177,7 +177,7 @@ int64_t SaturatingAdd(int64_t a, int64_t b) {
 
 // One group's figures under one policy.
 struct GroupTotals {
-  std::array<int64_t, 5> decisions{};
+  std::array<int64_t, 6> decisions{};
   int64_t microbatches = 0;
   int64_t hangs = 0;
   int64_t peak_bytes = 0;
@@ -450,6 +450,7 @@ std::optional<PlanSetup> ResolveSetup(const Trace& trace, const std::vector<Modu
   s.trace = &trace;
   s.other_seconds_per_microbatch = costs.other_seconds_per_microbatch;
   s.budget_bytes = o.budget_bytes;
+  s.fallback = o.fallback;
   for (const std::string& w : costs.warnings) err << "shardctl plan: warning: " << w << "\n";
   if (!ResolveWorld(trace, costs, o, err, &s) || !ResolveModules(trace, manifest, err, &s) ||
       !CheckTraceBounds(trace, s.group_size, err)) {
@@ -522,21 +523,22 @@ std::string Note(const PolicyEstimate& e, bool best) {
 void PrintTable(const PlanSetup& s, const PlanOptions& o, const std::vector<PolicyEstimate>& estimates,
                 std::optional<size_t> best, std::ostream& out) {
   PrintHeader(s, o, estimates.front().steps, out);
-  out << absl::StrFormat("%-12s %9s %7s %7s %9s %7s %11s %11s %9s %8s  %s\n", "POLICY", "PER_LAYER", "SKIP", "ROOT",
-                         "REPLICATE", "HANGS", "GATHER/STEP", "PEAK", "S/STEP", "VS_BEST", "NOTE");
+  out << absl::StrFormat("%-12s %9s %7s %7s %9s %7s %7s %11s %11s %9s %8s  %s\n", "POLICY", "PER_LAYER", "SKIP",
+                         "ROOT", "REPLICATE", "PADDED", "HANGS", "GATHER/STEP", "PEAK", "S/STEP", "VS_BEST", "NOTE");
   for (size_t i = 0; i < estimates.size(); ++i) {
     const PolicyEstimate& e = estimates[i];
     const std::string vs =
         !best ? "-" : absl::StrFormat("%+.1f%%", 100.0 * (e.seconds_per_step / estimates[*best].seconds_per_step - 1));
     std::string row = absl::StrFormat(
-        "%-12s %9s %7s %7s %9s %7d %11s %11s %9.4f %8s  %s", PlanPolicyName(e.policy), Decided(e, Decision::kPerLayer),
-        Decided(e, Decision::kSkip), Decided(e, Decision::kRoot), Decided(e, Decision::kReplicate),
+        "%-12s %9s %7s %7s %9s %7s %7d %11s %11s %9.4f %8s  %s", PlanPolicyName(e.policy),
+        Decided(e, Decision::kPerLayer), Decided(e, Decision::kSkip), Decided(e, Decision::kRoot),
+        Decided(e, Decision::kReplicate), Decided(e, Decision::kPadded),
         e.hang_microbatches, Bytes(e.gathered_bytes_per_step), Bytes(static_cast<double>(e.peak_bytes)),
         e.seconds_per_step, vs, Note(e, best && *best == i));
     absl::StripTrailingAsciiWhitespace(&row);
     out << row << "\n";
   }
-  out << "PER_LAYER..REPLICATE: group decisions, each group, microbatch and module once; HANGS: group microbatches\n"
+  out << "PER_LAYER..PADDED: group decisions, each group, microbatch and module once; HANGS: group microbatches\n"
          "whose ranks would wait on each other forever; GATHER/STEP: bytes gathered per rank; PEAK: frozen bytes\n"
          "held at once per rank beyond its shards; S/STEP: estimated seconds (the slowest group; mean over steps)\n";
   if (!best) {
@@ -561,7 +563,7 @@ void PrintJson(const PlanSetup& s, const std::vector<PolicyEstimate>& estimates,
     j["group_size"] = s.group_size;
     j["steps"] = e.steps;
     j["group_microbatches"] = e.group_microbatches;
-    for (Decision d : {Decision::kPerLayer, Decision::kSkip, Decision::kRoot, Decision::kReplicate}) {
+    for (Decision d : {Decision::kPerLayer, Decision::kSkip, Decision::kRoot, Decision::kReplicate, Decision::kPadded}) {
       j["decisions"][DecisionName(d)] = e.decisions[static_cast<size_t>(d)];
     }
     j["hang_microbatches"] = e.hang_microbatches;

@@ -11,8 +11,8 @@
 //                    the policy is unsafe)
 //   dummy            per_layer, with every rank of a group running the module as often as
 //                    its busiest rank (a dummy forward for ranks with fewer calls): safe
-//   sc_per_layer     shardcoord policy per_layer, fallback root (the daemon's engine)
-//   auto             shardcoord policy auto, fallback root, promotion with --budget-bytes
+//   sc_per_layer     shardcoord policy per_layer, fallback --fallback (root by default; the daemon's engine)
+//   auto             shardcoord policy auto, the same fallback, promotion with --budget-bytes
 //                    (the daemon's engine, replayed microbatch by microbatch per group)
 //
 // Static per_layer and dummy count a microbatch in which no rank calls the module as `skip`
@@ -63,6 +63,7 @@ struct PlanOptions {
   int group_size = 0;  // 0: the cost file's group_size, else the world size.
   std::vector<PlanPolicy> policies{kAllPlanPolicies.begin(), kAllPlanPolicies.end()};
   int64_t budget_bytes = 0;  // Frozen memory per rank beyond its shards; 0: no budget.
+  Fallback fallback = Fallback::kRoot;  // sc_per_layer's and auto's, as a group would register it.
   bool json = false;         // One JSON object per policy per line instead of the table.
   std::string trace_name = "trace";
   std::string cost_name = "cost";
@@ -72,7 +73,7 @@ struct PlanOptions {
 struct PolicyEstimate {
   PlanPolicy policy = PlanPolicy::kRoot;
   // Group decisions by kind, indexed by Decision (each group, microbatch and module once).
-  std::array<int64_t, 5> decisions{};
+  std::array<int64_t, 6> decisions{};
   int64_t group_microbatches = 0;
   int64_t hang_microbatches = 0;  // Group microbatches in which some module would hang.
   int64_t steps = 0;
@@ -104,6 +105,7 @@ struct PlanSetup {
   int world_size = 0;
   int group_size = 0;
   int64_t budget_bytes = 0;
+  Fallback fallback = Fallback::kRoot;
 };
 
 // Estimates one policy over every group and microbatch of the trace.

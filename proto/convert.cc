@@ -7,6 +7,8 @@ namespace shardcoord {
 static_assert(static_cast<int>(Policy::kReplicate) == v1::POLICY_REPLICATE);
 static_assert(static_cast<int>(Fallback::kReplicate) == v1::FALLBACK_REPLICATE);
 static_assert(static_cast<int>(Decision::kReplicate) == v1::DECISION_REPLICATE);
+static_assert(static_cast<int>(Decision::kPadded) == v1::DECISION_PADDED);
+static_assert(static_cast<int>(Fallback::kPadded) == v1::FALLBACK_PADDED);
 static_assert(static_cast<int>(DecisionReason::kPromoted) == v1::REASON_PROMOTED);
 static_assert(static_cast<int>(DecisionReason::kCost) == v1::REASON_COST);
 static_assert(static_cast<int>(absl::StatusCode::kUnauthenticated) ==
@@ -65,6 +67,7 @@ void ToProto(const MicrobatchDecision& d, v1::MicrobatchDecision* out) {
     pm->set_module(m.module);
     pm->set_decision(ToProto(m.decision));
     pm->set_reason(ToProto(m.reason));
+    pm->set_calls(m.calls);
   }
 }
 
@@ -77,7 +80,7 @@ MicrobatchDecision FromProto(const v1::MicrobatchDecision& d) {
   out.digest = d.digest();
   out.seal = d.seal();
   for (const auto& m : d.modules()) {
-    out.modules.push_back({m.module(), FromProto(m.decision()), FromProto(m.reason())});
+    out.modules.push_back({m.module(), FromProto(m.decision()), FromProto(m.reason()), m.calls()});
   }
   return out;
 }
@@ -114,6 +117,7 @@ void AddDecisionCounts(const v1::DecisionCounts& add, v1::DecisionCounts* sum) {
   sum->set_skip(sum->skip() + add.skip());
   sum->set_root(sum->root() + add.root());
   sum->set_replicate(sum->replicate() + add.replicate());
+  sum->set_padded(sum->padded() + add.padded());
   sum->set_divergent(sum->divergent() + add.divergent());
 }
 

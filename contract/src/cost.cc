@@ -66,6 +66,12 @@ PlacementEstimate EstimatePlacement(const CostInputs& in, Decision decision, con
       e.gathered_bytes = gather_bytes;
       e.peak_bytes = module_bytes;
       break;
+    case Decision::kPadded:
+      e.safe = true;
+      e.seconds = shape.max * (g + f);
+      e.gathered_bytes = shape.max * gather_bytes;
+      e.peak_bytes = shape.max > 0 ? LargestUnit(*in.spec) : 0;
+      break;
     case Decision::kReplicate:
       e.safe = true;
       e.seconds = (in.replica_resident ? 0 : g) + shape.max * f;
@@ -95,8 +101,10 @@ CostChoice ChooseByCost(const CostInputs& in, const std::vector<int32_t>& calls)
   const PlacementEstimate skip = EstimatePlacement(in, Decision::kSkip, calls);
   choice.per_layer = EstimatePlacement(in, Decision::kPerLayer, calls);
   choice.root = EstimatePlacement(in, Decision::kRoot, calls);
+  choice.padded = EstimatePlacement(in, Decision::kPadded, calls);
+  choice.padded.safe = in.can_pad;  // Safe for any calls, but only executors that pad carry it out.
   bool found = false;
-  const PlacementEstimate* candidates[] = {&skip, &choice.per_layer, &choice.root};
+  const PlacementEstimate* candidates[] = {&skip, &choice.per_layer, &choice.root, &choice.padded};
   for (const PlacementEstimate* e : candidates) {
     if (!e->safe || !e->fits) continue;
     if (!found || Better(*e, choice.chosen)) choice.chosen = *e;
@@ -122,8 +130,11 @@ double ReplicaSaving(const CostInputs& in, const std::vector<int32_t>& calls) {
 }
 
 std::string DescribeChoice(const CostChoice& choice, const CostInputs& in, int32_t calls) {
-  const PlacementEstimate& other =
-      choice.chosen.decision == Decision::kRoot ? choice.per_layer : choice.root;
+  // Root is compared with what it replaced (per_layer for uniform calls, else padded); every
+  // other choice with root.
+  const PlacementEstimate& other = choice.chosen.decision != Decision::kRoot ? choice.root
+                                   : choice.per_layer.safe || !choice.padded.safe ? choice.per_layer
+                                                                                  : choice.padded;
   char text[320];
   std::snprintf(text, sizeof(text),
                 "%s %.4f s %s %s %.4f s for %d call(s) (forward %.4f s/call, gather %.4f s, "
@@ -134,7 +145,8 @@ std::string DescribeChoice(const CostChoice& choice, const CostInputs& in, int32
                 static_cast<long long>(choice.chosen.peak_bytes), static_cast<long long>(other.peak_bytes),
                 static_cast<long long>(in.budget_bytes),
                 choice.over_budget ? "; nothing safe fits the budget: the safe placement that holds the least "
-                                     "(for divergent calls root, the one placement that cannot hang)"
+                                     "(for divergent calls root, the one placement that cannot hang; fallback "
+                                     "padded would hold one unit)"
                                    : "");
   return text;
 }

@@ -16,6 +16,9 @@ RuleOutcome ApplyContract(Policy policy, Fallback fallback, const std::vector<in
   bool all_equal = std::all_of(calls.begin(), calls.end(),
                                [&](int32_t c) { return c == calls.front(); });
   if (all_equal) return {Decision::kPerLayer, DecisionReason::kUniform};
+  if (fallback == Fallback::kPadded) {
+    return {Decision::kPadded, DecisionReason::kDivergent, *std::max_element(calls.begin(), calls.end())};
+  }
   return {fallback == Fallback::kReplicate ? Decision::kReplicate : Decision::kRoot,
           DecisionReason::kDivergent};
 }
@@ -53,6 +56,8 @@ uint64_t DecisionDigest(const MicrobatchDecision& d) {
     Mix(&h, m.module.data(), m.module.size());
     MixInt(&h, static_cast<uint64_t>(m.decision));
     MixInt(&h, static_cast<uint64_t>(m.reason));
+    // Only a padded decision mixes its passes: every other digest stays what it was.
+    if (m.decision == Decision::kPadded) MixInt(&h, static_cast<uint64_t>(m.calls));
   }
   return h;
 }

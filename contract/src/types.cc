@@ -19,6 +19,7 @@ const char* FallbackName(Fallback f) {
   switch (f) {
     case Fallback::kRoot: return "root";
     case Fallback::kReplicate: return "replicate";
+    case Fallback::kPadded: return "padded";
     case Fallback::kUnspecified: break;
   }
   return "unspecified";
@@ -30,6 +31,7 @@ const char* DecisionName(Decision d) {
     case Decision::kSkip: return "skip";
     case Decision::kRoot: return "root";
     case Decision::kReplicate: return "replicate";
+    case Decision::kPadded: return "padded";
     case Decision::kUnspecified: break;
   }
   return "unspecified";
@@ -57,14 +59,14 @@ std::optional<Policy> ParsePolicy(std::string_view name) {
 }
 
 std::optional<Fallback> ParseFallback(std::string_view name) {
-  for (Fallback f : {Fallback::kRoot, Fallback::kReplicate}) {
+  for (Fallback f : {Fallback::kRoot, Fallback::kReplicate, Fallback::kPadded}) {
     if (name == FallbackName(f)) return f;
   }
   return std::nullopt;
 }
 
 std::optional<Decision> ParseDecision(std::string_view name) {
-  for (Decision d : {Decision::kPerLayer, Decision::kSkip, Decision::kRoot, Decision::kReplicate}) {
+  for (Decision d : {Decision::kPerLayer, Decision::kSkip, Decision::kRoot, Decision::kReplicate, Decision::kPadded}) {
     if (name == DecisionName(d)) return d;
   }
   return std::nullopt;

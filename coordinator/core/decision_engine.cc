@@ -34,13 +34,11 @@ ModuleDecision DecisionEngine::DecideModule(size_t m, const std::vector<int32_t>
   const bool divergent = rule.reason == DecisionReason::kDivergent;
   const bool by_cost = config_.policy == Policy::kAuto && config_.promotion.by_cost && CostKnown(m);
 
-  ModuleDecision md{spec.name, rule.decision, rule.reason};
+  ModuleDecision md{spec.name, rule.decision, rule.reason, rule.calls};
   if (st.sticky_replicate) {
-    md.decision = Decision::kReplicate;
-    md.reason = DecisionReason::kStickyReplicate;
+    md = {spec.name, Decision::kReplicate, DecisionReason::kStickyReplicate};
   } else if (st.promoted) {
-    md.decision = Decision::kReplicate;
-    md.reason = DecisionReason::kPromoted;
+    md = {spec.name, Decision::kReplicate, DecisionReason::kPromoted};
   } else if (divergent && config_.fallback == Fallback::kReplicate) {
     // This microbatch already gets `replicate` (reason divergent); later ones stay.
     st.sticky_replicate = true;
@@ -68,6 +66,7 @@ CostInputs DecisionEngine::CostInputsOf(size_t m) const {
   in.group_size = config_.group_size;
   in.budget_bytes = config_.min_memory_budget_bytes;
   in.replica_resident = state_[m].promoted || state_[m].sticky_replicate;
+  in.can_pad = config_.fallback == Fallback::kPadded;
   return in;
 }
 
@@ -78,14 +77,15 @@ void DecisionEngine::ChooseByCostInto(size_t m, const std::vector<int32_t>& call
   const CostChoice choice = ChooseByCost(in, calls);
   const Decision chosen = choice.chosen.decision;
   const bool overrides = chosen != rule.decision || choice.over_budget;
+  const int32_t most = calls.empty() ? 0 : *std::max_element(calls.begin(), calls.end());
   if (chosen != rule.decision) {
     md->decision = chosen;
     md->reason = DecisionReason::kCost;
+    md->calls = chosen == Decision::kPadded ? most : 0;
   }
   if (!overrides) return;
   ModuleState& st = state_[m];
   if (!st.announced.insert({rule.decision, chosen, choice.over_budget}).second || !transitions) return;
-  const int32_t most = calls.empty() ? 0 : *std::max_element(calls.begin(), calls.end());
   transitions->push_back({config_.modules[m].name, "cost_choice",
                           absl::StrCat(DecisionName(chosen), " instead of ", DecisionName(rule.decision),
                                        " from ", key.ToString(), " on (said once per model): ",
@@ -145,11 +145,12 @@ void DecisionEngine::UpdatePromotion(const ModuleSpec& spec, ModuleState& st, De
                                      const MicrobatchKey& key, std::vector<EngineTransition>* transitions) {
   const PromotionOptions& promo = config_.promotion;
   // The history counts microbatches in which the contract would gather the module
-  // (per_layer or root: some rank runs it), whatever was decided. A replica saves the whole
+  // (per_layer, root or padded: some rank runs it), whatever was decided. A replica saves the whole
   // gather in each of them, not only in divergent ones: on 2 x H200 with a 0.63 B tower,
   // replicate was 15 % faster than per_layer even when every rank had images
   // (docs/GPU.md, the policy matrix).
-  const bool gathers = rule_decision == Decision::kPerLayer || rule_decision == Decision::kRoot;
+  const bool gathers = rule_decision == Decision::kPerLayer || rule_decision == Decision::kRoot ||
+                       rule_decision == Decision::kPadded;
   st.recent_gathers.push_back(gathers);
   st.gathers_in_window += gathers ? 1 : 0;
   if (static_cast<int>(st.recent_gathers.size()) > promo.window) {

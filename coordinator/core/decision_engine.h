@@ -13,7 +13,8 @@
 // - by cost, once the group's members reported what the module costs (shardcoord/cost.h):
 //   each microbatch the cheapest safe placement that fits the budget (per_layer or root when
 //   every rank runs the module: root when it runs more than once and gathering once is
-//   cheaper), and a replica when the time it saved over the last `window` microbatches would
+//   cheaper; with fallback `padded`, padded for divergent calls when the whole module does not
+//   fit), and a replica when the time it saved over the last `window` microbatches would
 //   have paid for building it; demoted when it no longer would, or no longer fits.
 //
 // Not thread-safe: the owner (the coordinator's group state) serializes calls.

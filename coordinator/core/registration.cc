@@ -290,7 +290,7 @@ constexpr uint64_t kMaxResumeSeq = uint64_t{1} << 62;
 
 bool KnownDecision(v1::Decision d) {
   return d == v1::DECISION_SKIP || d == v1::DECISION_PER_LAYER || d == v1::DECISION_ROOT ||
-         d == v1::DECISION_REPLICATE;
+         d == v1::DECISION_REPLICATE || d == v1::DECISION_PADDED;
 }
 
 // Why `d` is no decision this rank's group could have received ("" when it could be).
@@ -316,6 +316,10 @@ std::string ImpossibleDecision(const v1::RegisterRequest& req, const v1::Microba
         m.reason() == v1::REASON_UNSPECIFIED) {
       return absl::StrCat("module '", m.module(), "' has decision ", static_cast<int>(m.decision()), " and reason ",
                           static_cast<int>(m.reason()), ", which the protocol does not define");
+    }
+    if ((m.decision() == v1::DECISION_PADDED) != (m.calls() > 0) || m.calls() < 0) {
+      return absl::StrCat("module '", m.module(), "' has decision ", v1::Decision_Name(m.decision()), " with ",
+                          m.calls(), " passes (a padded decision has at least one, every other none)");
     }
   }
   if (d.digest() != DecisionDigest(FromProto(d))) return "its digest does not match its fields";

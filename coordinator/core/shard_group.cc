@@ -22,6 +22,7 @@ void CountDecision(const v1::ModuleDecision& md, v1::DecisionCounts* c) {
     case v1::DECISION_SKIP: c->set_skip(c->skip() + 1); break;
     case v1::DECISION_ROOT: c->set_root(c->root() + 1); break;
     case v1::DECISION_REPLICATE: c->set_replicate(c->replicate() + 1); break;
+    case v1::DECISION_PADDED: c->set_padded(c->padded() + 1); break;
     default: break;
   }
   if (md.reason() == v1::REASON_DIVERGENT) c->set_divergent(c->divergent() + 1);

@@ -116,7 +116,8 @@ std::set<std::string> DetailedJobs(const v1::StatusResponse& status, int max) {
 void ModuleCounts(Families& f, const std::string& job, const std::string& module, const v1::DecisionCounts& c) {
   const Labels base = {{"job_id", job}, {"module", module}};
   for (const auto& [kind, n] : std::vector<std::pair<const char*, int64_t>>{
-           {"per_layer", c.per_layer()}, {"skip", c.skip()}, {"root", c.root()}, {"replicate", c.replicate()}}) {
+           {"per_layer", c.per_layer()}, {"skip", c.skip()}, {"root", c.root()}, {"replicate", c.replicate()},
+           {"padded", c.padded()}}) {
     Labels l = base;
     l.push_back({"decision", kind});
     f.Counter("shardcoord_module_decisions_total", "Module decisions given, by module and kind, summed over the "

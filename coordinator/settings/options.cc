@@ -297,7 +297,7 @@ std::vector<std::string> SettingChoices(const Setting& s) {
     return names;
   }
   if (std::holds_alternative<SettingField<Fallback>>(s.field)) {
-    return {FallbackName(Fallback::kRoot), FallbackName(Fallback::kReplicate)};
+    return {FallbackName(Fallback::kRoot), FallbackName(Fallback::kReplicate), FallbackName(Fallback::kPadded)};
   }
   return s.choices;
 }

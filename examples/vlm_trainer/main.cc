@@ -3,7 +3,7 @@
 // microbatch, by the coordinator's decisions.
 //
 //   vlm_trainer --coordinator ADDR --job J --rank R --world-size W --group-size G
-//               [--policy auto|per_layer|root|replicate] [--fallback root|replicate]
+//               [--policy auto|per_layer|root|replicate] [--fallback root|replicate|padded]
 //               [--media mixed|all|none|rank0] [--image-fraction F] [--skew S]
 //               [--steps N] [--accum K] [--no-shard]
 //
@@ -145,7 +145,7 @@ void AddFlags(CLI::App& app, TrainerOptions* o) {
   app.add_option("--world-size", o->world);
   app.add_option("--group-size", o->group_size);
   app.add_option("--policy", o->policy)->check(CLI::IsMember({"auto", "per_layer", "root", "replicate"}));
-  app.add_option("--fallback", o->fallback)->check(CLI::IsMember({"root", "replicate"}));
+  app.add_option("--fallback", o->fallback)->check(CLI::IsMember({"root", "replicate", "padded"}));
   app.add_option("--media", o->media)->check(CLI::IsMember({"mixed", "all", "none", "rank0"}));
   app.add_option("--image-fraction", o->image_fraction);
   app.add_option("--skew", o->skew, "even ranks get fraction + skew, odd ranks fraction - skew");
@@ -287,7 +287,9 @@ double RunMicrobatch(Trainer& t, const shardcoord::MicrobatchDecision& d, int st
   batch.text = batch.text.to(t.device);
   batch.image = batch.image.to(t.device);
   batch.target = batch.target.to(t.device);
-  if (exec) Check(exec->BeginMicrobatch(d), "begin microbatch");
+  // This rank's planned calls (what PlanAhead reported): a padded module pads up to the group's.
+  const int32_t calls = batch.images ? 1 : 0;
+  if (exec) Check(exec->BeginMicrobatch(d, {{"vision_tower", calls}, {"multi_modal_projector", calls}}), "begin microbatch");
   torch::Tensor x = torch::relu(t.model->text_embed(batch.text));
   if (batch.images) x = AddFrozen(t.model, exec, batch.image, x);
   for (const auto& layer : *t.model->text_layers) x = torch::relu(layer->as<torch::nn::Linear>()->forward(x));
@@ -343,9 +345,9 @@ void Train(Trainer& t) {
 void PrintSummary(Trainer& t) {
   std::printf("final params hash %016" PRIx64 "\n", HashParams(t.model));
   std::printf("summary rank %d: decisions per_layer=%" PRId64 " skip=%" PRId64 " root=%" PRId64 " replicate=%" PRId64
-              " fallbacks=%" PRId64,
+              " padded=%" PRId64 " fallbacks=%" PRId64,
               t.o.rank, t.decided["per_layer"], t.decided["skip"], t.decided["root"], t.decided["replicate"],
-              t.fallbacks);
+              t.decided["padded"], t.fallbacks);
   if (const auto& exec = t.session.exec) {
     int64_t gathered = 0;
     for (const auto& [name, b] : exec->bytes()) gathered += b.gathered;
@@ -373,7 +375,12 @@ int main(int argc, char** argv) {
   torch::manual_seed(1234);  // Identical initial weights on every rank.
   Vlm model;
   model->to(device);
-  const auto manifest = shardcoord::torchx::BuildManifest(*model);
+  // In the order the forward calls the modules (the tower, then the projector), which is the
+  // order a padded decision's gather-only passes follow.
+  auto manifest = shardcoord::torchx::BuildManifest(*model);
+  std::stable_sort(manifest.begin(), manifest.end(), [](const auto& a, const auto& b) {
+    return a.name == "vision_tower" && b.name != "vision_tower";
+  });
   Session session = Connect(o, model, manifest, cuda, gpu);
   Trainer trainer(o, model, session, device);
   Train(trainer);

@@ -124,6 +124,30 @@ TEST(ShardctlPlanTest, EveryPolicyOnAUniformADivergentAndAnEmptyMicrobatch) {
   }
 }
 
+// Fallback padded under a budget below the module (800 < 1000): the divergent (0,1) is padded
+// to rank 0's one call (0.015 s, 1000 bytes gathered on every rank, one unit held) instead of
+// root over the budget; cost-aware auto decides the same (root does not fit (0,0) either).
+TEST(ShardctlPlanTest, FallbackPaddedKeepsDivergentMicrobatchesWithinTheBudget) {
+  TempDir dir;
+  const Plan p = RunPlanJson(Write(dir, "t.jsonl", kTrace), Write(dir, "m.json", kManifest),
+                             Write(dir, "c.json", kCost),
+                             {"--budget-bytes", "800", "--fallback", "padded", "--policies", "sc_per_layer,auto"});
+  ASSERT_EQ(p.run.exit_code, 0) << p.run.err;
+  for (const char* policy : {"sc_per_layer", "auto"}) {
+    ExpectPolicy(p, policy, {1, 1, 0, 0}, 0, 0.1725, 1500, 600);
+    EXPECT_EQ(p.by_policy.at(policy)["decisions"]["padded"], 1) << policy;
+    EXPECT_EQ(p.by_policy.at(policy)["fits"], true) << policy;
+  }
+  const Plan root = RunPlanJson(Write(dir, "t.jsonl", kTrace), Write(dir, "m.json", kManifest),
+                                Write(dir, "c.json", kCost), {"--budget-bytes", "800", "--policies", "sc_per_layer"});
+  EXPECT_EQ(root.by_policy.at("sc_per_layer")["fits"], false) << "fallback root holds the whole module";
+  const testing::RunResult bad = RunCommand({SHARDCTL_PATH, "plan", dir.File("t.jsonl"), "--manifest",
+                                             dir.File("m.json"), "--cost", dir.File("c.json"), "--fallback", "dummy"},
+                                            kCommandTimeout);
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_THAT(bad.err, HasSubstr("--fallback"));
+}
+
 TEST(ShardctlPlanTest, ABudgetRulesOutWhatHoldsTheWholeModule) {
   TempDir dir;
   const Plan p = RunPlanJson(Write(dir, "t.jsonl", kTrace), Write(dir, "m.json", kManifest),

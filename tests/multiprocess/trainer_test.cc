@@ -220,6 +220,34 @@ TEST_F(TrainerTest, PerLayerRequestedWithAsymmetricMediaFallsBackAndMatchesRoot)
   EXPECT_EQ(per_layer[0].params_hash, root[0].params_hash);
 }
 
+// The number after "name=" in a summary line (-1 when absent).
+int64_t Field(const std::string& summary, const std::string& name) {
+  const size_t at = summary.find(" " + name + "=");
+  return at == std::string::npos ? -1 : std::stoll(summary.substr(at + name.size() + 2));
+}
+
+// Fallback padded: the rank without images makes gather-only passes, so both ranks issue the
+// same all-gathers (a mismatch would hang Gloo or fail it with a size error), compute what the
+// unsharded model computes, and hold at most one unit beyond their shards where root would hold
+// the whole tower.
+TEST_F(TrainerTest, PaddedFallbackWithAsymmetricMediaMatchesTheUnshardedModelAtPerLayersPeak) {
+  auto reference = Train("per_layer", "rank0", {"--no-shard"});
+  auto padded = Train("per_layer", "rank0", {"--fallback", "padded"});
+  auto root = Train("per_layer", "rank0", {"--fallback", "root"});
+  ExpectHealthy(reference);
+  ExpectHealthy(padded);
+  ExpectHealthy(root);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_THAT(padded[r].summary, HasSubstr("padded=12"));
+    EXPECT_THAT(padded[r].summary, HasSubstr("fallbacks=12"));
+    EXPECT_EQ(padded[r].losses, reference[r].losses) << "rank " << r;
+  }
+  EXPECT_EQ(padded[0].params_hash, reference[0].params_hash);
+  // Both ranks gathered the same bytes (rank 1 only in its passes), and no more than root.
+  EXPECT_EQ(Field(padded[0].summary, "gathered_bytes"), Field(padded[1].summary, "gathered_bytes"));
+  EXPECT_LT(Field(padded[1].summary, "peak_frozen_bytes"), Field(root[1].summary, "peak_frozen_bytes"));
+}
+
 TEST_F(TrainerTest, EveryPolicyComputesExactlyWhatTheUnshardedModelDoes) {
   auto reference = Train("auto", "mixed", {"--no-shard", "--image-fraction", "0.6"});
   ExpectHealthy(reference);

@@ -304,6 +304,20 @@ TEST_P(DynamicPolicyTest, DivergentGoesToFallbackReplicate) {
   }
 }
 
+TEST_P(DynamicPolicyTest, DivergentGoesToFallbackPaddedToTheBusiestRank) {
+  for (const auto& [calls, most] : std::vector<std::pair<std::vector<int32_t>, int32_t>>{
+           {{1, 0}, 1}, {{1, 2}, 2}, {{0, 3}, 3}, {{2, 2, 1}, 2}}) {
+    RuleOutcome r = ApplyContract(GetParam(), Fallback::kPadded, calls);
+    EXPECT_EQ(r.decision, Decision::kPadded);
+    EXPECT_EQ(r.reason, DecisionReason::kDivergent);
+    EXPECT_EQ(r.calls, most);
+  }
+  // Uniform and all-zero calls are not padded: per_layer and skip, with no passes.
+  EXPECT_EQ(ApplyContract(GetParam(), Fallback::kPadded, {2, 2}).decision, Decision::kPerLayer);
+  EXPECT_EQ(ApplyContract(GetParam(), Fallback::kPadded, {2, 2}).calls, 0);
+  EXPECT_EQ(ApplyContract(GetParam(), Fallback::kPadded, {0, 0}).decision, Decision::kSkip);
+}
+
 TEST_P(DynamicPolicyTest, SingleRankGroupIsNeverDivergent) {
   RuleOutcome r = ApplyContract(GetParam(), Fallback::kRoot, {0});
   EXPECT_EQ(r.decision, Decision::kSkip);
@@ -348,7 +362,8 @@ TEST(NamesTest, PolicyNamesRoundTrip) {
 TEST(NamesTest, FallbackNamesRoundTrip) {
   EXPECT_STREQ(FallbackName(Fallback::kRoot), "root");
   EXPECT_STREQ(FallbackName(Fallback::kReplicate), "replicate");
-  for (Fallback f : {Fallback::kRoot, Fallback::kReplicate}) {
+  EXPECT_STREQ(FallbackName(Fallback::kPadded), "padded");
+  for (Fallback f : {Fallback::kRoot, Fallback::kReplicate, Fallback::kPadded}) {
     EXPECT_EQ(ParseFallback(FallbackName(f)), f) << FallbackName(f);
   }
   EXPECT_EQ(ParseFallback("auto"), std::nullopt);
@@ -362,7 +377,8 @@ TEST(NamesTest, DecisionNamesRoundTrip) {
   EXPECT_STREQ(DecisionName(Decision::kSkip), "skip");
   EXPECT_STREQ(DecisionName(Decision::kRoot), "root");
   EXPECT_STREQ(DecisionName(Decision::kReplicate), "replicate");
-  for (Decision d : {Decision::kPerLayer, Decision::kSkip, Decision::kRoot, Decision::kReplicate}) {
+  EXPECT_STREQ(DecisionName(Decision::kPadded), "padded");
+  for (Decision d : {Decision::kPerLayer, Decision::kSkip, Decision::kRoot, Decision::kReplicate, Decision::kPadded}) {
     EXPECT_EQ(ParseDecision(DecisionName(d)), d) << DecisionName(d);
   }
   EXPECT_EQ(ParseDecision("auto"), std::nullopt);
@@ -392,6 +408,8 @@ TEST(NamesTest, EnumValuesMatchTheWireApi) {
   EXPECT_EQ(static_cast<int>(Decision::kSkip), 2);
   EXPECT_EQ(static_cast<int>(Decision::kRoot), 3);
   EXPECT_EQ(static_cast<int>(Decision::kReplicate), 4);
+  EXPECT_EQ(static_cast<int>(Decision::kPadded), 5);
+  EXPECT_EQ(static_cast<int>(Fallback::kPadded), 3);
   EXPECT_EQ(static_cast<int>(DecisionReason::kPromoted), 6);
 }
 
@@ -481,6 +499,7 @@ TEST(DecisionDigestTest, ChangesWhenAnyIncludedFieldChanges) {
       {"reason", [](MicrobatchDecision* d) { d->modules[1].reason = DecisionReason::kPromoted; }},
       {"module order", [](MicrobatchDecision* d) { std::swap(d->modules[0], d->modules[2]); }},
       {"module dropped", [](MicrobatchDecision* d) { d->modules.pop_back(); }},
+      {"padded", [](MicrobatchDecision* d) { d->modules[1] = {d->modules[1].module, Decision::kPadded, DecisionReason::kDivergent, 2}; }},
       {"step/microbatch swapped",
        [](MicrobatchDecision* d) { d->key = MicrobatchKey{2, 17}; }},
   };
@@ -489,6 +508,17 @@ TEST(DecisionDigestTest, ChangesWhenAnyIncludedFieldChanges) {
     m.apply(&d);
     EXPECT_NE(DecisionDigest(d), base) << "digest ignores a change of " << m.what;
   }
+}
+
+TEST(DecisionDigestTest, APaddedDecisionsPassesCountAndNoOtherDecisionsDo) {
+  MicrobatchDecision d = SampleDecision();
+  d.modules[1] = {d.modules[1].module, Decision::kPadded, DecisionReason::kDivergent, 2};
+  MicrobatchDecision more = d;
+  more.modules[1].calls = 3;  // A forged pass count would hang the group: the digest differs.
+  EXPECT_NE(DecisionDigest(d), DecisionDigest(more));
+  MicrobatchDecision pinned = SampleDecision();
+  pinned.modules[0].calls = 7;  // Ignored for every other decision, so old digests stay.
+  EXPECT_EQ(DecisionDigest(pinned), DecisionDigest(SampleDecision()));
 }
 
 TEST(DecisionDigestTest, ModuleNameBoundariesAreUnambiguous) {

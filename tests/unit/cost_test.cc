@@ -88,6 +88,32 @@ TEST_F(CostTest, DivergentCallsOverTheBudgetStillGetRootAndSaySo) {
   EXPECT_TRUE(uniform.over_budget);
 }
 
+TEST_F(CostTest, PaddedCostsTheBusiestRanksPerLayerTimeAtOneUnit) {
+  PlacementEstimate padded = EstimatePlacement(in_, Decision::kPadded, {2, 0});
+  EXPECT_TRUE(padded.safe);
+  EXPECT_DOUBLE_EQ(padded.seconds, 2 * (0.020 + 0.010));  // Two passes, each gathering again.
+  EXPECT_EQ(padded.gathered_bytes, 2000);                 // On every rank: passes gather too.
+  EXPECT_EQ(padded.peak_bytes, 500);
+}
+
+TEST_F(CostTest, PaddedIsChosenOnlyWhereTheGroupPadsAndRootDoesNotFitOrTies) {
+  in_.budget_bytes = 600;  // Root (1000 bytes) does not fit; a unit (500) does.
+  EXPECT_TRUE(ChooseByCost(in_, {2, 0}).over_budget) << "without padding, divergent calls get root over budget";
+  in_.can_pad = true;
+  CostChoice c = ChooseByCost(in_, {2, 0});
+  EXPECT_EQ(c.chosen.decision, Decision::kPadded);
+  EXPECT_FALSE(c.over_budget);
+  EXPECT_THAT(DescribeChoice(c, in_, 2), HasSubstr("padded 0.0600 s > root 0.0400 s for 2 call(s)"));
+  in_.budget_bytes = 0;  // Everything fits: root gathers once, padded twice.
+  c = ChooseByCost(in_, {2, 0});
+  EXPECT_EQ(c.chosen.decision, Decision::kRoot);
+  EXPECT_THAT(DescribeChoice(c, in_, 2), HasSubstr("root 0.0400 s <= padded 0.0600 s"));
+  // One call: the same time, one unit instead of the module.
+  EXPECT_EQ(ChooseByCost(in_, {1, 0}).chosen.decision, Decision::kPadded);
+  // Uniform calls stay per_layer (the same time and peak, and first in the order).
+  EXPECT_EQ(ChooseByCost(in_, {1, 1}).chosen.decision, Decision::kPerLayer);
+}
+
 TEST_F(CostTest, AReplicaSavesTheGathersOfTheCheapestOtherChoice) {
   EXPECT_DOUBLE_EQ(ReplicaSaving(in_, {0, 0}), 0);
   EXPECT_DOUBLE_EQ(ReplicaSaving(in_, {1, 1}), 0.020);

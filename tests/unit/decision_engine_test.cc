@@ -124,6 +124,23 @@ TEST(DecisionEngineTest, PerLayerSkipAndFallbackRootPerModule) {
   EXPECT_THAT(engine.ReplicatedModules(), IsEmpty());
 }
 
+TEST(DecisionEngineTest, FallbackPaddedPadsDivergentCallsToTheBusiestRankAndHoldsNoState) {
+  DecisionEngine engine(MakeConfig(Policy::kPerLayer, Fallback::kPadded));
+  std::vector<EngineTransition> transitions;
+  MicrobatchDecision d0 = engine.Decide({0, 0}, 0, {{3, 1}, {0, 2}}, &transitions);
+  ExpectModule(d0, 0, "vision_tower", Decision::kPadded, DecisionReason::kDivergent);
+  ExpectModule(d0, 1, "audio_tower", Decision::kPadded, DecisionReason::kDivergent);
+  EXPECT_EQ(d0.modules[0].calls, 3);
+  EXPECT_EQ(d0.modules[1].calls, 2);
+  EXPECT_EQ(d0.digest, DecisionDigest(d0));
+  MicrobatchDecision d1 = engine.Decide({0, 1}, 0, {{1, 1}, {0, 0}}, &transitions);
+  ExpectModule(d1, 0, "vision_tower", Decision::kPerLayer, DecisionReason::kUniform);
+  EXPECT_EQ(d1.modules[0].calls, 0);
+  ExpectModule(d1, 1, "audio_tower", Decision::kSkip, DecisionReason::kAllSkip);
+  EXPECT_THAT(transitions, IsEmpty());
+  EXPECT_THAT(engine.ReplicatedModules(), IsEmpty());
+}
+
 TEST(DecisionEngineTest, FallbackReplicateIsSticky) {
   DecisionEngine engine(MakeConfig(Policy::kPerLayer, Fallback::kReplicate));
   std::vector<EngineTransition> transitions;
@@ -453,6 +470,24 @@ TEST(DecisionEngineCostTest, ABudgetBelowTheTowerKeepsPerLayerAndNeverReplicates
   engine.SetMinMemoryBudget(100);
   ExpectModule(engine.Decide({9, 0}, 0, {{2, 2}}, &t), 0, "vision_tower", Decision::kPerLayer,
                DecisionReason::kUniform);
+}
+
+TEST(DecisionEngineCostTest, WithFallbackPaddedDivergentCallsOverTheBudgetArePaddedNotRoot) {
+  EngineConfig c = CostConfig(/*budget=*/600);  // A unit (500) fits, the tower (1000) not.
+  c.fallback = Fallback::kPadded;
+  DecisionEngine engine(c);
+  std::vector<EngineTransition> t;
+  MicrobatchDecision d = engine.Decide({0, 0}, 0, {{2, 0}}, &t);
+  ExpectModule(d, 0, "vision_tower", Decision::kPadded, DecisionReason::kDivergent);
+  EXPECT_EQ(d.modules[0].calls, 2);
+  EXPECT_THAT(t, IsEmpty()) << "the rule's own choice: no override to announce";
+  // Within the budget, gathering once is cheaper for two calls: root, by cost, with no passes.
+  engine.SetMinMemoryBudget(0);
+  d = engine.Decide({0, 1}, 0, {{2, 0}}, &t);
+  ExpectModule(d, 0, "vision_tower", Decision::kRoot, DecisionReason::kCost);
+  EXPECT_EQ(d.modules[0].calls, 0);
+  ASSERT_THAT(Whats(t), ElementsAre("cost_choice"));
+  EXPECT_THAT(t[0].detail, HasSubstr("root 0.0400 s <= padded 0.0600 s"));
 }
 
 TEST(DecisionEngineCostTest, PromotesWhenTheSavingsPayForTheReplicaAndDemotesWhenTheyStop) {

@@ -467,6 +467,24 @@ TEST_F(KeyedRecoveryTest, AHeldDecisionTheCoordinatorDidNotMakeIsRefused) {
   EXPECT_EQ(Register(r).code(), absl::StatusCode::kPermissionDenied);
 }
 
+TEST_F(KeyedRecoveryTest, APaddedDecisionsPassesAreSealed) {
+  v1::RegisterRequest r = Resume(0, /*with_credential=*/true);
+  v1::MicrobatchDecision padded = Decision(0, 0, 0, v1::DECISION_PADDED, v1::REASON_DIVERGENT);
+  padded.mutable_modules(0)->set_calls(2);
+  padded.set_digest(DecisionDigest(FromProto(padded)));
+  padded.set_seal(earlier_.Seal("job", padded));
+  // A forged pass count (digest recomputed to match) would make the honest ranks gather a
+  // different number of times: the seal refuses it.
+  v1::MicrobatchDecision forged = padded;
+  forged.mutable_modules(0)->set_calls(3);
+  forged.set_digest(DecisionDigest(FromProto(forged)));
+  *r.mutable_resume()->add_held() = forged;
+  absl::Status s = Register(r);
+  EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << s;
+  r.mutable_resume()->mutable_held(0)->CopyFrom(padded);
+  EXPECT_TRUE(Register(r).ok()) << "the sealed original is taken";
+}
+
 TEST_F(KeyedRecoveryTest, AnHonestResumeWithSealedDecisionsIsTaken) {
   v1::RegisterRequest r = Resume(0, /*with_credential=*/true);
   *r.mutable_resume()->add_held() = HeldDecision(0, 0, 0, v1::DECISION_PER_LAYER, &earlier_);
@@ -493,6 +511,7 @@ TEST_F(KeyedRecoveryTest, FieldsOutsideTheirRangesAreRefusedNamingTheField) {
       {[](auto& s) { s.mutable_held(0)->set_digest(0xdeadbeef); }, "digest does not match"},
       {[](auto& s) { s.mutable_held(0)->set_group(3); }, "for group 3"},
       {[](auto& s) { s.mutable_held(0)->set_epoch(5); }, "epoch 5 is outside 0..0"},
+      {[](auto& s) { s.mutable_held(0)->mutable_modules(0)->set_calls(3); }, "DECISION_ROOT with 3 passes"},
   };
   for (const Case& c : cases) {
     v1::RegisterRequest r = Resume(0, true);

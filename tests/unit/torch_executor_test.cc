@@ -20,6 +20,7 @@ class LoopbackCommunicator final : public Communicator {
   absl::Status Health() const override { return absl::OkStatus(); }
   absl::Status AllGather(const void* in, void* out, size_t count, DataType type) override {
     ++gathers;
+    counts.push_back(count);
     std::memcpy(out, in, count * DataTypeSize(type));
     return absl::OkStatus();
   }
@@ -27,6 +28,7 @@ class LoopbackCommunicator final : public Communicator {
   absl::Status Broadcast(void*, size_t, DataType, int) override { return absl::OkStatus(); }
   absl::Status Barrier() override { return absl::OkStatus(); }
   int gathers = 0;
+  std::vector<size_t> counts;  // Elements of each all-gather, in order.
 };
 
 struct TowerImpl : torch::nn::Module {
@@ -229,6 +231,103 @@ TEST(FrozenShardExecutorTest, ARestUnitIsGatheredAroundTheLayersOfItsModule) {
   auto refused = FrozenShardExecutor::Create(*other, partial, std::make_shared<LoopbackCommunicator>());
   ASSERT_FALSE(refused.ok());
   EXPECT_THAT(refused.status().message(), HasSubstr("outside the units its manifest names ('patch_embed.weight'"));
+}
+
+// padded: the passes this rank does not make itself are gathered at BeginMicrobatch in the
+// order a forward gathers (rest unit, then the layers), one unit at a time; its own call
+// gathers as per_layer; the counts are checked.
+TEST(FrozenShardExecutorTest, PaddedPassesGatherInForwardOrderAtPerLayersPeak) {
+  torch::manual_seed(0);
+  HfModel model;
+  ManifestOptions options;
+  options.layer_list = "encoder.layers";
+  auto manifest = BuildManifest(*model, options);
+  const int64_t rest_bytes = ((4 * 3 + 3) + (3 + 3)) * 4, layer_bytes = (3 * 3 + 3) * 4;
+  auto comm = std::make_shared<LoopbackCommunicator>();
+  auto ex = FrozenShardExecutor::Create(*model, manifest, comm);
+  ASSERT_TRUE(ex.ok()) << ex.status();
+  MicrobatchDecision d;
+  d.key = {4, 1};
+  d.modules = {{"vision_tower", Decision::kPadded, DecisionReason::kDivergent, 3}};
+
+  absl::Status missing = (*ex)->BeginMicrobatch(d);
+  EXPECT_EQ(missing.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(missing.message(), HasSubstr("'vision_tower' is decided `padded` (3 passes) for (4,1)"));
+  absl::Status more = (*ex)->BeginMicrobatch(d, {{"vision_tower", 4}});
+  EXPECT_EQ(more.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(more.message(), HasSubstr("planned 4 calls for (4,1) but the group's `padded` decision has 3 passes"));
+  EXPECT_EQ(comm->gathers, 0) << "refused before gathering anything";
+
+  ASSERT_TRUE((*ex)->BeginMicrobatch(d, {{"vision_tower", 1}}).ok());
+  const size_t rest = (rest_bytes / 4), layer = (layer_bytes / 4);  // Elements (float), a group of one.
+  EXPECT_THAT(comm->counts, ::testing::ElementsAre(rest, layer, layer, rest, layer, layer)) << "two passes";
+  EXPECT_EQ(model->vision_tower->patch_embed->weight.numel(), 0) << "released after the passes";
+  const auto& bytes = (*ex)->bytes().at("vision_tower");
+  EXPECT_EQ(bytes.peak, bytes.shard + rest_bytes + layer_bytes) << "per_layer's peak, not the whole tower";
+  ASSERT_TRUE((*ex)->BeginModule("vision_tower").ok());  // The rank's own call: as per_layer.
+  for (int u : {1, 2}) {
+    ASSERT_TRUE((*ex)->BeforeUnit("vision_tower", u).ok());
+    ASSERT_TRUE((*ex)->AfterUnit("vision_tower", u).ok());
+  }
+  ASSERT_TRUE((*ex)->EndModule("vision_tower").ok());
+  EXPECT_EQ(comm->gathers, 9);
+  ASSERT_TRUE((*ex)->EndForward().ok());
+
+  // A rank that runs other than its planned calls no longer gathers with the group: EndForward
+  // says so (the rank cannot know earlier which call is its last).
+  ASSERT_TRUE((*ex)->BeginMicrobatch(d, {{"vision_tower", 3}}).ok());
+  EXPECT_EQ(comm->gathers, 9) << "the busiest rank makes no passes";
+  ASSERT_TRUE((*ex)->BeginModule("vision_tower").ok());
+  ASSERT_TRUE((*ex)->EndModule("vision_tower").ok());
+  absl::Status fewer = (*ex)->EndForward();
+  EXPECT_EQ(fewer.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(fewer.message(), HasSubstr("was called 1 times but this rank planned 3"));
+  EXPECT_EQ(model->vision_tower->patch_embed->weight.numel(), 0) << "released even so";
+}
+
+// Two padded modules: the chain makes the second one's passes only after the rank's own calls of
+// the first ended, so a rank that runs the first and pads the second gathers in the order of a
+// rank that runs both. Calls out of that order are refused before they gather.
+TEST(FrozenShardExecutorTest, PaddedModulesAreAChainInManifestOrder) {
+  torch::manual_seed(0);
+  Model model;
+  auto manifest = BuildManifest(*model);  // audio_tower (one unit of 6), vision_tower (15 and 12).
+  auto comm = std::make_shared<LoopbackCommunicator>();
+  auto ex = FrozenShardExecutor::Create(*model, manifest, comm);
+  ASSERT_TRUE(ex.ok()) << ex.status();
+  MicrobatchDecision d;
+  d.key = {0, 0};
+  d.modules = {{"audio_tower", Decision::kPadded, DecisionReason::kDivergent, 1},
+               {"vision_tower", Decision::kPadded, DecisionReason::kDivergent, 2}};
+  ASSERT_TRUE((*ex)->BeginMicrobatch(d, {{"audio_tower", 1}, {"vision_tower", 1}}).ok());
+  EXPECT_EQ(comm->gathers, 0) << "the chain waits for this rank's own audio call";
+  absl::Status early = (*ex)->BeginModule("vision_tower");
+  EXPECT_EQ(early.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(early.message(), HasSubstr("'vision_tower' is called while padded module 'audio_tower' has 1 of its 1"));
+  ASSERT_TRUE((*ex)->BeginModule("audio_tower").ok());
+  ASSERT_TRUE((*ex)->EndModule("audio_tower").ok());
+  EXPECT_THAT(comm->counts, ::testing::ElementsAre(6, 15, 12)) << "audio's call, then vision's one pass";
+  ASSERT_TRUE((*ex)->BeginModule("vision_tower").ok());  // Its own call: as per_layer.
+  for (int u : {0, 1}) {
+    ASSERT_TRUE((*ex)->BeforeUnit("vision_tower", u).ok());
+    ASSERT_TRUE((*ex)->AfterUnit("vision_tower", u).ok());
+  }
+  ASSERT_TRUE((*ex)->EndModule("vision_tower").ok());
+  EXPECT_THAT(comm->counts, ::testing::ElementsAre(6, 15, 12, 15, 12));
+  absl::Status beyond = (*ex)->BeginModule("audio_tower");
+  EXPECT_EQ(beyond.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(beyond.message(), HasSubstr("called more often than the 1 calls this rank planned"));
+  EXPECT_EQ(comm->gathers, 5) << "refused before gathering";
+  ASSERT_TRUE((*ex)->EndForward().ok());
+
+  // A per_layer module runs after every padded one.
+  d.modules = {{"audio_tower", Decision::kPerLayer, DecisionReason::kUniform},
+               {"vision_tower", Decision::kPadded, DecisionReason::kDivergent, 1}};
+  ASSERT_TRUE((*ex)->BeginMicrobatch(d, {{"vision_tower", 1}}).ok());
+  absl::Status before = (*ex)->BeginModule("audio_tower");
+  EXPECT_EQ(before.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(before.message(), HasSubstr("while padded module 'vision_tower' has 1 of its 1 planned calls left"));
+  EXPECT_EQ(comm->gathers, 5);
 }
 
 TEST(FrozenShardExecutorTest, RejectsWhatItCannotShard) {

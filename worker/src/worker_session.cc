@@ -268,6 +268,12 @@ std::string Worker::Impl::UnusableDecision(const v1::MicrobatchDecision& d) cons
       case v1::DECISION_ROOT:
       case v1::DECISION_REPLICATE:
         break;
+      case v1::DECISION_PADDED:
+        if (m.calls() < 1) {
+          return absl::StrCat("module '", m.module(), "' is decided padded with ", m.calls(),
+                              " passes; a padded decision has at least one");
+        }
+        break;
       default:
         return absl::StrCat("module '", m.module(), "' has decision value ", static_cast<int>(m.decision()),
                             ", which is no decision this worker knows");

@@ -13,9 +13,11 @@
 //   root        G + c x F               (every rank gathers the whole module once, runs its
 //                                        calls, and releases it after its last one)
 //   replicate   c x F with a resident replica, G + c x F when it has to be built
+//   padded      c x (G + F)             (every rank makes c passes, gather-only ones where it
+//                                        calls less: the busiest rank's per_layer time)
 //
-// Peaks (bytes of the module's parameters held at once beyond a rank's shard): per_layer the
-// largest unit, root and replicate the whole module. A placement fits when its peak is within
+// Peaks (bytes of the module's parameters held at once beyond a rank's shard): per_layer and
+// padded the largest unit, root and replicate the whole module. A placement fits when its peak is within
 // the budget (0: no budget known, everything fits). Bytes gathered per rank: the whole module
 // per gather when n > 1, nothing on a group of one.
 #ifndef SHARDCOORD_COST_H_
@@ -74,21 +76,25 @@ struct CostInputs {
   int group_size = 1;
   int64_t budget_bytes = 0;       // Smallest frozen-memory budget of the members; 0: unknown.
   bool replica_resident = false;  // The group holds a replica of the module now.
+  bool can_pad = false;           // The group's fallback is padded: its executors pad.
 };
 
 SHARDCOORD_EXPORT PlacementEstimate EstimatePlacement(const CostInputs& in, Decision decision,
                                                       const std::vector<int32_t>& calls);
 
-// The cheapest safe placement that fits among skip, per_layer and root (a replica is state
-// across microbatches: the engine decides it with ReplicaSaving). Ties go to the lower peak,
-// then to the order skip, per_layer, root, so with nothing measured the choice is the
-// contract's rule. When no safe placement fits, the safe one with the lowest peak (for
-// divergent calls and a module larger than the budget, root: the only placement that cannot
-// hang); `over_budget` says so.
+// The cheapest safe placement that fits among skip, per_layer, root and (with `can_pad`)
+// padded (a replica is state across microbatches: the engine decides it with ReplicaSaving).
+// Ties go to the lower peak, then to the order skip, per_layer, root, padded, so with nothing
+// measured the choice is the contract's rule. Padded is never faster than root (c gathers
+// against one) but holds one unit: it is chosen for divergent calls when the module does not
+// fit the budget, or for one call, where the two take the same time. When no safe placement
+// fits, the safe one with the lowest peak (for divergent calls and a module larger than the
+// budget without padding, root: the only placement that cannot hang); `over_budget` says so.
 struct CostChoice {
   PlacementEstimate chosen;
   PlacementEstimate per_layer;  // The estimates it compared, for the reason's text.
   PlacementEstimate root;
+  PlacementEstimate padded;     // Considered only with CostInputs::can_pad.
   bool over_budget = false;
 };
 SHARDCOORD_EXPORT CostChoice ChooseByCost(const CostInputs& in, const std::vector<int32_t>& calls);

@@ -13,6 +13,7 @@ namespace shardcoord {
 struct RuleOutcome {
   Decision decision = Decision::kUnspecified;
   DecisionReason reason = DecisionReason::kUnspecified;
+  int32_t calls = 0;  // kPadded: the passes every rank makes (the busiest rank's calls).
 };
 
 // True for the policies that need no plans and never wait for the group.
@@ -21,7 +22,7 @@ SHARDCOORD_EXPORT bool IsStaticPolicy(Policy policy);
 // `calls[r]` is how many times rank r of the group calls the module in the microbatch.
 // - root / replicate: that decision (kStaticPolicy), whatever `calls` holds.
 // - per_layer / auto: all zero -> skip; all equal and > 0 -> per_layer; otherwise the
-//   fallback (kDivergent).
+//   fallback (kDivergent): root, replicate, or padded to the busiest rank's calls.
 // Promotion and sticky replication are state, kept by the coordinator's engine.
 // `policy` and `fallback` must be resolved (not kUnspecified).
 SHARDCOORD_EXPORT RuleOutcome ApplyContract(Policy policy, Fallback fallback,

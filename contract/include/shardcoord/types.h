@@ -20,9 +20,11 @@ namespace shardcoord {
 // Values match shardcoord.v1.Policy.
 enum class Policy : int { kUnspecified = 0, kAuto = 1, kPerLayer = 2, kRoot = 3, kReplicate = 4 };
 // Values match shardcoord.v1.Fallback.
-enum class Fallback : int { kUnspecified = 0, kRoot = 1, kReplicate = 2 };
+enum class Fallback : int { kUnspecified = 0, kRoot = 1, kReplicate = 2, kPadded = 3 };
 // Values match shardcoord.v1.Decision.
-enum class Decision : int { kUnspecified = 0, kPerLayer = 1, kSkip = 2, kRoot = 3, kReplicate = 4 };
+// kPadded: per_layer with every rank making ModuleDecision::calls passes (gather-only ones on
+// the ranks that call the module less often): safe for divergent calls at per_layer's peak.
+enum class Decision : int { kUnspecified = 0, kPerLayer = 1, kSkip = 2, kRoot = 3, kReplicate = 4, kPadded = 5 };
 // Values match shardcoord.v1.DecisionReason.
 enum class DecisionReason : int {
   kUnspecified = 0,
@@ -89,6 +91,7 @@ struct ModuleDecision {
   std::string module;
   Decision decision = Decision::kUnspecified;
   DecisionReason reason = DecisionReason::kUnspecified;
+  int32_t calls = 0;  // kPadded: the passes every rank makes (the busiest rank's calls); else 0.
 };
 
 // Frozen-parameter memory of one controlled module on this rank, for the coordinator.

@@ -246,14 +246,61 @@ void FrozenShardExecutor::Release(Module& m, Unit& u) {
   u.full = torch::Tensor();
 }
 
-absl::Status FrozenShardExecutor::BeginMicrobatch(const MicrobatchDecision& decision) {
-  for (auto& m : modules_) {
-    const ModuleDecision* d = decision.Find(m.spec.name);
+absl::StatusOr<int32_t> FrozenShardExecutor::PadPasses(const Module& m, const ModuleDecision& d,
+                                                       const std::map<std::string, int32_t>& calls,
+                                                       const MicrobatchKey& key) const {
+  auto own = calls.find(m.spec.name);
+  if (own == calls.end()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "module '", m.spec.name, "' is decided `padded` (", d.calls, " passes) for ", key.ToString(),
+        " but BeginMicrobatch got no planned calls for it: pass this rank's planned calls of the microbatch"));
+  }
+  if (own->second < 0 || own->second > d.calls) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "module '", m.spec.name, "': this rank planned ", own->second, " calls for ", key.ToString(),
+        " but the group's `padded` decision has ", d.calls, " passes: give the calls this rank reported"));
+  }
+  return d.calls - own->second;
+}
+
+absl::Status FrozenShardExecutor::Pad(Module& m, int32_t passes) {
+  const int rest = RestIndex(m);
+  for (int32_t pass = 0; pass < passes; ++pass) {
+    if (rest >= 0) {
+      if (absl::Status s = Materialize(m, m.units[rest]); !s.ok()) return s;
+    }
+    for (size_t i = 0; i < m.units.size(); ++i) {
+      if (static_cast<int>(i) == rest) continue;
+      if (absl::Status s = Materialize(m, m.units[i]); !s.ok()) return s;
+      Release(m, m.units[i]);
+    }
+    if (rest >= 0) Release(m, m.units[rest]);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status FrozenShardExecutor::BeginMicrobatch(const MicrobatchDecision& decision,
+                                                  const std::map<std::string, int32_t>& calls) {
+  std::vector<int32_t> pads(modules_.size(), 0);
+  for (size_t i = 0; i < modules_.size(); ++i) {  // Everything is checked before anything is gathered.
+    const ModuleDecision* d = decision.Find(modules_[i].spec.name);
     if (d == nullptr) {
       return absl::InvalidArgumentError(absl::StrCat("the decision for ", decision.key.ToString(),
-                                                     " has no entry for module '", m.spec.name, "'"));
+                                                     " has no entry for module '", modules_[i].spec.name, "'"));
     }
-    m.decision = d->decision;
+    if (d->decision != Decision::kPadded) continue;
+    absl::StatusOr<int32_t> passes = PadPasses(modules_[i], *d, calls, decision.key);
+    if (!passes.ok()) return passes.status();
+    pads[i] = *passes;
+    modules_[i].planned = d->calls - *passes;
+  }
+  for (size_t i = 0; i < modules_.size(); ++i) {
+    Module& m = modules_[i];
+    m.decision = decision.Find(m.spec.name)->decision;
+    m.done = 0;
+    m.pads = pads[i];
+    m.padded_out = false;
+    if (m.decision != Decision::kPadded) m.planned = 0;
     if (m.decision != Decision::kReplicate && m.replicated) {
       // Demoted by `auto`: back to sharded from this microbatch on (local, no collective).
       for (auto& u : m.units) Release(m, u);
@@ -266,7 +313,8 @@ absl::Status FrozenShardExecutor::BeginMicrobatch(const MicrobatchDecision& deci
       m.replicated = m.decision == Decision::kReplicate;
     }
   }
-  return absl::OkStatus();
+  chain_ = 0;  // Root and replicate gathered above on every rank; the padded modules' passes next.
+  return AdvancePads();
 }
 
 absl::Status FrozenShardExecutor::BeforeUnit(const std::string& module, int unit) {
@@ -278,7 +326,7 @@ absl::Status FrozenShardExecutor::BeforeUnit(const std::string& module, int unit
     return absl::FailedPreconditionError(absl::StrCat("module '", module, "' is decided `skip` for this microbatch, "
                                                       "but this rank runs it: its plan said 0 calls"));
   }
-  if (m->decision != Decision::kPerLayer) return absl::OkStatus();
+  if (m->decision != Decision::kPerLayer && m->decision != Decision::kPadded) return absl::OkStatus();
   // Beside layer units, the rest unit is gathered from BeginModule on: a layer before it is refused.
   const int rest = m->units.size() > 1 ? RestIndex(*m) : -1;
   if (rest >= 0 && unit != rest && !m->units[rest].params.empty() && !m->units[rest].full.defined()) {
@@ -294,13 +342,46 @@ absl::Status FrozenShardExecutor::AfterUnit(const std::string& module, int unit)
   if (m == nullptr || unit < 0 || unit >= static_cast<int>(m->units.size())) {
     return absl::InvalidArgumentError(absl::StrCat("no unit ", unit, " of controlled module '", module, "'"));
   }
-  if (m->decision == Decision::kPerLayer) Release(*m, m->units[unit]);
+  if (m->decision == Decision::kPerLayer || m->decision == Decision::kPadded) Release(*m, m->units[unit]);
   return absl::OkStatus();
+}
+
+absl::Status FrozenShardExecutor::AdvancePads() {
+  for (; chain_ < modules_.size(); ++chain_) {
+    Module& m = modules_[chain_];
+    if (m.decision != Decision::kPadded) continue;
+    if (!m.padded_out) {
+      m.padded_out = true;
+      if (absl::Status s = Pad(m, m.pads); !s.ok()) return s;
+    }
+    if (m.done < m.planned) break;  // This rank's own calls come next.
+  }
+  return absl::OkStatus();
+}
+
+absl::Status FrozenShardExecutor::CheckPaddedOrder(const Module& m) const {
+  const size_t index = static_cast<size_t>(&m - modules_.data());
+  if (m.decision == Decision::kPadded && m.done >= m.planned) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "padded module '", m.spec.name, "' is called more often than the ", m.planned, " calls this rank planned: ",
+        "the other ranks padded to the plan, so this call would gather alone; run the calls this rank reported"));
+  }
+  const bool padded_left = chain_ < modules_.size();
+  const bool in_order = m.decision == Decision::kPadded ? chain_ >= index : !padded_left;
+  if (in_order || (m.decision != Decision::kPadded && m.decision != Decision::kPerLayer)) return absl::OkStatus();
+  const Module& waiting = modules_[chain_];
+  return absl::FailedPreconditionError(absl::StrCat(
+      "module '", m.spec.name, "' is called while padded module '", waiting.spec.name, "' has ",
+      waiting.planned - waiting.done, " of its ", waiting.planned, " planned calls left: the ranks that pad gather ",
+      "the padded modules first, module by module in manifest order; run every call of '", waiting.spec.name,
+      "' first, or give the manifest in the order the forward calls the modules"));
 }
 
 absl::Status FrozenShardExecutor::BeginModule(const std::string& module) {
   Module* m = Find(module);
   if (m == nullptr) return absl::InvalidArgumentError(absl::StrCat("no controlled module '", module, "'"));
+  if (absl::Status s = CheckPaddedOrder(*m); !s.ok()) return s;
+  if (m->decision == Decision::kPadded) ++m->done;
   const int rest = RestIndex(*m);
   if (rest < 0) return m->decision == Decision::kSkip ? BeforeUnit(module, 0) : absl::OkStatus();
   return BeforeUnit(module, rest);
@@ -310,7 +391,11 @@ absl::Status FrozenShardExecutor::EndModule(const std::string& module) {
   Module* m = Find(module);
   if (m == nullptr) return absl::InvalidArgumentError(absl::StrCat("no controlled module '", module, "'"));
   const int rest = RestIndex(*m);
-  return rest < 0 ? absl::OkStatus() : AfterUnit(module, rest);
+  if (rest >= 0) {
+    if (absl::Status s = AfterUnit(module, rest); !s.ok()) return s;
+  }
+  // The last planned call of a padded module: the chain goes on with the next one's passes.
+  return m->decision == Decision::kPadded && m->done == m->planned ? AdvancePads() : absl::OkStatus();
 }
 
 int FrozenShardExecutor::RestIndex(const Module& m) {
@@ -331,12 +416,19 @@ int FrozenShardExecutor::UnitIndex(const std::string& module, const std::string&
 }
 
 absl::Status FrozenShardExecutor::EndForward() {
+  absl::Status status;
   for (auto& m : modules_) {
-    if (m.decision == Decision::kRoot) {
+    if (m.decision == Decision::kPadded && m.done != m.planned && status.ok()) {
+      status = absl::FailedPreconditionError(absl::StrCat(
+          "padded module '", m.spec.name, "' was called ", m.done, " times but this rank planned ", m.planned,
+          ": the group's all-gathers no longer match (the other ranks padded to the planned calls); give "
+          "BeginMicrobatch the calls this rank reported and run exactly those"));
+    }
+    if (m.decision == Decision::kRoot || m.decision == Decision::kPadded) {
       for (auto& u : m.units) Release(m, u);
     }
   }
-  return absl::OkStatus();
+  return status;
 }
 
 }  // namespace shardcoord::torchx

@@ -14,6 +14,18 @@
 // Collective rule: every rank of the group calls the hooks below for the same microbatches
 // in the same order, with the group's identical decision. That is what the coordinator
 // guarantees: `per_layer` only when every rank calls the module the same number of times.
+// `padded` (fallback padded, for divergent calls) is per_layer with every rank making the
+// decision's `calls` passes: the rank makes the passes it will not make itself (its planned
+// calls fewer) as gather-only passes, each gathering and releasing every unit in the order a
+// forward does (the rest unit first, then the layers in manifest order). The padded modules
+// form a chain in manifest order: BeginMicrobatch pads from the first one and stops at a module
+// this rank still calls; the end of its last planned call (EndModule) goes on with the next.
+// So the forward must run the padded modules in manifest order, all calls of one before the
+// first call of the next, before any per_layer module (give Create and the coordinator the
+// manifest in the order the forward calls the modules), and they must be the first users of
+// the group's communicator in the microbatch. A call out of that order or beyond the plan gets
+// FAILED_PRECONDITION from BeginModule, before it gathers; fewer calls than planned, from
+// EndForward.
 //
 // Thread-safety: one trainer thread. Not copyable.
 #ifndef SHARDCOORD_TORCH_EXECUTOR_H_
@@ -64,12 +76,18 @@ class FrozenShardExecutor {
                                                                       std::shared_ptr<Communicator> group);
 
   // At the always-run start of a microbatch, with the group's decision: `root` modules
-  // are gathered whole now; `replicate` modules become resident (gathered once); `skip` and
-  // `per_layer` do nothing yet.
-  absl::Status BeginMicrobatch(const MicrobatchDecision& decision);
+  // are gathered whole now; `replicate` modules become resident (gathered once); `padded`
+  // modules get their gather-only passes (decision calls minus this rank's `calls`, the calls
+  // it planned for the microbatch); `skip` and `per_layer` do nothing yet. FAILED_PRECONDITION
+  // when a padded module has no entry in `calls`, or more calls than the decision's passes
+  // (the plan and the decision disagree); nothing was gathered then.
+  absl::Status BeginMicrobatch(const MicrobatchDecision& decision,
+                               const std::map<std::string, int32_t>& calls = {});
   // When the rank's call of a module starts and ends: `per_layer` gathers its rest unit ""
   // (or its one whole-module unit) and releases it; `skip` refuses BeginModule (the plan said
-  // 0 calls). No-ops for modules without a rest unit and for root / replicate.
+  // 0 calls); `padded` as per_layer, counting the calls (EndModule of the last planned one
+  // makes the next padded module's passes). No-ops for modules without a rest unit and for
+  // root / replicate.
   absl::Status BeginModule(const std::string& module);
   absl::Status EndModule(const std::string& module);
   // Around each unit of a module the rank runs: `per_layer` gathers it before and releases
@@ -112,6 +130,10 @@ class FrozenShardExecutor {
     std::vector<Unit> units;
     Decision decision = Decision::kSkip;
     bool replicated = false;
+    int32_t planned = 0;  // Padded: this rank's planned calls in the microbatch.
+    int32_t done = 0;     // Padded: calls begun (BeginModule).
+    int32_t pads = 0;     // Padded: the gather-only passes this rank makes.
+    bool padded_out = false;  // Padded: those passes were made.
   };
 
   FrozenShardExecutor(std::shared_ptr<Communicator> group) : group_(std::move(group)) {}
@@ -122,12 +144,23 @@ class FrozenShardExecutor {
   absl::Status ShardModule(Module& mod, const std::shared_ptr<torch::nn::Module>& module);
   static int RestIndex(const Module& m);
   absl::Status Materialize(Module& m, Unit& u);
+  // This rank's gather-only passes for a padded module (checked by BeginMicrobatch).
+  absl::StatusOr<int32_t> PadPasses(const Module& m, const ModuleDecision& d,
+                                    const std::map<std::string, int32_t>& calls, const MicrobatchKey& key) const;
+  absl::Status Pad(Module& m, int32_t passes);
+  // The pad chain (see the class comment): from module `chain_` on, makes each padded module's
+  // passes and stops at one this rank still calls.
+  absl::Status AdvancePads();
+  // A call of `m` that would gather in another order than the ranks that pad: before the chain
+  // reached it, beyond its plan, or (per_layer) while padded calls are left.
+  absl::Status CheckPaddedOrder(const Module& m) const;
   void Release(Module& m, Unit& u);
   void Account(Module& m, int64_t delta_bytes);
   Module* Find(const std::string& module);
 
   std::shared_ptr<Communicator> group_;
   std::vector<Module> modules_;
+  size_t chain_ = 0;  // The pad chain's position in modules_ (modules_.size(): done).
   std::map<std::string, ModuleBytes> bytes_;
   int64_t resident_total_ = 0;
   int64_t peak_total_ = 0;
