@@ -13,7 +13,7 @@
 namespace shardcoord::python {
 namespace {
 
-py::tuple ModuleFields(const PyModuleDecision& d) { return py::make_tuple(d.decision, d.reason); }
+py::tuple ModuleFields(const PyModuleDecision& d) { return py::make_tuple(d.decision, d.reason, d.calls); }
 
 py::tuple DecisionFields(const PyDecision& d) {
   return py::make_tuple(d.group, d.step, d.microbatch, d.epoch, d.seq, d.digest, d.modules);
@@ -38,15 +38,21 @@ py::dict Modules(const py::object& modules) {
 }
 
 void BindDecision(py::module_& m) {
-  py::class_<PyModuleDecision> module(m, "ModuleDecision", "One module's part of a decision: decision and reason.");
-  module.def(py::init([](std::string decision, std::string reason) {
-               return PyModuleDecision{std::move(decision), std::move(reason)};
+  py::class_<PyModuleDecision> module(m, "ModuleDecision",
+                                      "One module's part of a decision: decision, reason and (padded) calls.");
+  module.def(py::init([](std::string decision, std::string reason, int32_t calls) {
+               return PyModuleDecision{std::move(decision), std::move(reason), calls};
              }),
-             py::arg("decision"), py::arg("reason"))
-      .def_readonly("decision", &PyModuleDecision::decision, "\"per_layer\", \"skip\", \"root\" or \"replicate\"")
+             py::arg("decision"), py::arg("reason"), py::arg("calls") = 0)
+      .def_readonly("decision", &PyModuleDecision::decision,
+                    "\"per_layer\", \"skip\", \"root\", \"replicate\" or \"padded\"")
       .def_readonly("reason", &PyModuleDecision::reason,
-                    "\"uniform\", \"all_skip\", \"divergent\", \"static_policy\", \"sticky_replicate\", \"promoted\"");
-  DefValue<PyModuleDecision>(module, {"decision", "reason"}, ModuleFields, /*hashable=*/true);
+                    "\"uniform\", \"all_skip\", \"divergent\", \"static_policy\", \"sticky_replicate\", \"promoted\", "
+                    "\"cost\"")
+      .def_readonly("calls", &PyModuleDecision::calls,
+                    "\"padded\": the passes every rank of the group makes over the module (the busiest rank's "
+                    "calls; a rank that calls it less makes gather-only passes); 0 for the other decisions");
+  DefValue<PyModuleDecision>(module, {"decision", "reason", "calls"}, ModuleFields, /*hashable=*/true);
 
   py::class_<PyDecision> decision(m, "Decision",
                                   "The group's decision for one microbatch: identical on every rank of the group. "
@@ -103,7 +109,8 @@ void BindGroup(py::module_& m) {
 PyDecision ToPython(const MicrobatchDecision& d) {
   py::dict modules;
   for (const auto& md : d.modules) {
-    modules[py::str(md.module)] = PyModuleDecision{DecisionName(md.decision), DecisionReasonName(md.reason)};
+    modules[py::str(md.module)] =
+        PyModuleDecision{DecisionName(md.decision), DecisionReasonName(md.reason), md.calls};
   }
   return {d.group, d.key.step, d.key.microbatch, d.epoch, d.seq, d.digest, std::move(modules)};
 }

@@ -62,7 +62,7 @@ Policy PolicyFromName(const std::string& name) {
 
 Fallback FallbackFromName(const std::string& name) {
   return FromName<Fallback>(name, ParseFallback, FallbackName(Fallback::kUnspecified), "fallback",
-                            "root or replicate");
+                            "root, replicate or padded");
 }
 
 std::string TypeName(const py::handle& obj) {

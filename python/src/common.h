@@ -39,8 +39,9 @@ std::vector<T> ListOf(const py::iterable& items, const char* what, const char* t
 // decisions and reasons by name. Hand-made ones (a trainer deciding locally, a benchmark) are
 // built the same way.
 struct PyModuleDecision {
-  std::string decision;  // "per_layer", "skip", "root" or "replicate".
+  std::string decision;  // "per_layer", "skip", "root", "replicate" or "padded".
   std::string reason;    // "uniform", "all_skip", "divergent", "static_policy", "sticky_replicate", "promoted", "cost".
+  int32_t calls = 0;     // "padded": the passes every rank of the group makes; 0 otherwise.
 };
 
 struct PyDecision {
