@@ -562,8 +562,8 @@ void AddReplayJobOptions(CLI::App* replay, ReplayFlags* f) {
       ->check(CLI::Range(1, kMaxTimeoutMs));
   replay->add_option("--policy", f->policy, "auto, per_layer, root or replicate (default: the coordinator's)")
       ->check(CLI::IsMember({"auto", "per_layer", "root", "replicate"}));
-  replay->add_option("--fallback", f->fallback, "root or replicate (default: the coordinator's)")
-      ->check(CLI::IsMember({"root", "replicate"}));
+  replay->add_option("--fallback", f->fallback, "root, replicate or padded (default: the coordinator's)")
+      ->check(CLI::IsMember({"root", "replicate", "padded"}));
   replay->add_option("--modules", f->modules_arg, "controlled module names, comma-separated (default: those in the trace)");
   replay->add_option("--manifest", f->manifest_path, "manifest JSON file instead of --modules")->check(CLI::ExistingFile);
   replay->add_flag("--no-outer-root", f->no_outer, "register wrap_outer_model=false");

@@ -364,7 +364,8 @@ void PrintSummary(const Trace& trace, const ReplayOptions& o, const std::vector<
       << " in groups " << absl::StrJoin(groups, ",") << ", " << trace.keys.size()
       << " microbatches, " << o.modules.size() << " modules; group decisions: per_layer="
       << counts["per_layer"] << " skip=" << counts["skip"] << " root=" << counts["root"]
-      << " replicate=" << counts["replicate"] << " (divergent=" << counts["divergent"] << "); "
+      << " replicate=" << counts["replicate"] << " padded=" << counts["padded"] << " (divergent=" << counts["divergent"]
+      << "); "
       << (diverged           ? "RANKS DISAGREE"
           : failed_ranks > 0 ? absl::StrCat(failed_ranks, " of ", runs.size(),
                                             " ranks FAILED; the decisions the others received agree")
@@ -500,7 +501,7 @@ void PrintVerifySummary(const VerifyState& state, int64_t missing, bool complete
   for (const auto& [key, s] : state.seen) counts[s.decision]++;
   out << "verified " << state.seen.size() << " group decisions from ranks " << absl::StrJoin(state.ranks, ",")
       << ": per_layer=" << counts["per_layer"] << " skip=" << counts["skip"]
-      << " root=" << counts["root"] << " replicate=" << counts["replicate"] << "; "
+      << " root=" << counts["root"] << " replicate=" << counts["replicate"] << " padded=" << counts["padded"] << "; "
       << (state.mismatches ? absl::StrCat(state.mismatches, " MISMATCHES")
           : missing && complete
               ? absl::StrCat(missing, " decisions MISSING from some rank's output")

@@ -205,7 +205,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                     help="torch.distributed init method (default env:// when $MASTER_ADDR is set)")
     ap.add_argument("--nproc", type=int, default=0, help="launch this many ranks locally and wait for them")
     ap.add_argument("--policy", default="auto", choices=["auto", "per_layer", "root", "replicate"])
-    ap.add_argument("--fallback", default="root", choices=["root", "replicate"])
+    ap.add_argument("--fallback", default="root", choices=["root", "replicate", "padded"])
     ap.add_argument("--media", default="mixed", choices=["mixed", "all", "none", "rank0"])
     ap.add_argument("--image-fraction", type=float, default=0.5)
     ap.add_argument("--skew", type=float, default=0.0, help="even ranks get fraction + skew, odd fraction - skew")
@@ -278,7 +278,9 @@ def start(args: argparse.Namespace) -> Rank:
     torch.set_num_threads(1)  # Deterministic, and small CPU machines are shared by all ranks.
     torch.manual_seed(1234)  # Identical initial weights on every rank.
     model = VlmForConditionalGeneration()
-    specs = sct.manifest(model)
+    # In the order the forward calls the modules (the tower, then the projector): the order a
+    # padded decision's gather-only passes follow (fallback padded; DESIGN 3, "Padded").
+    specs = sorted(sct.manifest(model), key=lambda spec: spec.name != "model.visual")
     worker = shardcoord.Worker(args.job, specs, args.group_size, rank=args.rank, world_size=args.world_size,
                                address=args.coordinator, policy=args.policy, fallback=args.fallback,
                                lookahead=args.lookahead, memory_budget_bytes=args.memory_budget_bytes,
@@ -319,10 +321,13 @@ def run_microbatch(r: Rank, mb: int, batch: Microbatch, decision) -> float:
         r.decided[d.decision] += 1
         r.fallbacks += d.reason == "divergent"
     r.check()
+    # This rank's planned calls (what PlanAhead reported): root releases after the last, padded
+    # pads up to the group's passes.
+    calls = {name: 0 if batch.pixels is None else 1 for name in decision.modules}
     if r.executor is not None:
-        r.executor.begin_microbatch(decision)
+        r.executor.begin_microbatch(decision, calls=calls)
     if r.control is not None:
-        r.control.begin_microbatch(decision)
+        r.control.begin_microbatch(decision, calls=calls)
     if args.fsdp2:
         r.model.set_requires_gradient_sync(mb == args.accum - 1)  # Reduce-scatter once per step.
     pixels = None if batch.pixels is None else batch.pixels.to(r.device)
@@ -367,7 +372,8 @@ def end_step(r: Rank, step: int, step_loss: float) -> None:
 
 def print_summary(r: Rank) -> None:
     summary = (f"summary rank {r.args.rank}: decisions per_layer={r.decided['per_layer']} skip={r.decided['skip']} "
-               f"root={r.decided['root']} replicate={r.decided['replicate']} fallbacks={r.fallbacks}")
+               f"root={r.decided['root']} replicate={r.decided['replicate']} padded={r.decided['padded']} "
+               f"fallbacks={r.fallbacks}")
     if r.executor is not None:
         gathered = sum(b.gathered for b in r.executor.bytes.values())
         summary += f" gathered_bytes={gathered} peak_frozen_bytes={r.executor.peak_total_bytes}"

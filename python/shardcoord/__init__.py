@@ -4,7 +4,7 @@
     with shardcoord.Worker("run-42", manifest, group_size=8) as w:   # RANK/WORLD_SIZE from torchrun
         w.report_plan(step, mb, {"model.visual": 1})                  # ahead of time
         d = w.get_decision(step, mb, timeout=30)                      # right before the microbatch
-        d["model.visual"].decision                                    # "per_layer", "skip", "root", "replicate"
+        d["model.visual"].decision                                    # "per_layer", "skip", "root", "replicate", "padded"
 
 ``shardcoord.torch`` builds the manifest from a ``torch.nn.Module`` and keeps plans ahead of the
 training loop. ``import shardcoord`` loads no native code and never imports torch; the binding is

@@ -41,6 +41,27 @@ What each decision does, so that every rank of the shard group issues the same c
   order on every rank) at the first replicate decision and kept while decisions stay replicate; the
   module's forward runs the copy, so its FSDP units issue nothing. Holding FSDP units unsharded
   instead hangs at the second microbatch (the end-of-backward callback reshards them).
+- ``padded`` (``ModuleDecision.calls``, or ``("padded", K)`` in a mapping of decisions): ranks call
+  the module unequally often, and every rank makes K all-gather passes over its layer units, K the
+  most calls any rank makes. The rank's own c calls gather as under ``per_layer``; the other K - c
+  are pad passes (``unshard()`` then ``reshard()`` of each layer unit in manifest order: gather
+  only, no forward). ``begin_microbatch`` needs the rank's ``calls``. The peak stays one layer unit
+  (``root`` holds the whole module). Several modules can be padded in one microbatch: their passes
+  form a chain in manifest order, as in ``shardcoord.torch.Executor``. A forward pre-hook on the
+  model, which runs after FSDP's own (FSDP2 registers its pre-forward hook with ``prepend=True``),
+  so after the root unit's all-gather, as on a rank that runs the modules, issues the pads of the
+  padded modules in manifest order up to the first one this rank calls (its pads included) and
+  stops there; the end of this rank's last planned call of that module issues the pads from the
+  next one on, up to the next it calls, and so on: every rank makes module A's K passes, then
+  module B's. What it assumes: the padded modules are called inside the model's forward, in
+  manifest order (order the manifest as the forward calls them), every call of one before the
+  first call of the next, before any other controlled module's call and before any other FSDP
+  unit gathers (a VLM's towers run before its decoder); a forward gathers a module's layer units
+  in manifest order (its layer list's); the rank runs exactly the calls it planned. Checked before
+  a call gathers (FailedPrecondition naming both modules): a padded module called while an
+  earlier padded module still has planned calls left, another controlled module called while a
+  padded module still has, a call before the model's forward started, a call beyond the plan;
+  ``end_microbatch`` raises for fewer calls or pads never issued.
 
 - A controlled module's rest unit ("" beside layer units in the manifest: the parameters outside its
   layer lists, such as patch embeddings, norms, mergers and pooling heads) is not wrapped on its own:
@@ -72,13 +93,14 @@ from __future__ import annotations
 import copy
 import functools
 import warnings
-from typing import TYPE_CHECKING, Dict, Iterable, List, Mapping, Optional
+from typing import TYPE_CHECKING, Dict, Iterable, List, Mapping, Optional, Tuple, Union
 
 import torch
 from torch import nn
 
 from .errors import FailedPrecondition, InvalidArgument
-from .torch._executor import _requires_grad  # Whether a module's output takes part in backward.
+# Whether a module's output takes part in backward; one module's entry of a decision; padded's plan.
+from .torch._executor import _decision_of, _PadChain, _padded_plan, _requires_grad
 
 if TYPE_CHECKING:  # pragma: no cover - the binding's types, looked up on first use (worker.py)
     from .worker import Decision, ModuleSpec
@@ -113,6 +135,15 @@ class _Controlled:
         self.planned: Optional[int] = None  # Root, released early: this rank's planned calls.
         self.calls_done = 0  # Calls of the module in this microbatch.
         self.released = False  # Root: released after the last planned call; a further call would hang.
+        self.chain: Optional[_PadChain] = None  # The control's pad chain (set by Fsdp2Control).
+
+    def pad(self, passes: int) -> None:
+        """Padded: ``passes`` pad passes, each an ``unshard()`` and ``reshard()`` of every layer
+        unit in manifest order (an all-gather per unit, then local)."""
+        for _ in range(passes):
+            for unit in self.units:
+                unit.unshard()
+                unit.reshard()  # Local: no collective.
 
     def gather_root(self, planned: Optional[int]) -> None:
         """Root: gathers every unit (same order on every rank). With ``planned`` (this rank's
@@ -145,6 +176,16 @@ class _Controlled:
             unit.set_reshard_after_forward(True, recurse=False)
 
     def before_call(self) -> None:
+        """A call of the module starts (whatever its decision): refused, before it gathers, when it
+        would not pair with the other ranks' all-gathers."""
+        if self.chain is not None and self.chain.waiting:
+            raise FailedPrecondition(
+                f"fsdp2: '{self.name}' is called before the model's forward started while modules are decided "
+                f"`padded`: their pad passes are issued in the model's forward pre-hook, after FSDP's root "
+                f"all-gather, so a call outside the model's forward gathers out of order; call it inside the model's "
+                f"forward")
+        if self.chain is not None:
+            self.chain.before_call(self.name, self.decision)
         if self.decision == "root" and self.released:
             raise FailedPrecondition(
                 f"fsdp2: '{self.name}' is called under `root` after this rank's {self.planned} planned "
@@ -153,7 +194,11 @@ class _Controlled:
                 f"for the microbatch) to begin_microbatch, or shard(..., root_release='end_of_microbatch')")
 
     def after_call(self, output) -> None:
-        """Root, released early: after the last planned call, release (unless backward needs it)."""
+        """Padded: after this rank's last planned call, the pad chain goes on (the next padded
+        modules' pads). Root, released early: after the last planned call, release (unless
+        backward needs it)."""
+        if self.chain is not None:
+            self.chain.after_call(self.name)
         if self.decision != "root" or self.planned is None or not self.root_gathered:
             return
         self.calls_done += 1
@@ -169,6 +214,7 @@ class _Controlled:
         self.released = True
 
     def end(self) -> None:
+        """Releases what root holds."""
         self.release_root()
         self.planned, self.calls_done, self.released = None, 0, False
 
@@ -186,6 +232,11 @@ class Fsdp2Control:
         self.left_in_root = left_in_root  # Controlled modules without a layer list.
         self._in_microbatch = False
         self.root_release = root_release
+        # Padded modules' passes, in manifest order, from the model's forward pre-hook on.
+        self._chain = _PadChain(list(controlled), lambda name, passes: controlled[name].pad(passes), who="fsdp2: ",
+                                unstarted="the model's forward never ran")
+        for c in controlled.values():
+            c.chain = self._chain
 
     @property
     def root_release(self) -> str:
@@ -199,35 +250,47 @@ class Fsdp2Control:
             raise FailedPrecondition("root_release changed inside a microbatch; change it between microbatches")
         self._root_release = value
 
-    def begin_microbatch(self, decision: Decision, calls: Optional[Mapping[str, int]] = None) -> None:
+    def begin_microbatch(self, decision: Union[Decision, Mapping[str, object]],
+                         calls: Optional[Mapping[str, int]] = None) -> None:
         """Applies the group's decision before the microbatch's forward. Identical on every rank.
 
-        ``calls``: how often this rank will call each controlled module in the microbatch (the plan
-        it reported); under ``root`` the module is released right after the last of them (module
-        absent from ``calls``: at ``end_microbatch``)."""
+        ``decision``: the group's Decision, or a mapping module -> decision name, ``("padded", K)``
+        or ModuleDecision. ``calls``: how often this rank will call each controlled module in the
+        microbatch (the plan it reported); under ``root`` the module is released right after the
+        last of them (module absent from ``calls``: at ``end_microbatch``); required for the
+        modules decided ``padded`` (the rank pads the group's K passes up from them)."""
         if self._in_microbatch:
             raise FailedPrecondition("begin_microbatch called twice; call end_microbatch after each backward")
         chosen = self._chosen(decision)
         planned = self._planned(calls)
+        padded = _padded_plan(chosen, planned if calls is not None else None)
         for name, c in self._controlled.items():
-            c.decision = chosen[name]
+            c.decision = chosen[name][0]
             if c.decision != "replicate" and c.replica is not None:
                 c.replica = None  # Back to sharded: free the copy.
             if c.decision == "root":
                 c.gather_root(planned.get(name) if self._root_release == "after_forward" else None)
             elif c.decision == "replicate" and c.replica is None:
                 c.replica = _materialize(c, self._root)
+        self._chain.begin({name: (chosen[name][1], n) for name, n in padded.items() if name in self._controlled})
         self._in_microbatch = True
 
-    def _chosen(self, decision: Decision) -> Dict[str, str]:
-        """module -> decision for every controlled module, checked before any module changes."""
+    def _before_model_forward(self, _module: nn.Module, _args) -> None:
+        """The model's forward pre-hook, after FSDP's (the root unit is gathered): the pad chain
+        starts (the pads up to the first padded module this rank calls)."""
+        if self._in_microbatch:
+            self._chain.start()
+
+    def _chosen(self, decision: Union[Decision, Mapping[str, object]]) -> Dict[str, Tuple[str, int]]:
+        """module -> (decision, passes) for every controlled module, checked before any module changes."""
+        entries = getattr(decision, "modules", decision)
         chosen = {}
         for name in self._controlled:
-            md = decision.modules.get(name)
+            md = entries.get(name)
             if md is None:
                 raise InvalidArgument(f"the decision names no module '{name}'; the manifest registered with the "
                                       f"coordinator must be the one given to fsdp2.shard")
-            chosen[name] = md.decision
+            chosen[name] = _decision_of(name, md)
         return chosen
 
     def _planned(self, calls: Optional[Mapping[str, int]]) -> Dict[str, int]:
@@ -243,10 +306,20 @@ class Fsdp2Control:
         return planned
 
     def end_microbatch(self) -> None:
-        """After the microbatch's backward: releases what ``root`` still holds (local, no collective)."""
+        """After the microbatch's backward: releases what ``root`` still holds (local, no collective).
+        Then raises FailedPrecondition when, under ``padded``, this rank's all-gathers did not match
+        the group's (it ran other calls than it planned, or pads were never issued: the model's
+        forward never ran, or the chain stopped at a module called less than planned)."""
+        wrong = self._chain.wrong()
+        self._chain.begin({})
         for c in self._controlled.values():
             c.end()
         self._in_microbatch = False
+        if wrong:
+            raise FailedPrecondition(
+                f"fsdp2: under `padded` this rank's all-gathers differed from the group's: {'; '.join(wrong)}. "
+                f"Another rank may wait in, or have paired with, a different collective: stop the job, and give "
+                f"begin_microbatch the calls this rank makes (the plan it reported), inside a forward of the model")
 
     def gathered(self, module: str) -> bool:
         """Whether ``root`` holds ``module``'s units gathered now (False once released)."""
@@ -369,7 +442,11 @@ def shard(model: nn.Module, manifest: Iterable[ModuleSpec], mesh=None, fill_miss
     fully_shard(model, **kwargs)
     if fill_missing_grads:
         _fill_missing_grads(model)
-    return Fsdp2Control(controlled, left_in_root, model, root_release)
+    ctl = Fsdp2Control(controlled, left_in_root, model, root_release)
+    # Padded's pad passes: registered after fully_shard, so it runs after FSDP's own pre-forward
+    # hook (registered with prepend=True), once the root unit is gathered, as on a calling rank.
+    model.register_forward_pre_hook(ctl._before_model_forward)
+    return ctl
 
 
 def _fill_missing_grads(model: nn.Module) -> None:
@@ -418,9 +495,9 @@ def _route_forward(c: _Controlled) -> None:
     # output_hidden_states.
     @functools.wraps(original)
     def forward(*args, **kwargs):
+        c.before_call()  # Under every decision: the padded modules' order is checked.
         if c.decision == "replicate" and c.replica is not None:
             return c.replica(*args, **kwargs)
-        c.before_call()
         output = original(*args, **kwargs)
         c.after_call(output)  # Root: released after this rank's last planned call.
         return output

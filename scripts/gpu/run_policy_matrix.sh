@@ -15,6 +15,10 @@
 #   run_policy_matrix.sh --mixes random50 skewed --repeats 4 --timeout 450 # then the other mixes, and
 #   run_policy_matrix.sh --mixes llava15_665k@1 qwen25vl_sft@4 --repeats 4 --timeout 450 # published ones
 #   ... --memory-budget-bytes 536870912                                   # regime b: no replica fits
+#   run_policy_matrix.sh --mixes random50 qwen25vl_sft@4 --memory-budget-bytes 536870912 \
+#       --placements root per_layer_dummy sc_per_layer sc_padded sc_auto_padded --repeats 4 --timeout 450
+#                                    # regime b with fallback padded: divergent microbatches padded
+#                                    # (one unit held) against root (whole tower) and dummy forwards
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 exec > >(tee "${OUT:-/tmp}/policy_matrix.log") 2>&1

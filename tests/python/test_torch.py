@@ -389,6 +389,214 @@ def test_executor_catches_misuse(group_of_one):
     ex.end_microbatch()
 
 
+def test_executor_padded_in_the_mapping_form(group_of_one):
+    model = frozen_vlm()
+    reference = copy.deepcopy(model)
+    ex = sct.Executor(model, sct.manifest(model))
+    visual, x = model.model.visual, torch.randn(5, 4)
+    # ("padded", K), K = 3 passes, this rank planned 1 call: 2 pad passes over the 2 units now.
+    ex.begin_microbatch(decide(("padded", 3)), calls={"model.visual": 1})
+    assert ex.current("model.visual") == "padded"
+    assert ex.gathers == 2 * 2 and all(p.numel() == 0 for p in visual.parameters()), "pads gather and release"
+    with torch.no_grad():
+        assert bits(visual(x)) == bits(reference.model.visual(x))
+    assert ex.gathers == 3 * 2 and all(p.numel() == 0 for p in visual.parameters()), "the real call as per_layer"
+    ex.end_microbatch()
+    full = nbytes((4, 3), (3, 3))
+    b = ex.bytes["model.visual"]
+    assert (b.resident, b.gathered) == (full, 3 * full)
+    assert b.peak == full + nbytes((4, 3)), "one unit at a time, never the whole module"
+    # A list works as the pair; a rank that planned K calls pads nothing.
+    ex.begin_microbatch(decide(["padded", 2]), calls={"model.visual": 2, "not.controlled": 5})
+    assert ex.gathers == 3 * 2
+    with torch.no_grad():
+        visual(x)
+        visual(x)
+    ex.end_microbatch()
+    assert ex.gathers == 5 * 2
+
+
+def test_executor_padded_refuses_what_would_not_pair(group_of_one):
+    model = frozen_vlm()
+    ex = sct.Executor(model, sct.manifest(model))
+    visual, x = model.model.visual, torch.randn(5, 4)
+    refusals = [
+        (decide("padded"), {"model.visual": 1}, shardcoord.InvalidArgument,
+         r"module 'model.visual' is decided \"padded\" without its number of passes: give \(\"padded\", K\)"),
+        (decide(("padded", 0)), {"model.visual": 0}, shardcoord.InvalidArgument, r"K must be >= 1"),
+        (decide(("per_layer", 2)), None, shardcoord.InvalidArgument, r"`per_layer` with 2 passes: only `padded`"),
+        (decide(("padded", "2")), None, shardcoord.InvalidArgument, r"must be a decision name, \(\"padded\", K\)"),
+        (decide(("paded", 2)), None, shardcoord.InvalidArgument, r"unknown decision 'paded' for module 'model.visual'"),
+        (decide(("padded", 2)), None, shardcoord.InvalidArgument,
+         r"'model.visual' is decided `padded` \(2 all-gather passes on every rank\) but begin_microbatch got no calls"),
+        (decide(("padded", 2)), {"audio_tower": 1}, shardcoord.InvalidArgument, r"no calls for it: pass calls="),
+        (decide(("padded", 2)), {"model.visual": -1}, shardcoord.InvalidArgument, r"non-negative int"),
+        (decide(("padded", 2)), {"model.visual": 3}, shardcoord.FailedPrecondition,
+         r"planned 3 calls of 'model.visual', but the group's `padded` decision makes 2 passes.*disagree"),
+    ]
+    for decision, calls, error, message in refusals:
+        with pytest.raises(error, match=message):
+            ex.begin_microbatch(decision, calls=calls)
+        assert ex.gathers == 0, "refused before anything gathers"
+    # Fewer calls than planned: end_microbatch releases, then says the all-gathers no longer matched.
+    ex.begin_microbatch(decide(("padded", 2)), calls={"model.visual": 2})
+    # Runs after the executor's pre-hook gathered blocks.0.
+    visual.blocks[0].register_forward_pre_hook(lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(RuntimeError, match="boom"), torch.no_grad():
+        visual(x)  # A forward that fails with a unit gathered.
+    assert visual.blocks[0].weight.numel() == 12
+    with pytest.raises(shardcoord.FailedPrecondition, match=r"'model.visual' ran 1 call\(s\), planned 2.*no longer "
+                                                             r"matched the group's"):
+        ex.end_microbatch()
+    assert ex.resident_total_bytes == sum(b.shard for b in ex.bytes.values()), "released before raising"
+    assert ex.current("model.visual") is None
+    ex.begin_microbatch(decide("skip"))  # The executor goes on.
+    ex.end_microbatch()
+
+
+def test_executor_padded_in_the_module_decision_form(group_of_one):
+    if not hasattr(shardcoord.ModuleDecision, "calls"):
+        pytest.skip("this build's binding has no ModuleDecision.calls (it predates `padded`): rebuild it")
+    model = frozen_vlm()
+    ex = sct.Executor(model, sct.manifest(model))
+    skip = shardcoord.ModuleDecision("skip", "all_skip")
+    assert skip.calls == 0
+    modules = {n: skip for n in decide("skip")}
+    modules["model.visual"] = shardcoord.ModuleDecision("padded", "divergent", calls=2)
+    d = shardcoord.Decision(0, 3, 1, 0, 7, 0, modules)
+    with pytest.raises(shardcoord.InvalidArgument, match=r"got no calls for it"):
+        ex.begin_microbatch(d)
+    ex.begin_microbatch(d, calls={"model.visual": 0})
+    assert ex.gathers == 2 * 2 and ex.current("model.visual") == "padded"
+    ex.end_microbatch()
+    modules["model.visual"] = shardcoord.ModuleDecision("padded", "divergent")
+    with pytest.raises(shardcoord.InvalidArgument, match=r"`padded` with 0 passes: K must be >= 1"):
+        ex.begin_microbatch(shardcoord.Decision(0, 3, 2, 0, 8, 0, modules), calls={"model.visual": 0})
+
+
+class TwoTowers(nn.Module):
+    """audio_tower, multi_modal_projector, vision_tower in manifest (path) order; the forward calls
+    the audio tower once per audio input, then the vision tower once per image, then the projector."""
+
+    def __init__(self):
+        super().__init__()
+        self.audio_tower = Tower(sizes=((4, 3), (3, 3))).requires_grad_(False)   # Units of 60 and 48 bytes.
+        self.vision_tower = Tower(sizes=((4, 4), (4, 3))).requires_grad_(False)  # 80 and 60.
+        self.multi_modal_projector = nn.Linear(3, 3).requires_grad_(False)       # 48.
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, audio, images):
+        x = torch.zeros(2, 3)
+        for a in audio:
+            x = x + self.audio_tower(a)
+        for image in images:
+            x = x + self.vision_tower(image)[:, :3]
+        return self.head(self.multi_modal_projector(x))
+
+
+def logged_executor(model):
+    """An Executor on ``model`` and the log of the units it gathers ("module/unit"), in order."""
+    ex = sct.Executor(model, sct.manifest(model))
+    log, materialize = [], ex._materialize
+
+    def logged(mod, unit):
+        log.append(f"{mod.spec.name}/{unit.name}")
+        materialize(mod, unit)
+
+    ex._materialize = logged
+    return ex, log
+
+
+AUDIO = ["audio_tower/blocks.0", "audio_tower/blocks.1"]
+VISION = ["vision_tower/blocks.0", "vision_tower/blocks.1"]
+
+
+def test_executor_pads_several_modules_as_a_chain_in_manifest_order(group_of_one):
+    torch.manual_seed(3)
+    model = TwoTowers()
+    reference = copy.deepcopy(model)
+    ex, log = logged_executor(model)
+    audio, images = [torch.randn(2, 4) for _ in range(2)], [torch.randn(2, 4)]
+    # Both towers padded, the projector per_layer: this rank calls the audio tower 1 of 2 times
+    # and the vision tower not at all (the other rank: 2 and 1).
+    ex.begin_microbatch({"audio_tower": ("padded", 2), "vision_tower": ("padded", 1),
+                         "multi_modal_projector": "per_layer"}, calls={"audio_tower": 1, "vision_tower": 0})
+    assert log == AUDIO, "the audio tower's pad, then the chain waits for this rank's audio call"
+    with torch.no_grad():
+        out = model(audio[:1], [])
+        assert bits(out) == bits(reference(audio[:1], []))
+    ex.end_microbatch()
+    assert log == AUDIO + AUDIO + VISION + ["multi_modal_projector/"], "the vision pad after the audio call"
+    # The reverse: this rank pads the audio tower and calls the vision tower.
+    del log[:]
+    ex.begin_microbatch({"audio_tower": ("padded", 1), "vision_tower": ("padded", 1),
+                         "multi_modal_projector": "per_layer"}, calls={"audio_tower": 0, "vision_tower": 1})
+    with torch.no_grad():
+        assert bits(model([], images)) == bits(reference([], images))
+    ex.end_microbatch()
+    assert log == AUDIO + VISION + ["multi_modal_projector/"]
+    # Both called: no pad at all; neither: every pad at begin_microbatch.
+    for calls, pads in (({"audio_tower": 1, "vision_tower": 1}, []), ({"audio_tower": 0, "vision_tower": 0},
+                                                                        AUDIO + VISION)):
+        del log[:]
+        ex.begin_microbatch({"audio_tower": ("padded", 1), "vision_tower": ("padded", 1),
+                             "multi_modal_projector": "skip"}, calls=calls)
+        assert log == pads
+        with torch.no_grad():
+            for _ in range(calls["audio_tower"]):
+                model.audio_tower(audio[0])
+            for _ in range(calls["vision_tower"]):
+                model.vision_tower(images[0])
+        ex.end_microbatch()
+        assert log == AUDIO + VISION
+    assert ex.peak_total_bytes == sum(b.shard for b in ex.bytes.values()) + 80, "one unit at a time"
+
+
+def test_executor_refuses_calls_out_of_the_chains_order(group_of_one):
+    model = TwoTowers()
+    ex, log = logged_executor(model)
+    x = torch.randn(2, 4)
+    padded = {"audio_tower": ("padded", 1), "vision_tower": ("padded", 1), "multi_modal_projector": "per_layer"}
+    ex.begin_microbatch(padded, calls={"audio_tower": 1, "vision_tower": 0})
+    # (a) A padded module before an earlier one's calls ended.
+    with pytest.raises(shardcoord.FailedPrecondition,
+                       match=r"'vision_tower' is called while padded module 'audio_tower' has not finished its 1 "
+                             r"planned call\(s\) of the microbatch \(0 begun\).*'audio_tower' before 'vision_tower'.*"
+                             r"make the forward run every call of 'audio_tower' before the first of 'vision_tower', "
+                             r"or order the manifest"):
+        model.vision_tower(x)
+    # (b) Another controlled module while a padded module has calls left.
+    with pytest.raises(shardcoord.FailedPrecondition,
+                       match=r"'multi_modal_projector' is called while padded module 'audio_tower' has not finished.*"
+                             r"'multi_modal_projector' is decided `per_layer`: every rank makes the padded modules' "
+                             r"passes before any other controlled module's call.*run the padded modules"):
+        model.multi_modal_projector(torch.randn(2, 3))
+    assert log == [] and all(p.numel() == 0 for p in model.parameters() if not p.requires_grad), \
+        "refused before anything gathered"
+    with torch.no_grad():
+        model.audio_tower(x)  # The chain goes on: the vision tower's pad; then everything is in order.
+        model.multi_modal_projector(torch.randn(2, 3))
+        with pytest.raises(shardcoord.FailedPrecondition, match=r"'audio_tower' is called under `padded` \(call 2 "
+                                                                 r"of the microbatch\), but this rank planned 1"):
+            model.audio_tower(x)
+    assert log == AUDIO + VISION + ["multi_modal_projector/"]
+    with pytest.raises(shardcoord.FailedPrecondition, match=r"'audio_tower' ran 2 call\(s\), planned 1"):
+        ex.end_microbatch()
+    # A rank that never makes its audio call holds the vision tower's pad back: end_microbatch says so.
+    ex.begin_microbatch(padded, calls={"audio_tower": 1, "vision_tower": 0})
+    with pytest.raises(shardcoord.FailedPrecondition,
+                       match=r"'audio_tower' ran 0 call\(s\), planned 1.*; 'vision_tower': the chain stopped at "
+                             r"'audio_tower', whose planned calls were not all made, so its 1 pad pass\(es\) were not "
+                             r"issued\. Its all-gathers no longer matched"):
+        ex.end_microbatch()
+    # Only a padded module's own calls are ordered: with none padded, any order goes.
+    ex.begin_microbatch({name: "per_layer" for name in padded})
+    with torch.no_grad():
+        model.vision_tower(x)
+        model.audio_tower(x)
+    ex.end_microbatch()
+
+
 def test_executor_rejects_what_it_cannot_shard(group_of_one):
     model = frozen_vlm()
     specs = sct.manifest(model)
@@ -556,3 +764,184 @@ class _FailedWork(_WorkCompletingRightAfterThePollTimedOut):
 def test_a_collective_that_failed_raises_its_own_error():
     with pytest.raises(shardcoord.GroupFailed, match="gradient all-reduce failed: Connection closed by peer"):
         sct.wait_collective(_FailedWork(), _HealthyWorker(), "gradient all-reduce", verdict_wait=0.01)
+
+
+# -- fsdp2's `padded` with stand-in FSDP units (torch 1.13 has no FSDP2; the real two-rank check
+#    with FSDP2 is tests/gpu/fsdp2_check.py, padded_divergent)
+
+class _FakeFsdp:
+    """What shardcoord.fsdp2.shard uses of fully_shard, on one module: its pre-forward hook
+    (registered at fully_shard, so before any hook registered later) all-gathers the unit unless
+    unsharded and prefetches the next one, its post-forward hook reshards it. Each all-gather is
+    logged by the unit's name."""
+
+    def __init__(self, module, name, log):
+        self.module, self.name, self.log = module, name, log
+        self.unsharded, self.reshard_after_forward, self.prefetch = False, True, []
+        module.register_forward_pre_hook(lambda m, a: self.pre_forward())
+        module.register_forward_hook(lambda m, a, o: self.reshard() if self.reshard_after_forward else None)
+        for method in ("unshard", "reshard", "set_reshard_after_forward", "set_unshard_in_backward",
+                       "set_modules_to_forward_prefetch"):
+            setattr(module, method, getattr(self, method))
+
+    def unshard(self, async_op=False):
+        if not self.unsharded:
+            self.log.append(self.name)
+            self.unsharded = True
+
+    def reshard(self):
+        self.unsharded = False
+
+    def pre_forward(self):
+        self.unshard()
+        for following in self.prefetch:
+            following.unshard()
+
+    def set_reshard_after_forward(self, value, recurse=True):
+        self.reshard_after_forward = value
+
+    def set_unshard_in_backward(self, value):
+        pass
+
+    def set_modules_to_forward_prefetch(self, modules):
+        self.prefetch = modules
+
+
+class _PaddedVlm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.visual = Tower(sizes=((4, 4), (4, 4), (4, 4))).requires_grad_(False)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, images):
+        x = torch.zeros(1, 4)
+        for image in images:
+            x = x + self.visual(image)
+        return self.head(x)
+
+
+def _fsdp2_rank(monkeypatch, model_class=_PaddedVlm):
+    """A model sharded by fsdp2.shard over the stand-in, its control and its all-gather log."""
+    from shardcoord import fsdp2
+
+    log = []
+    monkeypatch.setattr(fsdp2, "fully_shard", lambda m, **kw: _FakeFsdp(m, "root" if m is model else
+                                                                       names[id(m)], log))
+    model = model_class()
+    names = {id(m): n for n, m in model.named_modules()}
+    ctl = fsdp2.shard(model, sct.manifest(model))
+    return model, ctl, log
+
+
+def test_fsdp2_padded_issues_the_busiest_ranks_passes_after_the_root_gather(monkeypatch):
+    blocks = ["visual.blocks.0", "visual.blocks.1", "visual.blocks.2"]
+    for calls in ([2, 0], [3, 1], [1, 2]):
+        logs = []
+        for rank in range(2):
+            model, ctl, log = _fsdp2_rank(monkeypatch)
+            ctl.begin_microbatch({"visual": ("padded", max(calls))}, calls={"visual": calls[rank]})
+            assert log == [], "pads come in the model's forward, after FSDP's root all-gather"
+            with torch.no_grad():
+                model([torch.randn(1, 4) for _ in range(calls[rank])])
+            ctl.end_microbatch()
+            logs.append(log)
+        assert logs[0] == logs[1] == ["root"] + blocks * max(calls), (calls, logs)
+    # A forward with no microbatch (evaluation) pads nothing; the next microbatch still pads.
+    model, ctl, log = _fsdp2_rank(monkeypatch)
+    with torch.no_grad():
+        model([])
+    ctl.begin_microbatch({"visual": ("padded", 1)}, calls={"visual": 0})
+    model([])
+    ctl.end_microbatch()
+    assert log == ["root", "root"] + blocks
+
+
+def test_fsdp2_padded_refuses_what_would_not_pair(monkeypatch):
+    model, ctl, log = _fsdp2_rank(monkeypatch)
+    with pytest.raises(shardcoord.InvalidArgument, match=r"without its number of passes: give \("):
+        ctl.begin_microbatch({"visual": "padded"}, calls={"visual": 1})
+    with pytest.raises(shardcoord.InvalidArgument, match=r"'visual' is decided `padded` .* got no calls for it"):
+        ctl.begin_microbatch({"visual": ("padded", 2)})
+    with pytest.raises(shardcoord.FailedPrecondition, match=r"planned 3 calls of 'visual', but .* makes 2 passes"):
+        ctl.begin_microbatch({"visual": ("padded", 2)}, calls={"visual": 3})
+    # Called before the model's forward: the pads would come after this call's all-gathers.
+    ctl.begin_microbatch({"visual": ("padded", 2)}, calls={"visual": 1})
+    with pytest.raises(shardcoord.FailedPrecondition, match=r"before the model's forward started"):
+        model.visual(torch.randn(1, 4))
+    with pytest.raises(shardcoord.FailedPrecondition, match=r"the model's forward never ran, so its 1 pad pass"):
+        ctl.end_microbatch()
+    # A call beyond the plan is refused before it gathers; end_microbatch says so too.
+    ctl.begin_microbatch({"visual": ("padded", 2)}, calls={"visual": 1})
+    del log[:]
+    with pytest.raises(shardcoord.FailedPrecondition, match=r"\(call 2 of the microbatch\), but this rank planned 1"), \
+            torch.no_grad():
+        model([torch.randn(1, 4), torch.randn(1, 4)])
+    assert log == ["root"] + ["visual.blocks.0", "visual.blocks.1", "visual.blocks.2"] * 2
+    with pytest.raises(shardcoord.FailedPrecondition, match=r"'visual' ran 2 call\(s\), planned 1.*stop the job"):
+        ctl.end_microbatch()
+    # Fewer calls than planned.
+    ctl.begin_microbatch({"visual": ("padded", 2)}, calls={"visual": 2})
+    with torch.no_grad():
+        model([torch.randn(1, 4)])
+    with pytest.raises(shardcoord.FailedPrecondition, match=r"'visual' ran 1 call\(s\), planned 2"):
+        ctl.end_microbatch()
+    ctl.begin_microbatch({"visual": "per_layer"})  # It goes on.
+    ctl.end_microbatch()
+
+
+def test_fsdp2_pads_several_modules_as_a_chain_in_manifest_order(monkeypatch):
+    audio, vision = ["audio_tower.blocks.0", "audio_tower.blocks.1"], ["vision_tower.blocks.0", "vision_tower.blocks.1"]
+    # [rank 0, rank 1] calls of (audio_tower, vision_tower): one rank calls the audio tower and pads
+    # the vision tower, the other the reverse; one calls both (and more), the other neither.
+    for calls in ([(1, 0), (0, 1)], [(2, 1), (0, 0)], [(0, 2), (1, 1)]):
+        k = [max(c[i] for c in calls) for i in range(2)]
+        logs = []
+        for rank in range(2):
+            model, ctl, log = _fsdp2_rank(monkeypatch, TwoTowers)
+            a, v = calls[rank]
+            ctl.begin_microbatch({"audio_tower": ("padded", k[0]), "vision_tower": ("padded", k[1]),
+                                  "multi_modal_projector": "per_layer"}, calls={"audio_tower": a, "vision_tower": v})
+            with torch.no_grad():
+                model([torch.randn(2, 4)] * a, [torch.randn(2, 4)] * v)
+            ctl.end_microbatch()
+            logs.append(log)
+        assert logs[0] == logs[1] == ["root"] + audio * k[0] + vision * k[1], (calls, logs)
+
+
+def test_fsdp2_refuses_calls_out_of_the_chains_order(monkeypatch):
+    model, ctl, log = _fsdp2_rank(monkeypatch, TwoTowers)
+    assert ctl.left_in_root == ["multi_modal_projector"], "no layer list: in the root unit, gathers nothing itself"
+    padded = {"audio_tower": ("padded", 1), "vision_tower": ("padded", 1), "multi_modal_projector": "per_layer"}
+    x = torch.randn(2, 4)
+    ctl.begin_microbatch(padded, calls={"audio_tower": 1, "vision_tower": 0})
+    with pytest.raises(shardcoord.FailedPrecondition, match=r"'audio_tower' is called before the model's forward "
+                                                            r"started while modules are decided `padded`"):
+        model.audio_tower(x)
+    # (a) A forward that calls the vision tower before the audio tower.
+    with pytest.raises(shardcoord.FailedPrecondition,
+                       match=r"fsdp2: 'vision_tower' is called while padded module 'audio_tower' has not finished its "
+                             r"1 planned call\(s\).*'audio_tower' before 'vision_tower'"), torch.no_grad():
+        model([], [x])
+    assert log == ["root"], "refused before its units gathered (the audio tower: no pad, 1 call of 1 planned)"
+    with pytest.raises(shardcoord.FailedPrecondition, match=r"'audio_tower' ran 0 call\(s\), planned 1.*'vision_tower'"
+                                                            r": the chain stopped at 'audio_tower'"):
+        ctl.end_microbatch()
+    # (b) A module that is not padded, called while a padded one has calls left.
+    ctl.begin_microbatch({"audio_tower": "per_layer", "vision_tower": ("padded", 1),
+                          "multi_modal_projector": "per_layer"}, calls={"audio_tower": 1, "vision_tower": 1})
+    with pytest.raises(shardcoord.FailedPrecondition,
+                       match=r"fsdp2: 'audio_tower' is called while padded module 'vision_tower' has not finished.*"
+                             r"'audio_tower' is decided `per_layer`: every rank makes the padded modules' passes "
+                             r"before any other"), torch.no_grad():
+        model([x], [x])
+    assert log == ["root"], "refused before its units gathered (the stand-in's root stayed gathered: it raised)"
+    with pytest.raises(shardcoord.FailedPrecondition, match=r"'vision_tower' ran 0 call\(s\), planned 1"):
+        ctl.end_microbatch()
+    # In order: the vision tower's pad comes after the audio call ends.
+    del log[:]
+    ctl.begin_microbatch(padded, calls={"audio_tower": 1, "vision_tower": 0})
+    with torch.no_grad():
+        model([x], [])
+    ctl.end_microbatch()
+    assert [u for u in log if u != "root"] == ["audio_tower.blocks.0", "audio_tower.blocks.1",
+                                               "vision_tower.blocks.0", "vision_tower.blocks.1"]

@@ -19,6 +19,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 VLM_TRAIN = ROOT / "examples" / "python" / "vlm_train.py"
 EXECUTOR_RANKS = Path(__file__).resolve().parent / "executor_ranks.py"
+PADDED_RANKS = Path(__file__).resolve().parent / "padded_ranks.py"
 RUN_DEADLINE = 120  # Seconds for one training run (a few seconds normally).
 _jobs = itertools.count()
 
@@ -119,6 +120,65 @@ def test_executor_two_ranks_gathers_bitwise(tmp_path):
         assert f"ok rank {r} gathered 608 peak 228" in out
 
 
+def test_padded_with_divergent_calls_issues_the_same_all_gathers_on_every_rank(tmp_path):
+    """tests/python/padded_ranks.py: two Gloo ranks calling a tower 2 and 0 times, 3 and 1, 1 and
+    2 (and uniform, and no calls) under ("padded", K): no hang, each rank issues the same
+    all-gathers in the same order (sizes differ per unit, so a mispairing would show), K passes
+    over the tower's 4 units, the outputs are those of the unsharded model (checked in the rank),
+    and the tower's peak is its shards plus one unit (plus the rest unit during a real call).
+    Then two padded towers in one microbatch (the pad chain): one rank calls the first and pads the
+    second, the other the reverse, one calls both and the other neither: the same all-gathers on
+    both ranks, the first tower's passes before the second's, outputs bitwise the unsharded ones."""
+    procs = []
+    try:
+        for r in range(2):
+            procs.append(start(tmp_path, f"padded-{r}", [sys.executable, str(PADDED_RANKS),
+                                                         f"file://{tmp_path}/padded.store", str(r), "2"]))
+        deadline = time.monotonic() + 90
+        codes = [wait_code(p, deadline) for p in procs]
+    finally:
+        stop_all(procs)
+    results = []
+    for r in range(2):
+        out, err = (tmp_path / f"padded-{r}.out").read_text(), (tmp_path / f"padded-{r}.err").read_text()
+        assert codes[r] == 0, f"rank {r} exited {codes[r]} (-1: hung): {err}"
+        results.append(json.loads(next(l for l in out.splitlines() if l.startswith("result "))[len("result "):]))
+    rest, layers, projector = 144, [96, 80, 64], 48  # Full bytes of each unit (padded to 2 ranks).
+    one_pass = [rest] + layers
+    passes = [2, 3, 2, 2, 0, 2]  # K per microbatch of padded_ranks.CALLS (per_layer: 2, skip: 0).
+    zero, one = results
+    for mb, k in enumerate(passes):
+        a, b = zero["microbatches"][mb], one["microbatches"][mb]
+        assert a["sizes"] == b["sizes"] == [projector] + one_pass * k, (mb, a, b)
+        assert a["gathers"] == b["gathers"] == 1 + len(one_pass) * k, (mb, a, b)
+    shard = zero["shard"]
+    assert shard == one["shard"] == (rest + sum(layers)) // 2
+    # Rank 1 only padded in microbatch 0: one unit at a time. A real call holds the rest and a layer.
+    assert one["microbatches"][0]["peak"] == shard + max(one_pass)
+    for res in results:
+        assert res["after_error"]["peak"] == shard + rest + max(layers) < shard + rest + sum(layers)
+    # A call beyond the plan: refused before it gathers, reported again by end_microbatch, and
+    # the next microbatch still pairs (checked as the others).
+    beyond = zero["beyond_plan"]
+    assert "called under `padded` (call 2 of the microbatch), but this rank planned 1 call(s)" in beyond["refused"]
+    assert "'visual' ran 2 call(s), planned 1" in beyond["ended"] and "no longer matched" in beyond["ended"]
+    assert beyond["resident"] == shard, "end_microbatch released everything before raising"
+    assert one["beyond_plan"] == {"refused": "", "ended": "", "resident": shard}
+    assert zero["after_error"]["sizes"] == one["after_error"]["sizes"] == [projector] + one_pass * 2
+    # The pad chain (padded_ranks.CHAIN_CALLS): the audio tower's K passes, then the vision tower's,
+    # on both ranks, whichever tower each rank calls or pads (the units' sizes all differ).
+    audio, vision = [192, 144, 72], [128, 112]  # Full bytes: rest, layers.0, layers.1; blocks.0, blocks.1.
+    passes = [(1, 1), (2, 1), (1, 2), (1, 1), (2, 0)]  # (K audio, K vision) per microbatch.
+    for mb, (ka, kv) in enumerate(passes):
+        a, b = zero["chain"]["microbatches"][mb], one["chain"]["microbatches"][mb]
+        assert a["sizes"] == b["sizes"] == audio * ka + vision * kv, (mb, a, b)
+    shard = zero["chain"]["shard"]
+    assert shard == one["chain"]["shard"] == sum(audio + vision) // 2
+    # Pads and real calls hold one unit at a time (a real audio call: its rest unit and a layer).
+    assert one["chain"]["microbatches"][0]["peak"] == shard + max(audio + vision), "rank 1 padded audio, ran vision"
+    assert zero["chain"]["microbatches"][-1]["peak"] == shard + audio[0] + audio[1] < shard + sum(audio)
+
+
 def test_root_with_media_on_rank_zero_only_does_not_hang(trainer_daemon, tmp_path):
     run = train(trainer_daemon, tmp_path, "root", "rank0")
     expect_healthy(run)
@@ -161,6 +221,26 @@ def test_per_layer_requested_with_asymmetric_media_falls_back_and_matches_root(t
     for r in range(2):
         assert per_layer[r].losses == root[r].losses, f"rank {r}"
     assert per_layer[0].params_hash == root[0].params_hash
+
+
+def test_fallback_padded_with_asymmetric_media_matches_the_unsharded_model_at_per_layers_peak(trainer_daemon,
+                                                                                               tmp_path):
+    # Decisions from the coordinator (fallback padded), carried out by the plain executor: rank 1
+    # (no images) makes a gather-only pass over the tower, then the projector (the manifest is in
+    # forward order), while rank 0 runs them; both gather the same bytes, as the unsharded model
+    # computes, holding one unit where root holds the whole tower.
+    reference = train(trainer_daemon, tmp_path, "per_layer", "rank0", "--no-shard")
+    padded = train(trainer_daemon, tmp_path, "per_layer", "rank0", "--fallback", "padded")
+    root = train(trainer_daemon, tmp_path, "per_layer", "rank0", "--fallback", "root")
+    for run in (reference, padded, root):
+        expect_healthy(run)
+    field = lambda res, name: int(res.summary.split(f" {name}=")[1].split()[0])  # noqa: E731
+    for r in range(2):
+        assert "padded=12" in padded[r].summary and "fallbacks=12" in padded[r].summary, padded[r].summary
+        assert padded[r].losses == reference[r].losses, f"rank {r}"
+    assert padded[0].params_hash == reference[0].params_hash
+    assert field(padded[0], "gathered_bytes") == field(padded[1], "gathered_bytes")
+    assert field(padded[1], "peak_frozen_bytes") < field(root[1], "peak_frozen_bytes")
 
 
 def test_every_policy_computes_exactly_what_the_unsharded_model_does(trainer_daemon, tmp_path):

@@ -8,11 +8,12 @@ On every rank, in the same order::
     worker = shardcoord.Worker("run-42", specs, group_size=G)    # RANK / WORLD_SIZE from torchrun
     pg = sct.shard_process_group(worker)                         # this rank's shard group
     ex = sct.Executor(model, specs, worker, pg)                  # frozen parameters sharded now
-    plans = sct.PlanAhead(worker, sct.with_keys(loader, accum),
-                          lambda batch: {"model.visual": 1 if batch.images is not None else 0})
+    plan = lambda batch: {"model.visual": 1 if batch.images is not None else 0}  # this rank's calls
+    plans = sct.PlanAhead(worker, sct.with_keys(loader, accum), plan)
     for step, mb, batch, decision in plans:
-        ex.begin_microbatch(decision)                            # root / replicate: gathered here
-        loss = model(batch).loss                                 # per_layer: hooks gather each unit
+        ex.begin_microbatch(decision, calls=plan(batch))         # root / replicate: gathered here;
+                                                                 # padded: pad passes issued (from) here
+        loss = model(batch).loss                                 # per_layer, padded: hooks gather each unit
         loss.backward()
         ex.end_microbatch()                                      # root: released
 
@@ -23,8 +24,16 @@ it has no layer list) is one flat buffer padded to a multiple of the group size;
 its 1/G shard; materializing all-gathers the buffer (as raw bytes, so the values are bitwise those
 of the unsharded parameters) and points the parameters at views of it. Under ``per_layer`` the rest
 unit is gathered when the module's forward starts and released when it ends, each layer around its
-own forward: the peak is the rest plus one layer. torch is imported lazily: ``import shardcoord``
-works without it.
+own forward: the peak is the rest plus one layer. Under ``padded`` (ranks call the module unequally
+often; every rank makes K all-gather passes over it, K the most calls any rank makes) the rank's own
+calls gather as under ``per_layer``; the other K - c passes (c: the rank's planned calls, given as
+``calls``) are pad passes, each unit gathered and released at once in the order a forward gathers
+them, issued by ``begin_microbatch`` or, with several padded modules (a chain in manifest order),
+after this rank's last call of the padded module before: the peak stays one unit, and the padded
+modules must be the first users of the shard process group in the forward, called in manifest
+order (``Executor`` says what else it assumes). ``skip`` gathers nothing; ``root`` and
+``replicate`` gather the whole module in ``begin_microbatch``. torch is imported lazily:
+``import shardcoord`` works without it.
 
 One module per concern, everything public imported here: _manifest.py (the manifest of a model),
 _plan_ahead.py (with_keys, PlanAhead), _failures.py (collectives that name the cause,

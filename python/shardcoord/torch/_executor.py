@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from ..errors import FailedPrecondition, InvalidArgument
 from ..worker import Worker
@@ -16,7 +16,7 @@ from ._manifest import _names, _rest_of, _UnitParams
 if TYPE_CHECKING:  # pragma: no cover
     import torch as _torch_t
 
-    from ..worker import Decision, GroupInfo, ModuleDecision, ModuleSpec
+    from ..worker import Decision, GroupInfo, ModuleSpec
 
 
 def shard_process_group(group: Union[Worker, GroupInfo]) -> Any:
@@ -82,6 +82,12 @@ class _Module:
     rest: Optional[_Unit] = None  # The rest unit "" beside layer units (gathered around the module's forward).
     decision: Optional[str] = None  # None outside a microbatch.
     replicated: bool = False
+
+    @property
+    def forward_order(self) -> List[_Unit]:
+        """The units in the order a forward through the module gathers them: the rest unit first
+        (its hook wraps the module's own forward), then the layer units in manifest order."""
+        return ([self.rest] if self.rest is not None else []) + [u for u in self.units if u is not self.rest]
 
 
 def _checked_units(spec: ModuleSpec, module: Any) -> List[_UnitParams]:
@@ -162,7 +168,169 @@ def _place_in_group(info: Optional[GroupInfo], process_group: Any, rank_in_group
     return rank_in_group, group_size
 
 
-_DECISIONS = ("skip", "per_layer", "root", "replicate")
+_DECISIONS = ("skip", "per_layer", "root", "replicate", "padded")
+_PER_LAYER_HOOKS = ("per_layer", "padded")  # Decisions under which the model's own calls gather each unit.
+
+
+def _decision_of(name: str, entry: Any) -> Tuple[str, int]:
+    """(decision, passes) of one module's entry in a decision: a ``ModuleDecision`` (or anything
+    with its ``decision`` and, for padded, ``calls``), a decision name, or ``("padded", K)`` (K: the
+    busiest rank's calls, the all-gather passes each rank makes; 0 for every other decision).
+    Shared with shardcoord.fsdp2."""
+    if isinstance(entry, str):
+        kind, passes = entry, 0
+        if kind == "padded":
+            raise InvalidArgument(f"module '{name}' is decided \"padded\" without its number of passes: give "
+                                  f"(\"padded\", K), K the most calls any rank of the group makes in the microbatch "
+                                  f"(ModuleDecision.calls)")
+    elif isinstance(entry, (tuple, list)) and len(entry) == 2 and isinstance(entry[0], str) \
+            and isinstance(entry[1], int) and not isinstance(entry[1], bool):
+        kind, passes = entry[0], entry[1]
+    elif isinstance(getattr(entry, "decision", None), str):
+        kind, passes = entry.decision, getattr(entry, "calls", 0)
+    else:
+        raise InvalidArgument(f"the decision for module '{name}' must be a decision name, (\"padded\", K) or a "
+                              f"shardcoord.ModuleDecision, got {entry!r}")
+    if kind not in _DECISIONS:
+        raise InvalidArgument(f"unknown decision '{kind}' for module '{name}' (known: {', '.join(_DECISIONS)})")
+    if kind == "padded" and passes < 1:
+        raise InvalidArgument(f"module '{name}' is decided `padded` with {passes} passes: K must be >= 1 (the most "
+                              f"calls any rank makes; a ModuleDecision without `calls` comes from a binding that "
+                              f"predates `padded`: rebuild it)")
+    if kind != "padded" and passes != 0:
+        raise InvalidArgument(f"module '{name}' is decided `{kind}` with {passes} passes: only `padded` carries a "
+                              f"number of passes; give the decision's name alone")
+    return kind, passes
+
+
+def _padded_plan(chosen: Mapping[str, Tuple[str, int]], calls: Optional[Mapping[str, int]]) -> Dict[str, int]:
+    """module -> this rank's planned calls, for each module decided ``padded`` in ``chosen``
+    (module -> (decision, passes)), checked against its passes K. Shared with shardcoord.fsdp2."""
+    planned = {}
+    for name in [name for name, (kind, _) in chosen.items() if kind == "padded"]:
+        passes = chosen[name][1]
+        n = None if calls is None else calls.get(name)
+        if n is None:
+            raise InvalidArgument(f"module '{name}' is decided `padded` ({passes} all-gather passes on every rank) but "
+                                  f"begin_microbatch got no calls for it: pass calls={{'{name}': n}}, n this rank's "
+                                  f"planned calls (the plan it reported), so that it pads the other {passes} - n")
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise InvalidArgument(f"calls['{name}'] must be a non-negative int (this rank's planned calls), got {n!r}")
+        if n > passes:
+            raise FailedPrecondition(
+                f"this rank planned {n} calls of '{name}', but the group's `padded` decision makes {passes} passes "
+                f"(the most calls any rank planned): its plan and the decision disagree; give begin_microbatch the "
+                f"calls this rank reported for this microbatch, with this microbatch's decision")
+        planned[name] = n
+    return planned
+
+
+class _PadChain:
+    """The order in which this rank makes the all-gather passes of a microbatch's ``padded``
+    modules (the C++ executor's AdvancePads / CheckPaddedOrder; shared with shardcoord.fsdp2).
+
+    Every rank makes K passes over each padded module, c of them its real calls and K - c pad
+    passes; the group's all-gathers pair only when every rank makes them module by module, in
+    manifest order, before any other module's. The chain walks the modules in manifest order from
+    :meth:`start`: at a padded module it issues the K - c pad passes (``pad(module, passes)``),
+    then stops there while this rank has real calls of it left; the end of the last of them
+    (:meth:`after_call`) moves it on. Modules that are not padded are passed over. A call out of
+    that order (a padded module before the chain reached it, a per_layer one before the chain
+    finished) is refused by :meth:`before_call`, before anything is gathered."""
+
+    def __init__(self, names: Sequence[str], pad: Callable[[str, int], None], who: str = "",
+                 unstarted: str = "the chain never started"):
+        self._names = list(names)  # The modules that gather, in manifest order.
+        self._index = {name: i for i, name in enumerate(self._names)}
+        self._pad = pad
+        self._who = who  # Prefix of the messages ("fsdp2: ").
+        self._unstarted = unstarted  # Why no pad was issued when the chain never started.
+        self.begin({})
+
+    def begin(self, plan: Mapping[str, Tuple[int, int]]) -> None:
+        """A microbatch: ``plan`` is module -> (K, c) for its padded modules (``{}``: none, and
+        outside a microbatch). The pads come from :meth:`start`."""
+        self._plan = {name: plan[name] for name in self._names if name in plan}
+        self._calls = dict.fromkeys(self._plan, 0)
+        self._issued: set = set()  # Modules whose pad passes were issued.
+        self._at: Optional[int] = None  # Where the chain stopped (len: finished); None: not started.
+
+    @property
+    def waiting(self) -> bool:
+        """Modules are padded in this microbatch and the chain has not started."""
+        return bool(self._plan) and self._at is None
+
+    def start(self) -> None:
+        """Issues the pads up to the first padded module this rank still calls (once a microbatch)."""
+        if self.waiting:
+            self._advance(0)
+
+    def _advance(self, i: int) -> None:
+        while i < len(self._names):
+            name = self._names[i]
+            if name in self._plan:
+                passes, planned = self._plan[name]
+                if name not in self._issued:
+                    self._issued.add(name)
+                    self._pad(name, passes - planned)
+                if self._calls[name] < planned:
+                    break
+            i += 1
+        self._at = i
+
+    def before_call(self, name: str, decision: str) -> None:
+        """A call of module ``name`` (decided ``decision``) starts: refused, before it gathers,
+        out of the chain's order or beyond this rank's planned calls."""
+        if not self._plan or self._at is None or name not in self._index:
+            return
+        # A per_layer call gathers in the forward; root, replicate and skip gather nothing there.
+        early = self._at < self._index[name] if name in self._plan else decision == "per_layer"
+        if self._at < len(self._names) and early:
+            raise self._out_of_order(name, decision, self._names[self._at])
+        if name in self._plan:
+            self._calls[name] += 1
+            passes, planned = self._plan[name]
+            if self._calls[name] > planned:
+                raise FailedPrecondition(
+                    f"{self._who}'{name}' is called under `padded` (call {self._calls[name]} of the microbatch), but "
+                    f"this rank planned {planned} call(s) and padded the other {passes - planned} of the group's "
+                    f"{passes} passes: this call would all-gather on this rank alone; give begin_microbatch the "
+                    f"calls this rank makes (the plan it reported)")
+
+    def _out_of_order(self, name: str, decision: str, first: str) -> FailedPrecondition:
+        planned = self._plan[first][1]
+        where = (f"{self._who}'{name}' is called while padded module '{first}' has not finished its {planned} "
+                 f"planned call(s) of the microbatch ({self._calls[first]} begun)")
+        if decision == "padded":
+            return FailedPrecondition(
+                f"{where}: every rank makes the padded modules' passes (calls, or pads on the ranks that call "
+                f"less) module by module in manifest order, '{first}' before '{name}', so this call's all-gathers "
+                f"would pair with other units on the other ranks; make the forward run every call of '{first}' "
+                f"before the first of '{name}', or order the manifest as the forward calls the padded modules")
+        return FailedPrecondition(
+            f"{where}, and '{name}' is decided `{decision}`: every rank makes the padded modules' passes before "
+            f"any other controlled module's call, so this call's all-gathers would pair with '{first}''s on the "
+            f"ranks that pad it; make the forward run the padded modules (in manifest order) before any other "
+            f"controlled module, or choose another fallback (root or replicate) for this model")
+
+    def after_call(self, name: str) -> None:
+        """A call of ``name`` ended: after this rank's last planned call of it, the chain moves on."""
+        i = self._index.get(name)
+        if i is not None and name in self._plan and self._at == i and self._calls[name] >= self._plan[name][1]:
+            self._advance(i + 1)
+
+    def wrong(self) -> List[str]:
+        """What this rank's padded modules did other than planned ([]: nothing)."""
+        wrong = []
+        for name, (passes, planned) in self._plan.items():
+            if name not in self._issued and passes > planned:
+                why = self._unstarted if self._at is None else \
+                    f"the chain stopped at '{self._names[self._at]}', whose planned calls were not all made"
+                wrong.append(f"'{name}': {why}, so its {passes - planned} pad pass(es) were not issued")
+            elif self._calls[name] != planned:
+                wrong.append(f"'{name}' ran {self._calls[name]} call(s), planned {planned} (it padded "
+                             f"{passes - planned} of the group's {passes} passes)")
+        return wrong
 
 
 class Executor:
@@ -179,6 +347,33 @@ class Executor:
       after, so the model's own calls drive the collectives (every rank calls it equally often).
     - ``root``: every unit gathered now; released by :meth:`end_microbatch` (call it after backward).
     - ``replicate``: every unit gathered once and kept resident until a decision that is not.
+    - ``padded`` (``("padded", K)`` in the mapping form; ``ModuleDecision.calls`` is K): ranks call
+      the module unequally often, and each must make K all-gather passes over it, K the most calls
+      any rank makes. The rank's own calls gather as under ``per_layer``; the other K - c (c: the
+      rank's planned calls, given to :meth:`begin_microbatch` as ``calls``) are pad passes: each
+      unit gathered and released at once, no forward, in the order a forward through the module
+      gathers them (the rest unit "" first, then the layers in manifest order, the order of the
+      module's layer list). The peak stays one unit (the rest unit plus one layer during a real
+      call), not the whole module as under ``root``. Several modules can be padded in one
+      microbatch: their passes form a chain in manifest order. :meth:`begin_microbatch` (after the
+      ``root`` and ``replicate`` gathers) issues the pads of the padded modules in manifest order
+      up to the first one this rank calls (that module's pads included), and stops there; the end
+      of this rank's last planned call of it (its forward post-hook) issues the pads from the next
+      one on, up to the next it calls, and so on. So every rank makes module A's K passes, then
+      module B's, whichever of them it calls or pads. What that assumes of the model:
+
+      - the forward calls the padded modules in manifest order (order the manifest as the forward
+        calls them), every call of one before the first call of the next;
+      - the padded modules come before any other controlled module's call (``per_layer``,
+        ``root``, ``replicate`` or ``skip``), and they are the first users of the shard process
+        group in the microbatch (no other collective on it between begin_microbatch and their
+        last call);
+      - the rank runs exactly the calls it planned.
+
+      Checked, before a call gathers anything (FailedPrecondition naming both modules): a padded
+      module called while an earlier padded module still has planned calls left, any other
+      controlled module called while a padded module still has, and a call beyond the plan;
+      :meth:`end_microbatch` raises for fewer calls (and for pads a short module held back).
 
     The group: ``process_group`` (a torch.distributed group; default: the world) with
     ``rank_in_group`` / ``group_size`` taken from it unless given; ``group`` (the Worker or its
@@ -208,15 +403,21 @@ class Executor:
         checked = _checked_manifest(model, manifest)  # Everything is checked before any parameter changes.
         with torch.no_grad():
             for spec, units in checked:
-                self._shard_module(spec, units)
+                self._shard_module(spec, units, model.get_submodule(spec.name))
+        # Padded modules' passes, in manifest order (modules without parameters gather nothing).
+        self._chain = _PadChain([name for name, mod in self._modules.items() if mod.units],
+                                lambda name, passes: self._pad(self._modules[name], passes))
 
     # -- construction
 
-    def _shard_module(self, spec: ModuleSpec, units: List[_UnitParams]) -> None:
+    def _shard_module(self, spec: ModuleSpec, units: List[_UnitParams], module: Any) -> None:
         import torch
 
         mod = _Module(spec)
         self._bytes[spec.name] = ModuleBytes()
+        gathers = any(u.params for u in units)
+        if gathers:  # Before the units' hooks: a call is checked before its rest unit gathers.
+            self._hooks.append(module.register_forward_pre_hook(functools.partial(self._call_begins, mod)))
         for u in units:
             params = [p for _, p in u.params]
             if not params:
@@ -244,6 +445,8 @@ class Executor:
             # when it ends, after every layer, so every rank gathers in the same order.
             self._hooks.append(u.module.register_forward_pre_hook(functools.partial(self._before, mod, unit)))
             self._hooks.append(u.module.register_forward_hook(functools.partial(self._after, mod, unit)))
+        if gathers:  # After the units' hooks: a call ends once its rest unit is released.
+            self._hooks.append(module.register_forward_hook(functools.partial(self._call_ends, mod)))
         self._modules[spec.name] = mod
 
     # -- materialize / release
@@ -291,6 +494,17 @@ class Executor:
 
     # -- hooks (per_layer, and the skip check)
 
+    def _call_begins(self, mod: _Module, _module: Any, _inputs: Any) -> None:
+        """A call of the module starts: refused, before it gathers, out of the padded modules' order."""
+        if mod.decision is not None:
+            self._chain.before_call(mod.spec.name, mod.decision)
+
+    def _call_ends(self, mod: _Module, _module: Any, _inputs: Any, _output: Any) -> None:
+        """A call of the module ended: after this rank's last planned call of a padded module, the
+        pad chain goes on (the next padded modules' pads)."""
+        if mod.decision is not None:
+            self._chain.after_call(mod.spec.name)
+
     def _before(self, mod: _Module, unit: _Unit, _module: Any, _inputs: Any) -> None:
         if mod.decision is None:
             raise FailedPrecondition(f"module '{mod.spec.name}' ran outside a microbatch: call "
@@ -298,7 +512,7 @@ class Executor:
         if mod.decision == "skip":
             raise FailedPrecondition(f"module '{mod.spec.name}' is decided `skip` for this microbatch, but this rank "
                                      f"runs it (unit '{unit.name}'): its plan said 0 calls")
-        if mod.decision == "per_layer":
+        if mod.decision in _PER_LAYER_HOOKS:
             if mod.rest is not None and unit is not mod.rest and mod.rest.full is None:
                 raise FailedPrecondition(
                     f"unit '{unit.name}' of '{mod.spec.name}' ran outside the module's own forward, so the module's "
@@ -307,7 +521,7 @@ class Executor:
             self._materialize(mod, unit)
 
     def _after(self, mod: _Module, unit: _Unit, _module: Any, _inputs: Any, output: Any) -> None:
-        if mod.decision != "per_layer":
+        if mod.decision not in _PER_LAYER_HOOKS:
             return
         self._release(mod, unit)
         import torch
@@ -320,16 +534,24 @@ class Executor:
 
     # -- the microbatch
 
-    def begin_microbatch(self, decision: Union[Decision, Mapping[str, Union[str, ModuleDecision]]]) -> None:
+    def begin_microbatch(self, decision: Union[Decision, Mapping[str, Any]],
+                         calls: Optional[Mapping[str, int]] = None) -> None:
         """Applies the group's decision at the always-run start of a microbatch: ``root`` modules
-        are gathered whole now, ``replicate`` modules become resident (gathered once); ``skip`` and
-        ``per_layer`` do nothing yet. Call it on every rank of the group, whatever this rank runs."""
+        are gathered whole now, ``replicate`` modules become resident (gathered once); then the pad
+        chain starts: ``padded`` modules get their pad passes, in manifest order, up to the first
+        one this rank calls (the rest follow its last planned call); ``skip`` and ``per_layer`` do
+        nothing yet. Call it on every rank of the group, whatever this rank runs, before the forward.
+
+        ``decision``: the group's Decision, or a mapping module -> decision name, ``("padded", K)``
+        or ModuleDecision. ``calls``: this rank's planned calls per module (the plan it reported);
+        required for the modules decided ``padded``."""
         if self._in_microbatch:
             raise FailedPrecondition("begin_microbatch called twice: call end_microbatch after each microbatch's "
                                      "backward")
         chosen = self._chosen(decision)
+        planned = _padded_plan(chosen, calls)  # Everything checked before any module changes.
         for name, mod in self._modules.items():
-            mod.decision = chosen[name]
+            mod.decision = chosen[name][0]
             if mod.decision != "replicate" and mod.replicated:
                 # Demoted by `auto`: back to sharded from this microbatch on (local, no collective).
                 for unit in mod.units:
@@ -340,11 +562,21 @@ class Executor:
                     self._materialize(mod, unit)
                 mod.replicated = mod.decision == "replicate"
         self._in_microbatch = True
+        # After root and replicate, the same on every rank: the pads depend on this rank's calls.
+        self._chain.begin({name: (chosen[name][1], n) for name, n in planned.items()})
+        self._chain.start()
 
-    def _chosen(self, decision: Union[Decision, Mapping[str, Union[str, ModuleDecision]]]) -> Dict[str, str]:
-        """module -> its decision by name, for every module of the manifest; checked before any
-        module changes."""
-        from ..worker import Decision, ModuleDecision  # The binding's types, loaded at first use (worker.py).
+    def _pad(self, mod: _Module, passes: int) -> None:
+        """``passes`` pad passes: each unit gathered and released at once, in forward order."""
+        for _ in range(passes):
+            for unit in mod.forward_order:
+                self._materialize(mod, unit)
+                self._release(mod, unit)
+
+    def _chosen(self, decision: Union[Decision, Mapping[str, Any]]) -> Dict[str, Tuple[str, int]]:
+        """module -> (its decision by name, passes), for every module of the manifest; checked
+        before any module changes."""
+        from ..worker import Decision  # The binding's types, loaded at first use (worker.py).
 
         entries = decision.modules if isinstance(decision, Decision) else decision
         where = f"({decision.step}, {decision.microbatch})" if isinstance(decision, Decision) else "the microbatch"
@@ -354,21 +586,29 @@ class Executor:
             if d is None:
                 raise InvalidArgument(f"the decision for {where} has no entry for module '{name}': register the "
                                       f"executor's manifest with the coordinator")
-            d = d.decision if isinstance(d, ModuleDecision) else d
-            if d not in _DECISIONS:
-                raise InvalidArgument(f"unknown decision '{d}' for module '{name}'")
-            chosen[name] = d
+            chosen[name] = _decision_of(name, d)
         return chosen
 
     def end_microbatch(self) -> None:
         """After the microbatch's backward: releases what ``root`` gathered (and any unit a failed
-        forward left gathered). Local, no collective; ``replicate`` modules stay resident."""
+        forward left gathered). Local, no collective; ``replicate`` modules stay resident. Then
+        raises FailedPrecondition when a ``padded`` module ran another number of calls than this
+        rank planned, or its pad passes were never issued (the chain stopped at a module called
+        less than planned): its all-gathers then did not match the group's."""
+        wrong = self._chain.wrong()
+        self._chain.begin({})
         for mod in self._modules.values():
             if not mod.replicated:
                 for unit in mod.units:
                     self._release(mod, unit)
             mod.decision = None
         self._in_microbatch = False
+        if wrong:
+            raise FailedPrecondition(
+                f"under `padded` this rank did not make the calls and pads it planned: {'; '.join(wrong)}. Its "
+                f"all-gathers no longer matched the group's (another rank may wait in, or have paired with, a "
+                f"different collective): stop the job, and give begin_microbatch the calls this rank makes (the plan "
+                f"it reported), in the order the padded modules' chain needs (the Executor's documentation)")
 
     # -- what it holds
 
