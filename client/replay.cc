@@ -41,7 +41,7 @@ std::string DescribeModules(const MicrobatchDecision& d) {
 }
 
 // One output line: {"rank":R (with --per-rank),"group":..,"step":..,"microbatch":..,
-// "module":..,"decision":..,"seq":..,"reason":..}.
+// "module":..,"decision":..,"seq":..,"reason":.. and, for padded, "calls":..}.
 std::string DecisionLine(int rank, const MicrobatchDecision& d, const ModuleDecision& m) {
   nlohmann::ordered_json j;
   if (rank >= 0) j["rank"] = rank;
@@ -52,6 +52,7 @@ std::string DecisionLine(int rank, const MicrobatchDecision& d, const ModuleDeci
   j["decision"] = DecisionName(m.decision);
   j["seq"] = d.seq;
   j["reason"] = DecisionReasonName(m.reason);
+  if (m.decision == Decision::kPadded) j["calls"] = m.calls;  // The passes: part of the decision.
   return j.dump();
 }
 
@@ -425,6 +426,11 @@ struct VerifyState {
     std::string decision;
     uint64_t seq;
     int rank;
+    int32_t calls;  // A padded decision's passes (0 otherwise).
+    bool operator==(const Seen& o) const { return decision == o.decision && seq == o.seq && calls == o.calls; }
+    std::string Text() const {
+      return absl::StrCat(decision, calls ? absl::StrCat(" (", calls, " passes)") : "", " seq ", seq);
+    }
   };
   std::map<VerifyKey, Seen> seen;               // The first rank's decision.
   std::map<VerifyKey, std::set<int>> holders;   // The ranks that have it.
@@ -439,18 +445,18 @@ void AddPerRankLine(const std::string& line, VerifyState* state, std::ostream& e
   const nlohmann::json j = nlohmann::json::parse(line);
   VerifyKey key = std::make_tuple(j.at("group").get<int>(), j.at("step").get<int64_t>(),
                                   j.at("microbatch").get<int32_t>(), j.at("module").get<std::string>());
-  VerifyState::Seen s{j.at("decision").get<std::string>(), j.at("seq").get<uint64_t>(), j.at("rank").get<int>()};
+  VerifyState::Seen s{j.at("decision").get<std::string>(), j.at("seq").get<uint64_t>(), j.at("rank").get<int>(),
+                      j.value("calls", int32_t{0})};
   state->ranks.insert(s.rank);
   state->group_ranks[std::get<0>(key)].insert(s.rank);
   state->holders[key].insert(s.rank);
   auto [it, inserted] = state->seen.try_emplace(key, s);
-  if (inserted || (it->second.decision == s.decision && it->second.seq == s.seq)) return;
+  if (inserted || it->second == s) return;
   if (++state->mismatches <= 10) {
     err << "shardctl verify: DECISIONS DIVERGED in group " << std::get<0>(key) << " at ("
         << std::get<1>(key) << "," << std::get<2>(key) << ") module " << std::get<3>(key)
-        << ": rank " << it->second.rank << " got " << it->second.decision << " seq "
-        << it->second.seq << ", rank " << s.rank << " got " << s.decision << " seq " << s.seq
-        << "\n";
+        << ": rank " << it->second.rank << " got " << it->second.Text() << ", rank " << s.rank << " got "
+        << s.Text() << "\n";
   }
 }
 

@@ -105,6 +105,10 @@ std::string CheckPlanCall(const std::string& module, int64_t calls, bool known,
   if (calls < 0) {
     return "module '" + module + "' has " + std::to_string(calls) + " calls; calls must be >= 0";
   }
+  if (calls > kMaxCallsPerModule) {
+    return "module '" + module + "' has " + std::to_string(calls) + " calls in one microbatch; at most " +
+           std::to_string(kMaxCallsPerModule) + " are allowed (count the module's forward calls, not its inputs)";
+  }
   return "";
 }
 

@@ -317,9 +317,9 @@ std::string ImpossibleDecision(const v1::RegisterRequest& req, const v1::Microba
       return absl::StrCat("module '", m.module(), "' has decision ", static_cast<int>(m.decision()), " and reason ",
                           static_cast<int>(m.reason()), ", which the protocol does not define");
     }
-    if ((m.decision() == v1::DECISION_PADDED) != (m.calls() > 0) || m.calls() < 0) {
+    if ((m.decision() == v1::DECISION_PADDED) != (m.calls() > 0) || m.calls() < 0 || m.calls() > kMaxCallsPerModule) {
       return absl::StrCat("module '", m.module(), "' has decision ", v1::Decision_Name(m.decision()), " with ",
-                          m.calls(), " passes (a padded decision has at least one, every other none)");
+                          m.calls(), " passes (a padded decision has 1 to ", kMaxCallsPerModule, ", every other none)");
     }
   }
   if (d.digest() != DecisionDigest(FromProto(d))) return "its digest does not match its fields";

@@ -73,7 +73,8 @@ void AddDecisionSettings(std::vector<Setting>& t) {
       Setting("listen", OPTION_FIELD(listen_address), "address to serve on, HOST:PORT (port 0 picks a free port)")
           .Check(ListenProblem).Env(),
       Setting("default_policy", OPTION_FIELD(default_policy), "policy for ranks that send none"),
-      Setting("default_fallback", OPTION_FIELD(default_fallback), "fallback for ranks that send none"),
+      Setting("default_fallback", OPTION_FIELD(default_fallback),
+              "fallback for ranks that send none (padded only where every trainer's executor pads)"),
       // Below these minimums the daemon's own scheduling jitter (its ticker runs every few ms)
       // is as long as the timeout: silent ranks were never declared dead, and pause events
       // flooded the log.

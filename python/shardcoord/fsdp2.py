@@ -55,13 +55,15 @@ What each decision does, so that every rank of the shard group issues the same c
   next one on, up to the next it calls, and so on: every rank makes module A's K passes, then
   module B's. What it assumes: the padded modules are called inside the model's forward, in
   manifest order (order the manifest as the forward calls them), every call of one before the
-  first call of the next, before any other controlled module's call and before any other FSDP
+  first call of the next, before any per_layer module's call and before any other FSDP
   unit gathers (a VLM's towers run before its decoder); a forward gathers a module's layer units
   in manifest order (its layer list's); the rank runs exactly the calls it planned. Checked before
   a call gathers (FailedPrecondition naming both modules): a padded module called while an
-  earlier padded module still has planned calls left, another controlled module called while a
-  padded module still has, a call before the model's forward started, a call beyond the plan;
-  ``end_microbatch`` raises for fewer calls or pads never issued.
+  earlier padded module still has planned calls left, a per_layer module called while a padded
+  module still has, a controlled module called before the model's forward started, a call
+  beyond the plan;
+  ``end_microbatch`` raises for fewer calls or pads never issued (after the fact: by then the
+  group's all-gathers no longer matched; treat it as fatal).
 
 - A controlled module's rest unit ("" beside layer units in the manifest: the parameters outside its
   layer lists, such as patch embeddings, norms, mergers and pooling heads) is not wrapped on its own:
@@ -429,7 +431,12 @@ def shard(model: nn.Module, manifest: Iterable[ModuleSpec], mesh=None, fill_miss
             continue
         c = _Controlled(spec.name, module, units, any(u.name == "" for u in spec.units))
         for unit in units:
-            fully_shard(unit, **kwargs)
+            # A controlled unit reshards after each forward whatever the caller asked for the
+            # others: per_layer and padded count one all-gather per unit per call (a unit kept
+            # gathered, or resharded to a smaller mesh, would issue fewer or other ones on the
+            # ranks that call more, where padded's passes gather every time); root and
+            # replicate set their own behaviour per microbatch.
+            fully_shard(unit, **{**kwargs, "reshard_after_forward": True})
             unit.set_unshard_in_backward(False)
         for unit, following in zip(units, units[1:]):
             # per_layer: gather the next unit while this one computes (FSDP2 prefetches only in

@@ -117,6 +117,22 @@ TEST(ShardctlCliTest, VerifyFailsWhenARankLacksDecisionsItsGroupMatesReceived) {
   EXPECT_THAT(partial.out, HasSubstr("2 decisions MISSING"));
 }
 
+TEST(ShardctlCliTest, VerifyComparesAPaddedDecisionsPasses) {
+  TempDir dir;
+  auto line = [](int rank, int calls) {
+    return absl::StrCat(R"({"rank":)", rank, R"(,"group":0,"step":0,"microbatch":0,"module":"m","decision":"padded",)",
+                        R"("seq":0,"reason":"divergent","calls":)", calls, "}\n");
+  };
+  std::ofstream(dir.File("r0.jsonl")) << line(0, 2);
+  std::ofstream(dir.File("r1.jsonl")) << line(1, 3);
+  std::ofstream(dir.File("r2.jsonl")) << line(2, 2);
+  auto diverged = RunCommand(Shardctl({"verify", dir.File("r0.jsonl"), dir.File("r1.jsonl")}), kCommandTimeout);
+  EXPECT_EQ(diverged.exit_code, 3) << diverged.out << diverged.err;
+  EXPECT_THAT(diverged.err, HasSubstr("rank 0 got padded (2 passes) seq 0, rank 1 got padded (3 passes) seq 0"));
+  auto agree = RunCommand(Shardctl({"verify", dir.File("r0.jsonl"), dir.File("r2.jsonl")}), kCommandTimeout);
+  EXPECT_EQ(agree.exit_code, 0) << agree.out << agree.err;
+}
+
 TEST(ShardctlCliTest, BothProgramsSayTheirVersion) {
   for (const std::string program : {std::string(SHARDCTL_PATH), std::string(SHARDCOORDD_PATH)}) {
     auto r = RunCommand({program, "--version"}, kCommandTimeout);

@@ -554,6 +554,10 @@ TEST(PlanCheckTest, KeysAndCallsAreCheckedTheSameWayOnBothSides) {
   EXPECT_EQ(CheckPlanKey({0, -2}), "step and microbatch must be >= 0");
   EXPECT_EQ(CheckPlanCall("visual", 2, true, {}), "");
   EXPECT_EQ(CheckPlanCall("visual", -3, true, {}), "module 'visual' has -3 calls; calls must be >= 0");
+  EXPECT_EQ(CheckPlanCall("visual", kMaxCallsPerModule, true, {}), "");
+  EXPECT_EQ(CheckPlanCall("visual", kMaxCallsPerModule + 1, true, {}),
+            "module 'visual' has 4097 calls in one microbatch; at most 4096 are allowed (count the module's forward "
+            "calls, not its inputs)");
   EXPECT_EQ(CheckPlanCall("vison", 1, false, {"visual", "audio_tower"}),
             "names unknown module 'vison'; the registered controlled modules are [visual, audio_tower]");
   std::vector<std::string> many;

@@ -264,6 +264,10 @@ TEST(FrozenShardExecutorTest, PaddedPassesGatherInForwardOrderAtPerLayersPeak) {
   EXPECT_EQ(model->vision_tower->patch_embed->weight.numel(), 0) << "released after the passes";
   const auto& bytes = (*ex)->bytes().at("vision_tower");
   EXPECT_EQ(bytes.peak, bytes.shard + rest_bytes + layer_bytes) << "per_layer's peak, not the whole tower";
+  absl::Status unopened = (*ex)->BeforeUnit("vision_tower", 1);
+  EXPECT_EQ(unopened.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(unopened.message(), HasSubstr("runs outside BeginModule/EndModule"));
+  EXPECT_EQ(comm->gathers, 6);
   ASSERT_TRUE((*ex)->BeginModule("vision_tower").ok());  // The rank's own call: as per_layer.
   for (int u : {1, 2}) {
     ASSERT_TRUE((*ex)->BeforeUnit("vision_tower", u).ok());
@@ -283,6 +287,16 @@ TEST(FrozenShardExecutorTest, PaddedPassesGatherInForwardOrderAtPerLayersPeak) {
   EXPECT_EQ(fewer.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(fewer.message(), HasSubstr("was called 1 times but this rank planned 3"));
   EXPECT_EQ(model->vision_tower->patch_embed->weight.numel(), 0) << "released even so";
+
+  // A forward that failed before EndForward left a unit gathered: the next microbatch releases
+  // it first, so its all-gather is issued again like on every other rank.
+  d.modules[0] = {"vision_tower", Decision::kPerLayer, DecisionReason::kUniform};
+  ASSERT_TRUE((*ex)->BeginMicrobatch(d).ok());
+  ASSERT_TRUE((*ex)->BeginModule("vision_tower").ok());  // Gathers the rest unit; then the forward fails.
+  const int before = comm->gathers;
+  ASSERT_TRUE((*ex)->BeginMicrobatch(d).ok());
+  ASSERT_TRUE((*ex)->BeginModule("vision_tower").ok());
+  EXPECT_EQ(comm->gathers, before + 1);
 }
 
 // Two padded modules: the chain makes the second one's passes only after the rank's own calls of

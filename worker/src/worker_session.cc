@@ -269,9 +269,9 @@ std::string Worker::Impl::UnusableDecision(const v1::MicrobatchDecision& d) cons
       case v1::DECISION_REPLICATE:
         break;
       case v1::DECISION_PADDED:
-        if (m.calls() < 1) {
+        if (m.calls() < 1 || m.calls() > kMaxCallsPerModule) {
           return absl::StrCat("module '", m.module(), "' is decided padded with ", m.calls(),
-                              " passes; a padded decision has at least one");
+                              " passes; a padded decision has 1 to ", kMaxCallsPerModule);
         }
         break;
       default:

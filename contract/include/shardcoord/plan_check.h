@@ -30,8 +30,13 @@ SHARDCOORD_EXPORT std::string Printable(const std::string& text, size_t max_byte
 // Keys are (step, microbatch), both >= 0.
 SHARDCOORD_EXPORT std::string CheckPlanKey(const MicrobatchKey& key);
 
+// Most calls of one module a rank may plan in one microbatch. A padded decision makes every rank
+// of the group as many passes as the busiest plans, so one rank's wrong count (image tokens
+// reported as calls) must not make the others gather for hours: refused here, on both sides.
+inline constexpr int64_t kMaxCallsPerModule = 4096;
+
 // One entry of a plan: `module` must be registered (`known`; `registered` lists them for the
-// message, at most kNamesInMessages named) and `calls` >= 0.
+// message, at most kNamesInMessages named) and 0 <= `calls` <= kMaxCallsPerModule.
 SHARDCOORD_EXPORT std::string CheckPlanCall(const std::string& module, int64_t calls, bool known,
                                             const std::vector<std::string>& registered);
 

@@ -364,11 +364,12 @@ class Executor:
 
       - the forward calls the padded modules in manifest order (order the manifest as the forward
         calls them), every call of one before the first call of the next;
-      - the padded modules come before any other controlled module's call (``per_layer``,
-        ``root``, ``replicate`` or ``skip``), and they are the first users of the shard process
+      - the padded modules come before any ``per_layer`` module's call (root, replicate and skip
+        gather nothing in the forward), and they are the first users of the shard process
         group in the microbatch (no other collective on it between begin_microbatch and their
         last call);
-      - the rank runs exactly the calls it planned.
+      - the rank runs exactly the calls it planned, and ``calls`` names every padded module (0
+        included).
 
       Checked, before a call gathers anything (FailedPrecondition naming both modules): a padded
       module called while an earlier padded module still has planned calls left, any other

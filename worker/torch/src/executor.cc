@@ -292,15 +292,21 @@ absl::Status FrozenShardExecutor::BeginMicrobatch(const MicrobatchDecision& deci
     absl::StatusOr<int32_t> passes = PadPasses(modules_[i], *d, calls, decision.key);
     if (!passes.ok()) return passes.status();
     pads[i] = *passes;
-    modules_[i].planned = d->calls - *passes;
   }
   for (size_t i = 0; i < modules_.size(); ++i) {
     Module& m = modules_[i];
-    m.decision = decision.Find(m.spec.name)->decision;
+    const ModuleDecision* d = decision.Find(m.spec.name);
+    if (!m.replicated) {
+      // What a forward that failed before EndForward left gathered: a gathered unit would skip
+      // its next all-gather on this rank alone (releasing is local, no collective).
+      for (auto& u : m.units) Release(m, u);
+    }
+    m.decision = d->decision;
     m.done = 0;
+    m.in_call = false;
     m.pads = pads[i];
+    m.planned = m.decision == Decision::kPadded ? d->calls - pads[i] : 0;
     m.padded_out = false;
-    if (m.decision != Decision::kPadded) m.planned = 0;
     if (m.decision != Decision::kReplicate && m.replicated) {
       // Demoted by `auto`: back to sharded from this microbatch on (local, no collective).
       for (auto& u : m.units) Release(m, u);
@@ -327,6 +333,12 @@ absl::Status FrozenShardExecutor::BeforeUnit(const std::string& module, int unit
                                                       "but this rank runs it: its plan said 0 calls"));
   }
   if (m->decision != Decision::kPerLayer && m->decision != Decision::kPadded) return absl::OkStatus();
+  if (m->decision == Decision::kPadded && !m->in_call) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "unit ", unit, " ('", m->units[unit].name, "') of padded module '", module, "' runs outside BeginModule/"
+        "EndModule: under padded each call must be opened with BeginModule (it counts the calls and orders the "
+        "padded modules' passes) and closed with EndModule"));
+  }
   // Beside layer units, the rest unit is gathered from BeginModule on: a layer before it is refused.
   const int rest = m->units.size() > 1 ? RestIndex(*m) : -1;
   if (rest >= 0 && unit != rest && !m->units[rest].params.empty() && !m->units[rest].full.defined()) {
@@ -381,7 +393,10 @@ absl::Status FrozenShardExecutor::BeginModule(const std::string& module) {
   Module* m = Find(module);
   if (m == nullptr) return absl::InvalidArgumentError(absl::StrCat("no controlled module '", module, "'"));
   if (absl::Status s = CheckPaddedOrder(*m); !s.ok()) return s;
-  if (m->decision == Decision::kPadded) ++m->done;
+  if (m->decision == Decision::kPadded) {
+    ++m->done;
+    m->in_call = true;
+  }
   const int rest = RestIndex(*m);
   if (rest < 0) return m->decision == Decision::kSkip ? BeforeUnit(module, 0) : absl::OkStatus();
   return BeforeUnit(module, rest);
@@ -394,6 +409,7 @@ absl::Status FrozenShardExecutor::EndModule(const std::string& module) {
   if (rest >= 0) {
     if (absl::Status s = AfterUnit(module, rest); !s.ok()) return s;
   }
+  m->in_call = false;
   // The last planned call of a padded module: the chain goes on with the next one's passes.
   return m->decision == Decision::kPadded && m->done == m->planned ? AdvancePads() : absl::OkStatus();
 }

@@ -75,7 +75,8 @@ class FrozenShardExecutor {
                                                                       std::vector<ModuleSpec> manifest,
                                                                       std::shared_ptr<Communicator> group);
 
-  // At the always-run start of a microbatch, with the group's decision: `root` modules
+  // At the always-run start of a microbatch, with the group's decision (first releasing what a
+  // failed forward left gathered; local): `root` modules
   // are gathered whole now; `replicate` modules become resident (gathered once); `padded`
   // modules get their gather-only passes (decision calls minus this rank's `calls`, the calls
   // it planned for the microbatch); `skip` and `per_layer` do nothing yet. FAILED_PRECONDITION
@@ -86,8 +87,9 @@ class FrozenShardExecutor {
   // When the rank's call of a module starts and ends: `per_layer` gathers its rest unit ""
   // (or its one whole-module unit) and releases it; `skip` refuses BeginModule (the plan said
   // 0 calls); `padded` as per_layer, counting the calls (EndModule of the last planned one
-  // makes the next padded module's passes). No-ops for modules without a rest unit and for
-  // root / replicate.
+  // makes the next padded module's passes): under padded every call must be opened and closed
+  // with them, whether or not the module has a rest unit. Otherwise no-ops for modules without a
+  // rest unit and for root / replicate.
   absl::Status BeginModule(const std::string& module);
   absl::Status EndModule(const std::string& module);
   // Around each unit of a module the rank runs: `per_layer` gathers it before and releases
@@ -133,6 +135,7 @@ class FrozenShardExecutor {
     int32_t planned = 0;  // Padded: this rank's planned calls in the microbatch.
     int32_t done = 0;     // Padded: calls begun (BeginModule).
     int32_t pads = 0;     // Padded: the gather-only passes this rank makes.
+    bool in_call = false;  // Padded: between BeginModule and EndModule.
     bool padded_out = false;  // Padded: those passes were made.
   };
 
