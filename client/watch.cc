@@ -183,10 +183,12 @@ std::vector<Line> GroupRows(const WatchFrame& f, const std::string& job) {
     const auto& c = g.counts();
     rows.push_back({{absl::StrCat(g.group())}, {state, StateColor(state)}, {absl::StrCat(g.epoch())},
                     {absl::StrCat(g.pending_microbatches())}, {absl::StrCat(c.per_layer())},
-                    {absl::StrCat(c.skip())}, {absl::StrCat(c.root())}, {absl::StrCat(c.replicate())}});
+                    {absl::StrCat(c.skip())}, {absl::StrCat(c.root())}, {absl::StrCat(c.replicate())},
+                    {absl::StrCat(c.padded())}});
   }
   return Table({{"GROUP", 6, false}, {"STATE", 10, false}, {"EPOCH", 6, true}, {"PENDING", 8, true},
-                {"PER_LAYER", 10, true}, {"SKIP", 6, true}, {"ROOT", 6, true}, {"REPLICATE", 10, true}},
+                {"PER_LAYER", 10, true}, {"SKIP", 6, true}, {"ROOT", 6, true}, {"REPLICATE", 10, true},
+                {"PADDED", 7, true}},
                std::move(rows), 2, true);
 }
 

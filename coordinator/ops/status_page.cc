@@ -44,7 +44,7 @@ std::string Header(const v1::StatusResponse& s, int refresh) {
 std::string Chart(const std::deque<DecisionSample>& h) {
   const int w = 600, ht = 120;
   int64_t top = 1;
-  for (const auto& p : h) top = std::max({top, p.per_layer, p.skip, p.root, p.replicate});
+  for (const auto& p : h) top = std::max({top, p.per_layer, p.skip, p.root, p.replicate, p.padded});
   const double t0 = h.empty() ? 0 : h.front().unix_ms;
   const double span = h.empty() ? 1 : std::max<double>(1, h.back().unix_ms - t0);
   std::string out = absl::StrFormat(
@@ -52,11 +52,11 @@ std::string Chart(const std::deque<DecisionSample>& h) {
       "<rect width=%d height=%d fill=#fafafa stroke=#ddd />",
       w + 110, ht + 20, w, ht);
   const std::vector<std::pair<const char*, const char*>> kinds = {
-      {"per_layer", "#2b7"}, {"skip", "#999"}, {"root", "#36c"}, {"replicate", "#c63"}};
+      {"per_layer", "#2b7"}, {"skip", "#999"}, {"root", "#36c"}, {"replicate", "#c63"}, {"padded", "#96c"}};
   for (size_t k = 0; k < kinds.size(); ++k) {
     std::vector<std::string> pts;
     for (const auto& p : h) {
-      const int64_t v = k == 0 ? p.per_layer : k == 1 ? p.skip : k == 2 ? p.root : p.replicate;
+      const int64_t v = k == 0 ? p.per_layer : k == 1 ? p.skip : k == 2 ? p.root : k == 3 ? p.replicate : p.padded;
       pts.push_back(absl::StrFormat("%.1f,%.1f", (p.unix_ms - t0) / span * w, ht - double(v) / top * (ht - 4)));
     }
     out += absl::StrFormat("<polyline fill=none stroke='%s' stroke-width=2 points='%s'/>", kinds[k].second,
@@ -82,7 +82,7 @@ std::string ShortRanks(const google::protobuf::RepeatedField<int32_t>& ranks) {
 std::string GroupTable(const std::string& job, const v1::ListGroupsResponse& groups) {
   std::string out =
       "<table class=groups><tr><th>group<th>ranks<th>state<th>epoch<th>pending<th>per_layer<th>skip<th>root"
-      "<th>replicate<th>divergent<th>why failed</tr>";
+      "<th>replicate<th>padded<th>divergent<th>why failed</tr>";
   // At most kPageRows groups a job, the failed ones first.
   std::vector<const v1::GroupStatus*> rows, others;
   for (const auto& g : groups.groups()) {
@@ -99,7 +99,7 @@ std::string GroupTable(const std::string& job, const v1::ListGroupsResponse& gro
                         Cell(std::to_string(g.epoch())), Cell(std::to_string(g.pending_microbatches())),
                         Cell(std::to_string(c.per_layer())), Cell(std::to_string(c.skip())),
                         Cell(std::to_string(c.root())), Cell(std::to_string(c.replicate())),
-                        Cell(std::to_string(c.divergent())), Cell(g.failure_reason()), "</tr>");
+                        Cell(std::to_string(c.padded())), Cell(std::to_string(c.divergent())), Cell(g.failure_reason()), "</tr>");
   }
   out += "</table>";
   if (rows.size() > shown) {

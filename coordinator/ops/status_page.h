@@ -17,7 +17,7 @@ namespace shardcoord::coordinator {
 // Module decisions of every job, summed, at one time (the chart's points).
 struct DecisionSample {
   int64_t unix_ms = 0;
-  int64_t per_layer = 0, skip = 0, root = 0, replicate = 0;
+  int64_t per_layer = 0, skip = 0, root = 0, replicate = 0, padded = 0;
 };
 
 struct PageInput {

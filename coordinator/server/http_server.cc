@@ -52,6 +52,7 @@ DecisionSample Totals(const v1::ListGroupsResponse& groups) {
     p.skip += g.counts().skip();
     p.root += g.counts().root();
     p.replicate += g.counts().replicate();
+    p.padded += g.counts().padded();
   }
   return p;
 }
