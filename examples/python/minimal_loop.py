@@ -53,10 +53,10 @@ def main():
         # on some microbatches (per_layer or skip) and diverge on others (the fallback, root).
         batches = [(torch.randn(4, 8, generator=gen),
                     torch.randn(3, 8, generator=gen) if i % (2 if rank == 0 else 3) == 0 else None) for i in range(8)]
-        plans = sct.PlanAhead(worker, sct.with_keys(batches, accum=2),
-                              lambda b: {"visual": 0 if b[1] is None else 1})
+        plan = lambda b: {"visual": 0 if b[1] is None else 1}  # noqa: E731  (this rank's calls)
+        plans = sct.PlanAhead(worker, sct.with_keys(batches, accum=2), plan)
         for step, mb, (x, images), decision in plans:
-            executor.begin_microbatch(decision)
+            executor.begin_microbatch(decision, calls=plan((x, images)))  # padded needs them
             loss = model(x, images)
             loss.backward()
             executor.end_microbatch()
