@@ -56,7 +56,7 @@ def main():
         plan = lambda b: {"visual": 0 if b[1] is None else 1}  # noqa: E731  (this rank's calls)
         plans = sct.PlanAhead(worker, sct.with_keys(batches, accum=2), plan)
         for step, mb, (x, images), decision in plans:
-            executor.begin_microbatch(decision, calls=plan((x, images)))  # padded needs them
+            executor.begin_microbatch(decision, calls=plans.plan)  # the calls reported: padded needs them
             loss = model(x, images)
             loss.backward()
             executor.end_microbatch()

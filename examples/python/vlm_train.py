@@ -47,7 +47,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -314,8 +314,9 @@ def place(r: Rank) -> None:
         r.executor = sct.Executor(model, r.specs, r.worker, pg)
 
 
-def run_microbatch(r: Rank, mb: int, batch: Microbatch, decision) -> float:
-    """Forward and backward of one microbatch under its decision; returns its (scaled) loss."""
+def run_microbatch(r: Rank, mb: int, batch: Microbatch, decision, calls: Dict[str, int]) -> float:
+    """Forward and backward of one microbatch under its decision; ``calls``: the plan this rank
+    reported for it. Returns its (scaled) loss."""
     args = r.args
     for d in decision.modules.values():
         r.decided[d.decision] += 1
@@ -323,7 +324,6 @@ def run_microbatch(r: Rank, mb: int, batch: Microbatch, decision) -> float:
     r.check()
     # This rank's planned calls (what PlanAhead reported): root releases after the last, padded
     # pads up to the group's passes.
-    calls = {name: 0 if batch.pixels is None else 1 for name in decision.modules}
     if r.executor is not None:
         r.executor.begin_microbatch(decision, calls=calls)
     if r.control is not None:
@@ -401,7 +401,7 @@ def train(args: argparse.Namespace) -> int:
                 for p in r.trainable:
                     p.grad = None
                 step_loss = 0.0
-            step_loss += run_microbatch(r, mb, batch, decision)
+            step_loss += run_microbatch(r, mb, batch, decision, plans.plan)
             if mb == args.accum - 1:
                 end_step(r, step, step_loss)
         final = params_hash(r.model)

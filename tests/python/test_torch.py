@@ -240,6 +240,7 @@ def test_plan_ahead_keeps_lookahead_plans_reported_and_yields_in_order(daemon):
                 # The plans of this and the next lookahead - 1 microbatches are reported.
                 assert ahead.reported == min(len(media[r]), batch["i"] + 3)
                 assert ahead.pending == [(j // accum, j % accum) for j in range(batch["i"] + 1, ahead.reported)]
+                assert ahead.plan == {"model.visual": batch["images"]}, "the plan reported for this microbatch"
                 seen.append(((step, mb), batch["i"], decision))
             return seen
 

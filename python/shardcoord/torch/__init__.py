@@ -9,9 +9,9 @@ On every rank, in the same order::
     pg = sct.shard_process_group(worker)                         # this rank's shard group
     ex = sct.Executor(model, specs, worker, pg)                  # frozen parameters sharded now
     plan = lambda batch: {"model.visual": 1 if batch.images is not None else 0}  # this rank's calls
-    plans = sct.PlanAhead(worker, sct.with_keys(loader, accum), plan)   # plan: deterministic, the
-    for step, mb, batch, decision in plans:                      # calls given here must be those reported
-        ex.begin_microbatch(decision, calls=plan(batch))         # root / replicate: gathered here;
+    plans = sct.PlanAhead(worker, sct.with_keys(loader, accum), plan)
+    for step, mb, batch, decision in plans:
+        ex.begin_microbatch(decision, calls=plans.plan)          # the calls reported; root / replicate: gathered here;
                                                                  # padded: pad passes issued (from) here
         loss = model(batch).loss                                 # per_layer, padded: hooks gather each unit
         loss.backward()

@@ -4,7 +4,7 @@ reports their plans ``lookahead`` microbatches before the loop asks for their de
 from __future__ import annotations
 
 import collections
-from typing import TYPE_CHECKING, Callable, Deque, Iterable, Iterator, List, Mapping, Optional, Tuple, TypeVar
+from typing import TYPE_CHECKING, Callable, Deque, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple, TypeVar
 
 from ..errors import InvalidArgument
 
@@ -33,6 +33,10 @@ class PlanAhead(Iterator[Tuple[int, int, T, "Decision"]]):  # The bound Decision
     counts the microbatch being returned, as the C++ ``shardcoord::PlanAhead``; batches are pulled
     from ``batches`` that far ahead. Errors are the worker's, unchanged (shardcoord.Error). Not
     thread-safe: one training loop drives it.
+
+    :attr:`plan` is the plan reported for the microbatch returned last: give it to the executor
+    (``begin_microbatch(decision, calls=plans.plan)``) rather than calling ``plan_fn`` again, so
+    the calls it pads and releases by are exactly those the group decided on.
     """
 
     def __init__(self, worker: Worker, batches: Iterable[Tuple[int, int, T]],
@@ -49,15 +53,16 @@ class PlanAhead(Iterator[Tuple[int, int, T, "Decision"]]):  # The bound Decision
         self._worker = worker
         self._source = iter(batches)
         self._plan_fn = plan_fn
-        self._pending: Deque[Tuple[int, int, T]] = collections.deque()
+        self._pending: Deque[Tuple[int, int, T, Dict[str, int]]] = collections.deque()
         self._exhausted = False
         self.reported = 0  # Plans reported so far.
         self.key: Optional[Tuple[int, int]] = None  # The key returned last.
+        self.plan: Dict[str, int] = {}  # The plan reported for it.
 
     @property
     def pending(self) -> List[Tuple[int, int]]:
         """Keys reported and not yet returned, oldest first."""
-        return [(s, m) for s, m, _ in self._pending]
+        return [(s, m) for s, m, _, _ in self._pending]
 
     def _fill(self) -> None:
         while not self._exhausted and len(self._pending) < self.lookahead:
@@ -72,8 +77,9 @@ class PlanAhead(Iterator[Tuple[int, int, T, "Decision"]]):  # The bound Decision
                 raise InvalidArgument(f"PlanAhead: batches must yield (step, microbatch, batch) tuples, got "
                                       f"{type(item).__name__}; wrap a plain loader with with_keys(loader, accum)") \
                     from None
-            self._worker.report_plan(step, microbatch, self._plan_fn(batch))
-            self._pending.append((step, microbatch, batch))
+            plan = dict(self._plan_fn(batch))  # A copy: what was reported, whatever plan_fn keeps.
+            self._worker.report_plan(step, microbatch, plan)
+            self._pending.append((step, microbatch, batch, plan))
             self.reported += 1
 
     def __iter__(self) -> "PlanAhead[T]":
@@ -83,7 +89,7 @@ class PlanAhead(Iterator[Tuple[int, int, T, "Decision"]]):  # The bound Decision
         self._fill()
         if not self._pending:
             raise StopIteration
-        step, microbatch, batch = self._pending.popleft()
+        step, microbatch, batch, self.plan = self._pending.popleft()
         self.key = (step, microbatch)
         return step, microbatch, batch, self._worker.get_decision(step, microbatch, self.timeout)
 
