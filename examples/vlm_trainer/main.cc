@@ -277,7 +277,9 @@ struct Trainer {
 };
 
 // One microbatch under its decision: forward and backward; returns its (scaled) loss.
-double RunMicrobatch(Trainer& t, const shardcoord::MicrobatchDecision& d, int step, int mb) {
+// `calls`: the plan this rank reported for the microbatch (PlanAhead::plan()).
+double RunMicrobatch(Trainer& t, const shardcoord::MicrobatchDecision& d, const std::map<std::string, int32_t>& calls,
+                     int step, int mb) {
   for (const auto& m : d.modules) {
     t.decided[shardcoord::DecisionName(m.decision)]++;
     if (m.reason == shardcoord::DecisionReason::kDivergent) t.fallbacks++;
@@ -288,8 +290,7 @@ double RunMicrobatch(Trainer& t, const shardcoord::MicrobatchDecision& d, int st
   batch.image = batch.image.to(t.device);
   batch.target = batch.target.to(t.device);
   // This rank's planned calls (what PlanAhead reported): a padded module pads up to the group's.
-  const int32_t calls = batch.images ? 1 : 0;
-  if (exec) Check(exec->BeginMicrobatch(d, {{"vision_tower", calls}, {"multi_modal_projector", calls}}), "begin microbatch");
+  if (exec) Check(exec->BeginMicrobatch(d, calls), "begin microbatch");
   torch::Tensor x = torch::relu(t.model->text_embed(batch.text));
   if (batch.images) x = AddFrozen(t.model, exec, batch.image, x);
   for (const auto& layer : *t.model->text_layers) x = torch::relu(layer->as<torch::nn::Linear>()->forward(x));
@@ -332,7 +333,7 @@ void Train(Trainer& t) {
     for (int mb = 0; mb < o.accum; ++mb) {
       auto d = ahead.Next(absl::Seconds(60));
       if (!d.ok()) Fail("decision", d.status());
-      step_loss += RunMicrobatch(t, *d, step, mb);
+      step_loss += RunMicrobatch(t, *d, ahead.plan().calls, step, mb);
     }
     AverageAndStep(t);
     if (t.session.exec) t.session.worker->ReportMemory(t.session.exec->MemoryUsage());  // Shown by `shardctl ranks`.

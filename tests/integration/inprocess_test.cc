@@ -759,6 +759,7 @@ TEST_F(InProcessTest, PlanAheadKeepsTheWindowFullAndReturnsDecisionsInOrder) {
     auto d0 = a0.Next(kDecisionTimeout);
     ASSERT_TRUE(d0.ok()) << d0.status();
     EXPECT_EQ(d0->key, a0.key());
+    EXPECT_EQ(a0.plan().calls, plan_of(a0.index() - 1).calls) << "the plan reported for it";
     EXPECT_LE(w0->UndecidedPlans(), 3) << "never more than the lookahead in flight";
     got.push_back(*d0);
   }

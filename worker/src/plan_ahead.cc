@@ -20,13 +20,13 @@ absl::StatusOr<MicrobatchDecision> PlanAhead::Next(absl::Duration timeout) {
   while (reported_ < total_ && reported_ < next_ + lookahead_) {
     MicrobatchPlan plan = plan_of_(reported_);
     if (absl::Status s = worker_.ReportPlan(plan); !s.ok()) return s;
-    keys_.push_back(plan.key);
+    plans_.push_back(std::move(plan));
     ++reported_;
   }
-  key_ = keys_.front();
-  keys_.pop_front();
+  plan_ = std::move(plans_.front());
+  plans_.pop_front();
   ++next_;
-  return worker_.GetDecision(key_, timeout);
+  return worker_.GetDecision(plan_.key, timeout);
 }
 
 }  // namespace shardcoord

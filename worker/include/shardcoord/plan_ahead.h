@@ -46,7 +46,10 @@ class SHARDCOORD_EXPORT PlanAhead {
   // The index of the microbatch Next() returns next.
   int64_t index() const { return next_; }
   // The key of the microbatch Next() returned last.
-  const MicrobatchKey& key() const { return key_; }
+  const MicrobatchKey& key() const { return plan_.key; }
+  // The plan reported for it: its `calls` are what an executor's BeginMicrobatch takes (the
+  // calls a padded decision pads up from), exactly those the group decided on.
+  const MicrobatchPlan& plan() const { return plan_; }
 
  private:
   Worker& worker_;
@@ -55,8 +58,8 @@ class SHARDCOORD_EXPORT PlanAhead {
   const int lookahead_;
   int64_t next_ = 0;      // Next microbatch to return.
   int64_t reported_ = 0;  // Plans reported so far.
-  std::deque<MicrobatchKey> keys_;  // Keys reported and not yet returned, oldest first.
-  MicrobatchKey key_;
+  std::deque<MicrobatchPlan> plans_;  // Reported and not yet returned, oldest first.
+  MicrobatchPlan plan_;
 };
 
 }  // namespace shardcoord
