@@ -246,6 +246,11 @@ TEST_F(TrainerTest, PaddedFallbackWithAsymmetricMediaMatchesTheUnshardedModelAtP
   // Both ranks gathered the same bytes (rank 1 only in its passes), and no more than root.
   EXPECT_EQ(Field(padded[0].summary, "gathered_bytes"), Field(padded[1].summary, "gathered_bytes"));
   EXPECT_LT(Field(padded[1].summary, "peak_frozen_bytes"), Field(root[1].summary, "peak_frozen_bytes"));
+  // Operators see the passes: one per microbatch (rank 0's one call).
+  auto decisions = testing::RunCommand({SHARDCTL_PATH, "decisions", "--coordinator", daemon_->address()},
+                                       absl::Seconds(10));
+  ASSERT_EQ(decisions.exit_code, 0) << decisions.err;
+  EXPECT_THAT(decisions.out, HasSubstr("padded x1")) << decisions.out;
 }
 
 TEST_F(TrainerTest, EveryPolicyComputesExactlyWhatTheUnshardedModelDoes) {
