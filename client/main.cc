@@ -562,9 +562,9 @@ void AddReplayJobOptions(CLI::App* replay, ReplayFlags* f) {
   replay->add_option("--connect-timeout-ms", f->connect_timeout_ms, "deadline to reach the coordinator and register")
       ->check(CLI::Range(1, kMaxTimeoutMs));
   replay->add_option("--policy", f->policy, "auto, per_layer, root or replicate (default: the coordinator's)")
-      ->check(CLI::IsMember({"auto", "per_layer", "root", "replicate"}));
+      ->check(CLI::IsMember(shardcoord::PolicyNames()));
   replay->add_option("--fallback", f->fallback, "root, replicate or padded (default: the coordinator's)")
-      ->check(CLI::IsMember({"root", "replicate", "padded"}));
+      ->check(CLI::IsMember(shardcoord::FallbackNames()));
   replay->add_option("--modules", f->modules_arg, "controlled module names, comma-separated (default: those in the trace)");
   replay->add_option("--manifest", f->manifest_path, "manifest JSON file instead of --modules")->check(CLI::ExistingFile);
   replay->add_flag("--no-outer-root", f->no_outer, "register wrap_outer_model=false");
@@ -634,7 +634,7 @@ CLI::App* AddPlanCommand(CLI::App& app, PlanFlags* f) {
       ->check(CLI::NonNegativeNumber);
   plan->add_option("--fallback", f->fallback,
                    "sc_per_layer's and auto's fallback for divergent calls: root, replicate or padded (default root)")
-      ->check(CLI::IsMember({"root", "replicate", "padded"}));
+      ->check(CLI::IsMember(shardcoord::FallbackNames()));
   plan->add_flag("--json", f->po.json, "one JSON object per policy per line instead of the table");
   plan->footer(kPlanFooter);
   return plan;

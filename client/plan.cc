@@ -563,7 +563,7 @@ void PrintJson(const PlanSetup& s, const std::vector<PolicyEstimate>& estimates,
     j["group_size"] = s.group_size;
     j["steps"] = e.steps;
     j["group_microbatches"] = e.group_microbatches;
-    for (Decision d : {Decision::kPerLayer, Decision::kSkip, Decision::kRoot, Decision::kReplicate, Decision::kPadded}) {
+    for (Decision d : kDecisions) {
       j["decisions"][DecisionName(d)] = e.decisions[static_cast<size_t>(d)];
     }
     j["hang_microbatches"] = e.hang_microbatches;

@@ -52,24 +52,36 @@ const char* DecisionReasonName(DecisionReason r) {
 }
 
 std::optional<Policy> ParsePolicy(std::string_view name) {
-  for (Policy p : {Policy::kAuto, Policy::kPerLayer, Policy::kRoot, Policy::kReplicate}) {
+  for (Policy p : kPolicies) {
     if (name == PolicyName(p)) return p;
   }
   return std::nullopt;
 }
 
 std::optional<Fallback> ParseFallback(std::string_view name) {
-  for (Fallback f : {Fallback::kRoot, Fallback::kReplicate, Fallback::kPadded}) {
+  for (Fallback f : kFallbacks) {
     if (name == FallbackName(f)) return f;
   }
   return std::nullopt;
 }
 
 std::optional<Decision> ParseDecision(std::string_view name) {
-  for (Decision d : {Decision::kPerLayer, Decision::kSkip, Decision::kRoot, Decision::kReplicate, Decision::kPadded}) {
+  for (Decision d : kDecisions) {
     if (name == DecisionName(d)) return d;
   }
   return std::nullopt;
+}
+
+std::vector<std::string> PolicyNames() {
+  std::vector<std::string> names;
+  for (Policy p : kPolicies) names.push_back(PolicyName(p));
+  return names;
+}
+
+std::vector<std::string> FallbackNames() {
+  std::vector<std::string> names;
+  for (Fallback f : kFallbacks) names.push_back(FallbackName(f));
+  return names;
 }
 
 std::string MicrobatchKey::ToString() const {

@@ -288,11 +288,6 @@ namespace {
 constexpr int64_t kMaxResumeEpoch = int64_t{1} << 40;  // Re-forms: far beyond any job's.
 constexpr uint64_t kMaxResumeSeq = uint64_t{1} << 62;
 
-bool KnownDecision(v1::Decision d) {
-  return d == v1::DECISION_SKIP || d == v1::DECISION_PER_LAYER || d == v1::DECISION_ROOT ||
-         d == v1::DECISION_REPLICATE || d == v1::DECISION_PADDED;
-}
-
 // Why `d` is no decision this rank's group could have received ("" when it could be).
 std::string ImpossibleDecision(const v1::RegisterRequest& req, const v1::MicrobatchDecision& d) {
   const int group = req.rank() / req.group_size();
@@ -317,7 +312,7 @@ std::string ImpossibleDecision(const v1::RegisterRequest& req, const v1::Microba
       return absl::StrCat("module '", m.module(), "' has decision ", static_cast<int>(m.decision()), " and reason ",
                           static_cast<int>(m.reason()), ", which the protocol does not define");
     }
-    if ((m.decision() == v1::DECISION_PADDED) != (m.calls() > 0) || m.calls() < 0 || m.calls() > kMaxCallsPerModule) {
+    if (!PassesFit(FromProto(m.decision()), m.calls())) {
       return absl::StrCat("module '", m.module(), "' has decision ", v1::Decision_Name(m.decision()), " with ",
                           m.calls(), " passes (a padded decision has 1 to ", kMaxCallsPerModule, ", every other none)");
     }

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <iterator>
 #include <map>
 #include <set>
 #include <vector>
@@ -43,26 +44,36 @@ std::string Header(const v1::StatusResponse& s, int refresh) {
 
 std::string Chart(const std::deque<DecisionSample>& h) {
   const int w = 600, ht = 120;
+  struct Kind {
+    const char* name;
+    const char* color;
+    int64_t DecisionSample::*count;
+  };
+  const Kind kinds[] = {{"per_layer", "#2b7", &DecisionSample::per_layer},
+                        {"skip", "#999", &DecisionSample::skip},
+                        {"root", "#36c", &DecisionSample::root},
+                        {"replicate", "#c63", &DecisionSample::replicate},
+                        {"padded", "#96c", &DecisionSample::padded}};
   int64_t top = 1;
-  for (const auto& p : h) top = std::max({top, p.per_layer, p.skip, p.root, p.replicate, p.padded});
+  for (const auto& p : h) {
+    for (const Kind& kind : kinds) top = std::max(top, p.*kind.count);
+  }
   const double t0 = h.empty() ? 0 : h.front().unix_ms;
   const double span = h.empty() ? 1 : std::max<double>(1, h.back().unix_ms - t0);
   std::string out = absl::StrFormat(
       "<svg class=chart id=decisions-chart width=%d height=%d role=img aria-label='module decisions over time'>"
       "<rect width=%d height=%d fill=#fafafa stroke=#ddd />",
       w + 110, ht + 20, w, ht);
-  const std::vector<std::pair<const char*, const char*>> kinds = {
-      {"per_layer", "#2b7"}, {"skip", "#999"}, {"root", "#36c"}, {"replicate", "#c63"}, {"padded", "#96c"}};
-  for (size_t k = 0; k < kinds.size(); ++k) {
+  for (size_t k = 0; k < std::size(kinds); ++k) {
     std::vector<std::string> pts;
     for (const auto& p : h) {
-      const int64_t v = k == 0 ? p.per_layer : k == 1 ? p.skip : k == 2 ? p.root : k == 3 ? p.replicate : p.padded;
+      const int64_t v = p.*kinds[k].count;
       pts.push_back(absl::StrFormat("%.1f,%.1f", (p.unix_ms - t0) / span * w, ht - double(v) / top * (ht - 4)));
     }
-    out += absl::StrFormat("<polyline fill=none stroke='%s' stroke-width=2 points='%s'/>", kinds[k].second,
+    out += absl::StrFormat("<polyline fill=none stroke='%s' stroke-width=2 points='%s'/>", kinds[k].color,
                            absl::StrJoin(pts, " "));
-    out += absl::StrFormat("<text x=%d y=%d fill='%s'>%s</text>", w + 8, 14 + 16 * int(k), kinds[k].second,
-                           kinds[k].first);
+    out += absl::StrFormat("<text x=%d y=%d fill='%s'>%s</text>", w + 8, 14 + 16 * int(k), kinds[k].color,
+                           kinds[k].name);
   }
   return absl::StrCat(out, absl::StrFormat("<text x=4 y=14>%d</text><text x=4 y=%d>0</text></svg>", top, ht - 4),
                       "<p class=muted>module decisions given, all jobs, cumulative</p>");

@@ -290,16 +290,8 @@ std::string SettingNames(const Setting& s) {
 }
 
 std::vector<std::string> SettingChoices(const Setting& s) {
-  if (std::holds_alternative<SettingField<Policy>>(s.field)) {
-    std::vector<std::string> names;
-    for (Policy p : {Policy::kAuto, Policy::kPerLayer, Policy::kRoot, Policy::kReplicate}) {
-      names.push_back(PolicyName(p));
-    }
-    return names;
-  }
-  if (std::holds_alternative<SettingField<Fallback>>(s.field)) {
-    return {FallbackName(Fallback::kRoot), FallbackName(Fallback::kReplicate), FallbackName(Fallback::kPadded)};
-  }
+  if (std::holds_alternative<SettingField<Policy>>(s.field)) return PolicyNames();
+  if (std::holds_alternative<SettingField<Fallback>>(s.field)) return FallbackNames();
   return s.choices;
 }
 

@@ -144,8 +144,8 @@ void AddFlags(CLI::App& app, TrainerOptions* o) {
   app.add_option("--rank", o->rank)->required();
   app.add_option("--world-size", o->world);
   app.add_option("--group-size", o->group_size);
-  app.add_option("--policy", o->policy)->check(CLI::IsMember({"auto", "per_layer", "root", "replicate"}));
-  app.add_option("--fallback", o->fallback)->check(CLI::IsMember({"root", "replicate", "padded"}));
+  app.add_option("--policy", o->policy)->check(CLI::IsMember(shardcoord::PolicyNames()));
+  app.add_option("--fallback", o->fallback)->check(CLI::IsMember(shardcoord::FallbackNames()));
   app.add_option("--media", o->media)->check(CLI::IsMember({"mixed", "all", "none", "rank0"}));
   app.add_option("--image-fraction", o->image_fraction);
   app.add_option("--skew", o->skew, "even ranks get fraction + skew, odd ranks fraction - skew");

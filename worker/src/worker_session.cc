@@ -262,21 +262,13 @@ std::string Worker::Impl::UnusableDecision(const v1::MicrobatchDecision& d) cons
       return absl::StrCat("entry ", i, " is for module '", Printable(m.module(), 64), "', not '",
                           options_.modules[i].name, "'");
     }
-    switch (m.decision()) {
-      case v1::DECISION_SKIP:
-      case v1::DECISION_PER_LAYER:
-      case v1::DECISION_ROOT:
-      case v1::DECISION_REPLICATE:
-        break;
-      case v1::DECISION_PADDED:
-        if (m.calls() < 1 || m.calls() > kMaxCallsPerModule) {
-          return absl::StrCat("module '", m.module(), "' is decided padded with ", m.calls(),
-                              " passes; a padded decision has 1 to ", kMaxCallsPerModule);
-        }
-        break;
-      default:
-        return absl::StrCat("module '", m.module(), "' has decision value ", static_cast<int>(m.decision()),
-                            ", which is no decision this worker knows");
+    if (!KnownDecision(m.decision())) {
+      return absl::StrCat("module '", m.module(), "' has decision value ", static_cast<int>(m.decision()),
+                          ", which is no decision this worker knows");
+    }
+    if (m.decision() == v1::DECISION_PADDED && !PassesFit(Decision::kPadded, m.calls())) {
+      return absl::StrCat("module '", m.module(), "' is decided padded with ", m.calls(),
+                          " passes; a padded decision has 1 to ", kMaxCallsPerModule);
     }
   }
   return "";

@@ -35,6 +35,12 @@ SHARDCOORD_EXPORT std::string CheckPlanKey(const MicrobatchKey& key);
 // reported as calls) must not make the others gather for hours: refused here, on both sides.
 inline constexpr int64_t kMaxCallsPerModule = 4096;
 
+// Whether a module decision `d` may carry `calls` passes: a padded decision 1 to
+// kMaxCallsPerModule (a plan of the busiest rank), every other decision none.
+inline bool PassesFit(Decision d, int64_t calls) {
+  return d == Decision::kPadded ? calls >= 1 && calls <= kMaxCallsPerModule : calls == 0;
+}
+
 // One entry of a plan: `module` must be registered (`known`; `registered` lists them for the
 // message, at most kNamesInMessages named) and 0 <= `calls` <= kMaxCallsPerModule.
 SHARDCOORD_EXPORT std::string CheckPlanCall(const std::string& module, int64_t calls, bool known,

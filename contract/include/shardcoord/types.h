@@ -37,8 +37,15 @@ enum class DecisionReason : int {
   kCost = 7,  // Cost-aware `auto` chose a safe placement other than the rule's.
 };
 
+// Every value but kUnspecified, in the order names are listed to users: the one list that
+// parsing, flags, settings and reports go through.
+inline constexpr Policy kPolicies[] = {Policy::kAuto, Policy::kPerLayer, Policy::kRoot, Policy::kReplicate};
+inline constexpr Fallback kFallbacks[] = {Fallback::kRoot, Fallback::kReplicate, Fallback::kPadded};
+inline constexpr Decision kDecisions[] = {Decision::kPerLayer, Decision::kSkip, Decision::kRoot, Decision::kReplicate,
+                                          Decision::kPadded};
+
 // Lower-case names used in flags, config files, JSON and logs: "auto", "per_layer",
-// "root", "replicate", "skip".
+// "root", "replicate", "skip", "padded".
 SHARDCOORD_EXPORT const char* PolicyName(Policy p);
 SHARDCOORD_EXPORT const char* FallbackName(Fallback f);
 SHARDCOORD_EXPORT const char* DecisionName(Decision d);
@@ -47,6 +54,9 @@ SHARDCOORD_EXPORT const char* DecisionReasonName(DecisionReason r);
 SHARDCOORD_EXPORT std::optional<Policy> ParsePolicy(std::string_view name);
 SHARDCOORD_EXPORT std::optional<Fallback> ParseFallback(std::string_view name);
 SHARDCOORD_EXPORT std::optional<Decision> ParseDecision(std::string_view name);
+// The names of kPolicies and kFallbacks (a flag's or setting's choices).
+SHARDCOORD_EXPORT std::vector<std::string> PolicyNames();
+SHARDCOORD_EXPORT std::vector<std::string> FallbackNames();
 
 // Identifies a microbatch. Keys are totally ordered; each rank reports them in strictly
 // increasing order.

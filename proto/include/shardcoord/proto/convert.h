@@ -58,6 +58,11 @@ std::string StateName(v1::CommState s);
 // counts say nothing is shown in full rather than hidden).
 bool JobIsOver(const v1::JobStatus& job);
 
+// A decision value this version defines (DECISION_UNSPECIFIED and values from newer peers are not).
+inline bool KnownDecision(int value) {
+  return value != v1::DECISION_UNSPECIFIED && v1::Decision_IsValid(value);
+}
+
 // Adds every count of `add` to `sum` (decisions by kind, divergent ones).
 void AddDecisionCounts(const v1::DecisionCounts& add, v1::DecisionCounts* sum);
 
