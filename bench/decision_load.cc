@@ -145,7 +145,7 @@ class SimRank final : public grpc::ClientBidiReactor<v1::WorkerMessage, v1::Coor
       const int64_t now = NowNs();
       std::lock_guard<std::mutex> lock(plan_mu_);
       for (const auto& d : in_.decisions().decisions()) {
-        const int mb = static_cast<int>(d.step()) * 4 + d.microbatch();
+        const int mb = static_cast<int>(d.key().step()) * 4 + d.key().microbatch();
         shared_->AtomicMax(shared_->last_recv[group_ * shared_->microbatches + mb], now);
         ++received_;
       }
@@ -265,8 +265,8 @@ class SimRank final : public grpc::ClientBidiReactor<v1::WorkerMessage, v1::Coor
            next_plan_ - received_ < shared_->lookahead) {
       const int mb = next_plan_++;
       auto* p = m.mutable_bundle()->mutable_plans()->add_plans();
-      p->set_step(mb / 4);
-      p->set_microbatch(mb % 4);
+      p->mutable_key()->set_step(mb / 4);
+      p->mutable_key()->set_microbatch(mb % 4);
       // Divergent now and then, so every decision path is exercised.
       const int vision = (mb % 5 == 0) ? (rank_ % 2) : (mb % 2);
       (*p->mutable_calls())["vision_tower"] = vision;

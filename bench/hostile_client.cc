@@ -75,7 +75,7 @@ int NonReader(v1::Coordinator::Stub& stub, const Args& a) {
     v1::WorkerMessage m;
     for (int i = 0; i < a.lookahead; ++i) {
       auto* p = m.mutable_bundle()->mutable_plans()->add_plans();
-      p->set_step(step++);
+      p->mutable_key()->set_step(step++);
       (*p->mutable_calls())["vision_tower"] = 1;
     }
     if (!stream->Write(m)) {  // The daemon ended the stream.
@@ -134,8 +134,8 @@ int ForgeResume(v1::Coordinator::Stub& stub, const Args& a) {
   for (int mb = 0; mb < 8; ++mb) {
     auto* d = s->add_held();
     d->set_group(a.rank / a.group);
-    d->set_step(0);
-    d->set_microbatch(mb);
+    d->mutable_key()->set_step(0);
+    d->mutable_key()->set_microbatch(mb);
     d->set_seq(7000000 + mb);
     auto* md = d->add_modules();
     md->set_module("vision_tower");

@@ -316,7 +316,7 @@ int CmdDecisions(Client& c, const std::string& job, int group, int limit, bool j
       std::string kind = shardcoord::EnumText(v1::Decision_Name(m.decision()), "DECISION_");
       if (m.decision() == v1::DECISION_PADDED) absl::StrAppend(&kind, " x", m.calls());  // Its passes.
       std::cout << absl::StrFormat("%-10s %5d %7d %12s %-28s %-10s %-16s %016x\n", e.job_id(), d.group(),
-                                   d.seq(), absl::StrFormat("(%d,%d)", d.step(), d.microbatch()), m.module(), kind,
+                                   d.seq(), KeyText(d.key()), m.module(), kind,
                                    shardcoord::EnumText(v1::DecisionReason_Name(m.reason()), "REASON_"), d.digest());
     }
   }

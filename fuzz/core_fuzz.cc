@@ -159,8 +159,8 @@ class Script {
       const int n = in_.ConsumeIntegralInRange<int>(1, 3);
       for (int i = 0; i < n; ++i) {
         auto* p = b.add_plans();
-        p->set_step(s.next / 2);
-        p->set_microbatch(s.next % 2);
+        p->mutable_key()->set_step(s.next / 2);
+        p->mutable_key()->set_microbatch(s.next % 2);
         s.next++;
         (*p->mutable_calls())["vision_tower"] = in_.ConsumeIntegralInRange<int>(0, 1);
         (*p->mutable_calls())["audio_tower"] = in_.ConsumeIntegralInRange<int>(0, 1);
@@ -171,8 +171,8 @@ class Script {
     const int n = in_.ConsumeIntegralInRange<int>(0, 4);
     for (int i = 0; i < n; ++i) {
       auto* p = b.add_plans();
-      p->set_step(in_.ConsumeIntegralInRange<int64_t>(-1, 6));
-      p->set_microbatch(in_.ConsumeIntegralInRange<int>(-1, 3));
+      p->mutable_key()->set_step(in_.ConsumeIntegralInRange<int64_t>(-1, 6));
+      p->mutable_key()->set_microbatch(in_.ConsumeIntegralInRange<int>(-1, 3));
       (*p->mutable_calls())[Module()] = in_.ConsumeIntegralInRange<int>(-1, 2);
     }
     b.set_epoch(in_.ConsumeIntegralInRange<int64_t>(0, 3));
@@ -266,11 +266,11 @@ class Script {
         if (!m.has_decisions()) continue;
         for (const auto& d : m.decisions().decisions()) {
           reach.decisions++;
-          auto key = std::make_tuple(s.job, d.group(), d.epoch(), d.step(), d.microbatch());
+          auto key = std::make_tuple(s.job, d.group(), d.epoch(), d.key().step(), d.key().microbatch());
           auto [it, fresh] = digests_.emplace(key, d.digest());
           if (!fresh && it->second != d.digest()) {
             std::fprintf(stderr, "contract broken: job %s group %d step %ld microbatch %d decided twice, differently\n",
-                         s.job.c_str(), d.group(), static_cast<long>(d.step()), d.microbatch());
+                         s.job.c_str(), d.group(), static_cast<long>(d.key().step()), d.key().microbatch());
             std::abort();
           }
         }

@@ -42,22 +42,20 @@ ModuleSpec FromProto(const v1::ModuleSpec& m) {
 }
 
 void ToProto(const MicrobatchPlan& p, v1::MicrobatchPlan* out) {
-  out->set_step(p.key.step);
-  out->set_microbatch(p.key.microbatch);
+  ToProto(p.key, out->mutable_key());
   for (const auto& [name, calls] : p.calls) (*out->mutable_calls())[name] = calls;
 }
 
 MicrobatchPlan FromProto(const v1::MicrobatchPlan& p) {
   MicrobatchPlan out;
-  out.key = {p.step(), p.microbatch()};
+  out.key = FromProto(p.key());
   for (const auto& [name, calls] : p.calls()) out.calls[name] = calls;
   return out;
 }
 
 void ToProto(const MicrobatchDecision& d, v1::MicrobatchDecision* out) {
   out->set_group(d.group);
-  out->set_step(d.key.step);
-  out->set_microbatch(d.key.microbatch);
+  ToProto(d.key, out->mutable_key());
   out->set_seq(d.seq);
   out->set_epoch(d.epoch);
   out->set_digest(d.digest);
@@ -74,7 +72,7 @@ void ToProto(const MicrobatchDecision& d, v1::MicrobatchDecision* out) {
 MicrobatchDecision FromProto(const v1::MicrobatchDecision& d) {
   MicrobatchDecision out;
   out.group = d.group();
-  out.key = {d.step(), d.microbatch()};
+  out.key = FromProto(d.key());
   out.seq = d.seq();
   out.epoch = d.epoch();
   out.digest = d.digest();

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Bundles the daemon and the load generator built here (build/, and optionally a baseline
-# daemon built from another commit) with the shared libraries the GPU machine lacks, into
+# daemon and its load generator built from another commit) with the shared libraries the GPU machine lacks, into
 # .gpu-scale/ at the repository root, for bench/scale/run.sh on a many-core machine.
 #
 #   bench/scale/bundle.sh [BASELINE_COMMIT]     then carry .gpu-scale
@@ -22,8 +22,9 @@ if [[ -n "${1:-}" ]]; then
   git -C "$base/src" checkout --detach -q "$1"
   [[ -f "$base/build.ninja" ]] || cmake -S "$base/src" -B "$base" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
     -DSHARDCOORD_WITH_TORCH=OFF -DSHARDCOORD_WITH_NCCL=OFF >/dev/null
-  cmake --build "$base" -- shardcoordd >/dev/null
+  cmake --build "$base" -- shardcoordd decision_load >/dev/null
   cp "$base/coordinator/shardcoordd" "$out/bin/shardcoordd-baseline"
+  cp "$base/bench/decision_load" "$out/bin/decision_load-baseline"
   git -C "$base/src" rev-parse --short HEAD > "$out/baseline-commit"
 fi
 git -C "$root" rev-parse --short HEAD > "$out/commit"

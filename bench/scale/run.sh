@@ -2,7 +2,8 @@
 # The scale matrix of docs/BENCHMARKS.md ("Issue 14") on a machine with many cores: the
 # daemon pinned to D cores (taskset) with D session threads, the load generator (several
 # processes, bench/decision_load --procs) pinned to the other cores. Each line names the
-# daemon (this commit's, or the baseline's from bench/scale/bundle.sh BASELINE_COMMIT).
+# daemon (this commit's, or the baseline's from bench/scale/bundle.sh BASELINE_COMMIT), each
+# against the load generator built from its own commit.
 #
 #   bench/scale/run.sh            (after bench/scale/bundle.sh; from the repository root)
 #
@@ -57,7 +58,10 @@ run() {
     "${perf[@]}" record -F 499 -p $pid -o "$PERF_DIR/$daemon-$dcores-$n.data" >/dev/null 2>"$work/perf.err" &
     perf_pid=$!
   fi
-  line=$(taskset -c $((cores - gen_cores))-$((cores - 1)) "$dir/bin/decision_load" --coordinator "$(cat "$work/addr")" \
+  # Each daemon against the load generator of its own commit (they speak its wire).
+  local gen=$dir/bin/decision_load
+  [[ $daemon == shardcoordd-baseline && -x $dir/bin/decision_load-baseline ]] && gen=$dir/bin/decision_load-baseline
+  line=$(taskset -c $((cores - gen_cores))-$((cores - 1)) "$gen" --coordinator "$(cat "$work/addr")" \
     --procs "$gen_cores" --channels $((gen_cores * 4)) --deadline-s "${DEADLINE_S:-300}" "$@" 2>"$work/err" |
     tail -1) || true
   sed "s/^/- $daemon on $dcores cores: /" "$work/err" >> "$work/notes"

@@ -50,18 +50,10 @@ void CoordinatorCore::Event(const std::string& severity, EventKind kind,
   if (rank >= 0) absl::StrAppend(&line, " rank=", rank);
   if (group >= 0) absl::StrAppend(&line, " group=", group);
   absl::StrAppend(&line, " ", message);
-  Defer([level, line = std::move(line)] {
+  mu_.Defer([level, line = std::move(line)] {
     static const auto log = logging::Get("coordinator");
     log->log(level, "{}", line);
   });
-}
-
-// ----------------------------------------------------------------------------------------
-// Registration
-
-const CoordinatorCore::SessionRef* CoordinatorCore::FindSession(uint64_t session_id) const {
-  auto it = sessions_.find(session_id);
-  return it == sessions_.end() ? nullptr : &it->second;
 }
 
 Member* CoordinatorCore::LiveIn(ShardGroup& group, int rank, uint64_t session_id) {
@@ -70,9 +62,9 @@ Member* CoordinatorCore::LiveIn(ShardGroup& group, int rank, uint64_t session_id
 }
 
 Member* CoordinatorCore::LiveMember(uint64_t session_id, Job** job) {
-  const SessionRef* ref = FindSession(session_id);
+  const SessionRef* ref = jobs_.FindSession(session_id);
   if (ref == nullptr) return nullptr;
-  Member* m = LiveIn(Owned(*ref->job, ref->rank / ref->job->group_size), ref->rank, session_id);
+  Member* m = LiveIn(Owned(*ref->job, ref->job->GroupOf(ref->rank)), ref->rank, session_id);
   if (m != nullptr) *job = ref->job;
   return m;
 }
@@ -106,7 +98,7 @@ void CoordinatorCore::Apply(Job& job, ShardGroup& group, GroupEffects& fx) {
     int64_t suppressed = 0;
     if (!limit.Allow(&suppressed)) continue;
     if (suppressed > 0) absl::StrAppend(&line, " (", suppressed, " more warnings not logged)");
-    Defer([line = std::move(line)] {
+    mu_.Defer([line = std::move(line)] {
       static const auto log = logging::Get("coordinator");
       log->warn("{}", line);
     });
@@ -141,13 +133,11 @@ void CoordinatorCore::SinkSend(Member& m, const v1::CoordinatorMessage& msg) {
     m.cut_reason = std::string(s.message());
     return;
   }
-  // The write starts once mu_ is released (see RunDeferred).
-  auto& kick = ThisThread().kick;
-  if (kick.empty() || kick.back() != m.sink) kick.push_back(m.sink);
+  mu_.Kick(m.sink);  // The write starts once mu_ is released.
 }
 
 void CoordinatorCore::RecordDaemonEvent(bool started, const std::string& detail) {
-  Locked lock(this);
+  CoreLock lock(&mu_);
   Event("info", started ? EventKind::kDaemonStarted : EventKind::kDaemonStopped, "", -1, -1,
         absl::StrCat("shardcoord ", kVersion, " incarnation ", incarnation_, ": ", detail));
 }

@@ -9,23 +9,23 @@
 // converts streams and calls into calls on this class and gives each session a RankSink
 // through which the core sends messages.
 //
-// Thread-safety: every public method may be called from any thread. The registry (jobs,
-// sessions, communicators) is guarded by one reader/writer mutex, `mu_` (DESIGN 9), held
-// exclusively by everything but the hot path and the status queries; each shard group, its
-// members included, by its GroupSlot's mutex (shard_group.h, ABSL_GUARDED_BY: checked by
-// clang). The hot path (bundles of plans and heartbeats, collective progress included, that
-// carry no CommAbort acknowledgement) only touches one group (the progress goes to the
-// communicator table under its own leaf mutex): it holds `mu_` shared (`SharedLocked`) plus that group's mutex, so that
-// different groups, of one job or of several, are served in parallel. A holder of `mu_`
-// exclusive holds every group (their mutexes are only taken under `mu_` shared) and reaches
-// them through Owned(). The functions annotated ABSL_SHARED_LOCKS_REQUIRED(mu_) take a
-// group the caller holds either way.
+// Thread-safety: every public method may be called from any thread. The registry (the
+// JobTable: jobs, sessions, communicators) is guarded by one reader/writer mutex, `mu_`
+// (a CoreMutex, DESIGN 9), held exclusively by everything but the hot path and the status
+// queries; each shard group, its members included, by its GroupSlot's mutex (shard_group.h,
+// ABSL_GUARDED_BY: checked by clang). The hot path (bundles of plans and heartbeats,
+// collective progress included, that carry no CommAbort acknowledgement) only touches one
+// group (the progress goes to the communicator table under its own leaf mutex): it holds
+// `mu_` shared (CoreReaderLock) plus that group's mutex, so that different groups, of one job
+// or of several, are served in parallel. A holder of `mu_` exclusive holds every group (their
+// mutexes are only taken under `mu_` shared) and reaches them through Owned(). The functions
+// annotated ABSL_SHARED_LOCKS_REQUIRED(mu_) take a group the caller holds either way.
 // What may block or call back runs after the lock is released: log lines and the
-// completions of waiting communicator calls are collected under it and carried out on the
-// way out (`Locked`, `SharedLocked`, `RunDeferred`). RankSink::Send is the exception, on
-// purpose: it is called with the lock held, so that messages to one rank leave in the
-// order the core produced them; that is why a sink must only queue (never block, never
-// call back). The network writes start after unlocking (RankSink::Kick).
+// completions of waiting communicator calls are queued under it (CoreMutex::Defer) and
+// carried out on the way out (core_mutex.h). RankSink::Send is the exception, on purpose: it
+// is called with the lock held, so that messages to one rank leave in the order the core
+// produced them; that is why a sink must only queue (never block, never call back). The
+// network writes start after unlocking (CoreMutex::Kick, RankSink::Kick).
 #ifndef SHARDCOORD_COORDINATOR_CORE_COORDINATOR_CORE_H_
 #define SHARDCOORD_COORDINATOR_CORE_COORDINATOR_CORE_H_
 
@@ -48,7 +48,10 @@
 #include "coordinator/core/buffer_budget.h"
 #include "coordinator/core/clock.h"
 #include "coordinator/core/comm_table.h"
+#include "coordinator/core/core_mutex.h"
 #include "coordinator/core/decision_engine.h"
+#include "coordinator/core/job_table.h"
+#include "coordinator/core/rank_sink.h"
 #include "coordinator/core/resume_auth.h"
 #include "coordinator/core/shard_group.h"
 #include "coordinator/journal/event_journal.h"
@@ -59,24 +62,6 @@
 namespace shardcoord::coordinator {
 
 class DaemonMetrics;
-
-// The core's handle on one rank's session stream.
-class RankSink {
- public:
-  virtual ~RankSink() = default;
-  // Queues `msg` for the rank. Must not block and must not call into CoordinatorCore.
-  // Refuses (RESOURCE_EXHAUSTED naming the bound), and queues nothing, when the rank's
-  // queue is over its bound or the daemon's buffers are full while the rank holds a large
-  // share of them (it does not read its stream): the core then fails the rank with that
-  // message.
-  virtual absl::Status Send(const v1::CoordinatorMessage& msg) = 0;
-  // Starts writing what Send queued, if no write is in flight. The core calls it after
-  // releasing its mutex, once per call that queued something for the rank: starting a
-  // network write is the costly part of sending, and must not hold up every other rank.
-  virtual void Kick() {}
-  // Ends the session with `status` once the queued messages are written.
-  virtual void Close(const absl::Status& status) = 0;
-};
 
 class CoordinatorCore {
  public:
@@ -99,7 +84,7 @@ class CoordinatorCore {
   const DaemonMetrics& metrics() const { return *metrics_; }
   // The address actually bound (port 0 resolved), for status.
   void SetBoundAddress(const std::string& address) {
-    absl::MutexLock lock(&mu_);
+    CoreLock lock(&mu_);
     bound_address_ = address;
   }
 
@@ -183,23 +168,6 @@ class CoordinatorCore {
   void FlushJournal() { journal_.Flush(); }
 
  private:
-  struct Job {
-    std::string id;
-    int world_size = 0;
-    int group_size = 0;
-    // Group g holds ranks [g * group_size, (g + 1) * group_size) and their Members.
-    std::vector<std::unique_ptr<GroupSlot>> groups;
-    std::unique_ptr<CommTable> comms;
-    std::atomic<int64_t> plans_received{0};  // Counted by groups in parallel.
-    std::atomic<int64_t> microbatches_decided{0};
-    absl::Time ended = absl::InfinitePast();  // When its last live rank ended (retention).
-  };
-
-  struct SessionRef {
-    Job* job;
-    int rank;
-  };
-
   // Group access. A group's state is guarded by its slot's mutex (GroupSlot), which the hot
   // path takes with mu_ held shared. A holder of mu_ exclusive holds every group as well:
   // the group mutexes are only ever taken under mu_ shared, so none is held meanwhile. Owned
@@ -209,9 +177,9 @@ class CoordinatorCore {
     return job.groups[group]->group;
   }
   Member& OwnedMember(const Job& job, int rank) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return Owned(job, rank / job.group_size).member(rank);
+    return Owned(job, job.GroupOf(rank)).member(rank);
   }
-  static GroupSlot& SlotOf(const Job& job, int rank) { return *job.groups[rank / job.group_size]; }
+  static GroupSlot& SlotOf(const Job& job, int rank) { return *job.groups[job.GroupOf(rank)]; }
   // Calls f(member) for every rank of the job, in rank order.
   template <typename F>
   void ForEachMember(const Job& job, F f) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -219,8 +187,6 @@ class CoordinatorCore {
       for (Member& m : Owned(job, static_cast<int>(g)).members) f(m);
     }
   }
-  // The session's job and rank, or null for an unknown session.
-  const SessionRef* FindSession(uint64_t session_id) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // The member of `group` behind `session_id` if that is the rank's current live session.
   static Member* LiveIn(ShardGroup& group, int rank, uint64_t session_id);
 
@@ -244,12 +210,10 @@ class CoordinatorCore {
   void SendTo(Member& member, const v1::CoordinatorMessage& msg) ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Sends through the member's sink; a refused send sets Member::cut_reason.
   void SinkSend(Member& member, const v1::CoordinatorMessage& msg) ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  // Makes room for a new job (evicting the oldest ended one) or says why there is none.
-  // (The checks that need no state are in registration.h.)
-  absl::Status AdmitJob(const std::string& job_id, int world_size) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Register's steps (DESIGN 3, "Registration"; DESIGN 8 for the group it joins).
   Job* ReuseOrForgetEndedJob(const v1::RegisterRequest& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The job the rank joins (nullptr: a new one, admitted), or why it may not.
+  // The job the rank joins (nullptr: a new one, admitted), or why it may not. (The checks that
+  // need no state are in registration.h.)
   absl::StatusOr<Job*> FindOrAdmitJob(const v1::RegisterRequest& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // PERMISSION_DENIED for a resume no key can check, past the recovery window after a start.
   absl::Status CheckUnverifiedResumeIsTimely(const v1::RegisterRequest& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -265,10 +229,6 @@ class CoordinatorCore {
   Job& CreateJob(const v1::RegisterRequest& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SetLive(Job& job, Member& m, uint64_t session_id, std::shared_ptr<RankSink> sink,
                const v1::RegisterRequest& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  v1::CoordinatorMessage Registered(const ShardGroup& group, const v1::RegisterRequest& req) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Forgets jobs with no live rank for longer than the retention.
-  void EvictEndedJobs(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The status query's part, under mu_ shared: takes each group's mutex itself.
   void FillJobStatus(const Job& job, v1::JobStatus* out) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Communicators (coordinator_core_comms.cc): the job's CommTable, through a CommHost that
@@ -310,65 +270,6 @@ class CoordinatorCore {
   void Event(const std::string& severity, EventKind kind, const std::string& job,
              int rank, int group, const std::string& message) ABSL_SHARED_LOCKS_REQUIRED(mu_);
 
-  // Holds mu_ for a public method; on release, carries out the work deferred meanwhile
-  // (in the order it was deferred), after unlocking.
-  class ABSL_SCOPED_LOCKABLE Locked {
-   public:
-    explicit Locked(CoordinatorCore* core) ABSL_EXCLUSIVE_LOCK_FUNCTION(core->mu_) : core_(core) {
-      core_->mu_.Lock();
-    }
-    ~Locked() ABSL_UNLOCK_FUNCTION() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-      core_->mu_.Unlock();
-      core_->RunDeferred();
-    }
-    Locked(const Locked&) = delete;
-    Locked& operator=(const Locked&) = delete;
-
-   private:
-    CoordinatorCore* const core_;
-  };
-  // Holds mu_ shared for the hot path; the caller then locks the group (GroupLock). On
-  // release, like Locked, kicks the sinks and runs the deferred work.
-  class ABSL_SCOPED_LOCKABLE SharedLocked {
-   public:
-    explicit SharedLocked(CoordinatorCore* core) ABSL_SHARED_LOCK_FUNCTION(core->mu_) : core_(core) {
-      core_->mu_.ReaderLock();
-    }
-    ~SharedLocked() ABSL_UNLOCK_FUNCTION() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-      core_->mu_.ReaderUnlock();
-      core_->RunDeferred();
-    }
-    SharedLocked(const SharedLocked&) = delete;
-    SharedLocked& operator=(const SharedLocked&) = delete;
-
-   private:
-    CoordinatorCore* const core_;
-  };
-  // What waits for the lock's release: per thread, since hot-path holders run side by side;
-  // each scope carries out what its own thread queued, after unlocking.
-  struct AfterUnlock {
-    std::vector<std::function<void()>> deferred;
-    std::vector<std::shared_ptr<RankSink>> kick;  // Sinks sent to, to start writing.
-  };
-  static AfterUnlock& ThisThread() {
-    thread_local AfterUnlock after;
-    return after;
-  }
-  // After unlocking: starts the writes of the sinks sent to, then the deferred work, in the
-  // order both were queued. A deferred completion may call back into the core: its own scope
-  // then carries out what it queues.
-  void RunDeferred() ABSL_LOCKS_EXCLUDED(mu_) {
-    AfterUnlock now;
-    now.deferred.swap(ThisThread().deferred);
-    now.kick.swap(ThisThread().kick);
-    for (auto& sink : now.kick) sink->Kick();
-    for (auto& f : now.deferred) f();
-  }
-  // Work for after the mutex is released (see Locked): logging, completions.
-  void Defer(std::function<void()> f) ABSL_SHARED_LOCKS_REQUIRED(mu_) {
-    ThisThread().deferred.push_back(std::move(f));
-  }
-
   const CoordinatorOptions options_;
   const std::shared_ptr<const Clock> clock_;
   const absl::Time started_;
@@ -381,9 +282,8 @@ class CoordinatorCore {
   // Before jobs_: their members' charges give back to it as they are destroyed.
   const std::shared_ptr<BufferBudget> buffers_;
 
-  mutable absl::Mutex mu_;
-  std::map<std::string, std::unique_ptr<Job>> jobs_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<uint64_t, SessionRef> sessions_ ABSL_GUARDED_BY(mu_);
+  mutable CoreMutex mu_;
+  JobTable jobs_ ABSL_GUARDED_BY(mu_);
   bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
   std::string bound_address_ ABSL_GUARDED_BY(mu_);
 };

@@ -29,20 +29,20 @@ class CoordinatorCore::JobHost final : public CommHost {
       ABSL_NO_THREAD_SAFETY_ANALYSIS {
     core_.Event(severity, kind, job_.id, rank, -1, message);
   }
-  void Defer(std::function<void()> f) override ABSL_NO_THREAD_SAFETY_ANALYSIS { core_.Defer(std::move(f)); }
+  void Defer(std::function<void()> f) override ABSL_NO_THREAD_SAFETY_ANALYSIS { core_.mu_.Defer(std::move(f)); }
 
  private:
   CoordinatorCore& core_;
   Job& job_;
 };
 
-absl::StatusOr<CoordinatorCore::Job*> CoordinatorCore::CommCaller(const std::string& job_id, int rank,
+absl::StatusOr<Job*> CoordinatorCore::CommCaller(const std::string& job_id, int rank,
                                                                   const std::string& session_key) {
-  auto it = jobs_.find(job_id);
-  if (it == jobs_.end()) {
+  Job* found = jobs_.Find(job_id);
+  if (found == nullptr) {
     return absl::NotFoundError(absl::StrCat("no job '", Printable(job_id, 64), "': register the rank first"));
   }
-  Job& job = *it->second;
+  Job& job = *found;
   if (rank < 0 || rank >= job.world_size || OwnedMember(job, rank).state != v1::RANK_STATE_LIVE) {
     return absl::FailedPreconditionError(absl::StrCat(
         "rank ", rank, " of job '", job_id, "' is not a live registered rank; register it before "
@@ -57,11 +57,11 @@ absl::StatusOr<CoordinatorCore::Job*> CoordinatorCore::CommCaller(const std::str
 }
 
 void CoordinatorCore::CommJoin(const v1::CommJoinRequest& req, JoinDone done) {
-  Locked lock(this);
+  CoreLock lock(&mu_);
   absl::StatusOr<Job*> job = shut_down_ ? absl::UnavailableError("coordinator is shutting down")
                                         : CommCaller(req.job_id(), req.rank(), req.session_key());
   if (!job.ok()) {
-    Defer([done = std::move(done), s = job.status()] { done(s); });
+    mu_.Defer([done = std::move(done), s = job.status()] { done(s); });
     return;
   }
   JobHost host(*this, **job);
@@ -69,7 +69,7 @@ void CoordinatorCore::CommJoin(const v1::CommJoinRequest& req, JoinDone done) {
 }
 
 absl::Status CoordinatorCore::StoreSet(const v1::StoreSetRequest& req) {
-  Locked lock(this);
+  CoreLock lock(&mu_);
   absl::StatusOr<Job*> job = CommCaller(req.job_id(), req.rank(), req.session_key());
   if (!job.ok()) return job.status();
   JobHost host(*this, **job);
@@ -77,12 +77,12 @@ absl::Status CoordinatorCore::StoreSet(const v1::StoreSetRequest& req) {
 }
 
 void CoordinatorCore::StoreGet(const v1::StoreGetRequest& req, GetDone done) {
-  Locked lock(this);
+  CoreLock lock(&mu_);
   // Shutting down: no ticker will expire a waiter any more.
   absl::StatusOr<Job*> job = shut_down_ ? absl::UnavailableError("coordinator is shutting down")
                                         : CommCaller(req.job_id(), req.rank(), req.session_key());
   if (!job.ok()) {
-    Defer([done = std::move(done), s = job.status()] { done(s); });
+    mu_.Defer([done = std::move(done), s = job.status()] { done(s); });
     return;
   }
   JobHost host(*this, **job);
@@ -90,7 +90,7 @@ void CoordinatorCore::StoreGet(const v1::StoreGetRequest& req, GetDone done) {
 }
 
 absl::Status CoordinatorCore::CommReport(const v1::CommReportRequest& req) {
-  Locked lock(this);
+  CoreLock lock(&mu_);
   absl::StatusOr<Job*> job = CommCaller(req.job_id(), req.rank(), req.session_key());
   if (!job.ok()) return job.status();
   JobHost host(*this, **job);

@@ -16,7 +16,7 @@ namespace shardcoord::coordinator {
 
 void CoordinatorCore::SetLive(Job& job, Member& m, uint64_t session_id, std::shared_ptr<RankSink> sink,
                               const v1::RegisterRequest& req) {
-  if (m.session != 0) sessions_.erase(m.session);
+  if (m.session != 0) jobs_.ForgetSession(m.session);
   m.state = v1::RANK_STATE_LIVE;
   m.session = session_id;
   m.sink = std::move(sink);
@@ -33,30 +33,7 @@ void CoordinatorCore::SetLive(Job& job, Member& m, uint64_t session_id, std::sha
   m.cut_reason.clear();
   m.session_key = NewSessionKey();
   job.ended = absl::InfinitePast();
-  sessions_[session_id] = SessionRef{&job, req.rank()};
-}
-
-v1::CoordinatorMessage CoordinatorCore::Registered(const ShardGroup& group, const v1::RegisterRequest& req) const {
-  v1::CoordinatorMessage msg;
-  v1::RegisterResponse* resp = msg.mutable_registered();
-  resp->set_group(group.index);
-  for (int r : group.ranks) resp->add_group_ranks(r);
-  resp->set_heartbeat_interval_ms(static_cast<int32_t>(absl::ToInt64Milliseconds(options_.heartbeat_interval)));
-  resp->set_heartbeat_timeout_ms(static_cast<int32_t>(absl::ToInt64Milliseconds(options_.heartbeat_timeout)));
-  resp->set_policy(req.policy());
-  resp->set_fallback(req.fallback());
-  resp->set_lookahead(req.lookahead());
-  resp->set_coordinator_version(shardcoord::kVersion);
-  resp->set_accepts_bundles(true);  // Deprecated: what workers built before bundles only look at.
-  if (FromProto(req.policy()) == Policy::kPerLayer) {
-    resp->add_warnings("policy per_layer: microbatches where ranks of the group diverge fall back to " +
-                       std::string(FallbackName(FromProto(req.fallback()))) +
-                       "; only uniform or all-skip microbatches shard per layer");
-  }
-  if (group.last_decided) ToProto(*group.last_decided, resp->mutable_last_decided());
-  resp->set_incarnation(incarnation_);
-  resp->set_config_digest(config_digest_);
-  return msg;
+  jobs_.BindSession(session_id, job, req.rank());
 }
 
 void CoordinatorCore::FailGroup(Job& job, ShardGroup& group, int idx, const std::string& full) {

@@ -23,7 +23,7 @@ constexpr size_t kEndedJobHistory = 16;
 void CoordinatorCore::OnBundle(uint64_t session_id, const v1::WorkerBundle& bundle) {
   if (bundle.comm_aborted_size() > 0) {
     // Acknowledgements change the state of the job's communicators.
-    Locked lock(this);
+    CoreLock lock(&mu_);
     Job* job = nullptr;
     Member* m = LiveMember(session_id, &job);
     if (m == nullptr) return;
@@ -34,8 +34,8 @@ void CoordinatorCore::OnBundle(uint64_t session_id, const v1::WorkerBundle& bund
     return;
   }
   // The hot path: this group only.
-  SharedLocked lock(this);
-  const SessionRef* ref = FindSession(session_id);
+  CoreReaderLock lock(&mu_);
+  const SessionRef* ref = jobs_.FindSession(session_id);
   if (ref == nullptr) return;  // A stale session; its rank re-registered or was declared dead.
   GroupSlot& slot = SlotOf(*ref->job, ref->rank);
   absl::MutexLock group_lock(&slot.mu);
@@ -61,7 +61,7 @@ void CoordinatorCore::TakePlans(Job& job, ShardGroup& group, Member& m, const v1
 }
 
 void CoordinatorCore::OnGoodbye(uint64_t session_id, const std::string& reason) {
-  Locked lock(this);
+  CoreLock lock(&mu_);
   Job* job = nullptr;
   Member* m = LiveMember(session_id, &job);
   if (m == nullptr) return;
@@ -70,12 +70,12 @@ void CoordinatorCore::OnGoodbye(uint64_t session_id, const std::string& reason) 
 }
 
 void CoordinatorCore::OnSessionClosed(uint64_t session_id, const std::string& why) {
-  Locked lock(this);
+  CoreLock lock(&mu_);
   if (shut_down_) return;  // Our own shutdown closed it: no rank died.
   Job* job = nullptr;
   Member* m = LiveMember(session_id, &job);
   if (m == nullptr) {
-    sessions_.erase(session_id);
+    jobs_.ForgetSession(session_id);
     return;
   }
   RemoveMember(*job, *m, /*clean=*/false, absl::StrCat("session stream lost (", why, ")"));
@@ -93,7 +93,7 @@ void CoordinatorCore::RemoveMember(Job& job, Member& m, bool clean, const std::s
     m.sink->Close(clean ? absl::OkStatus() : absl::AbortedError(full));
   }
   m.sink.reset();
-  sessions_.erase(m.session);
+  jobs_.ForgetSession(m.session);
   m.session_key.clear();
   m.state = clean ? v1::RANK_STATE_LEFT : v1::RANK_STATE_DEAD;
   m.dead_reason = reason;
@@ -126,14 +126,16 @@ void CoordinatorCore::MaybeEndJob(Job& job) {
 }
 
 void CoordinatorCore::Tick(absl::Time started) {
-  Locked lock(this);
+  CoreLock lock(&mu_);
   const absl::Time now = clock_->Now();
   if (started != absl::InfinitePast() && now - started > options_.heartbeat_timeout / 2) {
     // Stopped between the ticker's gap check and here (waiting for the lock, say): a pause,
     // not silence. Heartbeats held up meanwhile arrive now.
     RestartHeartbeatDeadlines(now - started);
   }
-  EvictEndedJobs(now);
+  for (const JobTable::Forgotten& f : jobs_.ForgetEnded(now, options_.limits.job_retention)) {
+    Event("info", EventKind::kJobEvicted, f.id, -1, -1, f.why);
+  }
   for (auto& entry : jobs_) {
     Job* job = entry.second.get();
     ExpireRecovery(*job, now);
@@ -162,7 +164,7 @@ void CoordinatorCore::Tick(absl::Time started) {
 }
 
 void CoordinatorCore::OnPaused(absl::Duration gap) {
-  Locked lock(this);
+  CoreLock lock(&mu_);
   RestartHeartbeatDeadlines(gap);
 }
 
@@ -183,7 +185,7 @@ void CoordinatorCore::RestartHeartbeatDeadlines(absl::Duration gap) {
 }
 
 void CoordinatorCore::Shutdown() {
-  Locked lock(this);
+  CoreLock lock(&mu_);
   shut_down_ = true;
   FailAllCommWaiters(absl::UnavailableError("coordinator is shutting down"));
   v1::CoordinatorMessage notice;
@@ -196,21 +198,6 @@ void CoordinatorCore::Shutdown() {
       m.sink->Close(absl::UnavailableError("coordinator is shutting down"));
       m.sink.reset();
     });
-  }
-}
-
-void CoordinatorCore::EvictEndedJobs(absl::Time now) {
-  for (auto it = jobs_.begin(); it != jobs_.end();) {
-    const Job& job = *it->second;
-    if (job.ended != absl::InfinitePast() && now - job.ended > options_.limits.job_retention) {
-      Event("info", EventKind::kJobEvicted, job.id, -1, -1,
-            absl::StrCat("no live rank for ", absl::ToInt64Milliseconds(now - job.ended),
-                         " ms (job retention ", absl::ToInt64Milliseconds(options_.limits.job_retention), " ms)"));
-      ForEachMember(job, [&](const Member& m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { sessions_.erase(m.session); });
-      it = jobs_.erase(it);
-    } else {
-      ++it;
-    }
   }
 }
 

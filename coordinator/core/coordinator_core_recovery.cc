@@ -27,7 +27,7 @@ void CoordinatorCore::ResumeMember(Job& job, ShardGroup& group, Member& m, uint6
   // A rank that never registered before the restart holds nothing.
   m.resume = req.has_resume() ? req.resume() : v1::ResumeState{};
   m.resume_charge = std::move(charge);
-  v1::CoordinatorMessage msg = Registered(group, req);
+  v1::CoordinatorMessage msg = group.Registered(req, incarnation_, config_digest_);
   msg.mutable_registered()->set_epoch(m.resume->group_epoch());
   msg.mutable_registered()->set_session_key(m.session_key);
   msg.mutable_registered()->set_resume_credential(resume_auth_.Credential(job.id, m.rank));

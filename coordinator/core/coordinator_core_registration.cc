@@ -12,36 +12,6 @@
 
 namespace shardcoord::coordinator {
 
-absl::Status CoordinatorCore::AdmitJob(const std::string& job_id, int world_size) {
-  const CoordinatorLimits& lim = options_.limits;
-  auto total_ranks = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    int64_t n = 0;
-    for (const auto& [id, job] : jobs_) n += job->world_size;
-    return n;
-  };
-  // Full: make room by forgetting the jobs that ended longest ago, while any ended.
-  while (static_cast<int>(jobs_.size()) >= lim.max_jobs || total_ranks() + world_size > lim.max_total_ranks) {
-    auto oldest = jobs_.end();
-    for (auto it = jobs_.begin(); it != jobs_.end(); ++it) {
-      if (it->second->ended == absl::InfinitePast()) continue;
-      if (oldest == jobs_.end() || it->second->ended < oldest->second->ended) oldest = it;
-    }
-    if (oldest == jobs_.end()) {
-      const bool by_count = static_cast<int>(jobs_.size()) >= lim.max_jobs;
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "register: cannot admit job '", job_id, "' (", world_size, " ranks): the coordinator holds ",
-          by_count ? absl::StrCat("max_jobs (", lim.max_jobs, ") jobs")
-                   : absl::StrCat(total_ranks(), " ranks and max_total_ranks is ", lim.max_total_ranks),
-          " and every job has live ranks; wait for a job to end or raise ",
-          by_count ? "--max-jobs" : "--max-total-ranks"));
-    }
-    Event("info", EventKind::kJobEvicted, oldest->first, -1, -1, "evicted to admit a new job (max_jobs or max_total_ranks reached)");
-    ForEachMember(*oldest->second, [&](const Member& m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { sessions_.erase(m.session); });
-    jobs_.erase(oldest);
-  }
-  return absl::OkStatus();
-}
-
 absl::Status CoordinatorCore::Register(uint64_t session_id, const v1::RegisterRequest& in,
                                        std::shared_ptr<RankSink> sink) {
   const v1::RegisterRequest req = WithRegisterDefaults(in, options_);
@@ -57,7 +27,7 @@ absl::Status CoordinatorCore::Register(uint64_t session_id, const v1::RegisterRe
     if (absl::Status s = CheckResumeTrust(req, resume_auth_, &verified); !s.ok()) return s;
   }
 
-  Locked lock(this);
+  CoreLock lock(&mu_);
   if (shut_down_) return absl::UnavailableError("coordinator is shutting down");
   if (resuming && !verified) {
     if (absl::Status s = CheckUnverifiedResumeIsTimely(req); !s.ok()) return s;
@@ -74,7 +44,7 @@ absl::Status CoordinatorCore::Register(uint64_t session_id, const v1::RegisterRe
 
   // Accepted: from here on state changes.
   if (job == nullptr) job = &CreateJob(req);
-  ShardGroup& group = Owned(*job, req.rank() / job->group_size);
+  ShardGroup& group = Owned(*job, job->GroupOf(req.rank()));
   Member& m = group.member(req.rank());
   if (!group.has_reference) group.SetReference(req, options_.promotion);
   group.ForgetMeasures(group.IndexOf(req.rank()));  // Its process measures afresh (and resends).
@@ -116,10 +86,13 @@ void CoordinatorCore::JoinGroup(Job& job, ShardGroup& group, Member& m, uint64_t
   }
 }
 
-absl::StatusOr<CoordinatorCore::Job*> CoordinatorCore::FindOrAdmitJob(const v1::RegisterRequest& req) {
+absl::StatusOr<Job*> CoordinatorCore::FindOrAdmitJob(const v1::RegisterRequest& req) {
   Job* job = ReuseOrForgetEndedJob(req);
   if (job == nullptr) {
-    if (absl::Status s = AdmitJob(req.job_id(), req.world_size()); !s.ok()) return s;
+    std::vector<JobTable::Forgotten> forgotten;
+    absl::Status admitted = jobs_.Admit(req.job_id(), req.world_size(), options_.limits, &forgotten);
+    for (const JobTable::Forgotten& f : forgotten) Event("info", EventKind::kJobEvicted, f.id, -1, -1, f.why);
+    if (!admitted.ok()) return admitted;
   } else if (absl::Status s = CheckJobAccepts(*job, req); !s.ok()) {
     return s;
   }
@@ -139,7 +112,7 @@ absl::Status CoordinatorCore::CheckUnverifiedResumeIsTimely(const v1::RegisterRe
 
 v1::CoordinatorMessage CoordinatorCore::Welcome(const Job& job, const ShardGroup& group, const Member& m,
                                                 const v1::RegisterRequest& req, bool rejoin) {
-  v1::CoordinatorMessage msg = Registered(group, req);
+  v1::CoordinatorMessage msg = group.Registered(req, incarnation_, config_digest_);
   msg.mutable_registered()->set_session_key(m.session_key);
   msg.mutable_registered()->set_resume_credential(resume_auth_.Credential(job.id, req.rank()));
   const Policy policy = FromProto(req.policy());
@@ -153,11 +126,9 @@ v1::CoordinatorMessage CoordinatorCore::Welcome(const Job& job, const ShardGroup
   return msg;
 }
 
-CoordinatorCore::Job* CoordinatorCore::ReuseOrForgetEndedJob(const v1::RegisterRequest& req) {
-  auto it = jobs_.find(req.job_id());
-  if (it == jobs_.end()) return nullptr;
-  Job* job = it->second.get();
-  if (job->ended == absl::InfinitePast()) return job;
+Job* CoordinatorCore::ReuseOrForgetEndedJob(const v1::RegisterRequest& req) {
+  Job* job = jobs_.Find(req.job_id());
+  if (job == nullptr || !job->has_ended()) return job;
   // Every rank of the job left or died: this registration is a rerun or a restart from a
   // checkpoint. With another size the job starts afresh; with the same size it keeps its
   // history (communicator epochs, events, counts), and each group takes the manifest and
@@ -166,8 +137,7 @@ CoordinatorCore::Job* CoordinatorCore::ReuseOrForgetEndedJob(const v1::RegisterR
     Event("info", EventKind::kJobReplaced, job->id, req.rank(), -1,
           absl::StrCat("no rank was live: the job starts afresh with world_size ", req.world_size(),
                        " and group_size ", req.group_size()));
-    ForEachMember(*job, [&](const Member& m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { sessions_.erase(m.session); });
-    jobs_.erase(it);
+    jobs_.Erase(req.job_id());
     return nullptr;
   }
   // A rerun plans its keys from the start again: each group begins a new epoch with no
@@ -191,7 +161,7 @@ absl::Status CoordinatorCore::CheckJobAccepts(const Job& job, const v1::Register
         "register: group size mismatch: job '", job.id, "' has group_size ", job.group_size,
         " but rank ", req.rank(), " registered with ", req.group_size()));
   }
-  const ShardGroup& g = Owned(job, req.rank() / job.group_size);
+  const ShardGroup& g = Owned(job, job.GroupOf(req.rank()));
   const Member& existing = g.member(req.rank());
   if (existing.state == v1::RANK_STATE_LIVE) {
     return absl::AlreadyExistsError(absl::StrCat(
@@ -206,21 +176,9 @@ absl::Status CoordinatorCore::CheckJobAccepts(const Job& job, const v1::Register
                               absl::StrCat(" (job '", job.id, "', group ", g.index, ")"));
 }
 
-CoordinatorCore::Job& CoordinatorCore::CreateJob(const v1::RegisterRequest& req) {
-  auto created = std::make_unique<Job>();
-  created->id = req.job_id();
-  created->world_size = req.world_size();
-  created->group_size = req.group_size();
-  const int groups = req.world_size() / req.group_size();
-  created->groups.reserve(groups);
-  for (int g = 0; g < groups; ++g) {
-    created->groups.push_back(std::make_unique<GroupSlot>(
-        g, g * req.group_size(), req.group_size(), GroupRules{req.job_id(), &options_, &resume_auth_}));
-  }
-  created->comms = std::make_unique<CommTable>(req.job_id(), req.world_size(), req.group_size(), options_.limits,
-                                               options_.behind_threshold);
-  Job& job = *created;
-  jobs_[req.job_id()] = std::move(created);
+Job& CoordinatorCore::CreateJob(const v1::RegisterRequest& req) {
+  Job& job = jobs_.Create(req.job_id(), req.world_size(), req.group_size(),
+                          GroupRules{req.job_id(), &options_, &resume_auth_}, options_);
   const bool no_modules = req.modules_size() == 0;
   Event(no_modules ? "warning" : "info", EventKind::kJobCreated, job.id, -1, -1,
         absl::StrCat("world_size=", job.world_size, " group_size=", job.group_size, " groups=", job.groups.size(),

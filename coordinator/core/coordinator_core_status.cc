@@ -38,7 +38,7 @@ void CoordinatorCore::FillJobStatus(const Job& job, v1::JobStatus* js) const {
 // group's decisions for the time it takes to copy a large job (DESIGN 9).
 
 v1::StatusResponse CoordinatorCore::Status(const std::string& job_id) const {
-  absl::ReaderMutexLock lock(&mu_);
+  CoreReaderLock lock(&mu_);
   v1::StatusResponse out;
   const absl::Time now = clock_->Now();
   out.set_version(shardcoord::kVersion);
@@ -55,7 +55,7 @@ v1::StatusResponse CoordinatorCore::Status(const std::string& job_id) const {
 }
 
 v1::ListRanksResponse CoordinatorCore::Ranks(const std::string& job_id) const {
-  absl::ReaderMutexLock lock(&mu_);
+  CoreReaderLock lock(&mu_);
   v1::ListRanksResponse out;
   const absl::Time now = clock_->Now();
   for (const auto& [id, job] : jobs_) {
@@ -69,7 +69,7 @@ v1::ListRanksResponse CoordinatorCore::Ranks(const std::string& job_id) const {
 }
 
 v1::ListGroupsResponse CoordinatorCore::Groups(const std::string& job_id) const {
-  absl::ReaderMutexLock lock(&mu_);
+  CoreReaderLock lock(&mu_);
   v1::ListGroupsResponse out;
   for (const auto& [id, job] : jobs_) {
     if (!job_id.empty() && id != job_id) continue;
@@ -83,7 +83,7 @@ v1::ListGroupsResponse CoordinatorCore::Groups(const std::string& job_id) const 
 
 v1::ListDecisionsResponse CoordinatorCore::Decisions(const std::string& job_id, int group,
                                                      int limit) const {
-  absl::ReaderMutexLock lock(&mu_);
+  CoreReaderLock lock(&mu_);
   v1::ListDecisionsResponse out;
   if (limit <= 0) limit = 20;
   // Every group of every job gives up to `limit`: the answer stops before it would outgrow
@@ -113,7 +113,7 @@ v1::ListDecisionsResponse CoordinatorCore::Decisions(const std::string& job_id, 
 }
 
 v1::ListCommsResponse CoordinatorCore::Comms(const std::string& job_id) const {
-  absl::ReaderMutexLock lock(&mu_);  // Communicators change under the exclusive lock only.
+  CoreReaderLock lock(&mu_);  // Communicators change under the exclusive lock only.
   v1::ListCommsResponse out;
   for (const auto& [id, job] : jobs_) {
     if (!job_id.empty() && id != job_id) continue;

@@ -296,7 +296,8 @@ std::string ImpossibleDecision(const v1::RegisterRequest& req, const v1::Microba
     return absl::StrCat("its epoch ", d.epoch(), " is outside 0..", req.resume().group_epoch(),
                         " (the epoch the rank resumes at)");
   }
-  if (d.step() < 0 || d.microbatch() < 0) return "its step or microbatch is negative";
+  if (!d.has_key()) return "it names no microbatch (no key)";
+  if (d.key().step() < 0 || d.key().microbatch() < 0) return "its step or microbatch is negative";
   if (d.seq() >= kMaxResumeSeq) return absl::StrCat("its seq ", d.seq(), " is beyond 2^62");
   if (d.modules_size() != req.modules_size()) {
     return absl::StrCat("it has ", d.modules_size(), " module entries, the manifest ", req.modules_size());

@@ -64,7 +64,7 @@ bool ResumeAuthority::CheckCredential(const std::string& job, int rank, const st
 std::string ResumeAuthority::Seal(const std::string& job, const v1::MicrobatchDecision& d) const {
   std::string message = "shardcoord decision seal 1;";
   Field(&message, job);
-  for (int64_t v : {int64_t{d.group()}, d.step(), int64_t{d.microbatch()}, static_cast<int64_t>(d.seq()), d.epoch(),
+  for (int64_t v : {int64_t{d.group()}, d.key().step(), int64_t{d.key().microbatch()}, static_cast<int64_t>(d.seq()), d.epoch(),
                     static_cast<int64_t>(d.digest())}) {
     Field(&message, absl::StrCat(v));
   }

@@ -257,6 +257,10 @@ absl::StatusOr<ShardGroup::PlanCalls> ShardGroup::ParsePlan(const v1::Microbatch
   auto bad = [&](const std::string& what) {
     return absl::InvalidArgumentError(absl::StrCat("plan ", key.ToString(), " from ", who, ": ", what));
   };
+  if (!plan.has_key()) {
+    return bad("it carries no key (MicrobatchPlan.key): the worker is older than this coordinator's wire, which names "
+               "every microbatch by a MicrobatchKey; run workers and coordinator of the same shardcoord version");
+  }
   if (std::string e = CheckPlanKey(key); !e.empty()) return bad(e);
   PlanCalls calls;
   calls.reserve(plan.calls_size());

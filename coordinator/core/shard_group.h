@@ -243,7 +243,11 @@ class ShardGroup {
   // A rerun of the job under the same id (every rank had left): the group takes the manifest
   // of its first rank to register again and forms afresh, its keys from the start.
   void StartRerun();
-  // shard_group_status.cc: the group's share of its job's status (rank and group counts,
+  // shard_group_status.cc: the RegisterResponse of a rank joining the group (its group, the
+  // timeouts, the policy it registered, the last key decided, the coordinator's incarnation and
+  // config digest);
+  v1::CoordinatorMessage Registered(const v1::RegisterRequest& req, uint64_t incarnation, uint64_t config_digest) const;
+  // the group's share of its job's status (rank and group counts,
   // decisions by kind, the module names), its own status, and one status per member.
   void CountInto(v1::JobStatus* out) const;
   void Describe(v1::GroupStatus* out) const;

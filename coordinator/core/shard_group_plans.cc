@@ -60,14 +60,13 @@ void ShardGroup::Reject(int idx, const v1::MicrobatchPlan& plan, const absl::Sta
   m.plans_rejected++;
   v1::CoordinatorMessage msg;
   auto* rej = msg.mutable_plan_rejected();
-  rej->set_step(plan.step());
-  rej->set_microbatch(plan.microbatch());
+  *rej->mutable_key() = plan.key();
   rej->set_code(static_cast<int>(why.code()));
   rej->set_message(std::string(why.message()));
   rej->set_epoch(in_epoch);
   fx.Send(idx, std::move(msg));
-  fx.warnings.push_back(absl::StrCat("plan_rejected job=", rules_.job_id, " rank=", m.rank, " step=", plan.step(),
-                                     " mb=", plan.microbatch(), " code=", absl::StatusCodeToString(why.code()), " ",
+  fx.warnings.push_back(absl::StrCat("plan_rejected job=", rules_.job_id, " rank=", m.rank, " step=", plan.key().step(),
+                                     " mb=", plan.key().microbatch(), " code=", absl::StatusCodeToString(why.code()), " ",
                                      why.message()));
 }
 
@@ -225,8 +224,7 @@ v1::CoordinatorMessage ShardGroup::MicrobatchFailed(const MicrobatchKey& key, co
   v1::CoordinatorMessage msg;
   auto* f = msg.mutable_microbatch_failed();
   f->set_group(index);
-  f->set_step(key.step);
-  f->set_microbatch(key.microbatch);
+  ToProto(key, f->mutable_key());
   f->set_code(static_cast<int>(why.code()));
   f->set_message(std::string(why.message()));
   return msg;

@@ -1,11 +1,36 @@
-// ShardGroup: how the group describes itself to operators (shardctl status, ranks, groups;
-// the status page and /metrics read the same answers). Read-only; the caller holds the group.
+// ShardGroup: how the group describes itself to a rank that joins it (its RegisterResponse)
+// and to operators (shardctl status, ranks, groups; the status page and /metrics read the same
+// answers). Read-only; the caller holds the group.
 #include "absl/strings/str_cat.h"
 #include "coordinator/core/shard_group.h"
 #include "coordinator/core/text.h"
 #include "shardcoord/proto/convert.h"
+#include "shardcoord/version.h"
 
 namespace shardcoord::coordinator {
+
+v1::CoordinatorMessage ShardGroup::Registered(const v1::RegisterRequest& req, uint64_t incarnation, uint64_t config_digest) const {
+  v1::CoordinatorMessage msg;
+  v1::RegisterResponse* resp = msg.mutable_registered();
+  resp->set_group(index);
+  for (int r : ranks) resp->add_group_ranks(r);
+  resp->set_heartbeat_interval_ms(static_cast<int32_t>(absl::ToInt64Milliseconds(rules_.options->heartbeat_interval)));
+  resp->set_heartbeat_timeout_ms(static_cast<int32_t>(absl::ToInt64Milliseconds(rules_.options->heartbeat_timeout)));
+  resp->set_policy(req.policy());
+  resp->set_fallback(req.fallback());
+  resp->set_lookahead(req.lookahead());
+  resp->set_coordinator_version(shardcoord::kVersion);
+  resp->set_accepts_bundles(true);  // Deprecated: what workers built before bundles only look at.
+  if (FromProto(req.policy()) == Policy::kPerLayer) {
+    resp->add_warnings("policy per_layer: microbatches where ranks of the group diverge fall back to " +
+                       std::string(FallbackName(FromProto(req.fallback()))) +
+                       "; only uniform or all-skip microbatches shard per layer");
+  }
+  if (last_decided) ToProto(*last_decided, resp->mutable_last_decided());
+  resp->set_incarnation(incarnation);
+  resp->set_config_digest(config_digest);
+  return msg;
+}
 
 void ShardGroup::CountInto(v1::JobStatus* js) const {
   for (const Member& m : members) {

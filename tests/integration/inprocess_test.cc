@@ -97,8 +97,8 @@ v1::RegisterRequest RawRequest(int rank, int world, int group_size) {
 
 v1::MicrobatchPlan RawPlan(int64_t step, int mb, const std::string& module, int calls) {
   v1::MicrobatchPlan p;
-  p.set_step(step);
-  p.set_microbatch(mb);
+  p.mutable_key()->set_step(step);
+  p.mutable_key()->set_microbatch(mb);
   (*p.mutable_calls())[module] = calls;
   return p;
 }
@@ -577,7 +577,7 @@ v1::RankStatus NonReaderTest::FailANonReader(coordinator::CoordinatorOptions o) 
         v1::WorkerMessage m;
         for (int i = 0; i < 2000; ++i) {
           auto* p = m.mutable_bundle()->mutable_plans()->add_plans();
-          p->set_step(step++);
+          p->mutable_key()->set_step(step++);
           (*p->mutable_calls())["vision_tower"] = 1;
         }
         raw.stream->Write(m);
@@ -647,7 +647,7 @@ TEST_F(InProcessTest, APlanBatchBeyondTheLookaheadWindowFailsTheSenderForWhatItD
   v1::WorkerMessage m;
   for (int i = 0; i < 20000; ++i) {
     auto* p = m.mutable_bundle()->mutable_plans()->add_plans();
-    p->set_step(i);
+    p->mutable_key()->set_step(i);
     (*p->mutable_calls())["vision_tower"] = 1;
   }
   raw.stream->Write(m);  // May fail once the daemon has cut the rank.
@@ -660,7 +660,8 @@ TEST_F(InProcessTest, APlanBatchBeyondTheLookaheadWindowFailsTheSenderForWhatItD
 }
 
 // A coordinator that registers the rank and answers each plan with a decision no worker
-// can carry out: decision value 77 for microbatch 0, one module missing for the others.
+// can carry out: decision value 77 for microbatch 0, one module missing for the others, and
+// for microbatch 2 no key either (what a coordinator of the wire before MicrobatchKey sends).
 class UnusableDecisionCoordinator final : public v1::Coordinator::Service {
  public:
   grpc::Status Session(grpc::ServerContext*,
@@ -684,12 +685,11 @@ class UnusableDecisionCoordinator final : public v1::Coordinator::Service {
         v1::CoordinatorMessage out;
         out.set_incarnation(7);
         auto* d = out.mutable_decisions()->add_decisions();
-        d->set_step(p.step());
-        d->set_microbatch(p.microbatch());
-        for (size_t i = 0; i < (p.microbatch() == 0 ? kModules.size() : 1); ++i) {
+        if (p.key().microbatch() != 2) *d->mutable_key() = p.key();  // 2: no key, as an older wire's.
+        for (size_t i = 0; i < (p.key().microbatch() == 0 ? kModules.size() : 1); ++i) {
           auto* m = d->add_modules();
           m->set_module(kModules[i]);
-          m->set_decision(p.microbatch() == 0 ? static_cast<v1::Decision>(77) : v1::DECISION_SKIP);
+          m->set_decision(p.key().microbatch() == 0 ? static_cast<v1::Decision>(77) : v1::DECISION_SKIP);
           m->set_reason(v1::REASON_ALL_SKIP);
         }
         stream->Write(out);
@@ -721,6 +721,11 @@ TEST_F(InProcessTest, ADecisionTheWorkerCannotCarryOutIsAnErrorNeverHandedToTheT
   auto missing = w->GetDecision({0, 1}, kDecisionTimeout);
   EXPECT_EQ(missing.status().code(), absl::StatusCode::kInternal) << missing.status();
   EXPECT_THAT(missing.status().message(), HasSubstr("it names 1 modules, the manifest has 2"));
+  // A decision without a key could be for any microbatch: what is pending fails, naming why.
+  ASSERT_TRUE(w->ReportPlan(PlanOf(0, 2, 1)).ok());
+  auto keyless = w->GetDecision({0, 2}, kDecisionTimeout);
+  EXPECT_EQ(keyless.status().code(), absl::StatusCode::kFailedPrecondition) << keyless.status();
+  EXPECT_THAT(keyless.status().message(), HasSubstr("decision without a key"));
   w->Close(absl::Seconds(1));
   forger->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
 }

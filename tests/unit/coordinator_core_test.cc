@@ -68,8 +68,8 @@ class CoreTest : public ::testing::Test, protected shardcoord::testing::CoreHarn
       if (std::find(g.ranks().begin(), g.ranks().end(), rank) != g.ranks().end()) batch.set_epoch(g.epoch());
     }
     auto* p = batch.add_plans();
-    p->set_step(step);
-    p->set_microbatch(mb);
+    p->mutable_key()->set_step(step);
+    p->mutable_key()->set_microbatch(mb);
     (*p->mutable_calls())["vision_tower"] = vision;
     (*p->mutable_calls())["audio_tower"] = audio;
     OnPlans(sessions_[rank], batch);
@@ -311,7 +311,7 @@ TEST_F(CoreTest, AKeyAfterALaterFailedOneIsStillDecided) {
   Plan(0, 0, 0, 1);
   auto d = sinks_[0]->Decisions();
   ASSERT_EQ(d.size(), 1u);
-  EXPECT_EQ(d[0].microbatch(), 0);
+  EXPECT_EQ(d[0].key().microbatch(), 0);
   EXPECT_EQ(sinks_[1]->Decisions().size(), 1u);
 }
 
@@ -354,12 +354,12 @@ TEST_F(CoreTest, RankThatSkipsAMicrobatchFailsItForTheGroup) {
   Plan(1, 0, 1, 1);  // Rank 1 never reports (0,0).
   auto failed = sinks_[0]->Where([](const auto& m) { return m.has_microbatch_failed(); });
   ASSERT_EQ(failed.size(), 1u);
-  EXPECT_EQ(failed[0].microbatch_failed().microbatch(), 0);
+  EXPECT_EQ(failed[0].microbatch_failed().key().microbatch(), 0);
   EXPECT_EQ(failed[0].microbatch_failed().code(), static_cast<int>(absl::StatusCode::kFailedPrecondition));
   EXPECT_THAT(failed[0].microbatch_failed().message(), HasSubstr("rank 1 reported (0,1) without reporting (0,0)"));
   auto d = sinks_[1]->Decisions();
   ASSERT_EQ(d.size(), 1u);
-  EXPECT_EQ(d[0].microbatch(), 1);
+  EXPECT_EQ(d[0].key().microbatch(), 1);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -375,8 +375,8 @@ TEST_F(CoreTest, BadPlansAreRejectedWithPreciseCodes) {
   Plan(0, -1, 0, 1);  // malformed
   v1::PlanBatch unknown;
   auto* p = unknown.add_plans();
-  p->set_step(0);
-  p->set_microbatch(1);
+  p->mutable_key()->set_step(0);
+  p->mutable_key()->set_microbatch(1);
   (*p->mutable_calls())["vison_tower"] = 1;
   OnPlans(sessions_[0], unknown);  // unknown module
   Plan(0, 0, 0, 1);                       // out of order (already planned (0,0))
@@ -592,8 +592,8 @@ TEST_F(CoreTest, PlansFromBeforeAFailureAreRejectedInTheNextEpoch) {
   v1::PlanBatch stale;
   stale.set_epoch(0);
   auto* p = stale.add_plans();
-  p->set_step(5);
-  p->set_microbatch(0);
+  p->mutable_key()->set_step(5);
+  p->mutable_key()->set_microbatch(0);
   OnPlans(sessions_[0], stale);
   auto rej = sinks_[0]->Rejections();
   ASSERT_EQ(rej.size(), 1u);
@@ -642,14 +642,14 @@ TEST_P(StaticPolicyTest, EveryRankGetsTheSameSeqAndDigestPerKeyEvenWhenOneSkips)
   auto d1 = sinks_[1]->Decisions();
   ASSERT_EQ(d0.size(), 2u);
   ASSERT_EQ(d1.size(), 1u);
-  EXPECT_EQ(d1[0].microbatch(), 1);
+  EXPECT_EQ(d1[0].key().microbatch(), 1);
   EXPECT_EQ(d1[0].seq(), d0[1].seq()) << "same key, same seq on every rank";
   EXPECT_EQ(d1[0].digest(), d0[1].digest());
   // ... and the skipped microbatch fails for the whole group, as under auto.
   for (int r : {0, 1}) {
     auto failed = sinks_[r]->Where([](const auto& m) { return m.has_microbatch_failed(); });
     ASSERT_EQ(failed.size(), 1u) << "rank " << r;
-    EXPECT_EQ(failed[0].microbatch_failed().microbatch(), 0);
+    EXPECT_EQ(failed[0].microbatch_failed().key().microbatch(), 0);
     EXPECT_THAT(failed[0].microbatch_failed().message(), HasSubstr("rank 1 reported (0,1) without reporting (0,0)"));
   }
 }
@@ -705,7 +705,7 @@ TEST_F(CoreTest, RejectionsCarryTheEpochOfTheRejectedPlan) {
   v1::PlanBatch old;
   old.set_epoch(0);  // Queued before the failure, arriving after the re-form.
   auto* p = old.add_plans();
-  p->set_step(0);
+  p->mutable_key()->set_step(0);
   (*p->mutable_calls())["vision_tower"] = 1;
   OnPlans(sessions_[0], old);
   auto rej = sinks_[0]->Rejections();
@@ -839,7 +839,7 @@ TEST_F(CoreTest, AnEndedJobKeepsOnlyItsLastDecisions) {
   core_->OnGoodbye(sessions_[1], "done");
   auto kept = core_->Decisions("job", -1, 1000);
   ASSERT_EQ(kept.decisions_size(), 16);
-  EXPECT_EQ(kept.decisions(15).decision().microbatch(), 29) << "the newest are kept";
+  EXPECT_EQ(kept.decisions(15).decision().key().microbatch(), 29) << "the newest are kept";
 }
 
 TEST_F(CoreTest, RanksOfAllJobsAreCapped) {
@@ -910,6 +910,7 @@ TEST_F(CoreTest, RejectionsOfHugeManifestsStayShort) {
   ASSERT_TRUE(Register(r).ok());
   v1::PlanBatch b;
   auto* p = b.add_plans();
+  p->mutable_key();  // (0,0)
   (*p->mutable_calls())["vison_tower"] = 1;
   OnPlans(sessions_[0], b);
   auto rej = sinks_[0]->Rejections();
@@ -922,7 +923,7 @@ TEST_F(CoreTest, RejectionsOfHugeManifestsStayShort) {
   // Decisions of such a manifest are big: the answer stops before it outgrows a message.
   for (int mb = 0; mb < 150; ++mb) {
     v1::PlanBatch plan;
-    plan.add_plans()->set_microbatch(mb);
+    plan.add_plans()->mutable_key()->set_microbatch(mb);
     OnPlans(sessions_[0], plan);
   }
   auto decisions = core_->Decisions("", -1, 200);
@@ -953,8 +954,8 @@ TEST_F(CoreTest, ABundleCountsAsHeartbeatAndItsPlansAreDecidedLikeSeparateMessag
   bundle.mutable_heartbeat()->add_memory()->set_module("vision_tower");
   bundle.mutable_heartbeat()->mutable_memory(0)->set_resident_bytes(123);
   auto* p = bundle.mutable_plans()->add_plans();
-  p->set_step(0);
-  p->set_microbatch(0);
+  p->mutable_key()->set_step(0);
+  p->mutable_key()->set_microbatch(0);
   (*p->mutable_calls())["vision_tower"] = 1;
   core_->OnBundle(sessions_[0], bundle);
   // Its plan completed the group: both members have the decision.
@@ -1041,6 +1042,7 @@ TEST_F(CoreTest, ARerunWithAnotherManifestStartsItsCostModelAfresh) {
   v1::PlanBatch batch;
   batch.set_epoch(core_->Groups("job").groups(0).epoch());
   auto* p = batch.add_plans();
+  p->mutable_key();  // (0,0)
   (*p->mutable_calls())["renamed_tower"] = 2;
   OnPlans(sessions_[0], batch);
   OnPlans(sessions_[1], batch);
@@ -1128,7 +1130,7 @@ TEST_F(CoreTest, APlanBatchLargerThanTheLookaheadWindowCutsTheRankNamingWhy) {
   v1::PlanBatch batch;
   for (int mb = 0; mb < 25; ++mb) {
     auto* p = batch.add_plans();
-    p->set_microbatch(mb);
+    p->mutable_key()->set_microbatch(mb);
     (*p->mutable_calls())["vision_tower"] = 1;
   }
   OnPlans(sessions_[0], batch);
@@ -1147,8 +1149,8 @@ TEST_F(CoreTest, ABundleOfABadPlanIsRejectedLikeOneAlone) {
   RegisterAll();
   v1::WorkerBundle bundle;
   auto* p = bundle.mutable_plans()->add_plans();
-  p->set_step(0);
-  p->set_microbatch(0);
+  p->mutable_key()->set_step(0);
+  p->mutable_key()->set_microbatch(0);
   (*p->mutable_calls())["no_such_tower"] = 1;
   core_->OnBundle(sessions_[0], bundle);
   ASSERT_EQ(sinks_[0]->Rejections().size(), 1u);
@@ -1189,8 +1191,8 @@ TEST_F(CoreTest, PlansFromManyThreadsAreDecidedOnceAndIdenticallyForEveryMember)
         for (int r = t; r < kWorld; r += kThreads) {
           v1::PlanBatch batch;  // Epoch 0: no group re-formed.
           auto* p = batch.add_plans();
-          p->set_step(mb / 4);
-          p->set_microbatch(mb % 4);
+          p->mutable_key()->set_step(mb / 4);
+          p->mutable_key()->set_microbatch(mb % 4);
           (*p->mutable_calls())["vision_tower"] = (mb + r) % 3 == 0 ? 1 : 0;  // Divergent now and then.
           (*p->mutable_calls())["audio_tower"] = 0;
           if (mb % 2 == 0) {

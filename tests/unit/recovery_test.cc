@@ -27,8 +27,8 @@ v1::MicrobatchDecision Decision(int64_t step, int mb, uint64_t seq, v1::Decision
                                 v1::DecisionReason reason = v1::REASON_UNIFORM) {
   v1::MicrobatchDecision out;
   out.set_group(0);
-  out.set_step(step);
-  out.set_microbatch(mb);
+  out.mutable_key()->set_step(step);
+  out.mutable_key()->set_microbatch(mb);
   out.set_seq(seq);
   out.set_epoch(0);
   auto* m = out.add_modules();
@@ -41,8 +41,8 @@ v1::MicrobatchDecision Decision(int64_t step, int mb, uint64_t seq, v1::Decision
 
 v1::MicrobatchPlan Plan(int64_t step, int mb, int calls) {
   v1::MicrobatchPlan p;
-  p.set_step(step);
-  p.set_microbatch(mb);
+  p.mutable_key()->set_step(step);
+  p.mutable_key()->set_microbatch(mb);
   (*p.mutable_calls())["vision"] = calls;
   return p;
 }
@@ -171,7 +171,7 @@ TEST_F(CoreRecoveryTest, AHeldDecisionIsResentUnchangedAndNewKeysWaitForEveryMem
   EXPECT_EQ(core_->Groups("job").groups(0).state(), v1::GROUP_STATE_HEALTHY);
   auto d1 = sinks_[1]->Decisions();
   ASSERT_GE(d1.size(), 1u);
-  EXPECT_EQ(d1[0].step(), 5);
+  EXPECT_EQ(d1[0].key().step(), 5);
   EXPECT_EQ(d1[0].seq(), 9u);
   EXPECT_EQ(d1[0].digest(), Decision(5, 0, 9, v1::DECISION_PER_LAYER).digest()) << "the held decision, unchanged";
   // (5,1) and (5,2): rank 1 has not planned them; once it does, both are decided with seq 10, 11.
@@ -236,7 +236,7 @@ TEST_F(CoreRecoveryTest, AJobWhoseRanksAllLeftRunsAgainUnderTheSameIdFromTheFirs
     }
     auto decided = sinks_[0]->Decisions();
     ASSERT_EQ(decided.size(), 3u) << "run " << run << ": every key of the run decided, none stale";
-    EXPECT_EQ(decided[0].step(), 0);
+    EXPECT_EQ(decided[0].key().step(), 0);
     EXPECT_TRUE(sinks_[0]->Where([](const auto& m) { return m.has_plan_rejected(); }).empty()) << "run " << run;
     core_->OnGoodbye(sessions_[0], "done");
     core_->OnGoodbye(sessions_[1], "done");

@@ -47,8 +47,8 @@ CoordinatorOptions GroupOptions() {
 
 v1::MicrobatchPlan Plan(int64_t step, int mb, int vision, int audio = 0) {
   v1::MicrobatchPlan p;
-  p.set_step(step);
-  p.set_microbatch(mb);
+  p.mutable_key()->set_step(step);
+  p.mutable_key()->set_microbatch(mb);
   (*p.mutable_calls())["vision_tower"] = vision;
   (*p.mutable_calls())["audio_tower"] = audio;
   return p;
@@ -205,8 +205,8 @@ TEST_F(ShardGroupTest, AUniformMicrobatchIsDecidedPerLayerForEveryMemberOnceBoth
   ASSERT_TRUE(msg.decision.has_value());
   const v1::MicrobatchDecision& d = *msg.decision;
   EXPECT_EQ(d.group(), kGroupIndex);
-  EXPECT_EQ(d.step(), 0);
-  EXPECT_EQ(d.microbatch(), 0);
+  EXPECT_EQ(d.key().step(), 0);
+  EXPECT_EQ(d.key().microbatch(), 0);
   EXPECT_EQ(d.seq(), 0u);
   EXPECT_EQ(d.epoch(), 0);
   ASSERT_EQ(d.modules_size(), 2);
@@ -238,8 +238,8 @@ TEST_F(ShardGroupTest, ADivergentMicrobatchFallsBackToRootForEveryMember) {
   EXPECT_EQ(second.messages[0].member, GroupEffects::kEveryMember);
   ASSERT_TRUE(second.messages[0].decision.has_value());
   const v1::MicrobatchDecision& d = *second.messages[0].decision;
-  EXPECT_EQ(d.step(), 3);
-  EXPECT_EQ(d.microbatch(), 1);
+  EXPECT_EQ(d.key().step(), 3);
+  EXPECT_EQ(d.key().microbatch(), 1);
   ExpectModule(d, 0, "vision_tower", v1::DECISION_ROOT, v1::REASON_DIVERGENT);
   ExpectModule(d, 1, "audio_tower", v1::DECISION_PER_LAYER, v1::REASON_UNIFORM);
   EXPECT_TRUE(auth_.CheckSeal(kJob, d));
@@ -257,9 +257,9 @@ TEST_F(ShardGroupTest, DecisionsComeInKeyOrderWithConsecutiveSeqs) {
   EXPECT_EQ(fx.plans_accepted, 2);
   const auto decisions = DecisionMessages(fx);
   ASSERT_THAT(decisions, SizeIs(2));
-  EXPECT_EQ(decisions[0].decision->microbatch(), 0);
+  EXPECT_EQ(decisions[0].decision->key().microbatch(), 0);
   EXPECT_EQ(decisions[0].decision->seq(), 0u);
-  EXPECT_EQ(decisions[1].decision->microbatch(), 1);
+  EXPECT_EQ(decisions[1].decision->key().microbatch(), 1);
   EXPECT_EQ(decisions[1].decision->seq(), 1u);
   ExpectModule(*decisions[1].decision, 0, "vision_tower", v1::DECISION_SKIP, v1::REASON_ALL_SKIP);
   EXPECT_EQ(fx.decided, 2);
@@ -268,6 +268,24 @@ TEST_F(ShardGroupTest, DecisionsComeInKeyOrderWithConsecutiveSeqs) {
 
 // ---------------------------------------------------------------------------------------
 // Rejected plans
+
+TEST_F(ShardGroupTest, APlanWithoutAKeyIsRejectedNamingTheWireMismatch) {
+  // A worker of the wire before MicrobatchKey sends step and microbatch in fields this one
+  // reserves: its plan arrives with no key, and must not be taken for microbatch (0,0).
+  Make(2, v1::POLICY_PER_LAYER);
+  Form();
+  v1::MicrobatchPlan old = Plan(0, 0, 1);
+  old.clear_key();
+  GroupEffects fx = TakePlans(0, {old});
+  EXPECT_EQ(fx.plans_accepted, 0);
+  ASSERT_THAT(fx.messages, SizeIs(1));
+  ASSERT_TRUE(fx.messages[0].message.has_plan_rejected());
+  const v1::PlanRejected& rej = fx.messages[0].message.plan_rejected();
+  EXPECT_EQ(rej.code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(rej.message(), HasSubstr("carries no key"));
+  EXPECT_THAT(rej.message(), HasSubstr("same shardcoord version"));
+  EXPECT_FALSE(group_->members[0].last_planned.has_value()) << "nothing of it was taken";
+}
 
 TEST_F(ShardGroupTest, AnOutOfOrderPlanIsRejectedToItsSenderOnly) {
   Make(2, v1::POLICY_PER_LAYER);
@@ -280,8 +298,8 @@ TEST_F(ShardGroupTest, AnOutOfOrderPlanIsRejectedToItsSenderOnly) {
   EXPECT_FALSE(fx.messages[0].decision.has_value());
   ASSERT_TRUE(fx.messages[0].message.has_plan_rejected());
   const v1::PlanRejected& rej = fx.messages[0].message.plan_rejected();
-  EXPECT_EQ(rej.step(), 0);
-  EXPECT_EQ(rej.microbatch(), 0);
+  EXPECT_EQ(rej.key().step(), 0);
+  EXPECT_EQ(rej.key().microbatch(), 0);
   EXPECT_EQ(rej.code(), static_cast<int>(absl::StatusCode::kFailedPrecondition));
   EXPECT_EQ(rej.epoch(), 0);
   EXPECT_THAT(rej.message(), HasSubstr("out-of-order plan (0,0)"));
@@ -373,8 +391,8 @@ TEST_F(ShardGroupTest, AMicrobatchOneMemberNeverReportsFailsAfterThePlanTimeoutN
   ASSERT_TRUE(fx.messages[0].message.has_microbatch_failed());
   const v1::MicrobatchFailed& f = fx.messages[0].message.microbatch_failed();
   EXPECT_EQ(f.group(), kGroupIndex);
-  EXPECT_EQ(f.step(), 1);
-  EXPECT_EQ(f.microbatch(), 2);
+  EXPECT_EQ(f.key().step(), 1);
+  EXPECT_EQ(f.key().microbatch(), 2);
   EXPECT_EQ(f.code(), static_cast<int>(absl::StatusCode::kDeadlineExceeded));
   EXPECT_THAT(f.message(), HasSubstr("from ranks 3 (ranks 2 reported it)"));
   EXPECT_THAT(EventNames(fx), ElementsAre("microbatch_failed"));
@@ -481,7 +499,7 @@ TEST_F(ShardGroupTest, ALeaverFailsWhatItNeverPlannedAndWhatItPlannedIsStillDeci
   ASSERT_THAT(fx.messages, SizeIs(1));
   EXPECT_EQ(fx.messages[0].member, GroupEffects::kEveryMember);
   ASSERT_TRUE(fx.messages[0].message.has_microbatch_failed());
-  EXPECT_EQ(fx.messages[0].message.microbatch_failed().microbatch(), 1);
+  EXPECT_EQ(fx.messages[0].message.microbatch_failed().key().microbatch(), 1);
   EXPECT_THAT(fx.messages[0].message.microbatch_failed().message(),
               HasSubstr("rank 3 left the job without planning it"));
   EXPECT_THAT(EventNames(fx), ElementsAre("microbatch_failed"));
@@ -495,7 +513,7 @@ TEST_F(ShardGroupTest, ALeaverFailsWhatItNeverPlannedAndWhatItPlannedIsStillDeci
   const auto decisions = DecisionMessages(decided);
   ASSERT_THAT(decisions, SizeIs(1));
   EXPECT_EQ(decisions[0].member, GroupEffects::kEveryMember);
-  EXPECT_EQ(decisions[0].decision->microbatch(), 0);
+  EXPECT_EQ(decisions[0].decision->key().microbatch(), 0);
   ExpectModule(*decisions[0].decision, 0, "vision_tower", v1::DECISION_ROOT, v1::REASON_DIVERGENT);
   EXPECT_EQ(decided.decided, 1);
   EXPECT_THAT(decided.decision_latencies, ElementsAre(absl::Seconds(2)));
@@ -526,12 +544,12 @@ TEST_F(ShardGroupTest, AKeyTheLeaverSkippedFailsAtOnceAndWhatWaitedBehindItIsDec
   EXPECT_THAT(DecisionMessages(fx), IsEmpty());
   ASSERT_THAT(fx.messages, SizeIs(1));
   ASSERT_TRUE(fx.messages[0].message.has_microbatch_failed());
-  EXPECT_EQ(fx.messages[0].message.microbatch_failed().microbatch(), 0);
+  EXPECT_EQ(fx.messages[0].message.microbatch_failed().key().microbatch(), 0);
   EXPECT_THAT(fx.messages[0].message.microbatch_failed().message(), HasSubstr("ranks 3 already planned"));
   GroupEffects last = TakePlans(2, {Plan(0, 1, 1)}, kT0 + absl::Seconds(1));
   const auto decisions = DecisionMessages(last);
   ASSERT_THAT(decisions, SizeIs(1)) << "(0,1) is complete and no longer behind (0,0)";
-  EXPECT_EQ(decisions[0].decision->microbatch(), 1);
+  EXPECT_EQ(decisions[0].decision->key().microbatch(), 1);
   EXPECT_THAT(group_->pending, IsEmpty());
 }
 

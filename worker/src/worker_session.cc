@@ -285,18 +285,7 @@ void Worker::Impl::Handle(const v1::CoordinatorMessage& msg, PendingAborts* abor
       OnRegistered(msg.registered());
       break;
     case v1::CoordinatorMessage::kDecisions:
-      for (const auto& pd : msg.decisions().decisions()) {
-        const MicrobatchKey key = KeyOf(pd);
-        if (std::string why = UnusableDecision(pd); !why.empty()) {
-          // Never handed to the trainer: it could not carry it out (and a guess could hang).
-          log_->error("{} step={} mb={} refused a decision it cannot carry out: {}", Prefix(), key.step,
-                      key.microbatch, why);
-          queue_.Fail(key, absl::InternalError(absl::StrCat("the coordinator's decision for ", key.ToString(),
-                                                            " cannot be carried out: ", why)));
-          continue;
-        }
-        queue_.Decide(key, FromProto(pd));  // Ignored unless pending.
-      }
+      OnDecisions(msg.decisions());
       break;
     case v1::CoordinatorMessage::kPlanRejected:
       OnPlanRejected(msg.plan_rejected());
@@ -347,6 +336,31 @@ void Worker::Impl::OnRegistered(const v1::RegisterResponse& r) {
   group_.warnings.assign(r.warnings().begin(), r.warnings().end());
   registered_ = true;
   ResendCosts();  // A registration starts the rank afresh at the coordinator: measures included.
+}
+
+void Worker::Impl::OnDecisions(const v1::DecisionBatch& batch) {
+  for (const auto& pd : batch.decisions()) {
+    if (!pd.has_key()) {
+      // Which microbatch it decides is unknown: nothing pending can be decided safely.
+      const std::string why =
+          "the coordinator sent a decision without a key (MicrobatchDecision.key): it is older than this worker's "
+          "wire, which names every microbatch by a MicrobatchKey; run workers and coordinator of the same "
+          "shardcoord version";
+      log_->error("{} {}", Prefix(), why);
+      queue_.FailPending(absl::FailedPreconditionError(why));
+      continue;
+    }
+    const MicrobatchKey key = KeyOf(pd);
+    if (std::string why = UnusableDecision(pd); !why.empty()) {
+      // Never handed to the trainer: it could not carry it out (and a guess could hang).
+      log_->error("{} step={} mb={} refused a decision it cannot carry out: {}", Prefix(), key.step,
+                  key.microbatch, why);
+      queue_.Fail(key, absl::InternalError(absl::StrCat("the coordinator's decision for ", key.ToString(),
+                                                        " cannot be carried out: ", why)));
+      continue;
+    }
+    queue_.Decide(key, FromProto(pd));  // Ignored unless pending.
+  }
 }
 
 void Worker::Impl::OnPlanRejected(const v1::PlanRejected& r) {

@@ -22,12 +22,12 @@ inline DecisionReason FromProto(v1::DecisionReason r) { return static_cast<Decis
 
 void ToProto(const MicrobatchKey& k, v1::MicrobatchKey* out);
 MicrobatchKey FromProto(const v1::MicrobatchKey& k);
-// The key of a wire message that carries one as its step and microbatch fields
-// (MicrobatchPlan, MicrobatchDecision, PlanRejected, MicrobatchFailed): the one conversion,
-// so that code past the message speaks MicrobatchKey.
+// The key of a wire message that names a microbatch (MicrobatchPlan, MicrobatchDecision,
+// PlanRejected, MicrobatchFailed): the one conversion, so that code past the message speaks
+// MicrobatchKey.
 template <typename Message>
 MicrobatchKey KeyOf(const Message& m) {
-  return MicrobatchKey{m.step(), m.microbatch()};
+  return FromProto(m.key());
 }
 
 void ToProto(const ModuleSpec& m, v1::ModuleSpec* out);
