@@ -41,6 +41,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "coordinator/server/coordinator_server.h"
+#include "shardcoord/proto/convert.h"
 #include "shardcoord/internal/logging.h"
 #include "shardcoord/v1/coordinator.grpc.pb.h"
 
@@ -102,6 +103,7 @@ class SimRank final : public grpc::ClientBidiReactor<v1::WorkerMessage, v1::Coor
     v1::WorkerMessage reg;
     auto* r = reg.mutable_register_();
     r->set_job_id(shared->job);
+    r->set_wire_revision(shardcoord::kWireRevision);
     r->set_rank(rank);
     r->set_world_size(shared->world);
     r->set_group_size(shared->group_size);

@@ -38,6 +38,7 @@ struct Args {
 v1::RegisterRequest Registration(const Args& a) {
   v1::RegisterRequest r;
   r.set_job_id(a.job);
+  r.set_wire_revision(shardcoord::kWireRevision);
   r.set_rank(a.rank);
   r.set_world_size(a.world);
   r.set_group_size(a.group);

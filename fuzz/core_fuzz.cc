@@ -18,6 +18,7 @@
 #include <type_traits>
 
 #include "coordinator/core/coordinator_core.h"
+#include "shardcoord/proto/convert.h"
 #include "shardcoord/internal/logging.h"
 #include "support/core_fakes.h"
 
@@ -109,6 +110,7 @@ class Script {
   v1::RegisterRequest WellFormed() {
     v1::RegisterRequest r;
     r.set_job_id(Job());
+    r.set_wire_revision(shardcoord::kWireRevision);
     const int world = 1 << in_.ConsumeIntegralInRange<int>(0, 2);
     r.set_world_size(world);
     r.set_group_size(std::max(1, world >> in_.ConsumeIntegralInRange<int>(0, 1)));
@@ -132,6 +134,7 @@ class Script {
     if (in_.ConsumeBool()) return WellFormed();
     v1::RegisterRequest r;
     r.set_job_id(Job());
+    r.set_wire_revision(shardcoord::kWireRevision);
     r.set_rank(in_.ConsumeIntegralInRange<int>(-1, 8));
     r.set_world_size(in_.ConsumeIntegralInRange<int>(0, 8));
     r.set_group_size(in_.ConsumeIntegralInRange<int>(0, 4));

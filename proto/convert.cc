@@ -2,6 +2,8 @@
 
 #include <cctype>
 
+#include "absl/strings/str_cat.h"
+
 namespace shardcoord {
 
 static_assert(static_cast<int>(Policy::kReplicate) == v1::POLICY_REPLICATE);
@@ -13,6 +15,14 @@ static_assert(static_cast<int>(DecisionReason::kPromoted) == v1::REASON_PROMOTED
 static_assert(static_cast<int>(DecisionReason::kCost) == v1::REASON_COST);
 static_assert(static_cast<int>(absl::StatusCode::kUnauthenticated) ==
               static_cast<int>(grpc::StatusCode::UNAUTHENTICATED));
+
+std::string WireMismatch(uint32_t theirs, const std::string& peer) {
+  if (theirs == kWireRevision) return "";
+  return absl::StrCat(peer, " speaks wire revision ", theirs,
+                      theirs == 0 ? " (built before microbatches were named by a MicrobatchKey)" : "",
+                      " and this build ", kWireRevision,
+                      "; run workers and coordinator built from the same shardcoord release");
+}
 
 void ToProto(const MicrobatchKey& k, v1::MicrobatchKey* out) {
   out->set_step(k.step);

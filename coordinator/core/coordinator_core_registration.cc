@@ -18,6 +18,10 @@ absl::Status CoordinatorCore::Register(uint64_t session_id, const v1::RegisterRe
   // Stateless checks first: a malformed request changes nothing.
   if (absl::Status s = ValidateRegisterRequest(req, options_.limits, options_.max_lookahead); !s.ok()) return s;
   if (absl::Status s = CheckRootIsPossible(req); !s.ok()) return s;
+  if (std::string why = WireMismatch(req.wire_revision(), absl::StrCat("rank ", req.rank(), " of job '", req.job_id(), "'"));
+      !why.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat("register: ", why));
+  }
   // A rank of an earlier coordinator process resumes (DESIGN 12); one of this process that
   // lost its stream registers again as usual.
   const bool resuming = req.has_resume() && req.resume().incarnation() != incarnation_;

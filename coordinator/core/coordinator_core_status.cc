@@ -46,8 +46,7 @@ v1::StatusResponse CoordinatorCore::Status(const std::string& job_id) const {
   out.set_started_unix_ms(absl::ToUnixMillis(started_));
   out.set_uptime_ms(absl::ToInt64Milliseconds(now - started_));
   out.set_incarnation(incarnation_);
-  for (const auto& [id, job] : jobs_) {
-    if (!job_id.empty() && id != job_id) continue;
+  for (const Job* job : jobs_.Select(job_id)) {
     FillJobStatus(*job, out.add_jobs());
     out.set_recovering_groups(out.recovering_groups() + out.jobs(out.jobs_size() - 1).groups_recovering());
   }
@@ -58,8 +57,7 @@ v1::ListRanksResponse CoordinatorCore::Ranks(const std::string& job_id) const {
   CoreReaderLock lock(&mu_);
   v1::ListRanksResponse out;
   const absl::Time now = clock_->Now();
-  for (const auto& [id, job] : jobs_) {
-    if (!job_id.empty() && id != job_id) continue;
+  for (const Job* job : jobs_.Select(job_id)) {
     for (const auto& slot : job->groups) {  // Groups are contiguous ranges: rank order is kept.
       absl::MutexLock group_lock(&slot->mu);
       slot->group.DescribeMembers(now, out.mutable_ranks());
@@ -71,8 +69,7 @@ v1::ListRanksResponse CoordinatorCore::Ranks(const std::string& job_id) const {
 v1::ListGroupsResponse CoordinatorCore::Groups(const std::string& job_id) const {
   CoreReaderLock lock(&mu_);
   v1::ListGroupsResponse out;
-  for (const auto& [id, job] : jobs_) {
-    if (!job_id.empty() && id != job_id) continue;
+  for (const Job* job : jobs_.Select(job_id)) {
     for (const auto& slot : job->groups) {
       absl::MutexLock group_lock(&slot->mu);
       slot->group.Describe(out.add_groups());
@@ -89,23 +86,14 @@ v1::ListDecisionsResponse CoordinatorCore::Decisions(const std::string& job_id, 
   // Every group of every job gives up to `limit`: the answer stops before it would outgrow
   // a message (ask per job or group for the rest).
   size_t bytes = 0;
-  for (const auto& [id, job] : jobs_) {
-    if (!job_id.empty() && id != job_id) continue;
+  for (const Job* job : jobs_.Select(job_id)) {
     for (size_t gi = 0; gi < job->groups.size(); ++gi) {
       if (group >= 0 && static_cast<int>(gi) != group) continue;
       const GroupSlot& slot = *job->groups[gi];
       absl::MutexLock group_lock(&slot.mu);
-      const ShardGroup& g = slot.group;
-      size_t start = g.history.size() > static_cast<size_t>(limit) ? g.history.size() - limit : 0;
-      for (size_t i = start; i < g.history.size(); ++i) {
-        bytes += g.history[i].ByteSizeLong() + id.size() + 16;
-        if (bytes > kMaxAnswerBytes) {
-          out.set_truncated(true);
-          return out;
-        }
-        auto* e = out.add_decisions();
-        e->set_job_id(id);
-        *e->mutable_decision() = g.history[i];
+      if (!slot.group.DescribeHistory(limit, kMaxAnswerBytes, &bytes, &out)) {
+        out.set_truncated(true);
+        return out;
       }
     }
   }
@@ -115,10 +103,7 @@ v1::ListDecisionsResponse CoordinatorCore::Decisions(const std::string& job_id, 
 v1::ListCommsResponse CoordinatorCore::Comms(const std::string& job_id) const {
   CoreReaderLock lock(&mu_);  // Communicators change under the exclusive lock only.
   v1::ListCommsResponse out;
-  for (const auto& [id, job] : jobs_) {
-    if (!job_id.empty() && id != job_id) continue;
-    job->comms->Fill(&out);
-  }
+  for (const Job* job : jobs_.Select(job_id)) job->comms->Fill(&out);
   return out;
 }
 

@@ -9,6 +9,16 @@ Job* JobTable::Find(const std::string& id) const {
   return it == jobs_.end() ? nullptr : it->second.get();
 }
 
+std::vector<const Job*> JobTable::Select(const std::string& id) const {
+  std::vector<const Job*> out;
+  if (!id.empty()) {
+    if (const Job* job = Find(id)) out.push_back(job);
+    return out;
+  }
+  for (const auto& [name, job] : jobs_) out.push_back(job.get());
+  return out;
+}
+
 const SessionRef* JobTable::FindSession(uint64_t session_id) const {
   auto it = sessions_.find(session_id);
   return it == sessions_.end() ? nullptr : &it->second;
@@ -36,8 +46,9 @@ absl::Status JobTable::Admit(const std::string& job_id, int world_size, const Co
           " and every job has live ranks; wait for a job to end or raise ",
           by_count ? "--max-jobs" : "--max-total-ranks"));
     }
-    forgotten->push_back({oldest->id, "evicted to admit a new job (max_jobs or max_total_ranks reached)"});
-    Erase(oldest->id);
+    const std::string id = oldest->id;  // Erase destroys the job.
+    forgotten->push_back({id, "evicted to admit a new job (max_jobs or max_total_ranks reached)"});
+    Erase(id);
   }
   return absl::OkStatus();
 }
@@ -60,15 +71,21 @@ Job& JobTable::Create(const std::string& id, int world_size, int group_size, con
 void JobTable::Erase(const std::string& id) {
   auto it = jobs_.find(id);
   if (it == jobs_.end()) return;
-  const Job* job = it->second.get();
-  for (auto s = sessions_.begin(); s != sessions_.end();) {
-    if (s->second.job == job) {
-      sessions_.erase(s++);
-    } else {
-      ++s;
-    }
-  }
+  for (uint64_t session : it->second->sessions) sessions_.erase(session);
   jobs_.erase(it);
+}
+
+void JobTable::BindSession(uint64_t session_id, Job& job, int rank) {
+  ForgetSession(session_id);
+  sessions_[session_id] = SessionRef{&job, rank};
+  job.sessions.insert(session_id);
+}
+
+void JobTable::ForgetSession(uint64_t session_id) {
+  auto it = sessions_.find(session_id);
+  if (it == sessions_.end()) return;
+  it->second.job->sessions.erase(session_id);
+  sessions_.erase(it);
 }
 
 std::vector<JobTable::Forgotten> JobTable::ForgetEnded(absl::Time now, absl::Duration retention) {

@@ -4,7 +4,9 @@
 // each behind its own mutex) and its communicators (CommTable). The table admits a new job
 // under max_jobs and max_total_ranks, making room by forgetting the job that ended longest
 // ago; it forgets a job once no rank was live for job_retention. It never touches a group's
-// state. Not thread-safe: CoordinatorCore holds it under its mutex.
+// state. Not thread-safe: CoordinatorCore holds it under its mutex, exclusively to change it;
+// its const methods (the hot path's FindSession, the queries) run side by side under a shared
+// hold.
 #ifndef SHARDCOORD_COORDINATOR_CORE_JOB_TABLE_H_
 #define SHARDCOORD_COORDINATOR_CORE_JOB_TABLE_H_
 
@@ -16,6 +18,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "coordinator/core/comm_table.h"
@@ -34,6 +37,7 @@ struct Job {
   std::atomic<int64_t> plans_received{0};  // Counted by groups in parallel.
   std::atomic<int64_t> microbatches_decided{0};
   absl::Time ended = absl::InfinitePast();  // When its last live rank ended (retention).
+  absl::flat_hash_set<uint64_t> sessions;  // Its entries in the JobTable's sessions (JobTable only).
 
   bool has_ended() const { return ended != absl::InfinitePast(); }
   int GroupOf(int rank) const { return rank / group_size; }
@@ -56,6 +60,8 @@ class JobTable {
   };
 
   Job* Find(const std::string& id) const;
+  // The job named `id`, or every job (in id order) when `id` is empty.
+  std::vector<const Job*> Select(const std::string& id) const;
   // Makes room for a new job of `world_size` ranks by forgetting the ended jobs that ended
   // longest ago, while the table is full (`forgotten` says which). RESOURCE_EXHAUSTED, naming
   // the bound and the flag that raises it, when every job has live ranks.
@@ -70,8 +76,8 @@ class JobTable {
   std::vector<Forgotten> ForgetEnded(absl::Time now, absl::Duration retention);
 
   const SessionRef* FindSession(uint64_t session_id) const;
-  void BindSession(uint64_t session_id, Job& job, int rank) { sessions_[session_id] = SessionRef{&job, rank}; }
-  void ForgetSession(uint64_t session_id) { sessions_.erase(session_id); }
+  void BindSession(uint64_t session_id, Job& job, int rank);
+  void ForgetSession(uint64_t session_id);
 
   // Every job, in id order.
   Jobs::iterator begin() { return jobs_.begin(); }

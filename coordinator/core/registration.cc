@@ -336,6 +336,12 @@ absl::Status CheckResumeTrust(const v1::RegisterRequest& req, const ResumeAuthor
                                                      " that its group could not have received: ", why));
     }
   }
+  for (const auto& p : r.undecided()) {
+    if (!p.has_key()) {
+      return absl::InvalidArgumentError(absl::StrCat(who, " holds an undecided plan without a key (MicrobatchPlan.key): "
+                                                     "every plan names its microbatch; register afresh"));
+    }
+  }
   *verified = auth.CheckCredential(req.job_id(), req.rank(), r.credential());
   if (!*verified) {
     if (!auth.persistent()) return absl::OkStatus();  // Nothing to check against (see resume_auth.h).

@@ -252,6 +252,9 @@ class ShardGroup {
   void CountInto(v1::JobStatus* out) const;
   void Describe(v1::GroupStatus* out) const;
   void DescribeMembers(absl::Time now, google::protobuf::RepeatedPtrField<v1::RankStatus>* out) const;
+  // Appends the newest `limit` decisions, counting their size into `bytes`; false, with what
+  // fitted appended, once `bytes` would pass `max_bytes`.
+  bool DescribeHistory(int limit, size_t max_bytes, size_t* bytes, v1::ListDecisionsResponse* out) const;
   const GroupRules& rules() const { return rules_; }
 
  private:

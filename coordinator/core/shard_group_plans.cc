@@ -60,7 +60,7 @@ void ShardGroup::Reject(int idx, const v1::MicrobatchPlan& plan, const absl::Sta
   m.plans_rejected++;
   v1::CoordinatorMessage msg;
   auto* rej = msg.mutable_plan_rejected();
-  *rej->mutable_key() = plan.key();
+  if (plan.has_key()) *rej->mutable_key() = plan.key();  // A keyless plan's rejection names none either.
   rej->set_code(static_cast<int>(why.code()));
   rej->set_message(std::string(why.message()));
   rej->set_epoch(in_epoch);

@@ -20,6 +20,7 @@ v1::CoordinatorMessage ShardGroup::Registered(const v1::RegisterRequest& req, ui
   resp->set_fallback(req.fallback());
   resp->set_lookahead(req.lookahead());
   resp->set_coordinator_version(shardcoord::kVersion);
+  resp->set_wire_revision(kWireRevision);
   resp->set_accepts_bundles(true);  // Deprecated: what workers built before bundles only look at.
   if (FromProto(req.policy()) == Policy::kPerLayer) {
     resp->add_warnings("policy per_layer: microbatches where ranks of the group diverge fall back to " +
@@ -111,6 +112,18 @@ void ShardGroup::StartRerun() {
   RestartKeys();
   deferred_plans.clear();
   last_decided.reset();  // The group re-forms in a new epoch once its members are back.
+}
+
+bool ShardGroup::DescribeHistory(int limit, size_t max_bytes, size_t* bytes, v1::ListDecisionsResponse* out) const {
+  const size_t start = history.size() > static_cast<size_t>(limit) ? history.size() - limit : 0;
+  for (size_t i = start; i < history.size(); ++i) {
+    *bytes += history[i].ByteSizeLong() + rules_.job_id.size() + 16;
+    if (*bytes > max_bytes) return false;
+    auto* e = out->add_decisions();
+    e->set_job_id(rules_.job_id);
+    *e->mutable_decision() = history[i];
+  }
+  return true;
 }
 
 }  // namespace shardcoord::coordinator

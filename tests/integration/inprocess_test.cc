@@ -74,6 +74,7 @@ struct RawSession {
 v1::RegisterRequest RawRequest(int rank, int world, int group_size) {
   v1::RegisterRequest r;
   r.set_job_id("job");
+  r.set_wire_revision(shardcoord::kWireRevision);
   r.set_rank(rank);
   r.set_world_size(world);
   r.set_group_size(group_size);
@@ -664,6 +665,8 @@ TEST_F(InProcessTest, APlanBatchBeyondTheLookaheadWindowFailsTheSenderForWhatItD
 // for microbatch 2 no key either (what a coordinator of the wire before MicrobatchKey sends).
 class UnusableDecisionCoordinator final : public v1::Coordinator::Service {
  public:
+  uint32_t wire_revision = shardcoord::kWireRevision;  // 0: as a coordinator built before keys.
+
   grpc::Status Session(grpc::ServerContext*,
                        grpc::ServerReaderWriter<v1::CoordinatorMessage, v1::WorkerMessage>* stream) override {
     v1::WorkerMessage in;
@@ -678,6 +681,7 @@ class UnusableDecisionCoordinator final : public v1::Coordinator::Service {
     r->set_fallback(v1::FALLBACK_ROOT);
     r->set_lookahead(4);
     r->set_incarnation(7);
+    r->set_wire_revision(wire_revision);
     stream->Write(reg);
     while (stream->Read(&in)) {
       const v1::PlanBatch& plans = in.bundle().plans();
@@ -725,9 +729,30 @@ TEST_F(InProcessTest, ADecisionTheWorkerCannotCarryOutIsAnErrorNeverHandedToTheT
   ASSERT_TRUE(w->ReportPlan(PlanOf(0, 2, 1)).ok());
   auto keyless = w->GetDecision({0, 2}, kDecisionTimeout);
   EXPECT_EQ(keyless.status().code(), absl::StatusCode::kFailedPrecondition) << keyless.status();
-  EXPECT_THAT(keyless.status().message(), HasSubstr("decision without a key"));
+  EXPECT_THAT(keyless.status().message(), HasSubstr("a decision without a key"));
   w->Close(absl::Seconds(1));
   forger->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+}
+
+TEST_F(InProcessTest, AWorkerRefusesACoordinatorOfAnotherWireRevisionAtConnect) {
+  // A coordinator built before microbatches were named by a MicrobatchKey would read every
+  // plan as (0,0): the worker must not go on past registration with it.
+  UnusableDecisionCoordinator service;
+  service.wire_revision = 0;
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> old = builder.BuildAndStart();
+  ASSERT_TRUE(old && port != 0);
+  WorkerOptions o = Options(0, 1, 1);
+  o.coordinator_address = absl::StrCat("127.0.0.1:", port);
+  absl::StatusOr<std::unique_ptr<Worker>> w = Worker::Connect(o);
+  ASSERT_FALSE(w.ok());
+  EXPECT_EQ(w.status().code(), absl::StatusCode::kFailedPrecondition) << w.status();
+  EXPECT_THAT(w.status().message(), HasSubstr("speaks wire revision 0 (built before microbatches were named"));
+  EXPECT_THAT(w.status().message(), HasSubstr("same shardcoord release"));
+  old->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
 }
 
 TEST_F(InProcessTest, TheWorkerLibraryKeepsSigpipeFromKillingItsHost) {

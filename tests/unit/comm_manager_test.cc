@@ -11,6 +11,7 @@
 
 #include "coordinator/core/coordinator_core.h"
 #include "support/core_fakes.h"
+#include "shardcoord/proto/convert.h"
 
 namespace shardcoord::coordinator {
 namespace {
@@ -36,6 +37,7 @@ class CommManagerTest : public ::testing::Test, protected shardcoord::testing::C
   absl::Status Register(int rank) {
     v1::RegisterRequest req;
     req.set_job_id("job");
+    req.set_wire_revision(shardcoord::kWireRevision);
     req.set_rank(rank);
     req.set_world_size(2);
     req.set_group_size(2);

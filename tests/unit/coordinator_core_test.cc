@@ -13,6 +13,7 @@
 
 #include "absl/synchronization/mutex.h"
 #include "support/core_fakes.h"
+#include "shardcoord/proto/convert.h"
 
 namespace shardcoord::coordinator {
 namespace {
@@ -40,6 +41,7 @@ class CoreTest : public ::testing::Test, protected shardcoord::testing::CoreHarn
                                      v1::Policy policy = v1::POLICY_AUTO) {
     v1::RegisterRequest r;
     r.set_job_id("job");
+    r.set_wire_revision(shardcoord::kWireRevision);
     r.set_rank(rank);
     r.set_world_size(world);
     r.set_group_size(group_size);
@@ -140,6 +142,25 @@ TEST_F(CoreTest, WorldSizeMismatchIsFailedPrecondition) {
   EXPECT_THAT(s.message(), HasSubstr("world_size 4"));
   EXPECT_THAT(s.message(), HasSubstr("rank 1 registered with 8"));
   EXPECT_EQ(RankStatusOf(1).state(), v1::RANK_STATE_UNREGISTERED);
+}
+
+TEST_F(CoreTest, AWorkerOfAnotherWireRevisionIsRefusedAtRegistrationNamingBoth) {
+  // A worker built before MicrobatchKey sends no revision (0); its plans' keys would read as (0,0).
+  v1::RegisterRequest old = Request(0);
+  old.clear_wire_revision();
+  absl::Status s = Register(old);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(s.message(), HasSubstr("rank 0 of job 'job' speaks wire revision 0"));
+  EXPECT_THAT(s.message(), HasSubstr(absl::StrCat("this build ", shardcoord::kWireRevision)));
+  EXPECT_EQ(core_->Status("").jobs_size(), 0) << "nothing of it was taken: no job was created";
+  v1::RegisterRequest newer = Request(0);
+  newer.set_wire_revision(shardcoord::kWireRevision + 1);
+  EXPECT_EQ(Register(newer).code(), absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(Register(Request(0)).ok());
+  auto registered = sinks_[0]->Where([](const v1::CoordinatorMessage& m) { return m.has_registered(); });
+  ASSERT_EQ(registered.size(), 1u);
+  EXPECT_EQ(registered[0].registered().wire_revision(), shardcoord::kWireRevision)
+      << "the response says which revision the coordinator speaks";
 }
 
 TEST_F(CoreTest, DuplicateLiveRankIsAlreadyExists) {

@@ -121,6 +121,7 @@ class CoreRecoveryTest : public ::testing::Test, protected shardcoord::testing::
   v1::RegisterRequest Request(int rank, v1::Policy policy = v1::POLICY_AUTO) {
     v1::RegisterRequest r;
     r.set_job_id("job");
+    r.set_wire_revision(shardcoord::kWireRevision);
     r.set_rank(rank);
     r.set_world_size(2);
     r.set_group_size(2);

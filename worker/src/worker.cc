@@ -171,6 +171,7 @@ v1::WorkerMessage Worker::Impl::RegisterMessage() const {
   reg->set_fallback(ToProto(options_.fallback));
   reg->set_wrap_outer_model(options_.wrap_outer_model);
   reg->set_lookahead(options_.lookahead);
+  reg->set_wire_revision(kWireRevision);
   reg->set_memory_budget_bytes(options_.memory_budget_bytes);
   reg->set_host(HostName());
   reg->set_pid(getpid());

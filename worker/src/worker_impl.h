@@ -164,6 +164,8 @@ class Worker::Impl {
   void OnRegistered(const v1::RegisterResponse& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The answer to a resume: checks it, then the session goes on with the new process.
   absl::Status OnResumed(const v1::RegisterResponse& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A decision, rejection or failure that names no microbatch: everything pending fails.
+  void FailKeyless(const std::string& what, const std::string& detail) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Hands each decision to the queue, or fails what it cannot be used for.
   void OnDecisions(const v1::DecisionBatch& batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void OnPlanRejected(const v1::PlanRejected& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -16,10 +16,13 @@ void Worker::Impl::ReaderLoop() {
     absl::MutexLock lock(&mu_);
     if (!registered_) {
       // Registration refused: the coordinator's status says why.
-      session_status_ = st.ok() ? absl::UnavailableError(absl::StrCat(
-                                      "coordinator at ", address_, " ended the session before "
-                                      "answering the registration"))
-                                : FromGrpcStatus(st);
+      // (A response of another wire revision was refused in Handle, which set the status.)
+      if (session_status_.ok()) {
+        session_status_ = st.ok() ? absl::UnavailableError(absl::StrCat("coordinator at ", address_,
+                                                                        " ended the session before answering the "
+                                                                        "registration"))
+                                  : FromGrpcStatus(st);
+      }
       reader_done_ = true;
       return;
     }
@@ -282,6 +285,13 @@ void Worker::Impl::Handle(const v1::CoordinatorMessage& msg, PendingAborts* abor
   }
   switch (msg.kind_case()) {
     case v1::CoordinatorMessage::kRegistered:
+      if (std::string why = WireMismatch(msg.registered().wire_revision(), "the coordinator at " + address_);
+          !why.empty()) {
+        // Nothing it would send could be read right: end the session, saying why.
+        if (session_status_.ok()) session_status_ = absl::FailedPreconditionError(why);
+        ctx_->TryCancel();
+        break;
+      }
       OnRegistered(msg.registered());
       break;
     case v1::CoordinatorMessage::kDecisions:
@@ -292,6 +302,10 @@ void Worker::Impl::Handle(const v1::CoordinatorMessage& msg, PendingAborts* abor
       break;
     case v1::CoordinatorMessage::kMicrobatchFailed: {
       const auto& f = msg.microbatch_failed();
+      if (!f.has_key()) {
+        FailKeyless("a microbatch failure", f.message());
+        break;
+      }
       const MicrobatchKey key = KeyOf(f);
       log_->error("{} step={} mb={} microbatch failed: {}", Prefix(), key.step, key.microbatch, f.message());
       queue_.Fail(key, MakeStatus(f.code(), f.message()));  // Also a decision not taken yet.
@@ -341,13 +355,7 @@ void Worker::Impl::OnRegistered(const v1::RegisterResponse& r) {
 void Worker::Impl::OnDecisions(const v1::DecisionBatch& batch) {
   for (const auto& pd : batch.decisions()) {
     if (!pd.has_key()) {
-      // Which microbatch it decides is unknown: nothing pending can be decided safely.
-      const std::string why =
-          "the coordinator sent a decision without a key (MicrobatchDecision.key): it is older than this worker's "
-          "wire, which names every microbatch by a MicrobatchKey; run workers and coordinator of the same "
-          "shardcoord version";
-      log_->error("{} {}", Prefix(), why);
-      queue_.FailPending(absl::FailedPreconditionError(why));
+      FailKeyless("a decision", "");
       continue;
     }
     const MicrobatchKey key = KeyOf(pd);
@@ -363,7 +371,19 @@ void Worker::Impl::OnDecisions(const v1::DecisionBatch& batch) {
   }
 }
 
+void Worker::Impl::FailKeyless(const std::string& what, const std::string& detail) {
+  // Which microbatch it is about is unknown: nothing pending can be decided safely.
+  const std::string why = absl::StrCat("the coordinator sent ", what, " without a key (which microbatch it names is "
+                                       "unknown)", detail.empty() ? "" : ": ", detail);
+  log_->error("{} {}", Prefix(), why);
+  queue_.FailPending(absl::FailedPreconditionError(why));
+}
+
 void Worker::Impl::OnPlanRejected(const v1::PlanRejected& r) {
+  if (!r.has_key()) {
+    FailKeyless("a plan rejection", r.message());
+    return;
+  }
   const MicrobatchKey key = KeyOf(r);
   if (r.epoch() != group_.epoch) {
     // Sent before the group failed, rejected after it re-formed: not about this epoch's plan.

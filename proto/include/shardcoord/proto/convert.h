@@ -5,6 +5,9 @@
 
 #include <grpcpp/support/status.h>
 
+#include <cstdint>
+#include <string>
+
 #include "absl/status/status.h"
 #include "shardcoord/types.h"
 #include "shardcoord/v1/coordinator.pb.h"
@@ -19,6 +22,13 @@ inline Policy FromProto(v1::Policy p) { return static_cast<Policy>(p); }
 inline Fallback FromProto(v1::Fallback f) { return static_cast<Fallback>(f); }
 inline Decision FromProto(v1::Decision d) { return static_cast<Decision>(d); }
 inline DecisionReason FromProto(v1::DecisionReason r) { return static_cast<DecisionReason>(r); }
+
+// The revision of the wire this build speaks (RegisterRequest/RegisterResponse.wire_revision):
+// 2, every microbatch named by a MicrobatchKey. Peers of different revisions refuse each other
+// at registration.
+inline constexpr uint32_t kWireRevision = 2;
+// Why a peer that speaks wire revision `theirs` cannot talk to this build ("" when it can).
+std::string WireMismatch(uint32_t theirs, const std::string& peer);
 
 void ToProto(const MicrobatchKey& k, v1::MicrobatchKey* out);
 MicrobatchKey FromProto(const v1::MicrobatchKey& k);
