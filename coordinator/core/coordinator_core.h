@@ -29,19 +29,12 @@
 #ifndef SHARDCOORD_COORDINATOR_CORE_COORDINATOR_CORE_H_
 #define SHARDCOORD_COORDINATOR_CORE_COORDINATOR_CORE_H_
 
-#include <atomic>
 #include <cstdint>
-#include <deque>
-#include <functional>
-#include <map>
 #include <memory>
-#include <optional>
-#include <set>
 #include <string>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"

@@ -182,7 +182,7 @@ absl::Status CoordinatorCore::CheckJobAccepts(const Job& job, const v1::Register
 
 Job& CoordinatorCore::CreateJob(const v1::RegisterRequest& req) {
   Job& job = jobs_.Create(req.job_id(), req.world_size(), req.group_size(),
-                          GroupRules{req.job_id(), &options_, &resume_auth_}, options_);
+                          GroupRules{req.job_id(), &options_, &resume_auth_});
   const bool no_modules = req.modules_size() == 0;
   Event(no_modules ? "warning" : "info", EventKind::kJobCreated, job.id, -1, -1,
         absl::StrCat("world_size=", job.world_size, " group_size=", job.group_size, " groups=", job.groups.size(),

@@ -53,8 +53,8 @@ absl::Status JobTable::Admit(const std::string& job_id, int world_size, const Co
   return absl::OkStatus();
 }
 
-Job& JobTable::Create(const std::string& id, int world_size, int group_size, const GroupRules& rules,
-                      const CoordinatorOptions& options) {
+Job& JobTable::Create(const std::string& id, int world_size, int group_size, const GroupRules& rules) {
+  const CoordinatorOptions& options = *rules.options;
   auto job = std::make_unique<Job>();
   job->id = id;
   job->world_size = world_size;

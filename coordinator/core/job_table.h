@@ -67,9 +67,9 @@ class JobTable {
   // the bound and the flag that raises it, when every job has live ranks.
   absl::Status Admit(const std::string& job_id, int world_size, const CoordinatorLimits& limits,
                      std::vector<Forgotten>* forgotten);
-  // A new job with its groups (each made with `rules`) and its communicators.
-  Job& Create(const std::string& id, int world_size, int group_size, const GroupRules& rules,
-              const CoordinatorOptions& options);
+  // A new job with its groups (each made with `rules`) and its communicators (under
+  // `rules.options`' limits).
+  Job& Create(const std::string& id, int world_size, int group_size, const GroupRules& rules);
   // Forgets the job and its sessions.
   void Erase(const std::string& id);
   // Forgets the jobs with no live rank for longer than `retention`.

@@ -660,6 +660,26 @@ TEST_F(InProcessTest, APlanBatchBeyondTheLookaheadWindowFailsTheSenderForWhatItD
   EXPECT_EQ(rank0().plans_rejected(), 0) << "not one rejection was queued for them";
 }
 
+// Serves a hand-written coordinator on a loopback port of its own until destroyed.
+class LoopbackServer {
+ public:
+  explicit LoopbackServer(grpc::Service* service) {
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
+    builder.RegisterService(service);
+    server_ = builder.BuildAndStart();
+  }
+  ~LoopbackServer() {
+    if (server_) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+  }
+  bool ok() const { return server_ != nullptr && port_ != 0; }
+  std::string address() const { return absl::StrCat("127.0.0.1:", port_); }
+
+ private:
+  int port_ = 0;
+  std::unique_ptr<grpc::Server> server_;
+};
+
 // A coordinator that registers the rank and answers each plan with a decision no worker
 // can carry out: decision value 77 for microbatch 0, one module missing for the others, and
 // for microbatch 2 no key either (what a coordinator of the wire before MicrobatchKey sends).
@@ -707,14 +727,10 @@ TEST_F(InProcessTest, ADecisionTheWorkerCannotCarryOutIsAnErrorNeverHandedToTheT
   // Issue 25: the Python worker handed its trainer 'unspecified' decisions, or one missing a
   // module (KeyError). The worker refuses them whatever the coordinator sends.
   UnusableDecisionCoordinator service;
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  builder.RegisterService(&service);
-  std::unique_ptr<grpc::Server> forger = builder.BuildAndStart();
-  ASSERT_TRUE(forger && port != 0);
+  LoopbackServer forger(&service);
+  ASSERT_TRUE(forger.ok());
   WorkerOptions o = Options(0, 1, 1);
-  o.coordinator_address = absl::StrCat("127.0.0.1:", port);
+  o.coordinator_address = forger.address();
   auto w = Connect(o);
   ASSERT_TRUE(w);
   ASSERT_TRUE(w->ReportPlan(PlanOf(0, 0, 1)).ok());
@@ -731,7 +747,6 @@ TEST_F(InProcessTest, ADecisionTheWorkerCannotCarryOutIsAnErrorNeverHandedToTheT
   EXPECT_EQ(keyless.status().code(), absl::StatusCode::kFailedPrecondition) << keyless.status();
   EXPECT_THAT(keyless.status().message(), HasSubstr("a decision without a key"));
   w->Close(absl::Seconds(1));
-  forger->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
 }
 
 TEST_F(InProcessTest, AWorkerRefusesACoordinatorOfAnotherWireRevisionAtConnect) {
@@ -739,20 +754,15 @@ TEST_F(InProcessTest, AWorkerRefusesACoordinatorOfAnotherWireRevisionAtConnect) 
   // plan as (0,0): the worker must not go on past registration with it.
   UnusableDecisionCoordinator service;
   service.wire_revision = 0;
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  builder.RegisterService(&service);
-  std::unique_ptr<grpc::Server> old = builder.BuildAndStart();
-  ASSERT_TRUE(old && port != 0);
+  LoopbackServer old(&service);
+  ASSERT_TRUE(old.ok());
   WorkerOptions o = Options(0, 1, 1);
-  o.coordinator_address = absl::StrCat("127.0.0.1:", port);
+  o.coordinator_address = old.address();
   absl::StatusOr<std::unique_ptr<Worker>> w = Worker::Connect(o);
   ASSERT_FALSE(w.ok());
   EXPECT_EQ(w.status().code(), absl::StatusCode::kFailedPrecondition) << w.status();
   EXPECT_THAT(w.status().message(), HasSubstr("speaks wire revision 0 (built before microbatches were named"));
   EXPECT_THAT(w.status().message(), HasSubstr("same shardcoord release"));
-  old->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
 }
 
 TEST_F(InProcessTest, TheWorkerLibraryKeepsSigpipeFromKillingItsHost) {
