@@ -18,6 +18,7 @@
 #include <type_traits>
 
 #include "coordinator/core/coordinator_core.h"
+#include "coordinator/server/wire_intake.h"
 #include "shardcoord/proto/convert.h"
 #include "shardcoord/internal/logging.h"
 #include "support/core_fakes.h"
@@ -26,6 +27,7 @@ namespace {
 
 using shardcoord::coordinator::CoordinatorCore;
 using shardcoord::coordinator::CoordinatorOptions;
+using shardcoord::coordinator::FromWire;
 using shardcoord::testing::FakeClock;
 using shardcoord::testing::RecordingSink;
 namespace v1 = shardcoord::v1;
@@ -216,9 +218,9 @@ class Script {
     switch (in_.ConsumeIntegralInRange<int>(0, 14)) {
       case 0: Register(id, s, Registration(s)); break;
       case 1: Register(id, s, Raw<v1::RegisterRequest>()); break;
-      case 2: core_->OnBundle(id, Bundle(Plans(s))); break;
-      case 3: core_->OnBundle(id, Bundle(Raw<v1::PlanBatch>())); break;
-      case 4: core_->OnBundle(id, Bundle(Raw<v1::Heartbeat>())); break;
+      case 2: core_->OnBundle(id, FromWire(Bundle(Plans(s)))); break;
+      case 3: core_->OnBundle(id, FromWire(Bundle(Raw<v1::PlanBatch>()))); break;
+      case 4: core_->OnBundle(id, FromWire(Bundle(Raw<v1::Heartbeat>()))); break;
       case 5:
         core_->CommJoin(Bound(Raw<v1::CommJoinRequest>(), s), [](absl::StatusOr<v1::CommJoinResponse> r) {
           if (r.ok()) reach.comm_joins_ok++;
@@ -227,7 +229,7 @@ class Script {
       case 6: (void)core_->StoreSet(Bound(Raw<v1::StoreSetRequest>(), s)); break;
       case 7: core_->StoreGet(Bound(Raw<v1::StoreGetRequest>(), s), [](auto) {}); break;
       case 8: (void)core_->CommReport(Bound(Raw<v1::CommReportRequest>(), s)); break;
-      case 9: core_->OnBundle(id, Bundle(Raw<v1::CommAborted>())); break;
+      case 9: core_->OnBundle(id, FromWire(Bundle(Raw<v1::CommAborted>()))); break;
       case 10:
         if (in_.ConsumeBool()) {
           core_->OnGoodbye(id, in_.ConsumeRandomLengthString(64));
@@ -242,10 +244,10 @@ class Script {
       case 13: {  // A worker's bundle: a structured plan batch, raw heartbeat and acknowledgements.
         v1::WorkerBundle bundle = Raw<v1::WorkerBundle>();
         if (in_.ConsumeBool()) *bundle.mutable_plans() = Plans(s);
-        core_->OnBundle(id, bundle);
+        core_->OnBundle(id, FromWire(bundle));
         break;
       }
-      case 14: core_->OnBundle(id, Raw<v1::WorkerBundle>()); break;
+      case 14: core_->OnBundle(id, FromWire(Raw<v1::WorkerBundle>())); break;
       case 12: {  // What operators see: every query, on every job.
         const std::string job = in_.ConsumeBool() ? Job() : "";
         (void)core_->Status(job);

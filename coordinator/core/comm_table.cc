@@ -275,11 +275,11 @@ void CommTable::Abort(CommHost& host, Comm& comm, const std::string& reason, con
   MaybeFinishAbort(host, comm);
 }
 
-void CommTable::AckAbort(CommHost& host, const v1::CommAborted& ack, int rank) {
-  auto it = comms_.find(ack.name());
+void CommTable::AckAbort(CommHost& host, const CommAbortAck& ack, int rank) {
+  auto it = comms_.find(ack.name);
   if (it == comms_.end()) return;
   Comm& comm = it->second;
-  if (ack.epoch() != comm.epoch || comm.state != v1::COMM_STATE_ABORTING) return;
+  if (ack.epoch != comm.epoch || comm.state != v1::COMM_STATE_ABORTING) return;
   if (!std::binary_search(comm.ranks.begin(), comm.ranks.end(), rank)) return;
   comm.member_state[rank] = CommMemberState::kAborted;
   MaybeFinishAbort(host, comm);
@@ -414,22 +414,22 @@ void CommTable::ClearProgress(const std::string& name) {
   progress_.erase(name);
 }
 
-void CommTable::RecordProgress(int rank, const v1::Heartbeat& hb, absl::Time now) {
+void CommTable::RecordProgress(int rank, const std::vector<CommProgressReport>& progress, absl::Time now) {
   absl::MutexLock lock(&progress_mu_);
-  for (const auto& p : hb.comms()) {
+  for (const CommProgressReport& p : progress) {
     // comms_ changes only under the core's exclusive lock: reading it here is safe.
-    auto it = comms_.find(p.name());
-    if (it == comms_.end() || it->second.epoch != p.epoch()) continue;
+    auto it = comms_.find(p.name);
+    if (it == comms_.end() || it->second.epoch != p.epoch) continue;
     if (!std::binary_search(it->second.ranks.begin(), it->second.ranks.end(), rank)) continue;
-    auto& [epoch, by_rank] = progress_[p.name()];
-    if (epoch != p.epoch()) {
-      epoch = p.epoch();
+    auto& [epoch, by_rank] = progress_[p.name];
+    if (epoch != p.epoch) {
+      epoch = p.epoch;
       by_rank.clear();
     }
     Progress& pr = by_rank[rank];
-    const bool moved = pr.issued != p.issued() || pr.completed != p.completed();
-    pr.issued = p.issued();
-    pr.completed = p.completed();
+    const bool moved = pr.issued != p.issued || pr.completed != p.completed;
+    pr.issued = p.issued;
+    pr.completed = p.completed;
     if (pr.completed >= pr.issued) {
       pr.waiting_since = absl::InfinitePast();
     } else if (moved || pr.waiting_since == absl::InfinitePast()) {

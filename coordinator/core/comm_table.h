@@ -20,6 +20,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "coordinator/core/worker_report.h"
 #include "coordinator/journal/event_kind.h"
 #include "coordinator/settings/options.h"
 #include "shardcoord/v1/coordinator.pb.h"
@@ -74,7 +75,7 @@ class CommTable {
   void Get(CommHost& host, const v1::StoreGetRequest& req, GetDone done);
   absl::Status Report(CommHost& host, const v1::CommReportRequest& req);
   // The rank acknowledged the abort of an epoch (on its session stream).
-  void AckAbort(CommHost& host, const v1::CommAborted& ack, int rank);
+  void AckAbort(CommHost& host, const CommAbortAck& ack, int rank);
 
   // Liveness: a rank died (`clean` false: every live epoch it belongs to is aborted) or left
   // (nobody is aborted; an epoch whose members are all gone is closed); a rank is live again.
@@ -83,7 +84,8 @@ class CommTable {
 
   // The collective progress of the rank's open communicators, from its heartbeat. Takes the
   // table's own mutex: a heartbeat records it holding the core's lock shared only.
-  void RecordProgress(int rank, const v1::Heartbeat& heartbeat, absl::Time now) ABSL_LOCKS_EXCLUDED(progress_mu_);
+  void RecordProgress(int rank, const std::vector<CommProgressReport>& progress, absl::Time now)
+      ABSL_LOCKS_EXCLUDED(progress_mu_);
   // The tick: waiters past their deadline fail; members that keep others waiting in a
   // collective are named (CommStatus.behind).
   void Tick(CommHost& host, absl::Time now);

@@ -47,6 +47,7 @@
 #include "coordinator/core/rank_sink.h"
 #include "coordinator/core/resume_auth.h"
 #include "coordinator/core/shard_group.h"
+#include "coordinator/core/worker_report.h"
 #include "coordinator/journal/event_journal.h"
 #include "coordinator/journal/event_kind.h"
 #include "coordinator/settings/options.h"
@@ -92,12 +93,12 @@ class CoordinatorCore {
   absl::Status Register(uint64_t session_id, const v1::RegisterRequest& request,
                         std::shared_ptr<RankSink> sink);
 
-  // Everything a worker had queued since its last message (WorkerMessage.bundle), handled in
-  // this order: its heartbeat (liveness, memory, and the collective progress of its open
+  // Everything a worker had queued since its last message (WorkerMessage.bundle, converted by
+  // the transport: server/wire_intake.h), handled in this order: its heartbeat (liveness, memory, and the collective progress of its open
   // communicators), its acknowledgements of CommAbort (it aborted its communicator for that
   // epoch), its plans. Bad plans are answered with PlanRejected on the session; decisions that
   // became ready are sent to every member of the group.
-  void OnBundle(uint64_t session_id, const v1::WorkerBundle& bundle);
+  void OnBundle(uint64_t session_id, const WorkerReport& report);
   // A clean leave: the rank becomes LEFT.
   void OnGoodbye(uint64_t session_id, const std::string& reason);
   // The session's stream ended without a goodbye: a registered rank is declared dead.
@@ -188,10 +189,10 @@ class CoordinatorCore {
   void Apply(Job& job, ShardGroup& group, GroupEffects& fx) ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // The parts of a bundle, in the order OnBundle takes them: heartbeat and plans with the
   // group's mutex held too, or mu_ exclusively; CommAbort acknowledgements under mu_ exclusive.
-  void TakeHeartbeat(Job& job, ShardGroup& group, Member& m, const v1::Heartbeat& heartbeat)
+  void TakeHeartbeat(Job& job, ShardGroup& group, Member& m, const HeartbeatReport& heartbeat)
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  void TakePlans(Job& job, ShardGroup& group, Member& m, const v1::PlanBatch& batch) ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  void TakeCommAborted(Job& job, Member& m, const v1::CommAborted& ack) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void TakePlans(Job& job, ShardGroup& group, Member& m, const PlanBatchReport& batch) ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  void TakeCommAborted(Job& job, Member& m, const CommAbortAck& ack) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Returns the session's member if it is the rank's current live session.
   Member* LiveMember(uint64_t session_id, Job** job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 

@@ -97,7 +97,7 @@ absl::Status CoordinatorCore::CommReport(const v1::CommReportRequest& req) {
   return (*job)->comms->Report(host, req);
 }
 
-void CoordinatorCore::TakeCommAborted(Job& job, Member& m, const v1::CommAborted& ack) {
+void CoordinatorCore::TakeCommAborted(Job& job, Member& m, const CommAbortAck& ack) {
   m.last_seen = clock_->Now();
   JobHost host(*this, job);
   job.comms->AckAbort(host, ack, m.rank);

@@ -20,17 +20,17 @@ constexpr size_t kEndedJobHistory = 16;
 
 }  // namespace
 
-void CoordinatorCore::OnBundle(uint64_t session_id, const v1::WorkerBundle& bundle) {
-  if (bundle.comm_aborted_size() > 0) {
+void CoordinatorCore::OnBundle(uint64_t session_id, const WorkerReport& report) {
+  if (!report.comm_aborted.empty()) {
     // Acknowledgements change the state of the job's communicators.
     CoreLock lock(&mu_);
     Job* job = nullptr;
     Member* m = LiveMember(session_id, &job);
     if (m == nullptr) return;
     ShardGroup& group = Owned(*job, m->group);
-    if (bundle.has_heartbeat()) TakeHeartbeat(*job, group, *m, bundle.heartbeat());
-    for (const auto& ack : bundle.comm_aborted()) TakeCommAborted(*job, *m, ack);
-    if (bundle.has_plans()) TakePlans(*job, group, *m, bundle.plans());
+    if (report.heartbeat) TakeHeartbeat(*job, group, *m, *report.heartbeat);
+    for (const CommAbortAck& ack : report.comm_aborted) TakeCommAborted(*job, *m, ack);
+    if (report.plans) TakePlans(*job, group, *m, *report.plans);
     return;
   }
   // The hot path: this group only.
@@ -41,20 +41,20 @@ void CoordinatorCore::OnBundle(uint64_t session_id, const v1::WorkerBundle& bund
   absl::MutexLock group_lock(&slot.mu);
   Member* m = LiveIn(slot.group, ref->rank, session_id);
   if (m == nullptr) return;
-  if (bundle.has_heartbeat()) TakeHeartbeat(*ref->job, slot.group, *m, bundle.heartbeat());
-  if (bundle.has_plans()) TakePlans(*ref->job, slot.group, *m, bundle.plans());
+  if (report.heartbeat) TakeHeartbeat(*ref->job, slot.group, *m, *report.heartbeat);
+  if (report.plans) TakePlans(*ref->job, slot.group, *m, *report.plans);
 }
 
-void CoordinatorCore::TakeHeartbeat(Job& job, ShardGroup& group, Member& m, const v1::Heartbeat& heartbeat) {
+void CoordinatorCore::TakeHeartbeat(Job& job, ShardGroup& group, Member& m, const HeartbeatReport& heartbeat) {
   const absl::Time now = clock_->Now();
   GroupEffects fx;
   group.TakeHeartbeat(group.IndexOf(m.rank), heartbeat, now, fx);
   // Collective progress: under the communicator table's own (leaf) mutex.
-  if (heartbeat.comms_size() > 0) job.comms->RecordProgress(m.rank, heartbeat, now);
+  if (!heartbeat.comms.empty()) job.comms->RecordProgress(m.rank, heartbeat.comms, now);
   Apply(job, group, fx);
 }
 
-void CoordinatorCore::TakePlans(Job& job, ShardGroup& group, Member& m, const v1::PlanBatch& batch) {
+void CoordinatorCore::TakePlans(Job& job, ShardGroup& group, Member& m, const PlanBatchReport& batch) {
   GroupEffects fx;
   group.TakePlans(group.IndexOf(m.rank), batch, clock_->Now(), fx);
   Apply(job, group, fx);

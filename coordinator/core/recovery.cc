@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "coordinator/core/text.h"
+#include "shardcoord/proto/convert.h"
 
 namespace shardcoord::coordinator {
 namespace {
@@ -71,12 +72,12 @@ GroupRecovery PlanGroupRecovery(int group, const std::vector<MemberResume>& memb
       } else if (any && key < newest) {
         out.lost.emplace_back(m.rank, key);
       } else {
-        out.undecided.emplace_back(m.rank, p);
+        out.undecided.emplace_back(m.rank, FromProto(p));
       }
     }
   }
   std::stable_sort(out.undecided.begin(), out.undecided.end(),
-                   [](const auto& a, const auto& b) { return KeyOf(a.second) < KeyOf(b.second); });
+                   [](const auto& a, const auto& b) { return a.second.key < b.second.key; });
   if (any) {
     for (const auto& md : out.binding.rbegin()->second.modules()) {
       if (md.reason() == v1::REASON_PROMOTED) out.promoted.insert(md.module());

@@ -37,7 +37,7 @@ struct GroupRecovery {
   // (rank, decision): a member that planned the key and lacks its decision.
   std::vector<std::pair<int, v1::MicrobatchDecision>> resend;
   // (rank, plan): plans no member holds a decision for, to decide as usual, in key order.
-  std::vector<std::pair<int, v1::MicrobatchPlan>> undecided;
+  std::vector<std::pair<int, MicrobatchPlan>> undecided;
   // (rank, key): plans older than the newest binding key that nobody holds a decision
   // for: their decision is lost (beyond what members keep); they fail.
   std::vector<std::pair<int, MicrobatchKey>> lost;

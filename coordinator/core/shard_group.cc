@@ -132,13 +132,13 @@ bool GoodSeconds(double s) { return std::isfinite(s) && s >= 0 && s <= 3600; }
 
 // One module's report as the group keeps it: forward, and the sum of at most one gather per
 // layer unit of the manifest.
-ModuleCostModel CostFromReport(const v1::ModuleCostReport& r, const ModuleSpec& spec) {
+ModuleCostModel CostFromReport(const ModuleCost& r, const ModuleSpec& spec) {
   ModuleCostModel c;
-  c.forward_seconds_per_call = GoodSeconds(r.forward_seconds_per_call()) ? r.forward_seconds_per_call() : 0;
-  const int max_units = std::max<int>(static_cast<int>(spec.units.size()), 1);
-  for (int i = 0; i < r.units_size() && i < max_units; ++i) {
-    const auto& u = r.units(i);
-    if (GoodSeconds(u.gather_seconds()) && u.gather_bytes() >= 0) c.gather_seconds += u.gather_seconds();
+  c.forward_seconds_per_call = GoodSeconds(r.forward_seconds_per_call) ? r.forward_seconds_per_call : 0;
+  const size_t max_units = std::max<size_t>(spec.units.size(), 1);
+  for (size_t i = 0; i < r.units.size() && i < max_units; ++i) {
+    const UnitCost& u = r.units[i];
+    if (GoodSeconds(u.gather_seconds) && u.gather_bytes >= 0) c.gather_seconds += u.gather_seconds;
   }
   if (!GoodSeconds(c.gather_seconds)) c.gather_seconds = 0;
   return c;
@@ -149,23 +149,23 @@ bool Moved(double before, double now) { return std::abs(now - before) > 0.1 * st
 
 }  // namespace
 
-std::string ShardGroup::TakeCosts(int idx, const v1::Heartbeat& heartbeat, absl::Time now) {
-  if (heartbeat.costs_size() == 0 && heartbeat.frozen_budget_bytes() <= 0) return "";
+std::string ShardGroup::TakeCosts(int idx, const HeartbeatReport& heartbeat, absl::Time now) {
+  if (heartbeat.costs.empty() && heartbeat.frozen_budget_bytes <= 0) return "";
   Member& m = members[idx];
   if (now < m.costs_taken + kMinCostReportSpacing) return "";  // Faster than any worker sends.
   m.costs_taken = now;
-  if (heartbeat.costs_size() > 0) {
+  if (!heartbeat.costs.empty()) {
     std::vector<ModuleCostModel> mine(modules.size());
     std::vector<bool> seen(modules.size(), false);
-    for (const auto& r : heartbeat.costs()) {
-      auto it = module_index.find(r.module());
+    for (const ModuleCost& r : heartbeat.costs) {
+      auto it = module_index.find(r.module);
       if (it == module_index.end() || seen[it->second]) continue;
       seen[it->second] = true;
       mine[it->second] = CostFromReport(r, modules[it->second]);
     }
     TakeMemberCosts(m, std::move(mine));
   }
-  if (heartbeat.frozen_budget_bytes() > 0) TakeMemberBudget(m, heartbeat.frozen_budget_bytes());
+  if (heartbeat.frozen_budget_bytes > 0) TakeMemberBudget(m, heartbeat.frozen_budget_bytes);
   return UpdateCostModel();
 }
 
@@ -252,19 +252,14 @@ std::string ShardGroup::UpdateCostModel() {
   return text;
 }
 
-absl::StatusOr<ShardGroup::PlanCalls> ShardGroup::ParsePlan(const v1::MicrobatchPlan& plan, const MicrobatchKey& key,
-                                                            const std::string& who) const {
+absl::StatusOr<ShardGroup::PlanCalls> ShardGroup::ParsePlan(const MicrobatchPlan& plan, const std::string& who) const {
   auto bad = [&](const std::string& what) {
-    return absl::InvalidArgumentError(absl::StrCat("plan ", key.ToString(), " from ", who, ": ", what));
+    return absl::InvalidArgumentError(absl::StrCat("plan ", plan.key.ToString(), " from ", who, ": ", what));
   };
-  if (!plan.has_key()) {
-    return bad("it carries no key (MicrobatchPlan.key): the worker is older than this coordinator's wire, which names "
-               "every microbatch by a MicrobatchKey; run workers and coordinator of the same shardcoord version");
-  }
-  if (std::string e = CheckPlanKey(key); !e.empty()) return bad(e);
+  if (std::string e = CheckPlanKey(plan.key); !e.empty()) return bad(e);
   PlanCalls calls;
-  calls.reserve(plan.calls_size());
-  for (const auto& [name, count] : plan.calls()) {
+  calls.reserve(plan.calls.size());
+  for (const auto& [name, count] : plan.calls) {
     auto mi = module_index.find(name);
     const bool known = mi != module_index.end();
     std::vector<std::string> registered;

@@ -30,6 +30,7 @@
 #include "coordinator/core/decision_engine.h"
 #include "coordinator/core/group_effects.h"
 #include "coordinator/core/resume_auth.h"
+#include "coordinator/core/worker_report.h"
 #include "coordinator/settings/options.h"
 #include "shardcoord/v1/coordinator.pb.h"
 
@@ -76,7 +77,7 @@ struct Member {
   // Why the rank is to be failed at the next tick ("" while it is not): its sink refused a
   // send (it does not read), or it broke the protocol. Nothing more is sent to it.
   std::string cut_reason;
-  std::vector<v1::ModuleMemory> memory;  // As last reported.
+  std::vector<ModuleMemoryUsage> memory;  // As last reported.
   // As last reported, per manifest module (empty: none yet): forward and the sum of its
   // units' gathers, no names (a 16k-rank group holds two numbers per rank and module).
   std::vector<ModuleCostModel> costs;
@@ -134,10 +135,10 @@ class ShardGroup {
   // shard_group_plans.cc: plans and decisions (DESIGN 3).
   // A bundle's plans from live member `idx`: each accepted or rejected (PlanRejected), the
   // decisions that became ready given; held while the group recovers.
-  void TakePlans(int idx, const v1::PlanBatch& batch, absl::Time now, GroupEffects& fx);
+  void TakePlans(int idx, const PlanBatchReport& batch, absl::Time now, GroupEffects& fx);
   // A heartbeat's part that concerns the member and the group's cost model: liveness, memory,
   // measured costs (collective progress is the communicators').
-  void TakeHeartbeat(int idx, const v1::Heartbeat& heartbeat, absl::Time now, GroupEffects& fx);
+  void TakeHeartbeat(int idx, const HeartbeatReport& heartbeat, absl::Time now, GroupEffects& fx);
   // Fails microbatches pending longer than the plan timeout.
   void ExpirePlans(absl::Time now, GroupEffects& fx);
   // Decides pending microbatches from the front while every member has reported.
@@ -191,7 +192,7 @@ class ShardGroup {
   // GROUP_STATE_RECOVERING (DESIGN 12): fails its missing members at this deadline;
   // plans resumed members send meanwhile wait here, in arrival order.
   absl::Time recovery_deadline = absl::InfiniteFuture();
-  std::vector<std::pair<int, v1::MicrobatchPlan>> deferred_plans;
+  std::vector<std::pair<int, MicrobatchPlan>> deferred_plans;
   // The cost model the engine decides by (manifest order), the members' maxima it follows, and
   // the smallest measured budget (with how many members measured one).
   std::vector<ModuleCostModel> cost_model;
@@ -222,14 +223,13 @@ class ShardGroup {
   // one; returns what changed for the event ("" when the engine's model stays). The group's
   // maxima are kept incrementally: a report costs O(modules), and O(members) only when the
   // member that held a maximum lowers it.
-  std::string TakeCosts(int idx, const v1::Heartbeat& heartbeat, absl::Time now);
+  std::string TakeCosts(int idx, const HeartbeatReport& heartbeat, absl::Time now);
   // A (re)registered member starts afresh: what its earlier process measured is dropped.
   void ForgetMeasures(int idx);
   // The smallest budget of the members: registered, lowered by what every member measured.
   int64_t EffectiveBudget() const;
   // The plan's key and calls checked against the manifest; `who` names the sender.
-  absl::StatusOr<PlanCalls> ParsePlan(const v1::MicrobatchPlan& plan, const MicrobatchKey& key,
-                                      const std::string& who) const;
+  absl::StatusOr<PlanCalls> ParsePlan(const MicrobatchPlan& plan, const std::string& who) const;
   // RESOURCE_EXHAUSTED when `max` keys are pending already (for a new key).
   absl::Status CheckPendingRoom(const MicrobatchKey& key, const std::string& who, int max) const;
   // Stores member `idx`'s report of `key`; true when the key is new to the group.
@@ -259,7 +259,7 @@ class ShardGroup {
 
  private:
   // Plan intake (shard_group_plans.cc).
-  absl::Status AcceptPlan(int idx, const v1::MicrobatchPlan& plan, absl::Time now, GroupEffects& fx);
+  absl::Status AcceptPlan(int idx, const MicrobatchPlan& plan, absl::Time now, GroupEffects& fx);
   // Whether the group can take `key` from member `idx` now: in order, the group not failed,
   // the key not resolved already, within the member's lookahead window and the group's room.
   absl::Status CheckPlanFits(int idx, const MicrobatchKey& key, const std::string& who) const;
@@ -274,7 +274,9 @@ class ShardGroup {
   // The messages that tell members `key` failed, and that the group failed (reason `why`).
   v1::CoordinatorMessage MicrobatchFailed(const MicrobatchKey& key, const absl::Status& why) const;
   v1::CoordinatorMessage GroupFailed(const std::string& why) const;
-  void Reject(int idx, const v1::MicrobatchPlan& plan, const absl::Status& why, int64_t epoch, GroupEffects& fx);
+  // Answers member `idx`'s plan of `key` (none: the plan had no key) with PlanRejected.
+  void Reject(int idx, const std::optional<MicrobatchKey>& key, const absl::Status& why, int64_t epoch,
+              GroupEffects& fx);
   // Recovery (shard_group_states.cc).
   void FinishRecovery(absl::Time now, GroupEffects& fx);
   void FailRecovery(const std::string& why, GroupEffects& fx);
@@ -282,7 +284,7 @@ class ShardGroup {
   // decision, for that member to receive when it does.
   void KeepStaticBinding(const MicrobatchKey& key, const v1::MicrobatchDecision& d, absl::Time now);
   // Replays plans (resumed, then deferred) through the ordinary intake.
-  void ReplayPlans(const std::vector<std::pair<int, v1::MicrobatchPlan>>& plans, absl::Time now, GroupEffects& fx);
+  void ReplayPlans(const std::vector<std::pair<int, MicrobatchPlan>>& plans, absl::Time now, GroupEffects& fx);
   void DropResumes();
 
   GroupRules rules_;

@@ -11,69 +11,73 @@
 
 namespace shardcoord::coordinator {
 
-void ShardGroup::TakePlans(int idx, const v1::PlanBatch& batch, absl::Time now, GroupEffects& fx) {
+void ShardGroup::TakePlans(int idx, const PlanBatchReport& batch, absl::Time now, GroupEffects& fx) {
   Member& m = members[idx];
   m.last_seen = now;
-  if (batch.plans_size() > MaxPlansPerBatch(m.lookahead)) {
+  if (static_cast<int64_t>(batch.plans.size()) > MaxPlansPerBatch(m.lookahead)) {
     // A worker sends at most its window per message (a window and as many again while plans
     // of entries that failed locally wait to be sent, in an older worker): a client sending
     // more would get a rejection for each plan past the window, and those alone could fill
     // its outbox.
     if (m.cut_reason.empty()) {
-      m.cut_reason = absl::StrCat("broke the protocol: sent ", batch.plans_size(),
+      m.cut_reason = absl::StrCat("broke the protocol: sent ", batch.plans.size(),
                                   " plans in one batch; with a lookahead window of ", m.lookahead,
                                   " a worker sends at most ", MaxPlansPerBatch(m.lookahead));
     }
     return;
   }
   const int max_pending = rules_.options->limits.max_pending_microbatches;
-  if (state == v1::GROUP_STATE_RECOVERING) {
-    // Decided once every member has resumed (a static decision made now could contradict
-    // one a member not back yet holds). Bounded like the pending microbatches.
-    for (const auto& plan : batch.plans()) {
+  for (const ReceivedPlan& received : batch.plans) {
+    if (!received.malformed.empty()) {  // Nothing in it can be taken: no key to decide or wait for.
+      Reject(idx, std::nullopt,
+             absl::InvalidArgumentError(absl::StrCat("plan from rank ", m.rank, " (job '", rules_.job_id,
+                                                     "', group ", index, "): ", received.malformed)),
+             batch.epoch, fx);
+      continue;
+    }
+    const MicrobatchPlan& plan = received.plan;
+    absl::Status s;
+    if (state == v1::GROUP_STATE_RECOVERING) {
+      // Decided once every member has resumed (a static decision made now could contradict
+      // one a member not back yet holds). Bounded like the pending microbatches.
       if (static_cast<int>(deferred_plans.size()) < max_pending) {
         deferred_plans.emplace_back(m.rank, plan);
         continue;
       }
-      Reject(idx, plan,
-             absl::ResourceExhaustedError(absl::StrCat(
-                 "group ", index, " is recovering after a coordinator restart and already holds "
-                 "max_pending_microbatches plans; plan again once it recovered")),
-             batch.epoch(), fx);
+      s = absl::ResourceExhaustedError(absl::StrCat(
+          "group ", index, " is recovering after a coordinator restart and already holds "
+          "max_pending_microbatches plans; plan again once it recovered"));
+    } else if (batch.epoch != epoch) {
+      s = absl::AbortedError(absl::StrCat("plan ", plan.key.ToString(), " from rank ", m.rank, " was made in epoch ",
+                                          batch.epoch, " but group ", index, " is at epoch ", epoch,
+                                          ": it was queued before the group failed; plan again"));
+    } else {
+      s = AcceptPlan(idx, plan, now, fx);
     }
-    return;
-  }
-  for (const auto& plan : batch.plans()) {
-    absl::Status s = batch.epoch() == epoch
-                         ? AcceptPlan(idx, plan, now, fx)
-                         : absl::AbortedError(absl::StrCat(
-                               "plan ", KeyOf(plan).ToString(), " from rank ", m.rank,
-                               " was made in epoch ", batch.epoch(), " but group ", index, " is at epoch ", epoch,
-                               ": it was queued before the group failed; plan again"));
-    if (!s.ok()) Reject(idx, plan, s, batch.epoch(), fx);
+    if (!s.ok()) Reject(idx, plan.key, s, batch.epoch, fx);
   }
 }
 
-void ShardGroup::Reject(int idx, const v1::MicrobatchPlan& plan, const absl::Status& why, int64_t in_epoch,
+void ShardGroup::Reject(int idx, const std::optional<MicrobatchKey>& key, const absl::Status& why, int64_t in_epoch,
                         GroupEffects& fx) {
   Member& m = members[idx];
   m.plans_rejected++;
   v1::CoordinatorMessage msg;
   auto* rej = msg.mutable_plan_rejected();
-  if (plan.has_key()) *rej->mutable_key() = plan.key();  // A keyless plan's rejection names none either.
+  if (key) ToProto(*key, rej->mutable_key());  // A keyless plan's rejection names none either.
   rej->set_code(static_cast<int>(why.code()));
   rej->set_message(std::string(why.message()));
   rej->set_epoch(in_epoch);
   fx.Send(idx, std::move(msg));
-  fx.warnings.push_back(absl::StrCat("plan_rejected job=", rules_.job_id, " rank=", m.rank, " step=", plan.key().step(),
-                                     " mb=", plan.key().microbatch(), " code=", absl::StatusCodeToString(why.code()), " ",
+  fx.warnings.push_back(absl::StrCat("plan_rejected job=", rules_.job_id, " rank=", m.rank, " key=",
+                                     key ? key->ToString() : "none", " code=", absl::StatusCodeToString(why.code()), " ",
                                      why.message()));
 }
 
-absl::Status ShardGroup::AcceptPlan(int idx, const v1::MicrobatchPlan& plan, absl::Time now, GroupEffects& fx) {
-  const MicrobatchKey key = KeyOf(plan);
+absl::Status ShardGroup::AcceptPlan(int idx, const MicrobatchPlan& plan, absl::Time now, GroupEffects& fx) {
+  const MicrobatchKey& key = plan.key;
   const std::string who = absl::StrCat("rank ", ranks[idx], " (job '", rules_.job_id, "', group ", index, ")");
-  absl::StatusOr<PlanCalls> calls = ParsePlan(plan, key, who);
+  absl::StatusOr<PlanCalls> calls = ParsePlan(plan, who);
   if (!calls.ok()) return calls.status();
   if (absl::Status s = CheckPlanFits(idx, key, who); !s.ok()) return s;
 
@@ -257,31 +261,31 @@ void ShardGroup::ExpirePlans(absl::Time now, GroupEffects& fx) {
   if (!expired.empty()) Drain(now, fx);  // What waited behind a failed key may be complete.
 }
 
-void ShardGroup::TakeHeartbeat(int idx, const v1::Heartbeat& heartbeat, absl::Time now, GroupEffects& fx) {
+void ShardGroup::TakeHeartbeat(int idx, const HeartbeatReport& heartbeat, absl::Time now, GroupEffects& fx) {
   Member& m = members[idx];
   m.last_seen = now;
-  m.decision_stalls.Take(heartbeat.decision_stalls());
-  m.decision_stall_us.Take(heartbeat.decision_stall_us());
+  m.decision_stalls.Take(heartbeat.decision_stalls);
+  m.decision_stall_us.Take(heartbeat.decision_stall_us);
   if (std::string moved = TakeCosts(idx, heartbeat, now); !moved.empty()) {
     fx.Record("info", EventKind::kGroupCostModel, m.rank,
               absl::StrCat("cost model from the members' measures: ", moved));
   }
-  if (heartbeat.memory_size() == 0) return;
+  if (heartbeat.memory.empty()) return;
   // Bounded by the manifest whatever the client sends: one entry per module of the group's
   // manifest (the first for each), no negative counts; the rest is not kept. A rank's
   // reports then cost no more than its share of the manifest (DESIGN 11).
   m.memory.clear();
   std::vector<bool> seen(modules.size(), false);
-  for (const auto& e : heartbeat.memory()) {
+  for (const ModuleMemoryUsage& e : heartbeat.memory) {
     if (m.memory.size() >= modules.size()) break;
-    auto it = module_index.find(e.module());
-    if (it == module_index.end() || seen[it->second] || e.resident_bytes() < 0 || e.peak_bytes() < 0 ||
-        e.gathered_bytes() < 0) {
+    auto it = module_index.find(e.module);
+    if (it == module_index.end() || seen[it->second] || e.resident_bytes < 0 || e.peak_bytes < 0 ||
+        e.gathered_bytes < 0) {
       continue;
     }
     seen[it->second] = true;
     m.memory.push_back(e);
-    m.gathered_bytes[e.module()].Take(e.gathered_bytes());
+    m.gathered_bytes[e.module].Take(e.gathered_bytes);
   }
 }
 

@@ -234,12 +234,12 @@ void ShardGroup::KeepStaticBinding(const MicrobatchKey& key, const v1::Microbatc
   pending[key] = std::move(p);
 }
 
-void ShardGroup::ReplayPlans(const std::vector<std::pair<int, v1::MicrobatchPlan>>& plans, absl::Time now,
+void ShardGroup::ReplayPlans(const std::vector<std::pair<int, MicrobatchPlan>>& plans, absl::Time now,
                              GroupEffects& fx) {
   for (const auto& [rank, plan] : plans) {
     const int idx = IndexOf(rank);
     if (!members[idx].live()) continue;
-    if (absl::Status s = AcceptPlan(idx, plan, now, fx); !s.ok()) Reject(idx, plan, s, epoch, fx);
+    if (absl::Status s = AcceptPlan(idx, plan, now, fx); !s.ok()) Reject(idx, plan.key, s, epoch, fx);
   }
 }
 

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "coordinator/server/auth.h"
+#include "coordinator/server/wire_intake.h"
 #include "google/protobuf/unknown_field_set.h"
 #include "grpcpp/alarm.h"
 #include "shardcoord/internal/logging.h"
@@ -294,7 +295,7 @@ void SessionCall::OnRead(bool ok) {
   }
   switch (in_.kind_case()) {
     case v1::WorkerMessage::kBundle:
-      core->OnBundle(id_, in_.bundle());
+      core->OnBundle(id_, FromWire(in_.bundle()));
       break;
     case v1::WorkerMessage::kGoodbye:
       core->OnGoodbye(id_, in_.goodbye().reason());

@@ -16,6 +16,7 @@
 #include "coordinator/core/clock.h"
 #include "coordinator/core/coordinator_core.h"
 #include "coordinator/core/invariant.h"
+#include "coordinator/server/wire_intake.h"
 #include "shardcoord/v1/coordinator.pb.h"
 
 namespace shardcoord::testing {
@@ -102,21 +103,22 @@ class CoreHarness {
     sessions_.clear();
   }
 
-  // What a worker sends after registering, as it sends it: in a bundle.
+  // What a worker sends after registering, as it sends it (in a bundle), through the
+  // transport's conversion.
   void OnPlans(uint64_t session, const v1::PlanBatch& batch) {
     v1::WorkerBundle bundle;
     *bundle.mutable_plans() = batch;
-    core_->OnBundle(session, bundle);
+    core_->OnBundle(session, coordinator::FromWire(bundle));
   }
   void OnHeartbeat(uint64_t session, const v1::Heartbeat& heartbeat = {}) {
     v1::WorkerBundle bundle;
     *bundle.mutable_heartbeat() = heartbeat;
-    core_->OnBundle(session, bundle);
+    core_->OnBundle(session, coordinator::FromWire(bundle));
   }
   void OnCommAborted(uint64_t session, const v1::CommAborted& ack) {
     v1::WorkerBundle bundle;
     *bundle.add_comm_aborted() = ack;
-    core_->OnBundle(session, bundle);
+    core_->OnBundle(session, coordinator::FromWire(bundle));
   }
 
   // Registers `r.rank()` on a new session with a new sink; kept only when accepted.

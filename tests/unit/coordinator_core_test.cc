@@ -978,7 +978,7 @@ TEST_F(CoreTest, ABundleCountsAsHeartbeatAndItsPlansAreDecidedLikeSeparateMessag
   p->mutable_key()->set_step(0);
   p->mutable_key()->set_microbatch(0);
   (*p->mutable_calls())["vision_tower"] = 1;
-  core_->OnBundle(sessions_[0], bundle);
+  core_->OnBundle(sessions_[0], FromWire(bundle));
   // Its plan completed the group: both members have the decision.
   ASSERT_EQ(sinks_[0]->Decisions().size(), 1u);
   ASSERT_EQ(sinks_[1]->Decisions().size(), 1u);
@@ -1005,7 +1005,7 @@ TEST_F(CoreTest, CostReportsBecomeTheGroupsModelAndDecide) {
     u->set_unit("whole");
     u->set_gather_bytes(1000);
     u->set_gather_seconds(gather);
-    core_->OnBundle(sessions_[rank], bundle);
+    core_->OnBundle(sessions_[rank], FromWire(bundle));
   };
   report(0, 0.010, 0.020);
   report(1, 0.012, 0.015);  // Slower forward, faster gather: the model takes the larger of each.
@@ -1045,7 +1045,7 @@ TEST_F(CoreTest, ARerunWithAnotherManifestStartsItsCostModelAfresh) {
     c->set_module(module);
     c->set_forward_seconds_per_call(0.010);
     c->add_units()->set_gather_seconds(0.020);
-    core_->OnBundle(sessions_[rank], bundle);
+    core_->OnBundle(sessions_[rank], FromWire(bundle));
   };
   RegisterAll(2, 2);
   report(0, "vision_tower");
@@ -1080,7 +1080,7 @@ TEST_F(CoreTest, CostReportsFasterThanAWorkerSendsAreDroppedAndABudgetDropApplie
   auto budget = [&](int rank, int64_t bytes) {
     v1::WorkerBundle bundle;
     bundle.mutable_heartbeat()->set_frozen_budget_bytes(bytes);
-    core_->OnBundle(sessions_[rank], bundle);
+    core_->OnBundle(sessions_[rank], FromWire(bundle));
   };
   auto model_events = [&] {
     int n = 0;
@@ -1116,7 +1116,7 @@ TEST_F(CoreTest, HostileCostReportsAreBoundedAndBadNumbersDropped) {
       u->set_gather_seconds(i == 0 ? 1e12 : -1);  // An absurd time, then negative ones.
     }
   }
-  core_->OnBundle(sessions_[0], bundle);
+  core_->OnBundle(sessions_[0], FromWire(bundle));
   // Nothing usable was reported: no model, the counting rule decides.
   for (const auto& e : core_->Events("job", 0, 100)) EXPECT_NE(e.kind(), "group_cost_model") << e.message();
   Plan(0, 0, 0, 2);
@@ -1139,7 +1139,7 @@ TEST_F(CoreTest, MemoryReportsKeepOneEntryPerModuleOfTheManifest) {
   for (int i = 0; i < 5000; ++i) add(absl::StrCat("junk_", i, std::string(200, 'x')), 7);
   add("vision_tower", 2);   // A second entry for one module: the first stays.
   add("audio_tower", -5);   // Negative: dropped.
-  core_->OnBundle(sessions_[0], bundle);
+  core_->OnBundle(sessions_[0], FromWire(bundle));
   const auto ranks = core_->Ranks("job");
   ASSERT_EQ(ranks.ranks(0).memory_size(), 1) << ranks.ranks(0).DebugString();
   EXPECT_EQ(ranks.ranks(0).memory(0).module(), "vision_tower");
@@ -1173,12 +1173,12 @@ TEST_F(CoreTest, ABundleOfABadPlanIsRejectedLikeOneAlone) {
   p->mutable_key()->set_step(0);
   p->mutable_key()->set_microbatch(0);
   (*p->mutable_calls())["no_such_tower"] = 1;
-  core_->OnBundle(sessions_[0], bundle);
+  core_->OnBundle(sessions_[0], FromWire(bundle));
   ASSERT_EQ(sinks_[0]->Rejections().size(), 1u);
   EXPECT_THAT(sinks_[0]->Rejections()[0].message(), HasSubstr("no_such_tower"));
   // An empty bundle and one for a stale session change nothing.
-  core_->OnBundle(sessions_[0], v1::WorkerBundle());
-  core_->OnBundle(987654, bundle);
+  core_->OnBundle(sessions_[0], FromWire(v1::WorkerBundle()));
+  core_->OnBundle(987654, FromWire(bundle));
   EXPECT_EQ(sinks_[0]->Rejections().size(), 1u);
 }
 
@@ -1222,7 +1222,7 @@ TEST_F(CoreTest, PlansFromManyThreadsAreDecidedOnceAndIdenticallyForEveryMember)
             v1::WorkerBundle bundle;
             bundle.mutable_heartbeat()->set_sent_unix_ms(1);
             *bundle.mutable_plans() = batch;
-            core_->OnBundle(sessions_[r], bundle);
+            core_->OnBundle(sessions_[r], FromWire(bundle));
           }
         }
       }

@@ -18,6 +18,7 @@
 #include "coordinator/core/registration.h"
 #include "coordinator/core/resume_auth.h"
 #include "coordinator/journal/event_kind.h"
+#include "coordinator/server/wire_intake.h"
 #include "coordinator/settings/options.h"
 #include "shardcoord/v1/coordinator.pb.h"
 
@@ -142,7 +143,7 @@ class ShardGroupTest : public ::testing::Test {
 
   GroupEffects TakePlans(int idx, std::vector<v1::MicrobatchPlan> plans, absl::Time now = kT0) {
     GroupEffects fx;
-    group_->TakePlans(idx, Batch(group_->epoch, std::move(plans)), now, fx);
+    group_->TakePlans(idx, FromWire(Batch(group_->epoch, std::move(plans))), now, fx);
     return fx;
   }
 
@@ -469,7 +470,7 @@ TEST_F(ShardGroupTest, AFailedGroupReFormsInTheNextEpochOnceTheDeadMemberIsLiveA
 
   // A plan queued in the failed epoch is refused with that epoch.
   GroupEffects stale;
-  group_->TakePlans(1, Batch(0, {Plan(0, 1, 1)}), kT0 + absl::Seconds(2), stale);
+  group_->TakePlans(1, FromWire(Batch(0, {Plan(0, 1, 1)})), kT0 + absl::Seconds(2), stale);
   ASSERT_THAT(stale.messages, SizeIs(1));
   ASSERT_TRUE(stale.messages[0].message.has_plan_rejected());
   EXPECT_EQ(stale.messages[0].message.plan_rejected().code(), static_cast<int>(absl::StatusCode::kAborted));
@@ -669,12 +670,12 @@ TEST_F(ShardGroupTest, AHeartbeatKeepsMemoryOnlyForManifestModulesWithSaneNumber
   add("audio_tower", 10, 20, -1);          // Negative.
   hb.set_decision_stalls(7);
   GroupEffects fx;
-  group_->TakeHeartbeat(1, hb, kT0 + absl::Seconds(1), fx);
+  group_->TakeHeartbeat(1, FromWire(hb), kT0 + absl::Seconds(1), fx);
   const Member& m = group_->members[1];
   ASSERT_THAT(m.memory, SizeIs(1));
-  EXPECT_EQ(m.memory[0].module(), "vision_tower");
-  EXPECT_EQ(m.memory[0].resident_bytes(), 100);
-  EXPECT_EQ(m.memory[0].peak_bytes(), 200);
+  EXPECT_EQ(m.memory[0].module, "vision_tower");
+  EXPECT_EQ(m.memory[0].resident_bytes, 100);
+  EXPECT_EQ(m.memory[0].peak_bytes, 200);
   ASSERT_THAT(m.gathered_bytes, SizeIs(1));
   EXPECT_EQ(m.gathered_bytes.at("vision_tower").total(), 300);
   EXPECT_EQ(m.decision_stalls.total(), 7);
@@ -697,7 +698,7 @@ TEST_F(ShardGroupTest, ACostReportThatMovesTheGroupsModelIsRecordedAsAnEvent) {
     auto* unknown = hb.add_costs();
     unknown->set_module("text_tower");
     unknown->set_forward_seconds_per_call(9);
-    return hb;
+    return FromWire(hb);
   };
   GroupEffects fx;
   group_->TakeHeartbeat(0, report(0.02, 0.01), kT0, fx);

@@ -1,0 +1,60 @@
+#include "coordinator/server/wire_intake.h"
+
+#include "shardcoord/proto/convert.h"
+
+namespace shardcoord::coordinator {
+
+HeartbeatReport FromWire(const v1::Heartbeat& hb) {
+  HeartbeatReport out;
+  out.comms.reserve(hb.comms_size());
+  for (const auto& p : hb.comms()) out.comms.push_back({p.name(), p.epoch(), p.issued(), p.completed()});
+  out.memory.reserve(hb.memory_size());
+  for (const auto& m : hb.memory()) {
+    out.memory.push_back({m.module(), m.resident_bytes(), m.peak_bytes(), m.gathered_bytes()});
+  }
+  out.decision_stalls = hb.decision_stalls();
+  out.decision_stall_us = hb.decision_stall_us();
+  out.costs.reserve(hb.costs_size());
+  for (const auto& c : hb.costs()) {
+    ModuleCost& cost = out.costs.emplace_back();
+    cost.module = c.module();
+    cost.forward_seconds_per_call = c.forward_seconds_per_call();
+    cost.units.reserve(c.units_size());
+    for (const auto& u : c.units()) cost.units.push_back({u.unit(), u.gather_bytes(), u.gather_seconds()});
+  }
+  out.frozen_budget_bytes = hb.frozen_budget_bytes();
+  return out;
+}
+
+ReceivedPlan FromWire(const v1::MicrobatchPlan& plan) {
+  ReceivedPlan out;
+  if (!plan.has_key()) {
+    out.malformed =
+        "it carries no key (MicrobatchPlan.key): the worker is older than this coordinator's wire, which names every "
+        "microbatch by a MicrobatchKey; run workers and coordinator of the same shardcoord version";
+    return out;
+  }
+  out.plan = FromProto(plan);
+  return out;
+}
+
+PlanBatchReport FromWire(const v1::PlanBatch& batch) {
+  PlanBatchReport out;
+  out.epoch = batch.epoch();
+  out.plans.reserve(batch.plans_size());
+  for (const auto& p : batch.plans()) out.plans.push_back(FromWire(p));
+  return out;
+}
+
+CommAbortAck FromWire(const v1::CommAborted& ack) { return {ack.name(), ack.epoch()}; }
+
+WorkerReport FromWire(const v1::WorkerBundle& bundle) {
+  WorkerReport out;
+  if (bundle.has_heartbeat()) out.heartbeat = FromWire(bundle.heartbeat());
+  out.comm_aborted.reserve(bundle.comm_aborted_size());
+  for (const auto& ack : bundle.comm_aborted()) out.comm_aborted.push_back(FromWire(ack));
+  if (bundle.has_plans()) out.plans = FromWire(bundle.plans());
+  return out;
+}
+
+}  // namespace shardcoord::coordinator

@@ -1,0 +1,22 @@
+// The transport's edge for what workers send after registering: a wire WorkerBundle becomes
+// the core's WorkerReport (coordinator/core/worker_report.h), once per message, before the
+// core is called. It copies every field and judges none, but for what only the wire can get
+// wrong: a plan without a MicrobatchKey (a worker of another wire revision) arrives as a
+// ReceivedPlan whose `malformed` says so, for its group to reject.
+#ifndef SHARDCOORD_COORDINATOR_SERVER_WIRE_INTAKE_H_
+#define SHARDCOORD_COORDINATOR_SERVER_WIRE_INTAKE_H_
+
+#include "coordinator/core/worker_report.h"
+#include "shardcoord/v1/coordinator.pb.h"
+
+namespace shardcoord::coordinator {
+
+WorkerReport FromWire(const v1::WorkerBundle& bundle);
+HeartbeatReport FromWire(const v1::Heartbeat& heartbeat);
+PlanBatchReport FromWire(const v1::PlanBatch& batch);
+ReceivedPlan FromWire(const v1::MicrobatchPlan& plan);
+CommAbortAck FromWire(const v1::CommAborted& ack);
+
+}  // namespace shardcoord::coordinator
+
+#endif  // SHARDCOORD_COORDINATOR_SERVER_WIRE_INTAKE_H_
