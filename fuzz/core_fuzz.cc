@@ -188,7 +188,7 @@ class Script {
     if (s.sink) core_->OnSessionClosed(id, "fuzz: new registration on this session");
     s = Session{std::make_shared<RecordingSink>(), r.job_id(), r.rank()};
     s.sink->refuse = in_.ConsumeIntegralInRange<int>(0, 15) == 0;  // A rank that stopped reading.
-    if (!core_->Register(id, r, s.sink).ok()) return;
+    if (!core_->Register(id, FromWire(r), s.sink).ok()) return;
     reach.registered++;
     for (const auto& m : s.sink->messages) {
       if (!m.has_registered()) continue;

@@ -90,7 +90,7 @@ class CoordinatorCore {
   // wrap_outer_model differ from what the job / group already has; a resume this process
   // cannot accept), ALREADY_EXISTS (the rank is live in another session), UNAVAILABLE
   // (shutting down).
-  absl::Status Register(uint64_t session_id, const v1::RegisterRequest& request,
+  absl::Status Register(uint64_t session_id, const Registration& request,
                         std::shared_ptr<RankSink> sink);
 
   // Everything a worker had queued since its last message (WorkerMessage.bundle, converted by
@@ -205,24 +205,24 @@ class CoordinatorCore {
   // Sends through the member's sink; a refused send sets Member::cut_reason.
   void SinkSend(Member& member, const v1::CoordinatorMessage& msg) ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Register's steps (DESIGN 3, "Registration"; DESIGN 8 for the group it joins).
-  Job* ReuseOrForgetEndedJob(const v1::RegisterRequest& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  Job* ReuseOrForgetEndedJob(const Registration& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The job the rank joins (nullptr: a new one, admitted), or why it may not. (The checks that
   // need no state are in registration.h.)
-  absl::StatusOr<Job*> FindOrAdmitJob(const v1::RegisterRequest& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<Job*> FindOrAdmitJob(const Registration& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // PERMISSION_DENIED for a resume no key can check, past the recovery window after a start.
-  absl::Status CheckUnverifiedResumeIsTimely(const v1::RegisterRequest& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status CheckUnverifiedResumeIsTimely(const Registration& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // An accepted rank becomes live in its group (not recovering): its RegisterResponse, the
   // group's state, its communicators, and a notice to the others if the group re-formed.
   void JoinGroup(Job& job, ShardGroup& group, Member& m, uint64_t session_id, std::shared_ptr<RankSink> sink,
-                 const v1::RegisterRequest& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                 const Registration& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The RegisterResponse for an accepted rank (session key, resume credential), with its events.
   v1::CoordinatorMessage Welcome(const Job& job, const ShardGroup& group, const Member& m,
-                                 const v1::RegisterRequest& req, bool rejoin) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status CheckJobAccepts(const Job& job, const v1::RegisterRequest& req) const
+                                 const Registration& req, bool rejoin) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status CheckJobAccepts(const Job& job, const Registration& req) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  Job& CreateJob(const v1::RegisterRequest& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  Job& CreateJob(const Registration& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SetLive(Job& job, Member& m, uint64_t session_id, std::shared_ptr<RankSink> sink,
-               const v1::RegisterRequest& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+               const Registration& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The status query's part, under mu_ shared: takes each group's mutex itself.
   void FillJobStatus(const Job& job, v1::JobStatus* out) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Communicators (coordinator_core_comms.cc): the job's CommTable, through a CommHost that
@@ -254,9 +254,9 @@ class CoordinatorCore {
   // shard_group_states.cc).
   // A rank (resuming, or registering for the first time) joins a recovering group.
   void ResumeMember(Job& job, ShardGroup& group, Member& m, uint64_t session_id, std::shared_ptr<RankSink> sink,
-                    const v1::RegisterRequest& req, BufferCharge charge) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                    const Registration& req, BufferCharge charge) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Takes the memory a resume will be held in from buffers_, or says which bound refuses it.
-  absl::StatusOr<BufferCharge> ChargeResume(const v1::RegisterRequest& req);
+  absl::StatusOr<BufferCharge> ChargeResume(const Registration& req);
   // Fails the missing members of groups whose recovery window passed.
   void ExpireRecovery(Job& job, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 

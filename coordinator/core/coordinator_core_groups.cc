@@ -15,25 +15,25 @@
 namespace shardcoord::coordinator {
 
 void CoordinatorCore::SetLive(Job& job, Member& m, uint64_t session_id, std::shared_ptr<RankSink> sink,
-                              const v1::RegisterRequest& req) {
+                              const Registration& req) {
   if (m.session != 0) jobs_.ForgetSession(m.session);
   m.state = v1::RANK_STATE_LIVE;
   m.session = session_id;
   m.sink = std::move(sink);
-  m.host = req.host();
-  m.pid = req.pid();
+  m.host = req.host;
+  m.pid = req.pid;
   m.last_seen = clock_->Now();
   m.last_planned.reset();
   m.dead_reason.clear();
   m.resume.reset();  // A resume is held only from ResumeMember on (which sets it after this).
   m.resume_charge = BufferCharge();
   m.registrations++;
-  m.lookahead = req.lookahead();
-  m.memory_budget = req.memory_budget_bytes();
+  m.lookahead = req.lookahead;
+  m.memory_budget = req.memory_budget_bytes;
   m.cut_reason.clear();
   m.session_key = NewSessionKey();
   job.ended = absl::InfinitePast();
-  jobs_.BindSession(session_id, job, req.rank());
+  jobs_.BindSession(session_id, job, req.rank);
 }
 
 void CoordinatorCore::FailGroup(Job& job, ShardGroup& group, int idx, const std::string& full) {

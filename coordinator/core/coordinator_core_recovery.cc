@@ -7,12 +7,12 @@
 
 namespace shardcoord::coordinator {
 
-absl::StatusOr<BufferCharge> CoordinatorCore::ChargeResume(const v1::RegisterRequest& req) {
+absl::StatusOr<BufferCharge> CoordinatorCore::ChargeResume(const Registration& req) {
   // Held until the group recovers (up to recovery_window_ms): its memory, not its wire size.
-  const auto bytes = static_cast<int64_t>(req.resume().SpaceUsedLong());
+  const auto bytes = static_cast<int64_t>(req.resume->SpaceUsedLong());
   if (!buffers_->TryTakeStrict(bytes)) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "register: the resume of rank ", req.rank(), " of job '", req.job_id(), "' would be held in ", bytes,
+        "register: the resume of rank ", req.rank, " of job '", req.job_id, "' would be held in ", bytes,
         " bytes until its group recovers, and the daemon's buffers for all clients hold ", buffers_->used(),
         " of max_buffered_bytes ", buffers_->limit(), "; the worker retries within its reconnect window (raise "
         "max_buffered_bytes if honest resumes of this size are refused)"));
@@ -21,11 +21,11 @@ absl::StatusOr<BufferCharge> CoordinatorCore::ChargeResume(const v1::RegisterReq
 }
 
 void CoordinatorCore::ResumeMember(Job& job, ShardGroup& group, Member& m, uint64_t session_id,
-                                   std::shared_ptr<RankSink> sink, const v1::RegisterRequest& req,
+                                   std::shared_ptr<RankSink> sink, const Registration& req,
                                    BufferCharge charge) {
   SetLive(job, m, session_id, std::move(sink), req);
   // A rank that never registered before the restart holds nothing.
-  m.resume = req.has_resume() ? req.resume() : v1::ResumeState{};
+  m.resume = req.resume.has_value() ? *req.resume : v1::ResumeState{};
   m.resume_charge = std::move(charge);
   v1::CoordinatorMessage msg = group.Registered(req, incarnation_, config_digest_);
   msg.mutable_registered()->set_epoch(m.resume->group_epoch());
@@ -35,7 +35,7 @@ void CoordinatorCore::ResumeMember(Job& job, ShardGroup& group, Member& m, uint6
         absl::StrCat("from incarnation ", m.resume->incarnation(), " at epoch ", m.resume->group_epoch(), ", holding ",
                      m.resume->held_size(), " decisions and ", m.resume->undecided_size(), " undecided plans"));
   SendTo(m, msg);
-  if (req.has_resume()) ResumeComms(job, m.rank, req.resume());
+  if (req.resume.has_value()) ResumeComms(job, m.rank, *req.resume);
   GroupEffects fx;
   group.MaybeFinishRecovery(clock_->Now(), fx);
   Apply(job, group, fx);

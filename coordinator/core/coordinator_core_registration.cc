@@ -12,19 +12,19 @@
 
 namespace shardcoord::coordinator {
 
-absl::Status CoordinatorCore::Register(uint64_t session_id, const v1::RegisterRequest& in,
+absl::Status CoordinatorCore::Register(uint64_t session_id, const Registration& in,
                                        std::shared_ptr<RankSink> sink) {
-  const v1::RegisterRequest req = WithRegisterDefaults(in, options_);
+  const Registration req = WithRegisterDefaults(in, options_);
   // Stateless checks first: a malformed request changes nothing.
-  if (absl::Status s = ValidateRegisterRequest(req, options_.limits, options_.max_lookahead); !s.ok()) return s;
+  if (absl::Status s = ValidateRegistration(req, options_.limits, options_.max_lookahead); !s.ok()) return s;
   if (absl::Status s = CheckRootIsPossible(req); !s.ok()) return s;
-  if (std::string why = WireMismatch(req.wire_revision(), absl::StrCat("rank ", req.rank(), " of job '", req.job_id(), "'"));
+  if (std::string why = WireMismatch(req.wire_revision, absl::StrCat("rank ", req.rank, " of job '", req.job_id, "'"));
       !why.empty()) {
     return absl::FailedPreconditionError(absl::StrCat("register: ", why));
   }
   // A rank of an earlier coordinator process resumes (DESIGN 12); one of this process that
   // lost its stream registers again as usual.
-  const bool resuming = req.has_resume() && req.resume().incarnation() != incarnation_;
+  const bool resuming = req.resume.has_value() && req.resume->incarnation() != incarnation_;
   bool verified = true;
   if (resuming) {
     if (absl::Status s = CheckResume(req, incarnation_, config_digest_); !s.ok()) return s;
@@ -48,10 +48,10 @@ absl::Status CoordinatorCore::Register(uint64_t session_id, const v1::RegisterRe
 
   // Accepted: from here on state changes.
   if (job == nullptr) job = &CreateJob(req);
-  ShardGroup& group = Owned(*job, job->GroupOf(req.rank()));
-  Member& m = group.member(req.rank());
+  ShardGroup& group = Owned(*job, job->GroupOf(req.rank));
+  Member& m = group.member(req.rank);
   if (!group.has_reference) group.SetReference(req, options_.promotion);
-  group.ForgetMeasures(group.IndexOf(req.rank()));  // Its process measures afresh (and resends).
+  group.ForgetMeasures(group.IndexOf(req.rank));  // Its process measures afresh (and resends).
   // The first rank of a group this process has not seen at work resumes: the group waits
   // for all its members (another group's fresh rank may have created the job first).
   if (resuming && group.IsFresh()) {
@@ -60,7 +60,7 @@ absl::Status CoordinatorCore::Register(uint64_t session_id, const v1::RegisterRe
     Apply(*job, group, fx);
   }
   if (resuming && !verified) {
-    Event("warning", EventKind::kResumeUnverified, job->id, req.rank(), group.index,
+    Event("warning", EventKind::kResumeUnverified, job->id, req.rank, group.index,
           "taken as sent: this coordinator has no resume key that outlived the last one (start it with --state-file "
           "or --token-file so that resumes are checked)");
   }
@@ -73,7 +73,7 @@ absl::Status CoordinatorCore::Register(uint64_t session_id, const v1::RegisterRe
 }
 
 void CoordinatorCore::JoinGroup(Job& job, ShardGroup& group, Member& m, uint64_t session_id,
-                                std::shared_ptr<RankSink> sink, const v1::RegisterRequest& req) {
+                                std::shared_ptr<RankSink> sink, const Registration& req) {
   const bool rejoin = m.state == v1::RANK_STATE_DEAD || m.state == v1::RANK_STATE_LEFT;
   SetLive(job, m, session_id, std::move(sink), req);
   v1::CoordinatorMessage msg = Welcome(job, group, m, req, rejoin);
@@ -83,18 +83,18 @@ void CoordinatorCore::JoinGroup(Job& job, ShardGroup& group, Member& m, uint64_t
   msg.mutable_registered()->set_epoch(group.epoch);
   SendTo(m, msg);  // The RegisterResponse precedes anything else this rank is sent.
   Apply(job, group, fx);
-  OnMemberBack(job, req.rank());
+  OnMemberBack(job, req.rank);
   if (group.epoch != epoch_before) {
-    group.AnnounceReformed(req.rank(), fx);
+    group.AnnounceReformed(req.rank, fx);
     Apply(job, group, fx);
   }
 }
 
-absl::StatusOr<Job*> CoordinatorCore::FindOrAdmitJob(const v1::RegisterRequest& req) {
+absl::StatusOr<Job*> CoordinatorCore::FindOrAdmitJob(const Registration& req) {
   Job* job = ReuseOrForgetEndedJob(req);
   if (job == nullptr) {
     std::vector<JobTable::Forgotten> forgotten;
-    absl::Status admitted = jobs_.Admit(req.job_id(), req.world_size(), options_.limits, &forgotten);
+    absl::Status admitted = jobs_.Admit(req.job_id, req.world_size, options_.limits, &forgotten);
     for (const JobTable::Forgotten& f : forgotten) Event("info", EventKind::kJobEvicted, f.id, -1, -1, f.why);
     if (!admitted.ok()) return admitted;
   } else if (absl::Status s = CheckJobAccepts(*job, req); !s.ok()) {
@@ -103,73 +103,73 @@ absl::StatusOr<Job*> CoordinatorCore::FindOrAdmitJob(const v1::RegisterRequest& 
   return job;
 }
 
-absl::Status CoordinatorCore::CheckUnverifiedResumeIsTimely(const v1::RegisterRequest& req) {
+absl::Status CoordinatorCore::CheckUnverifiedResumeIsTimely(const Registration& req) {
   if (clock_->Now() - started_ <= options_.recovery_window) return absl::OkStatus();
   // Honest resumes come within seconds of a restart (a worker reconnects for its reconnect
   // window); an unverifiable one long after is no restart's.
   return absl::PermissionDeniedError(absl::StrCat(
-      "register: rank ", req.rank(), " of job '", req.job_id(), "' resumes from an earlier coordinator ",
+      "register: rank ", req.rank, " of job '", req.job_id, "' resumes from an earlier coordinator ",
       absl::ToInt64Seconds(clock_->Now() - started_), " s after this one started: without a resume key (--state-file "
       "or --token-file) a resume is taken unverified only within the recovery window (",
       absl::ToInt64Milliseconds(options_.recovery_window), " ms) after a start; register afresh"));
 }
 
 v1::CoordinatorMessage CoordinatorCore::Welcome(const Job& job, const ShardGroup& group, const Member& m,
-                                                const v1::RegisterRequest& req, bool rejoin) {
+                                                const Registration& req, bool rejoin) {
   v1::CoordinatorMessage msg = group.Registered(req, incarnation_, config_digest_);
   msg.mutable_registered()->set_session_key(m.session_key);
-  msg.mutable_registered()->set_resume_credential(resume_auth_.Credential(job.id, req.rank()));
-  const Policy policy = FromProto(req.policy());
-  Event("info", rejoin ? EventKind::kRankRejoined : EventKind::kRankRegistered, job.id, req.rank(), group.index,
-        absl::StrCat("host=", req.host(), " policy=", PolicyName(policy),
-                     " fallback=", FallbackName(FromProto(req.fallback())), " modules=", req.modules_size(),
-                     " lookahead=", req.lookahead()));
+  msg.mutable_registered()->set_resume_credential(resume_auth_.Credential(job.id, req.rank));
+  const Policy policy = req.policy;
+  Event("info", rejoin ? EventKind::kRankRejoined : EventKind::kRankRegistered, job.id, req.rank, group.index,
+        absl::StrCat("host=", req.host, " policy=", PolicyName(policy),
+                     " fallback=", FallbackName(req.fallback), " modules=", req.modules.size(),
+                     " lookahead=", req.lookahead));
   if (policy == Policy::kPerLayer) {
-    Event("warning", EventKind::kPerLayerRequested, job.id, req.rank(), group.index, msg.registered().warnings(0));
+    Event("warning", EventKind::kPerLayerRequested, job.id, req.rank, group.index, msg.registered().warnings(0));
   }
   return msg;
 }
 
-Job* CoordinatorCore::ReuseOrForgetEndedJob(const v1::RegisterRequest& req) {
-  Job* job = jobs_.Find(req.job_id());
+Job* CoordinatorCore::ReuseOrForgetEndedJob(const Registration& req) {
+  Job* job = jobs_.Find(req.job_id);
   if (job == nullptr || !job->has_ended()) return job;
   // Every rank of the job left or died: this registration is a rerun or a restart from a
   // checkpoint. With another size the job starts afresh; with the same size it keeps its
   // history (communicator epochs, events, counts), and each group takes the manifest and
   // policy of its first rank to register again.
-  if (job->world_size != req.world_size() || job->group_size != req.group_size()) {
-    Event("info", EventKind::kJobReplaced, job->id, req.rank(), -1,
-          absl::StrCat("no rank was live: the job starts afresh with world_size ", req.world_size(),
-                       " and group_size ", req.group_size()));
-    jobs_.Erase(req.job_id());
+  if (job->world_size != req.world_size || job->group_size != req.group_size) {
+    Event("info", EventKind::kJobReplaced, job->id, req.rank, -1,
+          absl::StrCat("no rank was live: the job starts afresh with world_size ", req.world_size,
+                       " and group_size ", req.group_size));
+    jobs_.Erase(req.job_id);
     return nullptr;
   }
   // A rerun plans its keys from the start again: each group begins a new epoch with no
   // microbatch resolved (else every plan of the rerun is "stale" until job_retention_ms
   // forgets the job).
   for (size_t i = 0; i < job->groups.size(); ++i) Owned(*job, static_cast<int>(i)).StartRerun();
-  Event("info", EventKind::kJobRerun, job->id, req.rank(), -1,
+  Event("info", EventKind::kJobRerun, job->id, req.rank, -1,
         "every rank had left: the job runs again under the same id and sizes, its keys from the start");
   return job;
 }
 
-absl::Status CoordinatorCore::CheckJobAccepts(const Job& job, const v1::RegisterRequest& req) const {
-  if (job.world_size != req.world_size()) {
+absl::Status CoordinatorCore::CheckJobAccepts(const Job& job, const Registration& req) const {
+  if (job.world_size != req.world_size) {
     return absl::FailedPreconditionError(absl::StrCat(
         "register: world size mismatch: job '", job.id, "' has world_size ", job.world_size,
-        " but rank ", req.rank(), " registered with ", req.world_size(),
+        " but rank ", req.rank, " registered with ", req.world_size,
         "; every rank of a job must pass the same world size"));
   }
-  if (job.group_size != req.group_size()) {
+  if (job.group_size != req.group_size) {
     return absl::FailedPreconditionError(absl::StrCat(
         "register: group size mismatch: job '", job.id, "' has group_size ", job.group_size,
-        " but rank ", req.rank(), " registered with ", req.group_size()));
+        " but rank ", req.rank, " registered with ", req.group_size));
   }
-  const ShardGroup& g = Owned(job, job.GroupOf(req.rank()));
-  const Member& existing = g.member(req.rank());
+  const ShardGroup& g = Owned(job, job.GroupOf(req.rank));
+  const Member& existing = g.member(req.rank);
   if (existing.state == v1::RANK_STATE_LIVE) {
     return absl::AlreadyExistsError(absl::StrCat(
-        "register: duplicate rank ", req.rank(), " of job '", job.id,
+        "register: duplicate rank ", req.rank, " of job '", job.id,
         "': it is already live (host ", existing.host,
         "). If that process is gone, it is declared dead after the heartbeat timeout (",
         absl::ToInt64Milliseconds(options_.heartbeat_timeout),
@@ -180,13 +180,13 @@ absl::Status CoordinatorCore::CheckJobAccepts(const Job& job, const v1::Register
                               absl::StrCat(" (job '", job.id, "', group ", g.index, ")"));
 }
 
-Job& CoordinatorCore::CreateJob(const v1::RegisterRequest& req) {
-  Job& job = jobs_.Create(req.job_id(), req.world_size(), req.group_size(),
-                          GroupRules{req.job_id(), &options_, &resume_auth_});
-  const bool no_modules = req.modules_size() == 0;
+Job& CoordinatorCore::CreateJob(const Registration& req) {
+  Job& job = jobs_.Create(req.job_id, req.world_size, req.group_size,
+                          GroupRules{req.job_id, &options_, &resume_auth_});
+  const bool no_modules = req.modules.empty();
   Event(no_modules ? "warning" : "info", EventKind::kJobCreated, job.id, -1, -1,
         absl::StrCat("world_size=", job.world_size, " group_size=", job.group_size, " groups=", job.groups.size(),
-                     " modules=", req.modules_size(),
+                     " modules=", req.modules.size(),
                      no_modules ? " (no controlled module: nothing is coordinated; the ranks' manifest is empty)" : ""));
   return job;
 }

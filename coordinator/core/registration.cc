@@ -29,90 +29,89 @@ absl::Status NoControlCharacters(const std::string& what, const std::string& val
 }
 
 // Who is registering: job, host, world and group sizes, rank, memory budget.
-absl::Status ValidateIdentity(const v1::RegisterRequest& req, const CoordinatorLimits& lim) {
+absl::Status ValidateIdentity(const Registration& req, const CoordinatorLimits& lim) {
   auto too_long = [&](const std::string& what, const std::string& value) { return TooLong(lim, what, value); };
-  if (req.job_id().empty()) {
+  if (req.job_id.empty()) {
     return absl::InvalidArgumentError("register: job_id is empty; every rank of a job must "
                                       "send the same non-empty job id");
   }
-  if (static_cast<int>(req.job_id().size()) > lim.max_name_bytes) return too_long("job_id", req.job_id());
-  if (static_cast<int>(req.host().size()) > lim.max_name_bytes) return too_long("host", req.host());
-  if (absl::Status s = NoControlCharacters("job_id", req.job_id()); !s.ok()) return s;
-  if (absl::Status s = NoControlCharacters("host", req.host()); !s.ok()) return s;
-  if (req.world_size() <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat("register: world_size ", req.world_size(),
-                                                   " must be >= 1 (job '", req.job_id(), "')"));
+  if (static_cast<int>(req.job_id.size()) > lim.max_name_bytes) return too_long("job_id", req.job_id);
+  if (static_cast<int>(req.host.size()) > lim.max_name_bytes) return too_long("host", req.host);
+  if (absl::Status s = NoControlCharacters("job_id", req.job_id); !s.ok()) return s;
+  if (absl::Status s = NoControlCharacters("host", req.host); !s.ok()) return s;
+  if (req.world_size <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("register: world_size ", req.world_size,
+                                                   " must be >= 1 (job '", req.job_id, "')"));
   }
-  if (req.world_size() > lim.max_world_size) {
+  if (req.world_size > lim.max_world_size) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "register: world_size ", req.world_size(), " of job '", req.job_id(),
+        "register: world_size ", req.world_size, " of job '", req.job_id,
         "' is over the coordinator's max_world_size (", lim.max_world_size,
         "); raise --max-world-size if the job really has that many ranks"));
   }
-  if (req.group_size() <= 0 || req.world_size() % req.group_size() != 0) {
+  if (req.group_size <= 0 || req.world_size % req.group_size != 0) {
     return absl::InvalidArgumentError(
-        absl::StrCat("register: group_size ", req.group_size(), " must be >= 1 and divide world_size ",
-                     req.world_size(), " (job '", req.job_id(), "', rank ", req.rank(), ")"));
+        absl::StrCat("register: group_size ", req.group_size, " must be >= 1 and divide world_size ",
+                     req.world_size, " (job '", req.job_id, "', rank ", req.rank, ")"));
   }
-  if (req.rank() < 0 || req.rank() >= req.world_size()) {
-    return absl::InvalidArgumentError(absl::StrCat("register: unknown rank ", req.rank(),
-                                                   ": job '", req.job_id(), "' has ranks 0..",
-                                                   req.world_size() - 1));
+  if (req.rank < 0 || req.rank >= req.world_size) {
+    return absl::InvalidArgumentError(absl::StrCat("register: unknown rank ", req.rank,
+                                                   ": job '", req.job_id, "' has ranks 0..",
+                                                   req.world_size - 1));
   }
-  if (req.memory_budget_bytes() < 0) {
-    return absl::InvalidArgumentError(absl::StrCat("register: rank ", req.rank(), " sent memory_budget_bytes ",
-                                                   req.memory_budget_bytes(), "; it must be >= 0 (0: no budget)"));
+  if (req.memory_budget_bytes < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("register: rank ", req.rank, " sent memory_budget_bytes ",
+                                                   req.memory_budget_bytes, "; it must be >= 0 (0: no budget)"));
   }
   return absl::OkStatus();
 }
 
 // The controlled modules and their layer units.
-absl::Status ValidateManifest(const v1::RegisterRequest& req, const CoordinatorLimits& lim) {
+absl::Status ValidateManifest(const Registration& req, const CoordinatorLimits& lim) {
   auto too_long = [&](const std::string& what, const std::string& value) { return TooLong(lim, what, value); };
-  if (req.modules_size() > lim.max_modules) {
+  if (static_cast<int>(req.modules.size()) > lim.max_modules) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "register: rank ", req.rank(), " lists ", req.modules_size(),
+        "register: rank ", req.rank, " lists ", static_cast<int>(req.modules.size()),
         " controlled modules, over the coordinator's max_modules (", lim.max_modules,
         "); control fewer modules or raise --max-modules"));
   }
   std::set<std::string> names;
-  for (const auto& m : req.modules()) {
-    if (m.name().empty()) {
+  for (const ModuleSpec& m : req.modules) {
+    if (m.name.empty()) {
       return absl::InvalidArgumentError(
-          absl::StrCat("register: rank ", req.rank(), " sent a module with an empty name"));
+          absl::StrCat("register: rank ", req.rank, " sent a module with an empty name"));
     }
-    if (static_cast<int>(m.name().size()) > lim.max_name_bytes) return too_long("a module name", m.name());
-    if (absl::Status s = NoControlCharacters("a module name", m.name()); !s.ok()) return s;
-    if (!names.insert(m.name()).second) {
-      return absl::InvalidArgumentError(absl::StrCat("register: rank ", req.rank(),
-                                                     " lists module '", m.name(), "' twice"));
+    if (static_cast<int>(m.name.size()) > lim.max_name_bytes) return too_long("a module name", m.name);
+    if (absl::Status s = NoControlCharacters("a module name", m.name); !s.ok()) return s;
+    if (!names.insert(m.name).second) {
+      return absl::InvalidArgumentError(absl::StrCat("register: rank ", req.rank,
+                                                     " lists module '", m.name, "' twice"));
     }
-    if (m.param_bytes() < 0) {
-      return absl::InvalidArgumentError(absl::StrCat("register: module '", m.name(),
+    if (m.param_bytes < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("register: module '", m.name,
                                                      "' has negative param_bytes ",
-                                                     m.param_bytes()));
+                                                     m.param_bytes));
     }
-    if (m.units_size() > lim.max_units_per_module) {
+    if (m.units.size() > lim.max_units_per_module) {
       return absl::ResourceExhaustedError(absl::StrCat(
-          "register: module '", m.name(), "' has ", m.units_size(),
+          "register: module '", m.name, "' has ", m.units.size(),
           " layer units, over the coordinator's max_units_per_module (", lim.max_units_per_module,
           "); group layers into fewer units or raise --max-units-per-module"));
     }
     std::set<std::string> unit_names;
-    for (int u = 0; u < m.units_size(); ++u) {
-      const auto& unit = m.units(u);
+    for (const LayerUnit& unit : m.units) {
       // "" is the rest unit: the module's parameters that no named unit holds (all of them when
       // it is the only unit). It appears at most once, like every name (checked just below).
-      if (!unit_names.insert(unit.name()).second) {
-        return absl::InvalidArgumentError(absl::StrCat("register: module '", m.name(), "' lists layer unit '",
-                                                       unit.name(), "' twice"));
+      if (!unit_names.insert(unit.name).second) {
+        return absl::InvalidArgumentError(absl::StrCat("register: module '", m.name, "' lists layer unit '",
+                                                       unit.name, "' twice"));
       }
-      if (static_cast<int>(unit.name().size()) > lim.max_name_bytes) return too_long("a unit name", unit.name());
-      if (absl::Status s = NoControlCharacters("a unit name", unit.name()); !s.ok()) return s;
-      if (unit.param_bytes() < 0) {
-        return absl::InvalidArgumentError(absl::StrCat("register: module '", m.name(), "': layer unit '",
-                                                       unit.name(), "' has negative param_bytes ",
-                                                       unit.param_bytes()));
+      if (static_cast<int>(unit.name.size()) > lim.max_name_bytes) return too_long("a unit name", unit.name);
+      if (absl::Status s = NoControlCharacters("a unit name", unit.name); !s.ok()) return s;
+      if (unit.param_bytes < 0) {
+        return absl::InvalidArgumentError(absl::StrCat("register: module '", m.name, "': layer unit '",
+                                                       unit.name, "' has negative param_bytes ",
+                                                       unit.param_bytes));
       }
     }
   }
@@ -121,77 +120,77 @@ absl::Status ValidateManifest(const v1::RegisterRequest& req, const CoordinatorL
 
 }  // namespace
 
-absl::Status ValidateRegisterRequest(const v1::RegisterRequest& req, const CoordinatorLimits& lim,
+absl::Status ValidateRegistration(const Registration& req, const CoordinatorLimits& lim,
                                      int max_lookahead) {
   if (absl::Status s = ValidateIdentity(req, lim); !s.ok()) return s;
   if (absl::Status s = ValidateManifest(req, lim); !s.ok()) return s;
   // One decision names every module and cannot be split: it must fit a worker's message.
   size_t decision_bytes = 64;
-  for (const auto& m : req.modules()) decision_bytes += m.name().size() + 8;
+  for (const ModuleSpec& m : req.modules) decision_bytes += m.name.size() + 8;
   if (decision_bytes > kMaxDecisionBytes) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "register: rank ", req.rank(), "'s manifest would make each decision about ", decision_bytes,
+        "register: rank ", req.rank, "'s manifest would make each decision about ", decision_bytes,
         " bytes, over the ", kMaxDecisionBytes, " a worker accepts in one message; control fewer modules"));
   }
-  if (!v1::Policy_IsValid(req.policy()) || !v1::Fallback_IsValid(req.fallback())) {
-    return absl::InvalidArgumentError(absl::StrCat("register: rank ", req.rank(),
+  if (!v1::Policy_IsValid(static_cast<int>(req.policy)) || !v1::Fallback_IsValid(static_cast<int>(req.fallback))) {
+    return absl::InvalidArgumentError(absl::StrCat("register: rank ", req.rank,
                                                    " sent an unknown policy or fallback value"));
   }
-  if (req.lookahead() < 0 || req.lookahead() > max_lookahead) {
+  if (req.lookahead < 0 || req.lookahead > max_lookahead) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "register: lookahead ", req.lookahead(), " of rank ", req.rank(),
+        "register: lookahead ", req.lookahead, " of rank ", req.rank,
         " is outside 1..", max_lookahead,
         " (the coordinator's --max-lookahead); lower it or raise the coordinator's limit"));
   }
   return absl::OkStatus();
 }
 
-v1::RegisterRequest WithRegisterDefaults(const v1::RegisterRequest& in, const CoordinatorOptions& options) {
-  v1::RegisterRequest req = in;
-  if (req.policy() == v1::POLICY_UNSPECIFIED) req.set_policy(ToProto(options.default_policy));
-  if (req.fallback() == v1::FALLBACK_UNSPECIFIED) req.set_fallback(ToProto(options.default_fallback));
-  if (req.lookahead() == 0) req.set_lookahead(std::min(kDefaultLookahead, options.max_lookahead));
+Registration WithRegisterDefaults(const Registration& in, const CoordinatorOptions& options) {
+  Registration req = in;
+  if (req.policy == Policy::kUnspecified) req.policy = options.default_policy;
+  if (req.fallback == Fallback::kUnspecified) req.fallback = options.default_fallback;
+  if (req.lookahead == 0) req.lookahead = std::min(kDefaultLookahead, options.max_lookahead);
   return req;
 }
 
-absl::Status CheckRootIsPossible(const v1::RegisterRequest& req) {
-  const Policy policy = FromProto(req.policy());
+absl::Status CheckRootIsPossible(const Registration& req) {
+  const Policy policy = req.policy;
   const bool uses_root = policy == Policy::kRoot ||
                          ((policy == Policy::kAuto || policy == Policy::kPerLayer) &&
-                          FromProto(req.fallback()) == Fallback::kRoot);
-  if (!uses_root || req.wrap_outer_model()) return absl::OkStatus();
+                          req.fallback == Fallback::kRoot);
+  if (!uses_root || req.wrap_outer_model) return absl::OkStatus();
   std::vector<std::string> outside;
-  for (const auto& m : req.modules()) {
-    if (m.outside_inner_root()) outside.push_back(m.name());
+  for (const ModuleSpec& m : req.modules) {
+    if (m.outside_inner_root) outside.push_back(m.name);
   }
   if (outside.empty()) return absl::OkStatus();
   return absl::InvalidArgumentError(absl::StrCat(
       "register: ", policy == Policy::kRoot ? "policy root" : "fallback root", " is impossible for rank ",
-      req.rank(), ": wrap_outer_model is false and modules [", NameList(outside),
+      req.rank, ": wrap_outer_model is false and modules [", NameList(outside),
       "] lie outside the inner FSDP root, so no always-run unit can own them. Ways out: "
       "enable wrap_outer_model, use fallback replicate, or use policy replicate"));
 }
 
-absl::Status CheckSameAsReference(const v1::RegisterRequest& ref, int ref_rank,
-                                  const v1::RegisterRequest& req, const std::string& where) {
-  if (ref.policy() != req.policy()) {
+absl::Status CheckSameAsReference(const Registration& ref, int ref_rank,
+                                  const Registration& req, const std::string& where) {
+  if (ref.policy != req.policy) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "rank ", req.rank(), " registered policy ", PolicyName(FromProto(req.policy())),
-        " but rank ", ref_rank, " registered ", PolicyName(FromProto(ref.policy())), where,
+        "rank ", req.rank, " registered policy ", PolicyName(req.policy),
+        " but rank ", ref_rank, " registered ", PolicyName(ref.policy), where,
         "; every rank of a shard group must use the same policy"));
   }
-  if (ref.fallback() != req.fallback()) {
+  if (ref.fallback != req.fallback) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "rank ", req.rank(), " registered fallback ", FallbackName(FromProto(req.fallback())),
-        " but rank ", ref_rank, " registered ", FallbackName(FromProto(ref.fallback())), where,
+        "rank ", req.rank, " registered fallback ", FallbackName(req.fallback),
+        " but rank ", ref_rank, " registered ", FallbackName(ref.fallback), where,
         "; every rank of a shard group must use the same fallback"));
   }
-  if (ref.wrap_outer_model() != req.wrap_outer_model()) {
+  if (ref.wrap_outer_model != req.wrap_outer_model) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "rank ", req.rank(), " registered wrap_outer_model=", req.wrap_outer_model(),
-        " but rank ", ref_rank, " registered ", ref.wrap_outer_model(), where));
+        "rank ", req.rank, " registered wrap_outer_model=", req.wrap_outer_model,
+        " but rank ", ref_rank, " registered ", ref.wrap_outer_model, where));
   }
-  std::string diff = DescribeManifestDifference(ref, ref_rank, req, req.rank());
+  std::string diff = DescribeManifestDifference(ref, ref_rank, req, req.rank);
   if (!diff.empty()) {
     return absl::FailedPreconditionError(
         absl::StrCat("module manifest mismatch", where, ": ", diff,
@@ -200,43 +199,43 @@ absl::Status CheckSameAsReference(const v1::RegisterRequest& ref, int ref_rank,
   return absl::OkStatus();
 }
 
-std::string DescribeManifestDifference(const v1::RegisterRequest& a, int rank_a,
-                                       const v1::RegisterRequest& b, int rank_b) {
-  auto names = [](const v1::RegisterRequest& r) {
+std::string DescribeManifestDifference(const Registration& a, int rank_a,
+                                       const Registration& b, int rank_b) {
+  auto names = [](const Registration& r) {
     std::vector<std::string> n;
-    for (const auto& m : r.modules()) n.push_back(m.name());
+    for (const ModuleSpec& m : r.modules) n.push_back(m.name);
     return NameList(n);
   };
-  if (a.modules_size() != b.modules_size()) {
+  if (a.modules.size() != b.modules.size()) {
     return absl::StrCat("rank ", rank_b, " registered modules [", names(b), "] but rank ", rank_a,
                         " registered [", names(a), "]");
   }
-  for (int i = 0; i < a.modules_size(); ++i) {
-    const auto& ma = a.modules(i);
-    const auto& mb = b.modules(i);
-    if (ma.name() != mb.name()) {
+  for (size_t i = 0; i < a.modules.size(); ++i) {
+    const auto& ma = a.modules[i];
+    const auto& mb = b.modules[i];
+    if (ma.name != mb.name) {
       return absl::StrCat("rank ", rank_b, " registered modules [", names(b), "] but rank ",
                           rank_a, " registered [", names(a), "] (same order required)");
     }
-    if (ma.param_bytes() != mb.param_bytes()) {
-      return absl::StrCat("module '", ma.name(), "': param_bytes ", mb.param_bytes(), " on rank ",
-                          rank_b, " vs ", ma.param_bytes(), " on rank ", rank_a);
+    if (ma.param_bytes != mb.param_bytes) {
+      return absl::StrCat("module '", ma.name, "': param_bytes ", mb.param_bytes, " on rank ",
+                          rank_b, " vs ", ma.param_bytes, " on rank ", rank_a);
     }
-    if (ma.outside_inner_root() != mb.outside_inner_root()) {
-      return absl::StrCat("module '", ma.name(), "': outside_inner_root differs between rank ",
+    if (ma.outside_inner_root != mb.outside_inner_root) {
+      return absl::StrCat("module '", ma.name, "': outside_inner_root differs between rank ",
                           rank_b, " and rank ", rank_a);
     }
-    if (ma.units_size() != mb.units_size()) {
-      return absl::StrCat("module '", ma.name(), "': ", mb.units_size(), " layer units on rank ",
-                          rank_b, " vs ", ma.units_size(), " on rank ", rank_a);
+    if (ma.units.size() != mb.units.size()) {
+      return absl::StrCat("module '", ma.name, "': ", mb.units.size(), " layer units on rank ",
+                          rank_b, " vs ", ma.units.size(), " on rank ", rank_a);
     }
-    for (int u = 0; u < ma.units_size(); ++u) {
-      if (ma.units(u).name() != mb.units(u).name() ||
-          ma.units(u).param_bytes() != mb.units(u).param_bytes()) {
-        return absl::StrCat("module '", ma.name(), "': layer unit ", u, " is '",
-                            mb.units(u).name(), "' (", mb.units(u).param_bytes(),
-                            " bytes) on rank ", rank_b, " vs '", ma.units(u).name(), "' (",
-                            ma.units(u).param_bytes(), " bytes) on rank ", rank_a);
+    for (size_t u = 0; u < ma.units.size(); ++u) {
+      if (ma.units[u].name != mb.units[u].name ||
+          ma.units[u].param_bytes != mb.units[u].param_bytes) {
+        return absl::StrCat("module '", ma.name, "': layer unit ", u, " is '",
+                            mb.units[u].name, "' (", mb.units[u].param_bytes,
+                            " bytes) on rank ", rank_b, " vs '", ma.units[u].name, "' (",
+                            ma.units[u].param_bytes, " bytes) on rank ", rank_a);
       }
     }
   }
@@ -251,34 +250,34 @@ uint64_t DecisionConfigDigest(const CoordinatorOptions& options) {
   return Fnv1a(text);
 }
 
-absl::Status CheckResume(const v1::RegisterRequest& req, uint64_t incarnation, uint64_t config_digest) {
-  const v1::ResumeState& r = req.resume();
+absl::Status CheckResume(const Registration& req, uint64_t incarnation, uint64_t config_digest) {
+  const v1::ResumeState& r = *req.resume;
   if (r.incarnation() >= incarnation) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "register: rank ", req.rank(), " of job '", req.job_id(), "' resumes from coordinator incarnation ",
+        "register: rank ", req.rank, " of job '", req.job_id, "' resumes from coordinator incarnation ",
         r.incarnation(), ", which is not older than this coordinator's (", incarnation,
         "): the clock of this host stepped back; start shardcoordd with --state-file so incarnations keep "
         "increasing, or restart the job"));
   }
   const v1::RegisterResponse& prev = r.previous();
   std::vector<std::string> diffs;
-  const int group = req.group_size() > 0 ? req.rank() / req.group_size() : 0;
+  const int group = req.group_size > 0 ? req.rank / req.group_size : 0;
   if (prev.group() != group) diffs.push_back(absl::StrCat("group ", prev.group(), " -> ", group));
-  if (prev.policy() != req.policy()) {
+  if (FromProto(prev.policy()) != req.policy) {
     diffs.push_back(absl::StrCat("policy ", PolicyName(FromProto(prev.policy())), " -> ",
-                                 PolicyName(FromProto(req.policy()))));
+                                 PolicyName(req.policy)));
   }
-  if (prev.fallback() != req.fallback()) {
+  if (FromProto(prev.fallback()) != req.fallback) {
     diffs.push_back(absl::StrCat("fallback ", FallbackName(FromProto(prev.fallback())), " -> ",
-                                 FallbackName(FromProto(req.fallback()))));
+                                 FallbackName(req.fallback)));
   }
-  if (prev.lookahead() != req.lookahead()) {
-    diffs.push_back(absl::StrCat("lookahead ", prev.lookahead(), " -> ", req.lookahead()));
+  if (prev.lookahead() != req.lookahead) {
+    diffs.push_back(absl::StrCat("lookahead ", prev.lookahead(), " -> ", req.lookahead));
   }
   if (prev.config_digest() != config_digest) diffs.push_back("auto promotion settings (promote/demote window and thresholds)");
   if (diffs.empty()) return absl::OkStatus();
   return absl::FailedPreconditionError(absl::StrCat(
-      "register: rank ", req.rank(), " of job '", req.job_id(), "' cannot resume: the coordinator restarted with "
+      "register: rank ", req.rank, " of job '", req.job_id, "' cannot resume: the coordinator restarted with "
       "settings that change its decisions (", absl::StrJoin(diffs, "; "), "); restart shardcoordd with the settings "
       "the job started under, or restart the job"));
 }
@@ -289,24 +288,24 @@ constexpr int64_t kMaxResumeEpoch = int64_t{1} << 40;  // Re-forms: far beyond a
 constexpr uint64_t kMaxResumeSeq = uint64_t{1} << 62;
 
 // Why `d` is no decision this rank's group could have received ("" when it could be).
-std::string ImpossibleDecision(const v1::RegisterRequest& req, const v1::MicrobatchDecision& d) {
-  const int group = req.rank() / req.group_size();
+std::string ImpossibleDecision(const Registration& req, const v1::MicrobatchDecision& d) {
+  const int group = req.rank / req.group_size;
   if (d.group() != group) return absl::StrCat("it is for group ", d.group(), ", the rank is in group ", group);
-  if (d.epoch() < 0 || d.epoch() > req.resume().group_epoch()) {
-    return absl::StrCat("its epoch ", d.epoch(), " is outside 0..", req.resume().group_epoch(),
+  if (d.epoch() < 0 || d.epoch() > req.resume->group_epoch()) {
+    return absl::StrCat("its epoch ", d.epoch(), " is outside 0..", req.resume->group_epoch(),
                         " (the epoch the rank resumes at)");
   }
   if (!d.has_key()) return "it names no microbatch (no key)";
   if (d.key().step() < 0 || d.key().microbatch() < 0) return "its step or microbatch is negative";
   if (d.seq() >= kMaxResumeSeq) return absl::StrCat("its seq ", d.seq(), " is beyond 2^62");
-  if (d.modules_size() != req.modules_size()) {
-    return absl::StrCat("it has ", d.modules_size(), " module entries, the manifest ", req.modules_size());
+  if (static_cast<size_t>(d.modules_size()) != req.modules.size()) {
+    return absl::StrCat("it has ", d.modules_size(), " module entries, the manifest ", req.modules.size());
   }
   for (int i = 0; i < d.modules_size(); ++i) {
     const auto& m = d.modules(i);
-    if (m.module() != req.modules(i).name()) {
+    if (m.module() != req.modules[i].name) {
       return absl::StrCat("entry ", i, " names module '", Printable(m.module(), 64), "', the manifest '",
-                          req.modules(i).name(), "'");
+                          req.modules[i].name, "'");
     }
     if (!KnownDecision(m.decision()) || !v1::DecisionReason_IsValid(m.reason()) ||
         m.reason() == v1::REASON_UNSPECIFIED) {
@@ -324,9 +323,9 @@ std::string ImpossibleDecision(const v1::RegisterRequest& req, const v1::Microba
 
 }  // namespace
 
-absl::Status CheckResumeTrust(const v1::RegisterRequest& req, const ResumeAuthority& auth, bool* verified) {
-  const v1::ResumeState& r = req.resume();
-  const std::string who = absl::StrCat("register: the resume of rank ", req.rank(), " of job '", req.job_id(), "'");
+absl::Status CheckResumeTrust(const Registration& req, const ResumeAuthority& auth, bool* verified) {
+  const v1::ResumeState& r = *req.resume;
+  const std::string who = absl::StrCat("register: the resume of rank ", req.rank, " of job '", req.job_id, "'");
   if (r.group_epoch() < 0 || r.group_epoch() > kMaxResumeEpoch) {
     return absl::InvalidArgumentError(absl::StrCat(who, " claims group epoch ", r.group_epoch(), ", outside 0..2^40"));
   }
@@ -342,7 +341,7 @@ absl::Status CheckResumeTrust(const v1::RegisterRequest& req, const ResumeAuthor
                                                      "every plan names its microbatch; register afresh"));
     }
   }
-  *verified = auth.CheckCredential(req.job_id(), req.rank(), r.credential());
+  *verified = auth.CheckCredential(req.job_id, req.rank, r.credential());
   if (!*verified) {
     if (!auth.persistent()) return absl::OkStatus();  // Nothing to check against (see resume_auth.h).
     return absl::PermissionDeniedError(absl::StrCat(
@@ -351,7 +350,7 @@ absl::Status CheckResumeTrust(const v1::RegisterRequest& req, const ResumeAuthor
         "resume. If the daemon's resume key changed (a new --state-file, or edited tokens), restart the job"));
   }
   for (const auto& d : r.held()) {
-    if (!auth.CheckSeal(req.job_id(), d)) {
+    if (!auth.CheckSeal(req.job_id, d)) {
       return absl::PermissionDeniedError(absl::StrCat(
           who, " holds a decision for ", KeyOf(d).ToString(), " seq ", d.seq(),
           " that no coordinator with this resume key made (its seal does not verify): the resume is refused whole"));

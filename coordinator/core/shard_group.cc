@@ -77,23 +77,24 @@ std::vector<int> ShardGroup::PendingCounts() const {
   return counts;
 }
 
-void ShardGroup::SetReference(const v1::RegisterRequest& req, const PromotionOptions& promotion) {
+void ShardGroup::SetReference(const Registration& req, const PromotionOptions& promotion) {
   has_reference = true;
-  reference = req;
-  reference.clear_host();
-  reference.clear_pid();
-  reference_rank = req.rank();
+  reference = req;  // What every member must match: not who sent it, nor what it resumed with.
+  reference.host.clear();
+  reference.pid = 0;
+  reference.resume.reset();
+  reference_rank = req.rank;
   modules.clear();
   module_index.clear();
-  for (const auto& m : req.modules()) {
-    module_counts[m.name()];  // Every module's counts exist, at zero, from the start.
-    module_index[m.name()] = static_cast<int>(modules.size());
-    modules.push_back(FromProto(m));
+  for (const ModuleSpec& m : req.modules) {
+    module_counts[m.name];  // Every module's counts exist, at zero, from the start.
+    module_index[m.name] = static_cast<int>(modules.size());
+    modules.push_back(m);
   }
   EngineConfig cfg;
   cfg.group = index;
-  cfg.policy = FromProto(req.policy());
-  cfg.fallback = FromProto(req.fallback());
+  cfg.policy = req.policy;
+  cfg.fallback = req.fallback;
   cfg.modules = modules;
   cfg.promotion = promotion;
   cfg.group_size = size();

@@ -29,6 +29,7 @@
 #include "coordinator/core/buffer_budget.h"
 #include "coordinator/core/decision_engine.h"
 #include "coordinator/core/group_effects.h"
+#include "coordinator/core/registration.h"
 #include "coordinator/core/resume_auth.h"
 #include "coordinator/core/worker_report.h"
 #include "coordinator/settings/options.h"
@@ -171,7 +172,7 @@ class ShardGroup {
   v1::GroupState state = v1::GROUP_STATE_FORMING;
   int64_t epoch = 0;
   bool has_reference = false;
-  v1::RegisterRequest reference;  // The first registration: manifest and policy.
+  Registration reference;  // The first registration: manifest and policy.
   int reference_rank = -1;
   std::vector<ModuleSpec> modules;
   absl::flat_hash_map<std::string, int> module_index;
@@ -213,7 +214,7 @@ class ShardGroup {
   // The same for every member at once (one pass over the pending microbatches).
   std::vector<int> PendingCounts() const;
   // Takes the manifest, policy and fallback of the group's first registration.
-  void SetReference(const v1::RegisterRequest& req, const PromotionOptions& promotion);
+  void SetReference(const Registration& req, const PromotionOptions& promotion);
   // Tells the engine the smallest memory budget of the members (auto's promotion); its seq
   // and state go on. Returns that budget.
   int64_t SetPromotionBudget();
@@ -246,7 +247,7 @@ class ShardGroup {
   // shard_group_status.cc: the RegisterResponse of a rank joining the group (its group, the
   // timeouts, the policy it registered, the last key decided, the coordinator's incarnation and
   // config digest);
-  v1::CoordinatorMessage Registered(const v1::RegisterRequest& req, uint64_t incarnation, uint64_t config_digest) const;
+  v1::CoordinatorMessage Registered(const Registration& req, uint64_t incarnation, uint64_t config_digest) const;
   // the group's share of its job's status (rank and group counts,
   // decisions by kind, the module names), its own status, and one status per member.
   void CountInto(v1::JobStatus* out) const;

@@ -9,22 +9,22 @@
 
 namespace shardcoord::coordinator {
 
-v1::CoordinatorMessage ShardGroup::Registered(const v1::RegisterRequest& req, uint64_t incarnation, uint64_t config_digest) const {
+v1::CoordinatorMessage ShardGroup::Registered(const Registration& req, uint64_t incarnation, uint64_t config_digest) const {
   v1::CoordinatorMessage msg;
   v1::RegisterResponse* resp = msg.mutable_registered();
   resp->set_group(index);
   for (int r : ranks) resp->add_group_ranks(r);
   resp->set_heartbeat_interval_ms(static_cast<int32_t>(absl::ToInt64Milliseconds(rules_.options->heartbeat_interval)));
   resp->set_heartbeat_timeout_ms(static_cast<int32_t>(absl::ToInt64Milliseconds(rules_.options->heartbeat_timeout)));
-  resp->set_policy(req.policy());
-  resp->set_fallback(req.fallback());
-  resp->set_lookahead(req.lookahead());
+  resp->set_policy(ToProto(req.policy));
+  resp->set_fallback(ToProto(req.fallback));
+  resp->set_lookahead(req.lookahead);
   resp->set_coordinator_version(shardcoord::kVersion);
   resp->set_wire_revision(kWireRevision);
   resp->set_accepts_bundles(true);  // Deprecated: what workers built before bundles only look at.
-  if (FromProto(req.policy()) == Policy::kPerLayer) {
+  if (req.policy == Policy::kPerLayer) {
     resp->add_warnings("policy per_layer: microbatches where ranks of the group diverge fall back to " +
-                       std::string(FallbackName(FromProto(req.fallback()))) +
+                       std::string(FallbackName(req.fallback)) +
                        "; only uniform or all-skip microbatches shard per layer");
   }
   if (last_decided) ToProto(*last_decided, resp->mutable_last_decided());

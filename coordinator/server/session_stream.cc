@@ -275,7 +275,7 @@ void SessionCall::OnRead(bool ok) {
       return;
     }
     absl::Status s = Grant{Role::kRank, job_scope_}.AllowsJob(in_.register_().job_id(), "register");
-    if (s.ok()) s = core->Register(id_, in_.register_(), sink_);
+    if (s.ok()) s = core->Register(id_, FromWire(in_.register_()), sink_);
     if (!s.ok()) {
       sink_->Close(s);
       return;

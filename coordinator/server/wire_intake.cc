@@ -48,6 +48,26 @@ PlanBatchReport FromWire(const v1::PlanBatch& batch) {
 
 CommAbortAck FromWire(const v1::CommAborted& ack) { return {ack.name(), ack.epoch()}; }
 
+Registration FromWire(const v1::RegisterRequest& req) {
+  Registration out;
+  out.job_id = req.job_id();
+  out.rank = req.rank();
+  out.world_size = req.world_size();
+  out.group_size = req.group_size();
+  out.modules.reserve(req.modules_size());
+  for (const auto& m : req.modules()) out.modules.push_back(FromProto(m));
+  out.policy = FromProto(req.policy());
+  out.fallback = FromProto(req.fallback());
+  out.wrap_outer_model = req.wrap_outer_model();
+  out.lookahead = req.lookahead();
+  out.memory_budget_bytes = req.memory_budget_bytes();
+  out.host = req.host();
+  out.pid = req.pid();
+  out.wire_revision = req.wire_revision();
+  if (req.has_resume()) out.resume = req.resume();
+  return out;
+}
+
 WorkerReport FromWire(const v1::WorkerBundle& bundle) {
   WorkerReport out;
   if (bundle.has_heartbeat()) out.heartbeat = FromWire(bundle.heartbeat());

@@ -1,16 +1,20 @@
-// The transport's edge for what workers send after registering: a wire WorkerBundle becomes
-// the core's WorkerReport (coordinator/core/worker_report.h), once per message, before the
-// core is called. It copies every field and judges none, but for what only the wire can get
-// wrong: a plan without a MicrobatchKey (a worker of another wire revision) arrives as a
-// ReceivedPlan whose `malformed` says so, for its group to reject.
+// The transport's edge for what workers send: a wire RegisterRequest becomes the core's
+// Registration (coordinator/core/registration.h) and a WorkerBundle its WorkerReport
+// (coordinator/core/worker_report.h), once per message, before the core is called. It copies
+// every field and judges none (Register validates a Registration; each part checks what it
+// keeps of a report), but for what only the wire can get wrong: a plan without a
+// MicrobatchKey (a worker of another wire revision) arrives as a ReceivedPlan whose
+// `malformed` says so, for its group to reject.
 #ifndef SHARDCOORD_COORDINATOR_SERVER_WIRE_INTAKE_H_
 #define SHARDCOORD_COORDINATOR_SERVER_WIRE_INTAKE_H_
 
+#include "coordinator/core/registration.h"
 #include "coordinator/core/worker_report.h"
 #include "shardcoord/v1/coordinator.pb.h"
 
 namespace shardcoord::coordinator {
 
+Registration FromWire(const v1::RegisterRequest& request);
 WorkerReport FromWire(const v1::WorkerBundle& bundle);
 HeartbeatReport FromWire(const v1::Heartbeat& heartbeat);
 PlanBatchReport FromWire(const v1::PlanBatch& batch);

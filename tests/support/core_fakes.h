@@ -124,7 +124,7 @@ class CoreHarness {
   // Registers `r.rank()` on a new session with a new sink; kept only when accepted.
   absl::Status Register(const v1::RegisterRequest& r) {
     auto sink = std::make_shared<RecordingSink>();
-    absl::Status s = core_->Register(next_session_, r, sink);
+    absl::Status s = core_->Register(next_session_, coordinator::FromWire(r), sink);
     if (s.ok()) {
       sinks_[r.rank()] = sink;
       sessions_[r.rank()] = next_session_;

@@ -169,7 +169,7 @@ TEST_F(CoreTest, DuplicateLiveRankIsAlreadyExists) {
   first.set_pid(424242);
   ASSERT_TRUE(Register(first).ok());
   auto first_sink = sinks_[0];
-  absl::Status s = core_->Register(99, Request(0), std::make_shared<RecordingSink>());
+  absl::Status s = core_->Register(99, FromWire(Request(0)), std::make_shared<RecordingSink>());
   EXPECT_EQ(s.code(), absl::StatusCode::kAlreadyExists);
   EXPECT_THAT(s.message(), HasSubstr("duplicate rank 0"));
   EXPECT_THAT(s.message(), HasSubstr("node-7")) << "the host holding it, to find it";

@@ -8,13 +8,16 @@
 
 #include <string>
 
+#include "coordinator/server/wire_intake.h"
+
 namespace {
 
 using namespace shardcoord;
 using shardcoord::coordinator::CheckSameAsReference;
 using shardcoord::coordinator::CoordinatorLimits;
 using shardcoord::coordinator::DescribeManifestDifference;
-using shardcoord::coordinator::ValidateRegisterRequest;
+using shardcoord::coordinator::FromWire;
+using shardcoord::coordinator::ValidateRegistration;
 using ::testing::HasSubstr;
 
 v1::RegisterRequest Request(int rank) {
@@ -39,7 +42,7 @@ v1::RegisterRequest Request(int rank) {
 }
 
 TEST(RegistrationTest, AWellFormedRequestPasses) {
-  EXPECT_TRUE(ValidateRegisterRequest(Request(1), CoordinatorLimits{}, 64).ok());
+  EXPECT_TRUE(ValidateRegistration(FromWire(Request(1)), CoordinatorLimits{}, 64).ok());
 }
 
 TEST(RegistrationTest, ARestUnitBesideLayerUnitsPasses) {
@@ -48,7 +51,7 @@ TEST(RegistrationTest, ARestUnitBesideLayerUnitsPasses) {
   auto* rest = r.mutable_modules(0)->add_units();
   rest->set_name("");
   rest->set_param_bytes(40);
-  EXPECT_TRUE(ValidateRegisterRequest(r, CoordinatorLimits{}, 64).ok());
+  EXPECT_TRUE(ValidateRegistration(FromWire(r), CoordinatorLimits{}, 64).ok());
 }
 
 TEST(RegistrationTest, EachBadFieldIsNamed) {
@@ -83,7 +86,7 @@ TEST(RegistrationTest, EachBadFieldIsNamed) {
   for (const Case& c : cases) {
     v1::RegisterRequest r = Request(1);
     c.mutate(r);
-    absl::Status s = ValidateRegisterRequest(r, CoordinatorLimits{}, 64);
+    absl::Status s = ValidateRegistration(FromWire(r), CoordinatorLimits{}, 64);
     EXPECT_EQ(s.code(), c.code) << c.says << ": " << s;
     EXPECT_THAT(s.message(), HasSubstr(c.says));
   }
@@ -92,7 +95,7 @@ TEST(RegistrationTest, EachBadFieldIsNamed) {
 TEST(RegistrationTest, ControlCharactersInIdsAndNamesAreRefusedAndNeverEchoedRaw) {
   const CoordinatorLimits lim;
   auto refused = [&](const v1::RegisterRequest& r, const std::string& what) {
-    absl::Status s = ValidateRegisterRequest(r, lim, 64);
+    absl::Status s = ValidateRegistration(FromWire(r), lim, 64);
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << what;
     EXPECT_THAT(s.message(), HasSubstr(what));
     EXPECT_THAT(s.message(), HasSubstr("control character"));
@@ -112,7 +115,7 @@ TEST(RegistrationTest, ControlCharactersInIdsAndNamesAreRefusedAndNeverEchoedRaw
   refused(r, "a unit name");
   r = Request(0);
   r.set_job_id("tâche-é");  // UTF-8 is fine.
-  EXPECT_TRUE(ValidateRegisterRequest(r, lim, 64).ok());
+  EXPECT_TRUE(ValidateRegistration(FromWire(r), lim, 64).ok());
 }
 
 TEST(RegistrationTest, LimitsAreNamedWithTheirFlags) {
@@ -123,35 +126,35 @@ TEST(RegistrationTest, LimitsAreNamedWithTheirFlags) {
   v1::RegisterRequest r = Request(0);
   *r.add_modules() = r.modules(0);
   r.mutable_modules(1)->set_name("audio");
-  EXPECT_THAT(ValidateRegisterRequest(r, lim, 64).message(), HasSubstr("over the coordinator's max_modules (1)"));
+  EXPECT_THAT(ValidateRegistration(FromWire(r), lim, 64).message(), HasSubstr("over the coordinator's max_modules (1)"));
   lim.max_modules = 8;
-  EXPECT_THAT(ValidateRegisterRequest(Request(0), lim, 64).message(), HasSubstr("raise --max-name-bytes"));
+  EXPECT_THAT(ValidateRegistration(FromWire(Request(0)), lim, 64).message(), HasSubstr("raise --max-name-bytes"));
   lim.max_name_bytes = 64;
-  EXPECT_THAT(ValidateRegisterRequest(Request(0), lim, 64).message(), HasSubstr("raise --max-units-per-module"));
+  EXPECT_THAT(ValidateRegistration(FromWire(Request(0)), lim, 64).message(), HasSubstr("raise --max-units-per-module"));
 }
 
 TEST(RegistrationTest, TheFirstDifferenceFromTheGroupsReferenceIsNamed) {
   const v1::RegisterRequest ref = Request(0);
-  EXPECT_TRUE(CheckSameAsReference(ref, 0, Request(1), " (job 'job', group 0)").ok());
-  EXPECT_EQ(DescribeManifestDifference(ref, 0, Request(1), 1), "");
+  EXPECT_TRUE(CheckSameAsReference(FromWire(ref), 0, FromWire(Request(1)), " (job 'job', group 0)").ok());
+  EXPECT_EQ(DescribeManifestDifference(FromWire(ref), 0, FromWire(Request(1)), 1), "");
 
   v1::RegisterRequest policy = Request(1);
   policy.set_policy(v1::POLICY_PER_LAYER);
-  absl::Status s = CheckSameAsReference(ref, 0, policy, " (job 'job', group 0)");
+  absl::Status s = CheckSameAsReference(FromWire(ref), 0, FromWire(policy), " (job 'job', group 0)");
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(s.message(), HasSubstr("rank 1 registered policy per_layer but rank 0 registered auto (job 'job', "
                                      "group 0)"));
 
   v1::RegisterRequest unit = Request(1);
   unit.mutable_modules(0)->mutable_units(1)->set_param_bytes(101);
-  s = CheckSameAsReference(ref, 0, unit, " (job 'job', group 0)");
+  s = CheckSameAsReference(FromWire(ref), 0, FromWire(unit), " (job 'job', group 0)");
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(s.message(), HasSubstr("module 'visual': layer unit 1 is 'blocks.1' (101 bytes) on rank 1 vs "
                                      "'blocks.1' (100 bytes) on rank 0"));
 
   v1::RegisterRequest more = Request(1);
   more.add_modules()->set_name("audio");
-  EXPECT_THAT(DescribeManifestDifference(ref, 0, more, 1),
+  EXPECT_THAT(DescribeManifestDifference(FromWire(ref), 0, FromWire(more), 1),
               HasSubstr("rank 1 registered modules [visual, audio] but rank 0 registered [visual]"));
 }
 
@@ -168,20 +171,21 @@ TEST(RegistrationTest, DefaultsComeFromTheCoordinatorAndRootNeedsAnOwner) {
   bare.clear_policy();
   bare.clear_fallback();
   bare.clear_lookahead();
-  const v1::RegisterRequest req = shardcoord::coordinator::WithRegisterDefaults(bare, options);
-  EXPECT_EQ(req.policy(), v1::POLICY_PER_LAYER);
-  EXPECT_EQ(req.fallback(), v1::FALLBACK_REPLICATE);
-  EXPECT_EQ(req.lookahead(), 2) << "the default lookahead, capped by max_lookahead";
+  const shardcoord::coordinator::Registration req =
+      shardcoord::coordinator::WithRegisterDefaults(FromWire(bare), options);
+  EXPECT_EQ(req.policy, Policy::kPerLayer);
+  EXPECT_EQ(req.fallback, Fallback::kReplicate);
+  EXPECT_EQ(req.lookahead, 2) << "the default lookahead, capped by max_lookahead";
 
   v1::RegisterRequest outside = Request(0);
   outside.set_wrap_outer_model(false);
   outside.mutable_modules(0)->set_outside_inner_root(true);
-  absl::Status s = shardcoord::coordinator::CheckRootIsPossible(outside);
+  absl::Status s = shardcoord::coordinator::CheckRootIsPossible(FromWire(outside));
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(s.message(), HasSubstr("fallback root is impossible for rank 0"));
   EXPECT_THAT(s.message(), HasSubstr("[visual]"));
   outside.set_fallback(v1::FALLBACK_REPLICATE);
-  EXPECT_TRUE(shardcoord::coordinator::CheckRootIsPossible(outside).ok()) << "no root involved";
+  EXPECT_TRUE(shardcoord::coordinator::CheckRootIsPossible(FromWire(outside)).ok()) << "no root involved";
 }
 
 }  // namespace

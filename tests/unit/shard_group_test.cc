@@ -113,7 +113,7 @@ class ShardGroupTest : public ::testing::Test {
       m->set_name(name);
       m->set_param_bytes(1000);
     }
-    request_ = WithRegisterDefaults(r, options_);
+    request_ = WithRegisterDefaults(FromWire(r), options_);
     group_->SetReference(request_, options_.promotion);
   }
 
@@ -128,8 +128,8 @@ class ShardGroupTest : public ::testing::Test {
     m.dead_reason.clear();
     m.resume.reset();
     m.registrations++;
-    m.lookahead = request_.lookahead();
-    m.memory_budget = request_.memory_budget_bytes();
+    m.lookahead = request_.lookahead;
+    m.memory_budget = request_.memory_budget_bytes;
     m.cut_reason.clear();
   }
 
@@ -149,7 +149,7 @@ class ShardGroupTest : public ::testing::Test {
 
   CoordinatorOptions options_ = GroupOptions();
   ResumeAuthority auth_ = ResumeAuthority::Ephemeral();
-  v1::RegisterRequest request_;
+  Registration request_;
   std::unique_ptr<ShardGroup> group_;
 };
 
