@@ -6,7 +6,8 @@
 // recovery) are ShardGroup's: the core calls a group's operation under the group's lock and
 // carries out the effects it returns (Apply).
 // The gRPC adapter (coordinator_server.cc; the Session streams in session_stream.h)
-// converts streams and calls into calls on this class and gives each session a RankSink
+// converts streams and calls into calls on this class, what a worker sends into the core's
+// types (Registration, WorkerReport: wire_intake.h), and gives each session a RankSink
 // through which the core sends messages.
 //
 // Thread-safety: every public method may be called from any thread. The registry (the
@@ -82,7 +83,8 @@ class CoordinatorCore {
     bound_address_ = address;
   }
 
-  // Registers the rank behind `session_id`. On success the RegisterResponse has already
+  // Registers the rank behind `session_id` (its RegisterRequest, converted by the transport:
+  // server/wire_intake.h; checked here first). On success the RegisterResponse has already
   // been sent through `sink` (so it precedes any decision). On failure nothing changed and
   // the status says what was wrong: INVALID_ARGUMENT (malformed request, rank outside the
   // world, root without an outer root, ...), RESOURCE_EXHAUSTED (over a max_* setting, named),
