@@ -1,4 +1,4 @@
-// CoordinatorCore, part 4: communicators (DESIGN 4). Each job's are in its CommTable
+// CoordinatorCore: communicators (DESIGN 4). Each job's are in its CommTable
 // (comm_table.h); here the core checks who calls, and answers the table's questions about
 // the job's members (JobHost).
 #include <utility>

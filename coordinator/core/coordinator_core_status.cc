@@ -1,5 +1,6 @@
-// CoordinatorCore: the status views operators query (shardctl status, ranks,
-// groups, decisions). Read-only snapshots taken under the core's lock.
+// CoordinatorCore: the status views operators query (shardctl status, ranks, groups,
+// decisions, comms). Read-only snapshots under the core's lock held shared, plus each group's
+// own mutex in turn (communicators change only under the lock held exclusively).
 #include "absl/strings/str_cat.h"
 #include "coordinator/core/coordinator_core.h"
 #include "coordinator/core/text.h"

@@ -1,20 +1,17 @@
 #include "coordinator/core/shard_group.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "coordinator/core/invariant.h"
-#include "shardcoord/internal/logging.h"
 #include "shardcoord/plan_check.h"
 #include "shardcoord/proto/convert.h"
 
 namespace shardcoord::coordinator {
 namespace {
 
-std::atomic<int64_t> invariant_failures{0};
 
 void CountDecision(const v1::ModuleDecision& md, v1::DecisionCounts* c) {
   switch (md.decision()) {
@@ -29,16 +26,6 @@ void CountDecision(const v1::ModuleDecision& md, v1::DecisionCounts* c) {
 }
 
 }  // namespace
-
-bool InvariantFailed(const char* file, int line, const std::string& what) {
-  invariant_failures++;
-  static const auto log = logging::Get("coordinator");
-  log->error("internal error at {}:{}: {} (a bug in shardcoord: please report it with this log)", file, line,
-             what);
-  return false;
-}
-
-int64_t InvariantFailures() { return invariant_failures.load(); }
 
 ShardGroup::ShardGroup(int index, int first_rank, int size, GroupRules rules) : index(index), rules_(std::move(rules)) {
   ranks.reserve(size);

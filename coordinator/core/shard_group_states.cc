@@ -291,4 +291,12 @@ std::vector<int> ShardGroup::ExpireRecovery(absl::Time now, std::string* why, st
   return missing;
 }
 
+void ShardGroup::StartRerun() {
+  has_reference = false;
+  formed = false;  // A rerun forms its groups afresh.
+  RestartKeys();
+  deferred_plans.clear();
+  last_decided.reset();  // The group re-forms in a new epoch once its members are back.
+}
+
 }  // namespace shardcoord::coordinator

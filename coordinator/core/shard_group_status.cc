@@ -112,13 +112,6 @@ void ShardGroup::DescribeMembers(absl::Time now, google::protobuf::RepeatedPtrFi
   }
 }
 
-void ShardGroup::StartRerun() {
-  has_reference = false;
-  formed = false;  // A rerun forms its groups afresh.
-  RestartKeys();
-  deferred_plans.clear();
-  last_decided.reset();  // The group re-forms in a new epoch once its members are back.
-}
 
 bool ShardGroup::DescribeHistory(int limit, size_t max_bytes, size_t* bytes, v1::ListDecisionsResponse* out) const {
   const size_t start = history.size() > static_cast<size_t>(limit) ? history.size() - limit : 0;

@@ -3,7 +3,8 @@
 // (coordinator/server/wire_intake.h); the core, its groups and the communicator table read
 // only these. Nothing here is checked yet: each part checks what it keeps (names against the
 // group's manifest, counts and measures in range, DESIGN 11), and the conversion drops
-// nothing, so what a hostile client sends is judged by the same rules as before.
+// nothing the daemon reads, so what a hostile client sends is judged by the same rules as
+// before.
 #ifndef SHARDCOORD_COORDINATOR_CORE_WORKER_REPORT_H_
 #define SHARDCOORD_COORDINATOR_CORE_WORKER_REPORT_H_
 
@@ -42,8 +43,8 @@ struct HeartbeatReport {
 };
 
 // One plan as it arrived. `malformed`: what the transport could not read in it (a plan
-// without a key, from a worker of another wire); the group rejects such a plan with that
-// text, and `plan` is then empty.
+// without a key, which no worker of this wire revision sends); the group rejects such a plan
+// with that text, and `plan` is then empty.
 struct ReceivedPlan {
   MicrobatchPlan plan;
   std::string malformed;

@@ -20,7 +20,9 @@ namespace shardcoord::coordinator {
 namespace {
 
 // Whether `msg` is of a kind that is reserved in WorkerMessage (2, 3, 5: plans, heartbeat and
-// acknowledgement alone): a peer older than 0.1.0, which would otherwise be ignored silently.
+// acknowledgement alone, retired before 0.1.0). An older worker is refused at registration (its
+// wire revision); a client that registers at this revision and sends one anyway is broken, and
+// would otherwise be ignored silently (an unknown kind), waiting for decisions forever.
 bool SentRetiredKind(const v1::WorkerMessage& msg) {
   const google::protobuf::UnknownFieldSet& unknown = msg.GetReflection()->GetUnknownFields(msg);
   for (int i = 0; i < unknown.field_count(); ++i) {
@@ -29,6 +31,9 @@ bool SentRetiredKind(const v1::WorkerMessage& msg) {
   }
   return false;
 }
+constexpr char kRetiredKind[] =
+    "this client sent plans, heartbeats or abort acknowledgements one kind per message (WorkerMessage fields 2, 3, "
+    "5, retired before 0.1.0), which no worker of its wire revision does; send them in a WorkerMessage.bundle";
 
 }  // namespace
 
@@ -310,11 +315,8 @@ void SessionCall::OnRead(bool ok) {
       return;
     default:
       if (SentRetiredKind(in_)) {
-        const std::string why =
-            "this worker sent plans, heartbeats or abort acknowledgements one kind per message, an "
-            "encoding this coordinator no longer takes; upgrade the worker (it sends them in one bundle)";
-        sink_->Close(absl::FailedPreconditionError(why));
-        core->OnSessionClosed(id_, why);
+        sink_->Close(absl::FailedPreconditionError(kRetiredKind));
+        core->OnSessionClosed(id_, kRetiredKind);
         return;
       }
       break;  // An empty message (a newer client's unknown kind): ignored.

@@ -30,8 +30,8 @@ ReceivedPlan FromWire(const v1::MicrobatchPlan& plan) {
   ReceivedPlan out;
   if (!plan.has_key()) {
     out.malformed =
-        "it carries no key (MicrobatchPlan.key): the worker is older than this coordinator's wire, which names every "
-        "microbatch by a MicrobatchKey; run workers and coordinator of the same shardcoord version";
+        "it carries no key (MicrobatchPlan.key), which every worker of this wire revision sends: the client is "
+        "broken or not a shardcoord worker; every plan must name its microbatch by a MicrobatchKey";
     return out;
   }
   out.plan = FromProto(plan);

@@ -1,10 +1,11 @@
 // The transport's edge for what workers send: a wire RegisterRequest becomes the core's
 // Registration (coordinator/core/registration.h) and a WorkerBundle its WorkerReport
 // (coordinator/core/worker_report.h), once per message, before the core is called. It copies
-// every field and judges none (Register validates a Registration; each part checks what it
-// keeps of a report), but for what only the wire can get wrong: a plan without a
-// MicrobatchKey (a worker of another wire revision) arrives as a ReceivedPlan whose
-// `malformed` says so, for its group to reject.
+// every field the daemon reads (not Heartbeat.sent_unix_ms, the worker's clock) and judges
+// none (Register validates a Registration; each part checks what it keeps of a report), but
+// for what only the wire can get wrong: a plan without a MicrobatchKey (which no worker of
+// this wire revision sends) arrives as a ReceivedPlan whose `malformed` says so, for its group
+// to reject.
 #ifndef SHARDCOORD_COORDINATOR_SERVER_WIRE_INTAKE_H_
 #define SHARDCOORD_COORDINATOR_SERVER_WIRE_INTAKE_H_
 

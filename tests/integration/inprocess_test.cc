@@ -618,7 +618,7 @@ TEST_F(NonReaderTest, ANonReaderIsFailedOnceTheDaemonsBuffersAreFullWhateverItsO
   EXPECT_EQ(server_->core().buffers()->used(), 0) << "its queue was given back";
 }
 
-TEST_F(InProcessTest, AWorkerOfTheRetiredOneKindPerMessageEncodingIsToldToUpgrade) {
+TEST_F(InProcessTest, AClientSendingARetiredKindAfterRegisteringIsToldWhatToSend) {
   // Issue 27: plans alone (WorkerMessage field 2, now reserved) would parse as an
   // empty message, which a newer peer's unknown kind is, and be ignored: the sender would
   // wait for decisions forever. The daemon names the encoding and closes the stream.
@@ -632,7 +632,8 @@ TEST_F(InProcessTest, AWorkerOfTheRetiredOneKindPerMessageEncodingIsToldToUpgrad
   EXPECT_FALSE(raw.Next(v1::CoordinatorMessage::kDecisions).has_value());
   const grpc::Status end = raw.stream->Finish();
   EXPECT_EQ(end.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
-  EXPECT_THAT(end.error_message(), HasSubstr("encoding this coordinator no longer takes; upgrade the worker"));
+  EXPECT_THAT(end.error_message(), HasSubstr("one kind per message (WorkerMessage fields 2, 3, 5"));
+  EXPECT_THAT(end.error_message(), HasSubstr("send them in a WorkerMessage.bundle"));
 }
 
 TEST_F(InProcessTest, APlanBatchBeyondTheLookaheadWindowFailsTheSenderForWhatItDid) {

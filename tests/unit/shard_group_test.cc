@@ -270,7 +270,7 @@ TEST_F(ShardGroupTest, DecisionsComeInKeyOrderWithConsecutiveSeqs) {
 // ---------------------------------------------------------------------------------------
 // Rejected plans
 
-TEST_F(ShardGroupTest, APlanWithoutAKeyIsRejectedNamingTheWireMismatch) {
+TEST_F(ShardGroupTest, APlanWithoutAKeyIsRejectedNamingWhatIsMissing) {
   // A worker of the wire before MicrobatchKey sends step and microbatch in fields this one
   // reserves: its plan arrives with no key, and must not be taken for microbatch (0,0).
   Make(2, v1::POLICY_PER_LAYER);
@@ -284,7 +284,7 @@ TEST_F(ShardGroupTest, APlanWithoutAKeyIsRejectedNamingTheWireMismatch) {
   const v1::PlanRejected& rej = fx.messages[0].message.plan_rejected();
   EXPECT_EQ(rej.code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
   EXPECT_THAT(rej.message(), HasSubstr("carries no key"));
-  EXPECT_THAT(rej.message(), HasSubstr("same shardcoord version"));
+  EXPECT_THAT(rej.message(), HasSubstr("every plan must name its microbatch"));
   EXPECT_FALSE(group_->members[0].last_planned.has_value()) << "nothing of it was taken";
 }
 

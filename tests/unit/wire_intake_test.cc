@@ -79,7 +79,7 @@ TEST(WireIntakeTest, ABundleArrivesWhole) {
   EXPECT_EQ(r.plans->plans[0].plan.key, (MicrobatchKey{5, 1}));
   EXPECT_EQ(r.plans->plans[0].plan.calls.at("visual"), 2);
   EXPECT_THAT(r.plans->plans[1].malformed, HasSubstr("carries no key (MicrobatchPlan.key)"));
-  EXPECT_THAT(r.plans->plans[1].malformed, HasSubstr("run workers and coordinator of the same shardcoord version"));
+  EXPECT_THAT(r.plans->plans[1].malformed, HasSubstr("every plan must name its microbatch by a MicrobatchKey"));
 }
 
 TEST(WireIntakeTest, AnEmptyBundleHasNoParts) {
