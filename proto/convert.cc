@@ -51,6 +51,37 @@ ModuleSpec FromProto(const v1::ModuleSpec& m) {
   return out;
 }
 
+void ToProto(const ModuleMemoryUsage& m, v1::ModuleMemory* out) {
+  out->set_module(m.module);
+  out->set_resident_bytes(m.resident_bytes);
+  out->set_peak_bytes(m.peak_bytes);
+  out->set_gathered_bytes(m.gathered_bytes);
+}
+
+ModuleMemoryUsage FromProto(const v1::ModuleMemory& m) {
+  return {m.module(), m.resident_bytes(), m.peak_bytes(), m.gathered_bytes()};
+}
+
+void ToProto(const ModuleCost& c, v1::ModuleCostReport* out) {
+  out->set_module(c.module);
+  out->set_forward_seconds_per_call(c.forward_seconds_per_call);
+  for (const UnitCost& u : c.units) {
+    v1::UnitCostReport* pu = out->add_units();
+    pu->set_unit(u.unit);
+    pu->set_gather_bytes(u.gather_bytes);
+    pu->set_gather_seconds(u.gather_seconds);
+  }
+}
+
+ModuleCost FromProto(const v1::ModuleCostReport& c) {
+  ModuleCost out;
+  out.module = c.module();
+  out.forward_seconds_per_call = c.forward_seconds_per_call();
+  out.units.reserve(c.units_size());
+  for (const auto& u : c.units()) out.units.push_back({u.unit(), u.gather_bytes(), u.gather_seconds()});
+  return out;
+}
+
 void ToProto(const MicrobatchPlan& p, v1::MicrobatchPlan* out) {
   ToProto(p.key, out->mutable_key());
   for (const auto& [name, calls] : p.calls) (*out->mutable_calls())[name] = calls;

@@ -102,13 +102,7 @@ void ShardGroup::DescribeMembers(absl::Time now, google::protobuf::RepeatedPtrFi
     rs->set_decision_stalls(m.decision_stalls.total());
     rs->set_decision_stall_us(m.decision_stall_us.total());
     for (const auto& [module, t] : m.gathered_bytes) (*rs->mutable_gathered_bytes_total())[module] = t.total();
-    for (const ModuleMemoryUsage& mem : m.memory) {
-      v1::ModuleMemory* out_mem = rs->add_memory();
-      out_mem->set_module(mem.module);
-      out_mem->set_resident_bytes(mem.resident_bytes);
-      out_mem->set_peak_bytes(mem.peak_bytes);
-      out_mem->set_gathered_bytes(mem.gathered_bytes);
-    }
+    for (const ModuleMemoryUsage& mem : m.memory) ToProto(mem, rs->add_memory());
   }
 }
 

@@ -9,19 +9,11 @@ HeartbeatReport FromWire(const v1::Heartbeat& hb) {
   out.comms.reserve(hb.comms_size());
   for (const auto& p : hb.comms()) out.comms.push_back({p.name(), p.epoch(), p.issued(), p.completed()});
   out.memory.reserve(hb.memory_size());
-  for (const auto& m : hb.memory()) {
-    out.memory.push_back({m.module(), m.resident_bytes(), m.peak_bytes(), m.gathered_bytes()});
-  }
+  for (const auto& m : hb.memory()) out.memory.push_back(FromProto(m));
   out.decision_stalls = hb.decision_stalls();
   out.decision_stall_us = hb.decision_stall_us();
   out.costs.reserve(hb.costs_size());
-  for (const auto& c : hb.costs()) {
-    ModuleCost& cost = out.costs.emplace_back();
-    cost.module = c.module();
-    cost.forward_seconds_per_call = c.forward_seconds_per_call();
-    cost.units.reserve(c.units_size());
-    for (const auto& u : c.units()) cost.units.push_back({u.unit(), u.gather_bytes(), u.gather_seconds()});
-  }
+  for (const auto& c : hb.costs()) out.costs.push_back(FromProto(c));
   out.frozen_budget_bytes = hb.frozen_budget_bytes();
   return out;
 }

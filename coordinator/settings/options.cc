@@ -66,156 +66,20 @@ std::string HttpListenProblem(const std::string& a) {
   return a.empty() || a.rfind(':') != std::string::npos ? "" : "is not HOST:PORT";
 }
 
-// How decisions are made, how fast failures are noticed, and what is kept for operators.
-void AddDecisionSettings(std::vector<Setting>& t) {
-  const int64_t day_ms = absl::ToInt64Milliseconds(kMaxDuration);  // Durations travel as int32 ms.
-  t.insert(t.end(), {
-      Setting("listen", OPTION_FIELD(listen_address), "address to serve on, HOST:PORT (port 0 picks a free port)")
-          .Check(ListenProblem).Env(),
-      Setting("default_policy", OPTION_FIELD(default_policy), "policy for ranks that send none"),
-      Setting("default_fallback", OPTION_FIELD(default_fallback),
-              "fallback for ranks that send none (padded only where every trainer's executor pads)"),
-      // Below these minimums the daemon's own scheduling jitter (its ticker runs every few ms)
-      // is as long as the timeout: silent ranks were never declared dead, and pause events
-      // flooded the log.
-      Setting("heartbeat_interval_ms", OPTION_FIELD(heartbeat_interval), "heartbeat interval told to workers")
-          .Range(absl::ToInt64Milliseconds(kMinHeartbeatInterval), day_ms),
-      Setting("heartbeat_timeout_ms", OPTION_FIELD(heartbeat_timeout),
-              "silence after which a rank is dead (at least twice the interval)")
-          .Range(absl::ToInt64Milliseconds(kMinHeartbeatTimeout), day_ms),
-      Setting("plan_timeout_ms", OPTION_FIELD(plan_timeout),
-              "how long a microbatch may wait for the plans of missing ranks")
-          .Range(1, day_ms),
-      Setting("max_lookahead", OPTION_FIELD(max_lookahead), "largest lookahead a rank may register")
-          .Range(1, kUnbounded),
-      Setting("behind_threshold_ms", OPTION_FIELD(behind_threshold),
-              "name a rank as behind once others waited this long in a collective it has not issued")
-          .Range(1, day_ms),
-      Setting("promote_window", OPTION_FIELD(promotion.window), "auto promotion: microbatches considered")
-          .Range(1, kUnbounded),
-      Setting("promote_threshold", OPTION_FIELD(promotion.promote_threshold),
-              "auto promotion: microbatches in the window that gather the module, to promote")
-          .Range(1, kUnbounded),
-      Setting("demote_threshold", OPTION_FIELD(promotion.demote_threshold),
-              "auto promotion: at most this many gathering microbatches in a full window demotes")
-          .Range(0, kUnbounded),
-      Setting("auto_by_cost", OPTION_FIELD(promotion.by_cost),
-              "auto decides by the costs workers measure, once they report them (false: by counting only)"),
-      Setting("event_capacity", OPTION_FIELD(event_capacity), "events kept for shardctl events").Range(1, kUnbounded),
-      Setting("decision_history", OPTION_FIELD(decision_history), "decisions kept per group for shardctl decisions")
-          .Range(1, kUnbounded),
-      Setting("log_level", OPTION_FIELD(log_level), "least severe log messages written (stderr)")
-          .Choices({"trace", "debug", "info", "warn", "error", "off"}),
-      Setting("address_file", OPTION_FIELD(address_file),
-              "write the bound HOST:PORT here once serving (for --listen ...:0)"),
-  });
-}
-
-// What clients may make the daemon hold (DESIGN 11): each bound is a setting.
-void AddLimitSettings(std::vector<Setting>& t) {
-  const int64_t day_ms = absl::ToInt64Milliseconds(kMaxDuration);
-  t.insert(t.end(), {
-      Setting("max_world_size", OPTION_FIELD(limits.max_world_size), "most ranks one job may have")
-          .Range(1, kUnbounded),
-      Setting("max_total_ranks", OPTION_FIELD(limits.max_total_ranks), "most ranks of all jobs held at once")
-          .Range(1, kUnbounded),
-      Setting("max_jobs", OPTION_FIELD(limits.max_jobs), "most jobs held at once (finished ones until evicted)")
-          .Range(1, kUnbounded),
-      Setting("max_modules", OPTION_FIELD(limits.max_modules), "most controlled modules in a manifest")
-          .Range(1, kUnbounded),
-      Setting("max_units_per_module", OPTION_FIELD(limits.max_units_per_module), "most layer units of one module")
-          .Range(1, kUnbounded),
-      Setting("max_name_bytes", OPTION_FIELD(limits.max_name_bytes), "longest job id, module, unit or host name")
-          .Range(1, kUnbounded),
-      Setting("max_pending_microbatches", OPTION_FIELD(limits.max_pending_microbatches),
-              "per group: most microbatches reported by some ranks and not yet by all")
-          .Range(1, kUnbounded),
-      Setting("max_communicators_per_job", OPTION_FIELD(limits.max_communicators_per_job),
-              "named communicators one job may open")
-          .Range(1, kUnbounded),
-      Setting("max_store_value_bytes", OPTION_FIELD(limits.max_store_value_bytes),
-              "largest value in a communicator epoch's store")
-          .Range(1, kUnbounded),
-      // One decision batch must fit.
-      Setting("max_outbox_bytes", OPTION_FIELD(limits.max_outbox_bytes),
-              "per rank: most bytes queued for a rank that does not read; over it the rank is failed")
-          .Range(64 << 10, kUnbounded),
-      // The daemon's buffers for all clients together: below 1 MiB a few ranks would fill it.
-      Setting("max_buffered_bytes", OPTION_FIELD(limits.max_buffered_bytes),
-              "daemon-wide: memory held for all clients (queues, resumes); past it the ranks holding most are "
-              "failed and resumes refused")
-          .Range(1 << 20, kUnbounded),
-      Setting("job_retention_ms", OPTION_FIELD(limits.job_retention),
-              "forget a job this long after its last rank ended")
-          .Range(0, day_ms),
-      Setting("handshake_timeout_ms", OPTION_FIELD(limits.handshake_timeout),
-              "close connections that have not completed the HTTP/2 handshake by then")
-          .Range(1, day_ms),
-      Setting("self_check_interval_ms", OPTION_FIELD(limits.self_check_interval),
-              "check this often that the listener still accepts connections (0: never)")
-          .Range(0, day_ms),
-      Setting("session_threads", OPTION_FIELD(session_threads),
-              "threads serving the rank streams, each with its own completion queue (0: one per core)")
-          .Range(0, 1024),
-  });
-}
-
-// Who may connect (tokens, TLS), what else the daemon serves (HTTP) and keeps (the journal,
-// the state file).
-void AddServingSettings(std::vector<Setting>& t) {
-  t.insert(t.end(), {
-      Setting("token_file", OPTION_FIELD(token_file),
-              "tokens with roles (lines 'ROLE TOKEN [job=ID]', mode 600); every call must then carry one")
-          .Env(),
-      Setting("tls_cert_file", OPTION_FIELD(tls.cert_file),
-              "PEM certificate chain: serve TLS only (with --tls-key-file)")
-          .Env().RenamedFrom("tls_cert"),
-      Setting("tls_key_file", OPTION_FIELD(tls.key_file), "PEM private key of --tls-cert-file (mode 600)")
-          .Env().RenamedFrom("tls_key"),
-      Setting("tls_client_ca_file", OPTION_FIELD(tls.client_ca_file),
-              "PEM CA bundle: require callers' certificates signed by it (mutual TLS)")
-          .Env().RenamedFrom("tls_client_ca"),
-      // gRPC takes the refresh period as an unsigned int of seconds.
-      Setting("tls_reload_interval_s", OPTION_FIELD(tls.reload_interval),
-              "check the TLS files this often; renewed ones serve new connections without a restart")
-          .Range(1, 24 * 3600),
-      Setting("insecure", OPTION_FIELD(insecure),
-              "serve a non-loopback address without TLS or tokens (anyone who reaches it may act for any rank)"),
-      Setting("http_listen", OPTION_FIELD(http_listen),
-              "serve the status page, /metrics and /healthz over HTTP on HOST:PORT (off by default)")
-          .Check(HttpListenProblem).Env(),
-      Setting("http_max_connections", OPTION_FIELD(http_max_connections),
-              "HTTP connections open at once; more are closed at accept")
-          .Range(1, 65536),
-      Setting("http_request_timeout_ms", OPTION_FIELD(http_request_timeout),
-              "the time one HTTP exchange (TLS handshake, request, response) may take")
-          .Range(100, 600000),
-      Setting("metrics_rank_series_max", OPTION_FIELD(metrics_rank_series_max),
-              "/metrics gives per-rank series only for jobs of at most this many ranks (0: none)")
-          .Range(0, 65536),
-      Setting("journal_file", OPTION_FIELD(journal_file),
-              "keep every event in this SQLite file too, across restarts (shardctl events reads it)"),
-      Setting("journal_retention_hours", OPTION_FIELD(journal_retention), "delete journal events older than this")
-          .Range(1, kUnbounded),
-      Setting("journal_max_events", OPTION_FIELD(journal_max_events), "keep at most this many journal events")
-          .Range(1, kUnbounded),
-      Setting("recovery_window_ms", OPTION_FIELD(recovery_window),
-              "after a restart, how long groups wait for their ranks to resume before failing them")
-          .Range(1, absl::ToInt64Milliseconds(kMaxDuration)),
-      Setting("state_file", OPTION_FIELD(state_file),
-              "keep the incarnation here across restarts (optional: recovery works without it)"),
-  });
+// The table: every entry of settings.def as a Setting, in its order. Rules is the entry's
+// chain of builders (.Range(...).Env() ...), empty for none.
+std::vector<Setting> MakeSettings() {
+#define DAEMON_SETTING(Type, Field, Default, Key, Help, Rules) Setting(Key, OPTION_FIELD(Field), Help) Rules,
+#define LIMIT_SETTING(Type, Field, Default, Key, Help, Rules) Setting(Key, OPTION_FIELD(limits.Field), Help) Rules,
+#define PROMOTION_SETTING(Type, Field, Default, Key, Help, Rules) \
+  Setting(Key, OPTION_FIELD(promotion.Field), Help) Rules,
+#define TLS_SETTING(Type, Field, Default, Key, Help, Rules) Setting(Key, OPTION_FIELD(tls.Field), Help) Rules,
+  return {
+#include "coordinator/settings/settings.def"
+  };
 }
 
 #undef OPTION_FIELD
-
-std::vector<Setting> MakeSettings() {
-  std::vector<Setting> table;
-  AddDecisionSettings(table);
-  AddLimitSettings(table);
-  AddServingSettings(table);
-  return table;
-}
 
 // A duration's unit, from the ending of its key.
 struct Unit {

@@ -1,7 +1,8 @@
 // Configuration of the coordinator. Every field has a named default; shardcoordd fills
 // it from an optional YAML file and then from flags (flags win). See README "shardcoordd
-// configuration". Each setting an operator gives is one entry of Settings() (below): its
-// YAML key, flag, help, type and range are written there once.
+// configuration". Each setting an operator gives is one entry of settings.def: its field
+// here, its YAML key, flag, help, type and range are written there once, and Settings()
+// (below) is the table made from it.
 #ifndef SHARDCOORD_COORDINATOR_SETTINGS_OPTIONS_H_
 #define SHARDCOORD_COORDINATOR_SETTINGS_OPTIONS_H_
 
@@ -18,15 +19,9 @@
 
 namespace shardcoord::coordinator {
 
-struct TlsSettings {
-  std::string cert_file;       // PEM certificate chain of the daemon; with key_file.
-  std::string key_file;        // PEM private key; must not be readable by others.
-  std::string client_ca_file;  // PEM CA bundle; set: callers must present a certificate it signed.
-  absl::Duration reload_interval = absl::Seconds(60);
-
-  bool enabled() const { return !cert_file.empty(); }
-  bool mutual() const { return !client_ca_file.empty(); }
-};
+// The daemon's settings are declared in settings.def, each once: its field (below, in the
+// struct the entry names), its key and flag, its help and its range. The constants they
+// default to come first.
 
 inline constexpr char kDefaultListenAddress[] = "127.0.0.1:7871";
 inline constexpr absl::Duration kDefaultHeartbeatInterval = absl::Milliseconds(500);
@@ -44,6 +39,25 @@ inline constexpr absl::Duration kDefaultBehindThreshold = absl::Seconds(10);
 inline constexpr absl::Duration kDefaultRecoveryWindow = absl::Seconds(60);
 // Longest duration any *_ms setting may have: durations travel to workers as int32 ms.
 inline constexpr absl::Duration kMaxDuration = absl::Hours(24);
+inline constexpr int64_t kMaxDurationMs = int64_t{24} * 3600 * 1000;
+// The shortest heartbeat settings accepted (ValidateOptions).
+inline constexpr absl::Duration kMinHeartbeatInterval = absl::Milliseconds(10);
+inline constexpr absl::Duration kMinHeartbeatTimeout = absl::Milliseconds(100);
+// The top of a range that has none.
+inline constexpr int64_t kUnbounded = std::numeric_limits<int64_t>::max();
+
+// Each entry of settings.def for this struct becomes `Type Field = Default;`.
+#define SHARDCOORD_SETTING_FIELD(Type, Field, Default, Key, Help, Rules) Type Field = Default;
+
+// The daemon's TLS (tls.h): cert_file with key_file serve TLS only; client_ca_file set:
+// callers must present a certificate it signed (mutual TLS).
+struct TlsSettings {
+#define TLS_SETTING SHARDCOORD_SETTING_FIELD
+#include "coordinator/settings/settings.def"
+
+  bool enabled() const { return !cert_file.empty(); }
+  bool mutual() const { return !client_ca_file.empty(); }
+};
 
 // Bounds on what clients may make the daemon hold (rule: every bound is a setting, and a
 // request over it is refused with RESOURCE_EXHAUSTED or INVALID_ARGUMENT naming it).
@@ -52,30 +66,8 @@ inline constexpr absl::Duration kMaxDuration = absl::Hours(24);
 // most max_buffered_bytes (plus 64 KiB per rank: a short queue is never refused).
 // DESIGN 11.
 struct CoordinatorLimits {
-  int max_world_size = 65536;        // ranks in one job
-  int max_total_ranks = 262144;      // ranks of all jobs held at once (a connected one: ~22 KB)
-  int max_jobs = 1024;               // jobs held at once, finished ones included until evicted
-  int max_modules = 1024;            // controlled modules in a manifest
-  int max_units_per_module = 4096;   // layer units of one module
-  int max_name_bytes = 256;          // job id, module and unit names, host name
-  int max_pending_microbatches = 1024;  // per group: reported by some ranks, not yet by all
-  int64_t max_outbox_bytes = 16 << 20;  // per rank: queued, not yet written to its stream (wire bytes)
-  // Daemon-wide: memory held for clients across all sessions (buffer_budget.h): queued
-  // messages (about 4x their wire size) and resumes waiting for their group. Past it, a rank
-  // holding more than 64 KiB of queue is failed as not reading, and resumes are refused.
-  int64_t max_buffered_bytes = int64_t{512} << 20;
-  int max_communicators_per_job = 1024;  // named communicators one job may open
-  // A communicator epoch's store: each value at most this big (Gloo addresses and NCCL ids
-  // are small); at most 2 x members + 16 keys.
-  int max_store_value_bytes = 64 << 10;
-  // A job with no live rank is forgotten this long after its last rank left or died.
-  absl::Duration job_retention = absl::Minutes(10);
-  // A connection that has not finished the HTTP/2 handshake by then is closed, and so is a
-  // Session stream that has not sent its registration.
-  absl::Duration handshake_timeout = absl::Seconds(10);
-  // The daemon checks this often that its listener still accepts connections (it stops
-  // after descriptor exhaustion in gRPC 1.51); 0 disables the check.
-  absl::Duration self_check_interval = absl::Seconds(5);
+#define LIMIT_SETTING SHARDCOORD_SETTING_FIELD
+#include "coordinator/settings/settings.def"
 };
 
 // `auto` promotion (DESIGN 3). Over the last `window` decided microbatches of a group,
@@ -84,14 +76,11 @@ struct CoordinatorLimits {
 // its parameter bytes fit the smallest memory_budget_bytes any member reported (0 there
 // disables promotion): a resident replica needs no gather at all. A promoted module
 // returns to per-microbatch decisions (freeing the replica) once the last `window`
-// microbatches hold at most `demote_threshold` that would gather it.
+// microbatches hold at most `demote_threshold` that would gather it. `by_cost`: once a
+// group's members reported what a module costs, decide it by the estimated time.
 struct PromotionOptions {
-  int window = kDefaultPromoteWindow;
-  int promote_threshold = kDefaultPromoteThreshold;
-  int demote_threshold = kDefaultDemoteThreshold;
-  // Cost-aware `auto` (DESIGN 3): once a group's members reported what a module costs, decide
-  // it by the estimated time within the budget; false: by counting alone, whatever they report.
-  bool by_cost = true;
+#define PROMOTION_SETTING SHARDCOORD_SETTING_FIELD
+#include "coordinator/settings/settings.def"
 };
 
 // Most plans one PlanBatch may carry for a rank of lookahead `window` (the worker sends at
@@ -99,69 +88,25 @@ struct PromotionOptions {
 // A bigger batch cuts the rank for breaking the protocol.
 inline int MaxPlansPerBatch(int window) { return 2 * window + 16; }
 
-// The shortest heartbeat settings accepted (ValidateOptions).
-inline constexpr absl::Duration kMinHeartbeatInterval = absl::Milliseconds(10);
-inline constexpr absl::Duration kMinHeartbeatTimeout = absl::Milliseconds(100);
-
 struct CoordinatorOptions {
-  std::string listen_address = kDefaultListenAddress;
-  Policy default_policy = Policy::kAuto;
-  Fallback default_fallback = Fallback::kRoot;
-  // Told to workers at registration; they heartbeat at this interval.
-  absl::Duration heartbeat_interval = kDefaultHeartbeatInterval;
-  // A live rank silent for this long is declared dead.
-  absl::Duration heartbeat_timeout = kDefaultHeartbeatTimeout;
-  // A microbatch some ranks of a group planned but others never did fails after this.
-  absl::Duration plan_timeout = kDefaultPlanTimeout;
-  // Largest lookahead a rank may register; 0 in a registration means kDefaultLookahead.
-  int max_lookahead = kDefaultMaxLookahead;
-  // Members of a communicator blocked in a collective this long, while another member has
-  // not issued it, make the coordinator name that member as behind.
-  absl::Duration behind_threshold = kDefaultBehindThreshold;
+  // The settings: settings.def's DAEMON_SETTING entries (listen_address, heartbeat_interval,
+  // ..., state_file), each with its comment there.
+#define DAEMON_SETTING SHARDCOORD_SETTING_FIELD
+#include "coordinator/settings/settings.def"
+
   PromotionOptions promotion;
   CoordinatorLimits limits;
-  int event_capacity = kDefaultEventCapacity;      // Events kept for `shardctl events`.
-  int decision_history = kDefaultDecisionHistory;  // Decisions kept per group.
-  std::string log_level = "info";
-  // When set, the bound address is written here once serving (for --listen ...:0).
-  std::string address_file;
-  // After a restart, a group whose members have not all resumed within this window fails,
-  // naming the missing ones (DESIGN 12).
-  absl::Duration recovery_window = kDefaultRecoveryWindow;
-  // Optional file keeping the incarnation across restarts (never needed for correctness);
-  // its companion <state_file>.key keeps the resume key (resume_auth.h).
-  std::string state_file;
-  // The key of resume credentials and decision seals (resume_auth.h), loaded by the daemon at
-  // start; empty: a random key of this process only (resumes after a restart unverified).
-  std::string resume_key;
-  // Tokens with roles (auth.h); empty: no tokens, and then only loopback unless `insecure`.
-  std::string token_file;
-  // TLS (tls.h); without it the daemon serves plaintext, and then only loopback unless
-  // `insecure`.
   TlsSettings tls;
-  bool insecure = false;  // Serve other addresses without TLS or tokens (a loud warning).
-  // HOST:PORT of the HTTP status page, /metrics and /healthz (http_server.h); empty: off.
-  // Beyond loopback, the same rule as `listen_address`: TLS and tokens, or `insecure`.
-  std::string http_listen;
-  // Bounds of that listener (http_server.h): connections open at once (more are closed at
-  // accept), and the time one exchange (TLS handshake, request, response) may take.
-  int http_max_connections = 64;
-  absl::Duration http_request_timeout = absl::Seconds(5);
-  // /metrics gives series per rank (heartbeat age) and per group (epoch, pending) only for
-  // jobs of at most this many ranks (metrics.h); larger jobs get per-job series only.
-  // 0: none.
-  int metrics_rank_series_max = 256;
-  // SQLite file keeping every event across restarts (event_journal.h); empty: memory only.
-  std::string journal_file;
-  absl::Duration journal_retention = absl::Hours(24 * 7);  // Older events are deleted.
-  int64_t journal_max_events = 1000000;                    // And all but the newest this many.
-  // Threads serving the rank Session streams, each with its own completion queue (DESIGN 9);
-  // 0: one per online CPU (std::thread::hardware_concurrency: the machine's, not the
-  // process's CPU affinity).
-  int session_threads = 0;
-  // This process's incarnation: set by the daemon at start (state_file.h); 0 in tests means 1.
+
+  // Not settings: set by the daemon at start.
+  // The key of resume credentials and decision seals (LoadResumeKey, resume_auth.h);
+  // empty: a random key of this process only (resumes after a restart unverified).
+  std::string resume_key;
+  // This process's incarnation (state_file.h); 0 in tests means 1.
   uint64_t incarnation = 0;
 };
+
+#undef SHARDCOORD_SETTING_FIELD
 
 // ---------------------------------------------------------------------------------------
 // The settings table. One entry per setting an operator gives; the config file's keys
@@ -181,8 +126,6 @@ using SettingField = T& (*)(CoordinatorOptions&);
 using AnySettingField = std::variant<SettingField<std::string>, SettingField<bool>, SettingField<int>,
                                      SettingField<int64_t>, SettingField<absl::Duration>, SettingField<Policy>,
                                      SettingField<Fallback>>;
-
-inline constexpr int64_t kUnbounded = std::numeric_limits<int64_t>::max();
 
 struct Setting {
   Setting(const char* key, AnySettingField field, const char* help) : key(key), field(field), help(help) {}

@@ -16,6 +16,7 @@
 #include <fstream>
 #include <functional>
 #include <limits>
+#include <map>
 #include <set>
 #include <string>
 #include <variant>
@@ -444,6 +445,38 @@ TEST(SettingsTableTest, EveryKeyIsAlsoItsFlagWithDashes) {
   EXPECT_EQ(FindSetting("no_such_key"), nullptr);
   EXPECT_EQ(FlagName("tls_cert_file"), "--tls-cert-file");
   EXPECT_EQ(EnvName("tls_cert_file"), "SHARDCOORD_DAEMON_TLS_CERT_FILE");
+}
+
+// settings.def is the one definition: every entry, of whichever struct, is a row of the table
+// in the same order, and the row reaches the field the entry declares (with its default).
+TEST(SettingsTableTest, EveryEntryOfSettingsDefIsARowOfTheTable) {
+  struct Entry {
+    std::string key;
+    std::string field;  // Its path from CoordinatorOptions.
+  };
+  const std::vector<Entry> entries = {
+#define DAEMON_SETTING(Type, Field, Default, Key, Help, Rules) {Key, #Field},
+#define LIMIT_SETTING(Type, Field, Default, Key, Help, Rules) {Key, "limits." #Field},
+#define PROMOTION_SETTING(Type, Field, Default, Key, Help, Rules) {Key, "promotion." #Field},
+#define TLS_SETTING(Type, Field, Default, Key, Help, Rules) {Key, "tls." #Field},
+#include "coordinator/settings/settings.def"
+  };
+  ASSERT_EQ(entries.size(), Settings().size());
+  CoordinatorOptions o;
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const Setting& s = Settings()[i];
+    SCOPED_TRACE(entries[i].field);
+    EXPECT_EQ(s.key, entries[i].key);
+    // The row writes the field the entry names: its address is that member's.
+    const void* row_field = std::visit([&](auto field) -> const void* { return &field(o); }, s.field);
+    const std::map<std::string, const void*> fields = {
+        {"listen_address", &o.listen_address}, {"limits.max_world_size", &o.limits.max_world_size},
+        {"promotion.by_cost", &o.promotion.by_cost}, {"tls.cert_file", &o.tls.cert_file},
+        {"state_file", &o.state_file}};
+    if (auto it = fields.find(entries[i].field); it != fields.end()) EXPECT_EQ(row_field, it->second);
+  }
+  EXPECT_EQ(o.limits.max_world_size, 65536);  // A default from the entry.
+  EXPECT_EQ(o.tls.reload_interval, absl::Seconds(60));
 }
 
 // A key ends with its unit exactly when it is a duration; every number has a lower bound.

@@ -428,13 +428,7 @@ void Worker::Impl::FillHeartbeat(v1::Heartbeat* hb) {
     p->set_issued(progress.issued);
     p->set_completed(progress.completed);
   }
-  for (const auto& m : memory_) {
-    auto* pm = hb->add_memory();
-    pm->set_module(m.module);
-    pm->set_resident_bytes(m.resident_bytes);
-    pm->set_peak_bytes(m.peak_bytes);
-    pm->set_gathered_bytes(m.gathered_bytes);
-  }
+  for (const ModuleMemoryUsage& m : memory_) ToProto(m, hb->add_memory());
   // Costs only when new, and not more often than kCostReportInterval: the coordinator
   // recomputes its group's model from them (DESIGN 3).
   const absl::Time now = absl::Now();
@@ -442,17 +436,7 @@ void Worker::Impl::FillHeartbeat(v1::Heartbeat* hb) {
   costs_dirty_ = false;
   costs_sent_ = now;
   hb->set_frozen_budget_bytes(frozen_budget_bytes_);
-  for (const ModuleCost& c : costs_) {
-    auto* pc = hb->add_costs();
-    pc->set_module(c.module);
-    pc->set_forward_seconds_per_call(c.forward_seconds_per_call);
-    for (const UnitCost& u : c.units) {
-      auto* pu = pc->add_units();
-      pu->set_unit(u.unit);
-      pu->set_gather_bytes(u.gather_bytes);
-      pu->set_gather_seconds(u.gather_seconds);
-    }
-  }
+  for (const ModuleCost& c : costs_) ToProto(c, hb->add_costs());
 }
 
 void Worker::Impl::TakeOutbox(v1::PlanBatch* batch) {

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "shardcoord/cost.h"
 #include "shardcoord/types.h"
 #include "shardcoord/v1/coordinator.pb.h"
 
@@ -42,6 +43,13 @@ MicrobatchKey KeyOf(const Message& m) {
 
 void ToProto(const ModuleSpec& m, v1::ModuleSpec* out);
 ModuleSpec FromProto(const v1::ModuleSpec& m);
+
+// What a worker measures (Heartbeat.memory, Heartbeat.costs), and the daemon shows back
+// (RankStatus.memory).
+void ToProto(const ModuleMemoryUsage& m, v1::ModuleMemory* out);
+ModuleMemoryUsage FromProto(const v1::ModuleMemory& m);
+void ToProto(const ModuleCost& c, v1::ModuleCostReport* out);
+ModuleCost FromProto(const v1::ModuleCostReport& c);
 
 void ToProto(const MicrobatchPlan& p, v1::MicrobatchPlan* out);
 MicrobatchPlan FromProto(const v1::MicrobatchPlan& p);
