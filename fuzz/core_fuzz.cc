@@ -25,6 +25,7 @@
 
 namespace {
 
+using shardcoord::coordinator::CommMembership;
 using shardcoord::coordinator::CoordinatorCore;
 using shardcoord::coordinator::CoordinatorOptions;
 using shardcoord::coordinator::FromWire;
@@ -222,13 +223,13 @@ class Script {
       case 3: core_->OnBundle(id, FromWire(Bundle(Raw<v1::PlanBatch>()))); break;
       case 4: core_->OnBundle(id, FromWire(Bundle(Raw<v1::Heartbeat>()))); break;
       case 5:
-        core_->CommJoin(Bound(Raw<v1::CommJoinRequest>(), s), [](absl::StatusOr<v1::CommJoinResponse> r) {
+        core_->CommJoin(FromWire(Bound(Raw<v1::CommJoinRequest>(), s)), [](absl::StatusOr<CommMembership> r) {
           if (r.ok()) reach.comm_joins_ok++;
         });
         break;
-      case 6: (void)core_->StoreSet(Bound(Raw<v1::StoreSetRequest>(), s)); break;
-      case 7: core_->StoreGet(Bound(Raw<v1::StoreGetRequest>(), s), [](auto) {}); break;
-      case 8: (void)core_->CommReport(Bound(Raw<v1::CommReportRequest>(), s)); break;
+      case 6: (void)core_->StoreSet(FromWire(Bound(Raw<v1::StoreSetRequest>(), s))); break;
+      case 7: core_->StoreGet(FromWire(Bound(Raw<v1::StoreGetRequest>(), s)), [](auto) {}); break;
+      case 8: (void)core_->CommReport(FromWire(Bound(Raw<v1::CommReportRequest>(), s))); break;
       case 9: core_->OnBundle(id, FromWire(Bundle(Raw<v1::CommAborted>()))); break;
       case 10:
         if (in_.ConsumeBool()) {

@@ -14,9 +14,9 @@ namespace {
 constexpr absl::Duration kDefaultCommWait = absl::Seconds(60);
 constexpr absl::Duration kMaxCommWait = absl::Minutes(30);
 
-absl::Duration WaitFor(int32_t timeout_ms) {
-  if (timeout_ms <= 0) return kDefaultCommWait;
-  return std::min(absl::Milliseconds(timeout_ms), kMaxCommWait);
+absl::Duration WaitFor(absl::Duration timeout) {
+  if (timeout <= absl::ZeroDuration()) return kDefaultCommWait;
+  return std::min(timeout, kMaxCommWait);
 }
 
 // Completes a waiting call once the core's lock is released.
@@ -141,47 +141,43 @@ void CommTable::MaybeStartEpoch(CommHost& host, Comm& comm) {
   auto waiters = std::move(comm.join_waiters);
   comm.join_waiters.clear();
   for (auto& w : waiters) {
-    v1::CommJoinResponse resp;
-    resp.set_epoch(comm.epoch);
-    for (int r : comm.ranks) resp.add_ranks(r);
-    resp.set_previous_abort_reason(comm.abort_reason);
     comm.member_state[w.rank] = CommMemberState::kJoined;
-    Complete(host, w.done, absl::StatusOr<v1::CommJoinResponse>(resp));
+    Complete(host, w.done, absl::StatusOr<CommMembership>(CommMembership{comm.epoch, comm.ranks, comm.abort_reason}));
   }
 }
 
-void CommTable::Join(CommHost& host, const v1::CommJoinRequest& req, JoinDone done) {
-  auto comm = Resolve(req.rank(), req.name(), std::vector<int>(req.ranks().begin(), req.ranks().end()));
+void CommTable::Join(CommHost& host, const CommJoinCall& call, JoinDone done) {
+  auto comm = Resolve(call.caller.rank, call.name, call.ranks);
   if (!comm.ok()) {
-    Complete(host, done, absl::StatusOr<v1::CommJoinResponse>(comm.status()));
+    Complete(host, done, absl::StatusOr<CommMembership>(comm.status()));
     return;
   }
-  (*comm)->join_waiters.push_back({req.rank(), host.Now() + WaitFor(req.timeout_ms()), std::move(done)});
+  (*comm)->join_waiters.push_back({call.caller.rank, host.Now() + WaitFor(call.timeout), std::move(done)});
   MaybeStartEpoch(host, **comm);
 }
 
-absl::Status CommTable::Set(CommHost& host, const v1::StoreSetRequest& req) {
-  auto comm = Resolve(req.rank(), req.name(), {});
+absl::Status CommTable::Set(CommHost& host, const StoreSetCall& call) {
+  auto comm = Resolve(call.caller.rank, call.name, {});
   if (!comm.ok()) return comm.status();
   Comm& c = **comm;
-  if (absl::Status s = CheckEpoch(c, req.epoch()); !s.ok()) return s;
-  if (req.key().empty()) return absl::InvalidArgumentError("store key is empty");
-  if (static_cast<int>(req.key().size()) > limits_.max_name_bytes) {
-    return absl::InvalidArgumentError(absl::StrCat("store key of ", req.key().size(), " bytes is over max_name_bytes (",
+  if (absl::Status s = CheckEpoch(c, call.epoch); !s.ok()) return s;
+  if (call.key.empty()) return absl::InvalidArgumentError("store key is empty");
+  if (static_cast<int>(call.key.size()) > limits_.max_name_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("store key of ", call.key.size(), " bytes is over max_name_bytes (",
                                                    limits_.max_name_bytes, ")"));
   }
-  if (static_cast<int>(req.value().size()) > limits_.max_store_value_bytes) {
+  if (static_cast<int>(call.value.size()) > limits_.max_store_value_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "store value of ", req.value().size(), " bytes for key '", Printable(req.key(), 64),
+        "store value of ", call.value.size(), " bytes for key '", Printable(call.key, 64),
         "' is over max_store_value_bytes (", limits_.max_store_value_bytes, ")"));
   }
-  if (!c.store.count(req.key()) && c.store.size() >= 2 * c.ranks.size() + 16) {
+  if (!c.store.count(call.key) && c.store.size() >= 2 * c.ranks.size() + 16) {
     return absl::ResourceExhaustedError(absl::StrCat("communicator '", c.name, "' epoch ", c.epoch, " already holds ",
                                                      c.store.size(), " keys (at most 2 x members + 16)"));
   }
-  auto [it, inserted] = c.store.try_emplace(req.key(), req.value());
+  auto [it, inserted] = c.store.try_emplace(call.key, call.value);
   if (!inserted) {
-    return absl::AlreadyExistsError(absl::StrCat("key '", Printable(req.key(), 64), "' of communicator '", c.name,
+    return absl::AlreadyExistsError(absl::StrCat("key '", Printable(call.key, 64), "' of communicator '", c.name,
                                                  "' epoch ", c.epoch,
                                                  " was already published; each key is set once per epoch"));
   }
@@ -193,38 +189,40 @@ absl::Status CommTable::Set(CommHost& host, const v1::StoreSetRequest& req) {
       c.get_waiters.push_back(std::move(w));
       continue;
     }
-    v1::StoreGetResponse resp;
-    for (const auto& k : w.keys) resp.add_values(c.store[k]);
-    Complete(host, w.done, absl::StatusOr<v1::StoreGetResponse>(resp));
+    Complete(host, w.done, absl::StatusOr<std::vector<std::string>>(Values(c, w.keys)));
   }
   return absl::OkStatus();
 }
 
-void CommTable::Get(CommHost& host, const v1::StoreGetRequest& req, GetDone done) {
-  auto comm = Resolve(req.rank(), req.name(), {});
-  absl::Status s = comm.ok() ? CheckEpoch(**comm, req.epoch()) : comm.status();
-  if (!s.ok()) {
-    Complete(host, done, absl::StatusOr<v1::StoreGetResponse>(s));
-    return;
-  }
-  Comm& c = **comm;
-  std::vector<std::string> keys(req.keys().begin(), req.keys().end());
-  if (std::all_of(keys.begin(), keys.end(), [&](const std::string& k) { return c.store.count(k); })) {
-    v1::StoreGetResponse resp;
-    for (const auto& k : keys) resp.add_values(c.store[k]);
-    Complete(host, done, absl::StatusOr<v1::StoreGetResponse>(resp));
-    return;
-  }
-  c.get_waiters.push_back({c.epoch, std::move(keys), host.Now() + WaitFor(req.timeout_ms()), std::move(done)});
+std::vector<std::string> CommTable::Values(const Comm& comm, const std::vector<std::string>& keys) {
+  std::vector<std::string> values;
+  values.reserve(keys.size());
+  for (const std::string& k : keys) values.push_back(comm.store.at(k));
+  return values;
 }
 
-absl::Status CommTable::Report(CommHost& host, const v1::CommReportRequest& req) {
-  auto comm = Resolve(req.rank(), req.name(), {});
+void CommTable::Get(CommHost& host, const StoreGetCall& call, GetDone done) {
+  auto comm = Resolve(call.caller.rank, call.name, {});
+  absl::Status s = comm.ok() ? CheckEpoch(**comm, call.epoch) : comm.status();
+  if (!s.ok()) {
+    Complete(host, done, absl::StatusOr<std::vector<std::string>>(s));
+    return;
+  }
+  Comm& c = **comm;
+  if (std::all_of(call.keys.begin(), call.keys.end(), [&](const std::string& k) { return c.store.count(k); })) {
+    Complete(host, done, absl::StatusOr<std::vector<std::string>>(Values(c, call.keys)));
+    return;
+  }
+  c.get_waiters.push_back({c.epoch, call.keys, host.Now() + WaitFor(call.timeout), std::move(done)});
+}
+
+absl::Status CommTable::Report(CommHost& host, const CommReportCall& call) {
+  auto comm = Resolve(call.caller.rank, call.name, {});
   if (!comm.ok()) return comm.status();
   Comm& c = **comm;
-  if (absl::Status s = CheckEpoch(c, req.epoch()); !s.ok()) return s;
-  if (req.kind() == v1::CommReportRequest::KIND_READY) {
-    c.member_state[req.rank()] = CommMemberState::kReady;
+  if (absl::Status s = CheckEpoch(c, call.epoch); !s.ok()) return s;
+  if (call.kind == CommReportKind::kReady) {
+    c.member_state[call.caller.rank] = CommMemberState::kReady;
     const bool all = std::all_of(c.ranks.begin(), c.ranks.end(),
                                  [&](int r) { return c.member_state[r] == CommMemberState::kReady; });
     if (all && c.state == v1::COMM_STATE_FORMING) {
@@ -234,12 +232,12 @@ absl::Status CommTable::Report(CommHost& host, const v1::CommReportRequest& req)
     }
     return absl::OkStatus();
   }
-  if (req.kind() == v1::CommReportRequest::KIND_ERROR) {
-    Abort(host, c, absl::StrCat("rank ", req.rank(), " reported a communicator error: ", req.error()), {});
+  if (call.kind == CommReportKind::kError) {
+    Abort(host, c, absl::StrCat("rank ", call.caller.rank, " reported a communicator error: ", call.error), {});
     return absl::OkStatus();
   }
   return absl::InvalidArgumentError(absl::StrCat(
-      "CommReport: kind must be KIND_READY or KIND_ERROR, got ", static_cast<int>(req.kind()),
+      "CommReport: kind must be KIND_READY or KIND_ERROR, got ", static_cast<int>(call.kind),
       " (aborts are acknowledged on the session stream with CommAborted)"));
 }
 
@@ -258,7 +256,7 @@ void CommTable::Abort(CommHost& host, Comm& comm, const std::string& reason, con
       absl::StrCat("communicator '", comm.name, "' epoch ", comm.epoch, " was aborted: ", reason));
   auto waiters = std::move(comm.get_waiters);
   comm.get_waiters.clear();
-  for (auto& w : waiters) Complete(host, w.done, absl::StatusOr<v1::StoreGetResponse>(why));
+  for (auto& w : waiters) Complete(host, w.done, absl::StatusOr<std::vector<std::string>>(why));
   v1::CoordinatorMessage msg;
   auto* a = msg.mutable_comm_abort();
   a->set_name(comm.name);
@@ -378,7 +376,7 @@ void CommTable::ExpireWaiters(CommHost& host, Comm& comm, absl::Time now) {
     std::string why = !missing.empty()
                           ? MissingRanks(host, missing)
                           : absl::StrCat("ranks ", RankList(unacked), " have not aborted epoch ", comm.epoch, " yet");
-    Complete(host, w.done, absl::StatusOr<v1::CommJoinResponse>(absl::DeadlineExceededError(absl::StrCat(
+    Complete(host, w.done, absl::StatusOr<CommMembership>(absl::DeadlineExceededError(absl::StrCat(
         "communicator '", comm.name, "' cannot start epoch ", comm.epoch + 1, ": ", why,
         comm.abort_reason.empty() ? "" : absl::StrCat(" (last epoch aborted: ", comm.abort_reason, ")")))));
   }
@@ -393,7 +391,7 @@ void CommTable::ExpireWaiters(CommHost& host, Comm& comm, absl::Time now) {
     for (const auto& k : w.keys) {
       if (!comm.store.count(k)) missing.push_back(k);
     }
-    Complete(host, w.done, absl::StatusOr<v1::StoreGetResponse>(absl::DeadlineExceededError(
+    Complete(host, w.done, absl::StatusOr<std::vector<std::string>>(absl::DeadlineExceededError(
         absl::StrCat("communicator '", comm.name, "' epoch ", w.epoch, ": keys [", absl::StrJoin(missing, ", "),
                      "] were not published in time"))));
   }
@@ -402,8 +400,8 @@ void CommTable::ExpireWaiters(CommHost& host, Comm& comm, absl::Time now) {
 
 void CommTable::FailAllWaiters(CommHost& host, const absl::Status& why) {
   for (auto& [name, comm] : comms_) {
-    for (auto& w : comm.join_waiters) Complete(host, w.done, absl::StatusOr<v1::CommJoinResponse>(why));
-    for (auto& w : comm.get_waiters) Complete(host, w.done, absl::StatusOr<v1::StoreGetResponse>(why));
+    for (auto& w : comm.join_waiters) Complete(host, w.done, absl::StatusOr<CommMembership>(why));
+    for (auto& w : comm.get_waiters) Complete(host, w.done, absl::StatusOr<std::vector<std::string>>(why));
     comm.join_waiters.clear();
     comm.get_waiters.clear();
   }

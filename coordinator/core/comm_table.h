@@ -2,9 +2,9 @@
 // (job, communicator, epoch) and the authority on its health: it aborts an epoch for every
 // member when one member is lost, and starts the next epoch once every member is live again.
 //
-// Not thread-safe: the core calls it with its lock held (exclusively, but for the
-// collective progress that heartbeats carry, recorded under the table's own mutex: see
-// RecordProgress). What it needs of the rest of the core (whether a rank is live, sending to
+// Not thread-safe: the core calls it with its lock held exclusively, but for the collective
+// progress that heartbeats carry (recorded under the table's own mutex: see RecordProgress)
+// and the status views (Fill, Alerts), which only read, under the lock shared. What it needs of the rest of the core (whether a rank is live, sending to
 // a rank, events, completions after unlocking) it asks of a CommHost. Liveness reaches it as
 // two signals, OnRankLost and OnRankBack; it reacts on its own.
 #ifndef SHARDCOORD_COORDINATOR_CORE_COMM_TABLE_H_
@@ -20,6 +20,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "coordinator/core/comm_call.h"
 #include "coordinator/core/worker_report.h"
 #include "coordinator/journal/event_kind.h"
 #include "coordinator/settings/options.h"
@@ -60,8 +61,9 @@ class CommHost {
 
 class CommTable {
  public:
-  using JoinDone = std::function<void(absl::StatusOr<v1::CommJoinResponse>)>;
-  using GetDone = std::function<void(absl::StatusOr<v1::StoreGetResponse>)>;
+  using JoinDone = std::function<void(absl::StatusOr<CommMembership>)>;
+  // The values, in the order of the call's keys.
+  using GetDone = std::function<void(absl::StatusOr<std::vector<std::string>>)>;
 
   // For job `job_id` of `world_size` ranks in groups of `group_size`.
   CommTable(std::string job_id, int world_size, int group_size, const CoordinatorLimits& limits,
@@ -70,10 +72,10 @@ class CommTable {
   // The RPCs, for `rank`, which the caller checked is live and the caller's session (DESIGN 13).
   // Errors as CoordinatorCore's CommJoin etc. say; waiting calls complete through `done`
   // exactly once, through CommHost::Defer.
-  void Join(CommHost& host, const v1::CommJoinRequest& req, JoinDone done);
-  absl::Status Set(CommHost& host, const v1::StoreSetRequest& req);
-  void Get(CommHost& host, const v1::StoreGetRequest& req, GetDone done);
-  absl::Status Report(CommHost& host, const v1::CommReportRequest& req);
+  void Join(CommHost& host, const CommJoinCall& call, JoinDone done);
+  absl::Status Set(CommHost& host, const StoreSetCall& call);
+  void Get(CommHost& host, const StoreGetCall& call, GetDone done);
+  absl::Status Report(CommHost& host, const CommReportCall& call);
   // The rank acknowledged the abort of an epoch (on its session stream).
   void AckAbort(CommHost& host, const CommAbortAck& ack, int rank);
 
@@ -140,6 +142,8 @@ class CommTable {
   // The members of communicator `name`: the world, a shard group, or a custom list (the
   // caller's `ranks`, else those of the communicator already created). Checks the list.
   absl::StatusOr<std::vector<int>> Members(const std::string& name, const std::vector<int>& ranks) const;
+  // The store's values of `keys`, in their order; every key is set.
+  static std::vector<std::string> Values(const Comm& comm, const std::vector<std::string>& keys);
   // Resolves the communicator (creating it on first use) for member `rank`.
   absl::StatusOr<Comm*> Resolve(int rank, const std::string& name, const std::vector<int>& ranks);
   absl::Status CheckEpoch(const Comm& comm, int64_t epoch) const;

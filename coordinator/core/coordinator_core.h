@@ -85,8 +85,11 @@ class CoordinatorCore {
 
   // Registers the rank behind `session_id` (its RegisterRequest, converted by the transport:
   // server/wire_intake.h; checked here first). On success the RegisterResponse has already
-  // been sent through `sink` (so it precedes any decision). On failure nothing changed and
-  // the status says what was wrong: INVALID_ARGUMENT (malformed request, rank outside the
+  // been sent through `sink` (so it precedes any decision). On failure the rank is not
+  // admitted and nothing of its job changed (but admitting it may already have forgotten
+  // ended jobs, or reset an ended one for a rerun: job_evicted, job_replaced, job_rerun
+  // events), and the status says what was wrong: FAILED_PRECONDITION first for a worker of
+  // another wire revision (naming both), then INVALID_ARGUMENT (malformed request, rank outside the
   // world, root without an outer root, ...), RESOURCE_EXHAUSTED (over a max_* setting, named),
   // FAILED_PRECONDITION (world size, group size, manifest, policy, fallback or
   // wrap_outer_model differ from what the job / group already has; a resume this process
@@ -138,11 +141,11 @@ class CoordinatorCore {
   using GetDone = CommTable::GetDone;
   // Joins the communicator's current epoch; starts a new epoch when the last one was
   // aborted (or none exists) once every member is live, waiting up to the timeout.
-  void CommJoin(const v1::CommJoinRequest& req, JoinDone done);
-  absl::Status StoreSet(const v1::StoreSetRequest& req);
+  void CommJoin(const CommJoinCall& call, JoinDone done);
+  absl::Status StoreSet(const StoreSetCall& call);
   // Answers once every key is set in the epoch's store.
-  void StoreGet(const v1::StoreGetRequest& req, GetDone done);
-  absl::Status CommReport(const v1::CommReportRequest& req);
+  void StoreGet(const StoreGetCall& call, GetDone done);
+  absl::Status CommReport(const CommReportCall& call);
   v1::ListCommsResponse Comms(const std::string& job_id) const;
 
   // Queries for operators. job_id "" means every job.
@@ -230,10 +233,9 @@ class CoordinatorCore {
   // Communicators (coordinator_core_comms.cc): the job's CommTable, through a CommHost that
   // answers for the job's members. Exclusive holders of mu_ only.
   class JobHost;
-  // The job of a communicator call from `rank` with `session_key`, checked: the rank is live
-  // and the call comes from its session (PERMISSION_DENIED otherwise).
-  absl::StatusOr<Job*> CommCaller(const std::string& job_id, int rank, const std::string& session_key)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The job of a communicator call, checked: the caller's rank is live and the call comes from
+  // its session (PERMISSION_DENIED otherwise).
+  absl::StatusOr<Job*> CommCaller(const CommCallerId& caller) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A rank became unreachable (`clean`: it left) or live again: its communicators react.
   void OnMemberLost(Job& job, int rank, bool clean, const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void OnMemberBack(Job& job, int rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -36,8 +36,9 @@ class CoordinatorCore::JobHost final : public CommHost {
   Job& job_;
 };
 
-absl::StatusOr<Job*> CoordinatorCore::CommCaller(const std::string& job_id, int rank,
-                                                                  const std::string& session_key) {
+absl::StatusOr<Job*> CoordinatorCore::CommCaller(const CommCallerId& caller) {
+  const std::string& job_id = caller.job_id;
+  const int rank = caller.rank;
   Job* found = jobs_.Find(job_id);
   if (found == nullptr) {
     return absl::NotFoundError(absl::StrCat("no job '", Printable(job_id, 64), "': register the rank first"));
@@ -48,7 +49,7 @@ absl::StatusOr<Job*> CoordinatorCore::CommCaller(const std::string& job_id, int 
         "rank ", rank, " of job '", job_id, "' is not a live registered rank; register it before "
         "using communicators"));
   }
-  if (!SameSecret(session_key, OwnedMember(job, rank).session_key)) {
+  if (!SameSecret(caller.session_key, OwnedMember(job, rank).session_key)) {
     return absl::PermissionDeniedError(absl::StrCat(
         "rank ", rank, " of job '", Printable(job_id, 64), "': this call does not come from the rank's live session "
         "(session_key missing or wrong); communicator calls are accepted only from the worker that registered the rank"));
@@ -56,45 +57,45 @@ absl::StatusOr<Job*> CoordinatorCore::CommCaller(const std::string& job_id, int 
   return &job;
 }
 
-void CoordinatorCore::CommJoin(const v1::CommJoinRequest& req, JoinDone done) {
+void CoordinatorCore::CommJoin(const CommJoinCall& call, JoinDone done) {
   CoreLock lock(&mu_);
-  absl::StatusOr<Job*> job = shut_down_ ? absl::UnavailableError("coordinator is shutting down")
-                                        : CommCaller(req.job_id(), req.rank(), req.session_key());
+  absl::StatusOr<Job*> job =
+      shut_down_ ? absl::UnavailableError("coordinator is shutting down") : CommCaller(call.caller);
   if (!job.ok()) {
     mu_.Defer([done = std::move(done), s = job.status()] { done(s); });
     return;
   }
   JobHost host(*this, **job);
-  (*job)->comms->Join(host, req, std::move(done));
+  (*job)->comms->Join(host, call, std::move(done));
 }
 
-absl::Status CoordinatorCore::StoreSet(const v1::StoreSetRequest& req) {
+absl::Status CoordinatorCore::StoreSet(const StoreSetCall& call) {
   CoreLock lock(&mu_);
-  absl::StatusOr<Job*> job = CommCaller(req.job_id(), req.rank(), req.session_key());
+  absl::StatusOr<Job*> job = CommCaller(call.caller);
   if (!job.ok()) return job.status();
   JobHost host(*this, **job);
-  return (*job)->comms->Set(host, req);
+  return (*job)->comms->Set(host, call);
 }
 
-void CoordinatorCore::StoreGet(const v1::StoreGetRequest& req, GetDone done) {
+void CoordinatorCore::StoreGet(const StoreGetCall& call, GetDone done) {
   CoreLock lock(&mu_);
   // Shutting down: no ticker will expire a waiter any more.
-  absl::StatusOr<Job*> job = shut_down_ ? absl::UnavailableError("coordinator is shutting down")
-                                        : CommCaller(req.job_id(), req.rank(), req.session_key());
+  absl::StatusOr<Job*> job =
+      shut_down_ ? absl::UnavailableError("coordinator is shutting down") : CommCaller(call.caller);
   if (!job.ok()) {
     mu_.Defer([done = std::move(done), s = job.status()] { done(s); });
     return;
   }
   JobHost host(*this, **job);
-  (*job)->comms->Get(host, req, std::move(done));
+  (*job)->comms->Get(host, call, std::move(done));
 }
 
-absl::Status CoordinatorCore::CommReport(const v1::CommReportRequest& req) {
+absl::Status CoordinatorCore::CommReport(const CommReportCall& call) {
   CoreLock lock(&mu_);
-  absl::StatusOr<Job*> job = CommCaller(req.job_id(), req.rank(), req.session_key());
+  absl::StatusOr<Job*> job = CommCaller(call.caller);
   if (!job.ok()) return job.status();
   JobHost host(*this, **job);
-  return (*job)->comms->Report(host, req);
+  return (*job)->comms->Report(host, call);
 }
 
 void CoordinatorCore::TakeCommAborted(Job& job, Member& m, const CommAbortAck& ack) {

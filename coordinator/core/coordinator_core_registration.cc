@@ -15,13 +15,15 @@ namespace shardcoord::coordinator {
 absl::Status CoordinatorCore::Register(uint64_t session_id, const Registration& in,
                                        std::shared_ptr<RankSink> sink) {
   const Registration req = WithRegisterDefaults(in, options_);
-  // Stateless checks first: a malformed request changes nothing.
-  if (absl::Status s = ValidateRegistration(req, options_.limits, options_.max_lookahead); !s.ok()) return s;
-  if (absl::Status s = CheckRootIsPossible(req); !s.ok()) return s;
-  if (std::string why = WireMismatch(req.wire_revision, absl::StrCat("rank ", req.rank, " of job '", req.job_id, "'"));
+  // Stateless checks first: a malformed request changes nothing. The wire revision before
+  // anything else: a worker of another revision is told that, not what its request lacks.
+  if (std::string why = WireMismatch(req.wire_revision,
+                                     absl::StrCat("rank ", req.rank, " of job '", Printable(req.job_id, 64), "'"));
       !why.empty()) {
     return absl::FailedPreconditionError(absl::StrCat("register: ", why));
   }
+  if (absl::Status s = ValidateRegistration(req, options_.limits, options_.max_lookahead); !s.ok()) return s;
+  if (absl::Status s = CheckRootIsPossible(req); !s.ok()) return s;
   // A rank of an earlier coordinator process resumes (DESIGN 12); one of this process that
   // lost its stream registers again as usual.
   const bool resuming = req.resume.has_value() && req.resume->incarnation() != incarnation_;

@@ -1,8 +1,8 @@
 // A rank's registration in the core's types, and its checks (DESIGN 3, "Registration"): pure
 // functions of the registration, the limits and the group's first registration.
-// CoordinatorCore::Register runs the ones that need no state (ValidateRegistration,
-// CheckRootIsPossible, CheckResume, CheckResumeTrust) before it takes its lock, and
-// CheckSameAsReference under it.
+// CoordinatorCore::Register runs the ones that need no state (the wire revision first,
+// WireMismatch in proto/convert.h, then ValidateRegistration, CheckRootIsPossible,
+// CheckResume, CheckResumeTrust) before it takes its lock, and CheckSameAsReference under it.
 #pragma once
 
 #include <cstddef>

@@ -1,11 +1,14 @@
-// The gRPC side of the daemon: one SessionReactor per rank stream feeding CoordinatorCore, a
-// bounded outbox per session, the tick and self-check threads (threads and locks: DESIGN 9).
+// The gRPC side of the daemon: the rank streams on completion queues (session_stream.h: a
+// SessionCall per stream feeding CoordinatorCore, a bounded outbox per session), the other
+// methods on callback reactors, converting at the edge (wire_intake.h), the tick and
+// self-check threads (threads and locks: DESIGN 9).
 #include "coordinator/server/coordinator_server.h"
 
 #include "coordinator/server/auth.h"
 #include "coordinator/server/http_server.h"
 #include "coordinator/server/session_stream.h"
 #include "coordinator/server/tls.h"
+#include "coordinator/server/wire_intake.h"
 
 #include <dirent.h>
 #include <grpcpp/grpcpp.h>
@@ -104,8 +107,8 @@ class CoordinatorService final : public CoordinatorServiceBase {
                                      v1::CommJoinResponse* resp) override {
     if (grpc::Status st = AuthorizeRank(ctx, req->job_id(), "CommJoin"); !st.ok()) return Refuse(ctx, st);
     auto* r = ctx->DefaultReactor();
-    core_->CommJoin(*req, [r, resp](absl::StatusOr<v1::CommJoinResponse> result) {
-      if (result.ok()) *resp = std::move(*result);
+    core_->CommJoin(FromWire(*req), [r, resp](absl::StatusOr<CommMembership> result) {
+      if (result.ok()) *resp = ToWire(*result);
       r->Finish(ToGrpcStatus(result.status()));
     });
     return r;
@@ -114,15 +117,15 @@ class CoordinatorService final : public CoordinatorServiceBase {
                                      v1::StoreSetResponse* resp) override {
     if (grpc::Status st = AuthorizeRank(ctx, req->job_id(), "StoreSet"); !st.ok()) return Refuse(ctx, st);
     auto* r = ctx->DefaultReactor();
-    r->Finish(ToGrpcStatus(core_->StoreSet(*req)));
+    r->Finish(ToGrpcStatus(core_->StoreSet(FromWire(*req))));
     return r;
   }
   grpc::ServerUnaryReactor* StoreGet(grpc::CallbackServerContext* ctx, const v1::StoreGetRequest* req,
                                      v1::StoreGetResponse* resp) override {
     if (grpc::Status st = AuthorizeRank(ctx, req->job_id(), "StoreGet"); !st.ok()) return Refuse(ctx, st);
     auto* r = ctx->DefaultReactor();
-    core_->StoreGet(*req, [r, resp](absl::StatusOr<v1::StoreGetResponse> result) {
-      if (result.ok()) *resp = std::move(*result);
+    core_->StoreGet(FromWire(*req), [r, resp](absl::StatusOr<std::vector<std::string>> result) {
+      if (result.ok()) *resp = ToWire(*result);
       r->Finish(ToGrpcStatus(result.status()));
     });
     return r;
@@ -131,7 +134,7 @@ class CoordinatorService final : public CoordinatorServiceBase {
                                        v1::CommReportResponse* resp) override {
     if (grpc::Status st = AuthorizeRank(ctx, req->job_id(), "CommReport"); !st.ok()) return Refuse(ctx, st);
     auto* r = ctx->DefaultReactor();
-    r->Finish(ToGrpcStatus(core_->CommReport(*req)));
+    r->Finish(ToGrpcStatus(core_->CommReport(FromWire(*req))));
     return r;
   }
   grpc::ServerUnaryReactor* ListComms(grpc::CallbackServerContext* ctx, const v1::ListCommsRequest* req,

@@ -38,7 +38,9 @@ inline constexpr char kHealthServiceName[] = "shardcoord.v1.Coordinator";
 class CoordinatorServer {
  public:
   // Binds options.listen_address (port 0 picks a free port) and starts serving.
-  // Errors: INVALID_ARGUMENT for bad options, UNAVAILABLE when the address cannot be bound.
+  // Errors: INVALID_ARGUMENT for bad options, UNAVAILABLE when the address cannot be bound,
+  // and the TLS files', the token file's and the journal's own errors when they cannot be
+  // loaded or opened (each names the file).
   // `on_listener_lost` is called (once, from a background thread) when the self-check finds
   // that the server no longer accepts connections (limits.self_check_interval); shardcoordd
   // exits then, so that its supervisor restarts it. Null: the loss is only logged.
@@ -62,8 +64,11 @@ class CoordinatorServer {
  private:
   CoordinatorServer() = default;
   // Every self_check_interval: one query over a new connection to our own address. Three
-  // failures in a row mean the listener is gone (gRPC 1.51 stops accepting for good after
-  // accept() fails with EMFILE): says so with the descriptor count, calls on_listener_lost_.
+  // failures in a row, over at least max(3 x interval, 10 s), mean the listener is gone (gRPC
+  // 1.51 stops accepting for good after accept() fails with EMFILE): says so with the
+  // descriptor count, calls on_listener_lost_. A check that took much longer than its
+  // deadline (this process was paused) is not counted. Off under mutual TLS unless the
+  // daemon's certificate is also a client certificate of the client CA.
   absl::Status Listen(const CoordinatorOptions& options);
   void StartSelfCheck(const CoordinatorOptions& options);
   void SelfCheckLoop();  // coordinator_server_self_check.cc

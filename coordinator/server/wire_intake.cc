@@ -1,5 +1,8 @@
 #include "coordinator/server/wire_intake.h"
 
+#include <string>
+#include <vector>
+
 #include "shardcoord/proto/convert.h"
 
 namespace shardcoord::coordinator {
@@ -66,6 +69,49 @@ WorkerReport FromWire(const v1::WorkerBundle& bundle) {
   out.comm_aborted.reserve(bundle.comm_aborted_size());
   for (const auto& ack : bundle.comm_aborted()) out.comm_aborted.push_back(FromWire(ack));
   if (bundle.has_plans()) out.plans = FromWire(bundle.plans());
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------
+// The communicator calls
+
+namespace {
+
+template <typename Request>
+CommCallerId CallerOf(const Request& r) {
+  return {r.job_id(), r.rank(), r.session_key()};
+}
+
+}  // namespace
+
+CommJoinCall FromWire(const v1::CommJoinRequest& r) {
+  return {CallerOf(r), r.name(), std::vector<int>(r.ranks().begin(), r.ranks().end()),
+          absl::Milliseconds(r.timeout_ms())};
+}
+
+StoreSetCall FromWire(const v1::StoreSetRequest& r) { return {CallerOf(r), r.name(), r.epoch(), r.key(), r.value()}; }
+
+StoreGetCall FromWire(const v1::StoreGetRequest& r) {
+  return {CallerOf(r), r.name(), r.epoch(), std::vector<std::string>(r.keys().begin(), r.keys().end()),
+          absl::Milliseconds(r.timeout_ms())};
+}
+
+// The kind keeps the value sent, a kind of no name included: CommTable::Report names it.
+CommReportCall FromWire(const v1::CommReportRequest& r) {
+  return {CallerOf(r), r.name(), r.epoch(), static_cast<CommReportKind>(r.kind()), r.error()};
+}
+
+v1::CommJoinResponse ToWire(const CommMembership& m) {
+  v1::CommJoinResponse out;
+  out.set_epoch(m.epoch);
+  for (int r : m.ranks) out.add_ranks(r);
+  out.set_previous_abort_reason(m.previous_abort_reason);
+  return out;
+}
+
+v1::StoreGetResponse ToWire(const std::vector<std::string>& values) {
+  v1::StoreGetResponse out;
+  for (const std::string& v : values) out.add_values(v);
   return out;
 }
 

@@ -1,9 +1,13 @@
 // The transport's edge (coordinator/server/wire_intake.h): what a worker sends becomes the
-// core's types with every field carried over and nothing judged, but for a plan without a key.
+// core's types with every field carried over and nothing judged, but for a plan without a key;
+// a communicator call's answer goes back to the wire whole.
 #include "coordinator/server/wire_intake.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
 
 #include "coordinator/core/registration.h"
 #include "coordinator/settings/options.h"
@@ -141,6 +145,64 @@ TEST(WireIntakeTest, ARegistrationArrivesWholeAndUnjudged) {
   const absl::Status s = ValidateRegistration(r, CoordinatorLimits{}, 64);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(s.message(), HasSubstr("unknown policy or fallback value"));
+}
+
+// The communicator RPCs: every field, the caller's identity included, and a kind of no name
+// kept for CommTable::Report to refuse by its number; answers go back whole.
+TEST(WireIntakeTest, CommunicatorCallsArriveWholeAndAnswersGoBack) {
+  v1::CommJoinRequest join;
+  join.set_job_id("job");
+  join.set_rank(1);
+  join.set_session_key("k1");
+  join.set_name("custom");
+  join.add_ranks(0);
+  join.add_ranks(1);
+  join.set_timeout_ms(2500);
+  const CommJoinCall j = FromWire(join);
+  EXPECT_EQ(j.caller.job_id, "job");
+  EXPECT_EQ(j.caller.rank, 1);
+  EXPECT_EQ(j.caller.session_key, "k1");
+  EXPECT_EQ(j.name, "custom");
+  EXPECT_THAT(j.ranks, ::testing::ElementsAre(0, 1));
+  EXPECT_EQ(j.timeout, absl::Milliseconds(2500));
+
+  v1::StoreSetRequest set;
+  set.set_rank(2);
+  set.set_name("world");
+  set.set_epoch(3);
+  set.set_key("nccl_id");
+  set.set_value(std::string("\0\1", 2));
+  const StoreSetCall st = FromWire(set);
+  EXPECT_EQ(st.caller.rank, 2);
+  EXPECT_EQ(st.epoch, 3);
+  EXPECT_EQ(st.key, "nccl_id");
+  EXPECT_EQ(st.value, std::string("\0\1", 2)) << "bytes, not text";
+
+  v1::StoreGetRequest get;
+  get.set_epoch(4);
+  get.add_keys("a");
+  get.add_keys("b");
+  const StoreGetCall g = FromWire(get);
+  EXPECT_EQ(g.epoch, 4);
+  EXPECT_THAT(g.keys, ::testing::ElementsAre("a", "b"));
+  EXPECT_EQ(g.timeout, absl::ZeroDuration()) << "unset: the table's default wait";
+
+  v1::CommReportRequest report;
+  report.set_kind(v1::CommReportRequest::KIND_ERROR);
+  report.set_error("ncclAllReduce failed");
+  report.set_epoch(5);
+  const CommReportCall r = FromWire(report);
+  EXPECT_EQ(r.kind, CommReportKind::kError);
+  EXPECT_EQ(r.error, "ncclAllReduce failed");
+  EXPECT_EQ(r.epoch, 5);
+  report.set_kind(static_cast<v1::CommReportRequest::Kind>(3));
+  EXPECT_EQ(static_cast<int>(FromWire(report).kind), 3);
+
+  const v1::CommJoinResponse jr = ToWire(CommMembership{7, {0, 1}, "rank 1 died"});
+  EXPECT_EQ(jr.epoch(), 7);
+  EXPECT_THAT(jr.ranks(), ::testing::ElementsAre(0, 1));
+  EXPECT_EQ(jr.previous_abort_reason(), "rank 1 died");
+  EXPECT_THAT(ToWire(std::vector<std::string>{"x", "y"}).values(), ::testing::ElementsAre("x", "y"));
 }
 
 }  // namespace
