@@ -28,7 +28,8 @@ struct CommJoinCall {
   CommCallerId caller;
   std::string name;
   std::vector<int> ranks;  // Only for custom names: its members, ascending, `caller.rank` among them.
-  absl::Duration timeout;  // Zero or less: the table's default wait.
+  // Zero or less: the table's default wait (60 s); at most 30 min.
+  absl::Duration timeout = absl::ZeroDuration();
 };
 
 // What a join answers: the epoch to connect in, its members, and why the previous one ended.
@@ -54,12 +55,13 @@ struct StoreGetCall {
   std::string name;
   int64_t epoch = 0;
   std::vector<std::string> keys;
-  absl::Duration timeout;  // Zero or less: the table's default wait.
+  // Zero or less: the table's default wait (60 s); at most 30 min.
+  absl::Duration timeout = absl::ZeroDuration();
 };
 
 // What a rank reports of its communicator: connected, or a collective failed. The values are
-// the wire's (CommReportRequest.Kind); any other arrives as it was sent, for the table to
-// refuse naming it.
+// the wire's (CommReportRequest.Kind; wire_intake.cc asserts it); any other arrives as it was
+// sent, for the table to refuse naming it.
 enum class CommReportKind : int32_t { kUnspecified = 0, kReady = 1, kError = 2 };
 
 struct CommReportCall {

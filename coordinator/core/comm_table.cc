@@ -6,6 +6,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "coordinator/core/invariant.h"
 #include "coordinator/core/text.h"
 
 namespace shardcoord::coordinator {
@@ -156,7 +157,7 @@ void CommTable::Join(CommHost& host, const CommJoinCall& call, JoinDone done) {
   MaybeStartEpoch(host, **comm);
 }
 
-absl::Status CommTable::Set(CommHost& host, const StoreSetCall& call) {
+absl::Status CommTable::Set(CommHost& host, StoreSetCall call) {
   auto comm = Resolve(call.caller.rank, call.name, {});
   if (!comm.ok()) return comm.status();
   Comm& c = **comm;
@@ -175,7 +176,7 @@ absl::Status CommTable::Set(CommHost& host, const StoreSetCall& call) {
     return absl::ResourceExhaustedError(absl::StrCat("communicator '", c.name, "' epoch ", c.epoch, " already holds ",
                                                      c.store.size(), " keys (at most 2 x members + 16)"));
   }
-  auto [it, inserted] = c.store.try_emplace(call.key, call.value);
+  auto [it, inserted] = c.store.try_emplace(call.key, std::move(call.value));  // Not moved when present.
   if (!inserted) {
     return absl::AlreadyExistsError(absl::StrCat("key '", Printable(call.key, 64), "' of communicator '", c.name,
                                                  "' epoch ", c.epoch,
@@ -197,11 +198,20 @@ absl::Status CommTable::Set(CommHost& host, const StoreSetCall& call) {
 std::vector<std::string> CommTable::Values(const Comm& comm, const std::vector<std::string>& keys) {
   std::vector<std::string> values;
   values.reserve(keys.size());
-  for (const std::string& k : keys) values.push_back(comm.store.at(k));
+  for (const std::string& k : keys) {
+    auto it = comm.store.find(k);
+    // The callers checked every key first; a missing one answers empty rather than crash.
+    if (!SHARDCOORD_INVARIANT(it != comm.store.end(), absl::StrCat("store key '", Printable(k, 64),
+                                                                   "' answered before it was set"))) {
+      values.emplace_back();
+      continue;
+    }
+    values.push_back(it->second);
+  }
   return values;
 }
 
-void CommTable::Get(CommHost& host, const StoreGetCall& call, GetDone done) {
+void CommTable::Get(CommHost& host, StoreGetCall call, GetDone done) {
   auto comm = Resolve(call.caller.rank, call.name, {});
   absl::Status s = comm.ok() ? CheckEpoch(**comm, call.epoch) : comm.status();
   if (!s.ok()) {
@@ -213,7 +223,7 @@ void CommTable::Get(CommHost& host, const StoreGetCall& call, GetDone done) {
     Complete(host, done, absl::StatusOr<std::vector<std::string>>(Values(c, call.keys)));
     return;
   }
-  c.get_waiters.push_back({c.epoch, call.keys, host.Now() + WaitFor(call.timeout), std::move(done)});
+  c.get_waiters.push_back({c.epoch, std::move(call.keys), host.Now() + WaitFor(call.timeout), std::move(done)});
 }
 
 absl::Status CommTable::Report(CommHost& host, const CommReportCall& call) {

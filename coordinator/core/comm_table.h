@@ -4,9 +4,10 @@
 //
 // Not thread-safe: the core calls it with its lock held exclusively, but for the collective
 // progress that heartbeats carry (recorded under the table's own mutex: see RecordProgress)
-// and the status views (Fill, Alerts), which only read, under the lock shared. What it needs of the rest of the core (whether a rank is live, sending to
-// a rank, events, completions after unlocking) it asks of a CommHost. Liveness reaches it as
-// two signals, OnRankLost and OnRankBack; it reacts on its own.
+// and the status views (Fill, Alerts), which only read, under the lock shared. What it needs
+// of the rest of the core (whether a rank is live, sending to a rank, events, completions
+// after unlocking) it asks of a CommHost. Liveness reaches it as two signals, OnRankLost and
+// OnRankBack; it reacts on its own.
 #ifndef SHARDCOORD_COORDINATOR_CORE_COMM_TABLE_H_
 #define SHARDCOORD_COORDINATOR_CORE_COMM_TABLE_H_
 
@@ -73,8 +74,9 @@ class CommTable {
   // Errors as CoordinatorCore's CommJoin etc. say; waiting calls complete through `done`
   // exactly once, through CommHost::Defer.
   void Join(CommHost& host, const CommJoinCall& call, JoinDone done);
-  absl::Status Set(CommHost& host, const StoreSetCall& call);
-  void Get(CommHost& host, const StoreGetCall& call, GetDone done);
+  // By value: the store keeps the call's value, a waiter its keys.
+  absl::Status Set(CommHost& host, StoreSetCall call);
+  void Get(CommHost& host, StoreGetCall call, GetDone done);
   absl::Status Report(CommHost& host, const CommReportCall& call);
   // The rank acknowledged the abort of an epoch (on its session stream).
   void AckAbort(CommHost& host, const CommAbortAck& ack, int rank);

@@ -142,9 +142,9 @@ class CoordinatorCore {
   // Joins the communicator's current epoch; starts a new epoch when the last one was
   // aborted (or none exists) once every member is live, waiting up to the timeout.
   void CommJoin(const CommJoinCall& call, JoinDone done);
-  absl::Status StoreSet(const StoreSetCall& call);
+  absl::Status StoreSet(StoreSetCall call);
   // Answers once every key is set in the epoch's store.
-  void StoreGet(const StoreGetCall& call, GetDone done);
+  void StoreGet(StoreGetCall call, GetDone done);
   absl::Status CommReport(const CommReportCall& call);
   v1::ListCommsResponse Comms(const std::string& job_id) const;
 

@@ -69,15 +69,15 @@ void CoordinatorCore::CommJoin(const CommJoinCall& call, JoinDone done) {
   (*job)->comms->Join(host, call, std::move(done));
 }
 
-absl::Status CoordinatorCore::StoreSet(const StoreSetCall& call) {
+absl::Status CoordinatorCore::StoreSet(StoreSetCall call) {
   CoreLock lock(&mu_);
   absl::StatusOr<Job*> job = CommCaller(call.caller);
   if (!job.ok()) return job.status();
   JobHost host(*this, **job);
-  return (*job)->comms->Set(host, call);
+  return (*job)->comms->Set(host, std::move(call));
 }
 
-void CoordinatorCore::StoreGet(const StoreGetCall& call, GetDone done) {
+void CoordinatorCore::StoreGet(StoreGetCall call, GetDone done) {
   CoreLock lock(&mu_);
   // Shutting down: no ticker will expire a waiter any more.
   absl::StatusOr<Job*> job =
@@ -87,7 +87,7 @@ void CoordinatorCore::StoreGet(const StoreGetCall& call, GetDone done) {
     return;
   }
   JobHost host(*this, **job);
-  (*job)->comms->Get(host, call, std::move(done));
+  (*job)->comms->Get(host, std::move(call), std::move(done));
 }
 
 absl::Status CoordinatorCore::CommReport(const CommReportCall& call) {

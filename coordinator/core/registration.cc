@@ -130,7 +130,7 @@ absl::Status ValidateRegistration(const Registration& req, const CoordinatorLimi
   if (decision_bytes > kMaxDecisionBytes) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "register: rank ", req.rank, "'s manifest would make each decision about ", decision_bytes,
-        " bytes, over the ", kMaxDecisionBytes, " one decision may be; control fewer modules"));
+        " bytes, over the ", kMaxDecisionBytes, " bytes one decision may be; control fewer modules"));
   }
   if (!v1::Policy_IsValid(static_cast<int>(req.policy)) || !v1::Fallback_IsValid(static_cast<int>(req.fallback))) {
     return absl::InvalidArgumentError(absl::StrCat("register: rank ", req.rank,

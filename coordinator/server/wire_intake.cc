@@ -96,6 +96,11 @@ StoreGetCall FromWire(const v1::StoreGetRequest& r) {
           absl::Milliseconds(r.timeout_ms())};
 }
 
+static_assert(static_cast<int>(CommReportKind::kUnspecified) == v1::CommReportRequest::KIND_UNSPECIFIED &&
+                  static_cast<int>(CommReportKind::kReady) == v1::CommReportRequest::KIND_READY &&
+                  static_cast<int>(CommReportKind::kError) == v1::CommReportRequest::KIND_ERROR,
+              "CommReportKind keeps the wire's values");
+
 // The kind keeps the value sent, a kind of no name included: CommTable::Report names it.
 CommReportCall FromWire(const v1::CommReportRequest& r) {
   return {CallerOf(r), r.name(), r.epoch(), static_cast<CommReportKind>(r.kind()), r.error()};

@@ -37,8 +37,7 @@ inline constexpr int kDefaultDecisionHistory = 256;
 inline constexpr absl::Duration kDefaultBehindThreshold = absl::Seconds(10);
 // After a restart, how long a group waits for its members to resume (DESIGN 12).
 inline constexpr absl::Duration kDefaultRecoveryWindow = absl::Seconds(60);
-// Longest duration any *_ms setting may have: durations travel to workers as int32 ms.
-inline constexpr absl::Duration kMaxDuration = absl::Hours(24);
+// Longest duration any *_ms setting may have (24 h): durations travel to workers as int32 ms.
 inline constexpr int64_t kMaxDurationMs = int64_t{24} * 3600 * 1000;
 // The shortest heartbeat settings accepted (ValidateOptions).
 inline constexpr absl::Duration kMinHeartbeatInterval = absl::Milliseconds(10);
