@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <condition_variable>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -10,6 +11,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
+#include <stdexcept>
 #include <system_error>
 #include <thread>
 #include <tuple>
@@ -439,14 +441,40 @@ struct VerifyState {
   int mismatches = 0;
 };
 
+// Not a `shardctl replay --per-rank` line: a field whose number is no integer of its type.
+struct BadPerRankField : std::invalid_argument {
+  using std::invalid_argument::invalid_argument;
+};
+
+// The integer `field` of a per-rank line, within T's range. A fraction, a number out of T's
+// range or one past int64 (which the JSON library holds as a double) throws BadPerRankField
+// rather than being cast or wrapped; a missing field throws as nlohmann's at() does.
+template <typename T>
+T IntegerAt(const nlohmann::json& j, const char* field) {
+  const nlohmann::json& v = j.at(field);
+  bool fits = false;
+  if (v.is_number_unsigned()) {
+    fits = v.get<uint64_t>() <= static_cast<uint64_t>(std::numeric_limits<T>::max());
+  } else if (v.is_number_integer()) {
+    const int64_t n = v.get<int64_t>();
+    fits = n >= static_cast<int64_t>(std::numeric_limits<T>::min()) &&
+           (n < 0 || static_cast<uint64_t>(n) <= static_cast<uint64_t>(std::numeric_limits<T>::max()));
+  }
+  if (!fits) {
+    throw BadPerRankField(absl::StrCat("'", field, "' is ", v.dump().substr(0, 40), ", not an integer in ",
+                                       std::numeric_limits<T>::min(), "..", std::numeric_limits<T>::max()));
+  }
+  return v.is_number_unsigned() ? static_cast<T>(v.get<uint64_t>()) : static_cast<T>(v.get<int64_t>());
+}
+
 // Adds one `shardctl replay --per-rank` line; names a mismatch on `err` (the first 10).
-// Throws nlohmann::json::exception when it is not such a line.
+// Throws nlohmann::json::exception or BadPerRankField when it is not such a line.
 void AddPerRankLine(const std::string& line, VerifyState* state, std::ostream& err) {
   const nlohmann::json j = nlohmann::json::parse(line);
-  VerifyKey key = std::make_tuple(j.at("group").get<int>(), j.at("step").get<int64_t>(),
-                                  j.at("microbatch").get<int32_t>(), j.at("module").get<std::string>());
-  VerifyState::Seen s{j.at("decision").get<std::string>(), j.at("seq").get<uint64_t>(), j.at("rank").get<int>(),
-                      j.value("calls", int32_t{0})};
+  VerifyKey key = std::make_tuple(IntegerAt<int>(j, "group"), IntegerAt<int64_t>(j, "step"),
+                                  IntegerAt<int32_t>(j, "microbatch"), j.at("module").get<std::string>());
+  VerifyState::Seen s{j.at("decision").get<std::string>(), IntegerAt<uint64_t>(j, "seq"), IntegerAt<int>(j, "rank"),
+                      j.contains("calls") ? IntegerAt<int32_t>(j, "calls") : 0};
   state->ranks.insert(s.rank);
   state->group_ranks[std::get<0>(key)].insert(s.rank);
   state->holders[key].insert(s.rank);
@@ -473,11 +501,17 @@ bool ReadPerRankFile(const std::string& path, VerifyState* state, std::ostream& 
   while (std::getline(in, line)) {
     ++lineno;
     if (line.empty()) continue;
+    std::string why;  // Copied: the exception is gone after its handler.
     try {
       AddPerRankLine(line, state, err);
     } catch (const nlohmann::json::exception& e) {
-      err << "shardctl verify: " << path << ":" << lineno
-          << ": not a `shardctl replay --per-rank` line (" << e.what() << ")\n";
+      why = e.what();
+    } catch (const BadPerRankField& e) {
+      why = e.what();
+    }
+    if (!why.empty()) {
+      err << "shardctl verify: " << path << ":" << lineno << ": not a `shardctl replay --per-rank` line (" << why
+          << ")\n";
       return false;
     }
   }

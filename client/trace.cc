@@ -147,6 +147,21 @@ absl::StatusOr<Trace> ParseTrace(std::istream& in, const std::string& source) {
 
 namespace {
 
+// The "param_bytes" of a module or unit (0 when absent): a non-negative integer. A number
+// past int64 (which the JSON library holds as a double) or with a fraction is refused, not
+// cast. `where` starts the error.
+absl::StatusOr<int64_t> ParamBytes(const json& entry, const std::string& where) {
+  if (!entry.contains("param_bytes")) return 0;
+  const json& v = entry["param_bytes"];
+  if (!IntegerIn(v, INT64_MAX)) {
+    std::string shown = v.dump();
+    if (shown.size() > 40) shown = shown.substr(0, 37) + "...";
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ": 'param_bytes' must be a non-negative integer (bytes, at most ", INT64_MAX, "), got ", shown));
+  }
+  return v.get<int64_t>();
+}
+
 // One entry of a manifest's "modules". `where` starts each error.
 absl::StatusOr<ModuleSpec> ParseModule(const json& m, const std::string& where) {
   if (!m.is_object() || !m.contains("name") || !m["name"].is_string()) {
@@ -154,16 +169,22 @@ absl::StatusOr<ModuleSpec> ParseModule(const json& m, const std::string& where) 
   }
   ModuleSpec spec;
   spec.name = m["name"].get<std::string>();
+  const std::string named = absl::StrCat(where, " ('", spec.name, "')");
+  absl::StatusOr<int64_t> bytes = ParamBytes(m, named);
+  if (!bytes.ok()) return bytes.status();
+  spec.param_bytes = *bytes;
   try {
-    spec.param_bytes = m.value("param_bytes", int64_t{0});
     spec.outside_inner_root = m.value("outside_inner_root", false);
     if (m.contains("units")) {
       for (const json& u : m["units"]) {
         if (!u.is_object() || !u.contains("name") || !u["name"].is_string()) {
           return absl::InvalidArgumentError(absl::StrCat(
-              where, " ('", spec.name, "'): each unit must be {\"name\": \"layers.0\", \"param_bytes\": N}"));
+              named, ": each unit must be {\"name\": \"layers.0\", \"param_bytes\": N}"));
         }
-        spec.units.push_back({u["name"].get<std::string>(), u.value("param_bytes", int64_t{0})});
+        const std::string unit = u["name"].get<std::string>();
+        absl::StatusOr<int64_t> unit_bytes = ParamBytes(u, absl::StrCat(named, ", unit '", unit, "'"));
+        if (!unit_bytes.ok()) return unit_bytes.status();
+        spec.units.push_back({unit, *unit_bytes});
       }
     }
   } catch (const json::exception& e) {

@@ -133,6 +133,22 @@ TEST(ShardctlCliTest, VerifyComparesAPaddedDecisionsPasses) {
   EXPECT_EQ(agree.exit_code, 0) << agree.out << agree.err;
 }
 
+// A number out of its field's range, a fraction or one past int64 (which the JSON library
+// holds as a double) is not a per-rank line: named with its file and line, never cast.
+TEST(ShardctlCliTest, VerifyRefusesAnOutOfRangeNumberNamingTheLine) {
+  TempDir dir;
+  for (const std::string bad : {"1e300", "2.5", "4294967296"}) {
+    SCOPED_TRACE(bad);
+    std::ofstream(dir.File("r0.jsonl"), std::ios::trunc)
+        << R"({"rank":0,"group":0,"step":0,"microbatch":)" << bad
+        << R"(,"module":"m","decision":"skip","seq":0,"reason":"x"})" << "\n";
+    auto r = RunCommand(Shardctl({"verify", dir.File("r0.jsonl")}), kCommandTimeout);
+    EXPECT_NE(r.exit_code, 0) << r.out;
+    EXPECT_THAT(r.err, HasSubstr(dir.File("r0.jsonl") + ":1: not a `shardctl replay --per-rank` line"));
+    EXPECT_THAT(r.err, HasSubstr("'microbatch' is "));
+  }
+}
+
 TEST(ShardctlCliTest, BothProgramsSayTheirVersion) {
   for (const std::string program : {std::string(SHARDCTL_PATH), std::string(SHARDCOORDD_PATH)}) {
     auto r = RunCommand({program, "--version"}, kCommandTimeout);

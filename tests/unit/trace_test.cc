@@ -5,8 +5,11 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cstdint>
 #include <sstream>
 #include <string>
+
+#include "absl/strings/str_cat.h"
 
 namespace {
 
@@ -272,6 +275,29 @@ TEST(ParseManifestTest, BadFieldTypeNamesTheModule) {
   EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(m.status().message(), HasSubstr("modules[0]"));
   EXPECT_THAT(m.status().message(), HasSubstr("'visual'"));
+}
+
+// Byte counts: a number the JSON library holds as a double (past int64, or with a fraction) or
+// a negative one is refused naming the module and unit, never cast (the fuzzer found the cast).
+TEST(ParseManifestTest, ParamBytesOutOfRangeOrNotWholeIsRejectedNotCast) {
+  for (const std::string bytes : {"2563333333333333333333333333333", "18446744073709551615", "-1", "1.5", "1e30"}) {
+    SCOPED_TRACE(bytes);
+    absl::StatusOr<std::vector<ModuleSpec>> m =
+        ParseManifest(absl::StrCat(R"({"modules":[{"name":"visual","param_bytes":)", bytes, "}]}"), "m.json");
+    ASSERT_FALSE(m.ok());
+    EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(m.status().message(), HasSubstr("m.json: modules[0] ('visual'): 'param_bytes' must be a non-negative "
+                                                "integer"));
+    m = ParseManifest(absl::StrCat(R"({"modules":[{"name":"visual","units":[{"name":"blocks.0","param_bytes":)", bytes,
+                                   "}]}]}"),
+                      "m.json");
+    ASSERT_FALSE(m.ok());
+    EXPECT_THAT(m.status().message(), HasSubstr("('visual'), unit 'blocks.0': 'param_bytes'"));
+  }
+  absl::StatusOr<std::vector<ModuleSpec>> m =
+      ParseManifest(R"({"modules":[{"name":"visual","param_bytes":9223372036854775807}]})", "m.json");
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ((*m)[0].param_bytes, INT64_MAX);
 }
 
 TEST(ParseManifestTest, UnitWithoutNameIsAnError) {
