@@ -92,7 +92,7 @@ absl::Status ValidateManifest(const Registration& req, const CoordinatorLimits& 
                                                      "' has negative param_bytes ",
                                                      m.param_bytes));
     }
-    if (m.units.size() > lim.max_units_per_module) {
+    if (static_cast<int64_t>(m.units.size()) > lim.max_units_per_module) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "register: module '", m.name, "' has ", m.units.size(),
           " layer units, over the coordinator's max_units_per_module (", lim.max_units_per_module,

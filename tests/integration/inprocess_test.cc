@@ -590,7 +590,9 @@ v1::RankStatus NonReaderTest::FailANonReader(coordinator::CoordinatorOptions o) 
   EXPECT_TRUE(w1->ReportPlan(PlanOf(0, 0, 1)).ok());
   auto d = w1->GetDecision({0, 0}, kDecisionTimeout);
   EXPECT_TRUE(d.ok()) << d.status();
-  if (d.ok()) EXPECT_EQ(d->Find("vision_tower")->decision, Decision::kReplicate);
+  if (d.ok()) {
+    EXPECT_EQ(d->Find("vision_tower")->decision, Decision::kReplicate);
+  }
   raw.ctx.TryCancel();
   return rank0_state();
 }
