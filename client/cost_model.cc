@@ -13,19 +13,13 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "json_values.h"
 
 namespace shardcoord::client {
 
 using nlohmann::json;
 
 namespace {
-
-// A value as the error shows it: its JSON, cut short.
-std::string Shown(const json& v) {
-  std::string text = v.dump();
-  if (text.size() > 40) text = text.substr(0, 37) + "...";
-  return text;
-}
 
 absl::Status Missing(const std::string& where, const char* field, const char* what) {
   return absl::InvalidArgumentError(absl::StrCat(where, ": '", field, "' is missing (", what, ")"));
@@ -38,7 +32,7 @@ absl::Status ReadSeconds(const json& j, const char* field, const std::string& wh
   const json& v = j.at(field);
   if (!v.is_number() || !std::isfinite(v.get<double>()) || v.get<double>() < 0) {
     return absl::InvalidArgumentError(
-        absl::StrCat(where, ": '", field, "' must be a non-negative number (seconds), got ", Shown(v)));
+        absl::StrCat(where, ": '", field, "' must be a non-negative number (seconds), got ", JsonShown(v)));
   }
   *out = v.get<double>();
   return absl::OkStatus();
@@ -49,12 +43,9 @@ absl::Status ReadInteger(const json& j, const char* field, const std::string& wh
                          int64_t* out) {
   if (!j.contains(field)) return absl::OkStatus();
   const json& v = j.at(field);
-  const bool in_range = v.is_number_integer() &&
-                        !(v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX)) &&
-                        v.get<int64_t>() >= min && v.get<int64_t>() <= max;
-  if (!in_range) {
+  if (!JsonIntegerIn(v, min, max)) {
     return absl::InvalidArgumentError(
-        absl::StrCat(where, ": '", field, "' must be an integer in ", min, "..", max, ", got ", Shown(v)));
+        absl::StrCat(where, ": '", field, "' must be an integer in ", min, "..", max, ", got ", JsonShown(v)));
   }
   *out = v.get<int64_t>();
   return absl::OkStatus();
@@ -62,11 +53,11 @@ absl::Status ReadInteger(const json& j, const char* field, const std::string& wh
 
 // j's "name": a non-empty string.
 absl::StatusOr<std::string> ReadName(const json& j, const std::string& where) {
-  if (!j.is_object()) return absl::InvalidArgumentError(absl::StrCat(where, ": must be an object, got ", Shown(j)));
+  if (!j.is_object()) return absl::InvalidArgumentError(absl::StrCat(where, ": must be an object, got ", JsonShown(j)));
   if (!j.contains("name")) return Missing(where, "name", "a string");
   if (!j.at("name").is_string() || j.at("name").get<std::string>().empty()) {
     return absl::InvalidArgumentError(
-        absl::StrCat(where, ": 'name' must be a non-empty string, got ", Shown(j.at("name"))));
+        absl::StrCat(where, ": 'name' must be a non-empty string, got ", JsonShown(j.at("name"))));
   }
   return j.at("name").get<std::string>();
 }
@@ -105,7 +96,7 @@ absl::StatusOr<UnitCost> ParseUnit(const json& u, const std::string& at, std::ve
 absl::Status ParseUnits(const json& m, const std::string& where, ModuleCost* cost, std::vector<std::string>* warnings) {
   if (!m.contains("units")) return Missing(where, "units", "a list, [] when nothing is gathered");
   if (!m.at("units").is_array()) {
-    return absl::InvalidArgumentError(absl::StrCat(where, ": 'units' must be a list, got ", Shown(m.at("units"))));
+    return absl::InvalidArgumentError(absl::StrCat(where, ": 'units' must be a list, got ", JsonShown(m.at("units"))));
   }
   std::set<std::string> seen;
   for (size_t k = 0; k < m.at("units").size(); ++k) {
@@ -159,12 +150,12 @@ absl::Status ParseTokenPrice(const json& j, const std::string& source, CostFile*
 absl::Status ParseHeader(const json& j, const std::string& source, CostFile* file) {
   if (!j.contains("format")) return Missing(source, "format", absl::StrCat("\"", kCostFormat, "\"").c_str());
   if (j.at("format") != kCostFormat) {
-    return absl::InvalidArgumentError(absl::StrCat(source, ": 'format' is ", Shown(j.at("format")), ", expected \"",
+    return absl::InvalidArgumentError(absl::StrCat(source, ": 'format' is ", JsonShown(j.at("format")), ", expected \"",
                                                    kCostFormat, "\" (a cost model the GPU benchmark writes)"));
   }
   if (j.contains("measured") && !j.at("measured").is_object()) {
     return absl::InvalidArgumentError(
-        absl::StrCat(source, ": 'measured' must be an object (free-form), got ", Shown(j.at("measured"))));
+        absl::StrCat(source, ": 'measured' must be an object (free-form), got ", JsonShown(j.at("measured"))));
   }
   int64_t group_size = 0;
   absl::Status s = ReadInteger(j, "group_size", source, 1, INT32_MAX, &group_size);
@@ -190,7 +181,7 @@ absl::StatusOr<CostFile> ParseCostFile(const std::string& text, const std::strin
   if (absl::Status s = ParseHeader(j, source, &file); !s.ok()) return s;
   if (!j.contains("modules")) return Missing(source, "modules", "a list of {\"name\": ..., ...}");
   if (!j.at("modules").is_array()) {
-    return absl::InvalidArgumentError(absl::StrCat(source, ": 'modules' must be a list, got ", Shown(j.at("modules"))));
+    return absl::InvalidArgumentError(absl::StrCat(source, ": 'modules' must be a list, got ", JsonShown(j.at("modules"))));
   }
   std::set<std::string> seen;
   for (size_t i = 0; i < j.at("modules").size(); ++i) {

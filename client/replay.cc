@@ -20,6 +20,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "json_values.h"
 #include "coordinator/server/coordinator_server.h"
 #include "shardcoord/plan_ahead.h"
 #include "shardcoord/worker.h"
@@ -446,25 +447,20 @@ struct BadPerRankField : std::invalid_argument {
   using std::invalid_argument::invalid_argument;
 };
 
-// The integer `field` of a per-rank line, within T's range. A fraction, a number out of T's
-// range or one past int64 (which the JSON library holds as a double) throws BadPerRankField
-// rather than being cast or wrapped; a missing field throws as nlohmann's at() does.
+// The integer `field` of a per-rank line, within T's range (and int64's: a seq never comes
+// near 2^63). A fraction, a number out of range or one past int64 (which the JSON library
+// holds as a double) throws BadPerRankField rather than being cast or wrapped; a missing
+// field throws as nlohmann's at() does.
 template <typename T>
 T IntegerAt(const nlohmann::json& j, const char* field) {
   const nlohmann::json& v = j.at(field);
-  bool fits = false;
-  if (v.is_number_unsigned()) {
-    fits = v.get<uint64_t>() <= static_cast<uint64_t>(std::numeric_limits<T>::max());
-  } else if (v.is_number_integer()) {
-    const int64_t n = v.get<int64_t>();
-    fits = n >= static_cast<int64_t>(std::numeric_limits<T>::min()) &&
-           (n < 0 || static_cast<uint64_t>(n) <= static_cast<uint64_t>(std::numeric_limits<T>::max()));
+  const int64_t min = static_cast<int64_t>(std::numeric_limits<T>::min());
+  const int64_t max = static_cast<int64_t>(
+      std::min<uint64_t>(static_cast<uint64_t>(std::numeric_limits<T>::max()), INT64_MAX));
+  if (!JsonIntegerIn(v, min, max)) {
+    throw BadPerRankField(absl::StrCat("'", field, "' is ", JsonShown(v), ", not an integer in ", min, "..", max));
   }
-  if (!fits) {
-    throw BadPerRankField(absl::StrCat("'", field, "' is ", v.dump().substr(0, 40), ", not an integer in ",
-                                       std::numeric_limits<T>::min(), "..", std::numeric_limits<T>::max()));
-  }
-  return v.is_number_unsigned() ? static_cast<T>(v.get<uint64_t>()) : static_cast<T>(v.get<int64_t>());
+  return static_cast<T>(v.get<int64_t>());
 }
 
 // Adds one `shardctl replay --per-rank` line; names a mismatch on `err` (the first 10).

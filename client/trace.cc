@@ -11,6 +11,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "json_values.h"
 
 namespace shardcoord::client {
 
@@ -18,14 +19,8 @@ using nlohmann::json;
 
 namespace {
 
-// Whether `v` is an integer in [0, max] (an unsigned one past INT64_MAX included: refused, not
-// wrapped).
-bool IntegerIn(const json& v, int64_t max) {
-  if (!v.is_number_integer()) return false;
-  if (v.is_number_unsigned()) return v.get<uint64_t>() <= static_cast<uint64_t>(max);
-  const int64_t n = v.get<int64_t>();
-  return n >= 0 && n <= max;
-}
+// Whether `v` is an integer in [0, max] (json_values.h).
+bool IntegerIn(const json& v, int64_t max) { return JsonIntegerIn(v, 0, max); }
 
 // Checks the fields of one trace line: rank, step and microbatch present and in range, and
 // no field but those and calls. `where` starts each error.
@@ -53,11 +48,9 @@ absl::StatusOr<std::optional<int64_t>> ParseTokens(const json& j, const std::str
   if (!j.contains("tokens")) return std::optional<int64_t>();
   const json& v = j["tokens"];
   if (!IntegerIn(v, kMaxTraceTokens)) {
-    std::string shown = v.dump();
-    if (shown.size() > 40) shown = shown.substr(0, 37) + "...";
     return absl::InvalidArgumentError(absl::StrCat(where, "'tokens' must be a non-negative integer (the decoder tokens "
                                                    "of the rank's microbatch, at most ", kMaxTraceTokens, "), got ",
-                                                   shown));
+                                                   JsonShown(v)));
   }
   return std::optional<int64_t>(v.get<int64_t>());
 }
@@ -154,10 +147,8 @@ absl::StatusOr<int64_t> ParamBytes(const json& entry, const std::string& where) 
   if (!entry.contains("param_bytes")) return 0;
   const json& v = entry["param_bytes"];
   if (!IntegerIn(v, INT64_MAX)) {
-    std::string shown = v.dump();
-    if (shown.size() > 40) shown = shown.substr(0, 37) + "...";
     return absl::InvalidArgumentError(absl::StrCat(
-        where, ": 'param_bytes' must be a non-negative integer (bytes, at most ", INT64_MAX, "), got ", shown));
+        where, ": 'param_bytes' must be a non-negative integer (bytes, at most ", INT64_MAX, "), got ", JsonShown(v)));
   }
   return v.get<int64_t>();
 }
