@@ -1,6 +1,14 @@
 """FSDP2 integration: carry out shardcoord decisions on a model sharded with ``fully_shard`` (DESIGN 10).
 
-Needs torch >= 2.6 (``torch.distributed.fsdp.fully_shard``). Usage, on every rank::
+Needs torch >= 2.6 (``torch.distributed.fsdp.fully_shard``). Two phases, for frameworks that wrap
+the model themselves (accelerate, Lightning, torchtitan-style ``parallelize_fn``: ``shardcoord.hf``,
+``shardcoord.accelerate``, ``shardcoord.lightning`` and :func:`parallelize` call them for you)::
+
+    towers = fsdp2.shard_towers(model, manifest, mesh=mesh)    # the towers' layer units, before the framework
+    ...                                                         # the framework wraps the rest and the root
+    ctl = fsdp2.attach(towers, model)                           # the control, on the root it made
+
+or both at once for a loop that wraps the model itself, on every rank::
 
     from shardcoord import fsdp2
     manifest = shardcoord.torch.manifest(model)                 # controlled (frozen) modules
@@ -105,12 +113,13 @@ from .errors import FailedPrecondition, InvalidArgument
 from .torch._executor import _decision_of, _PadChain, _padded_plan, _requires_grad
 
 if TYPE_CHECKING:  # pragma: no cover - the binding's types, looked up on first use (worker.py)
+    from .integration import Session
     from .worker import Decision, ModuleSpec
 
 try:
-    from torch.distributed.fsdp import fully_shard  # torch >= 2.6
+    from torch.distributed.fsdp import FSDPModule, fully_shard  # torch >= 2.6
 except Exception:  # pragma: no cover - ImportError before 2.6; torch 1.13 on Python 3.11 fails in dataclasses
-    fully_shard = None
+    FSDPModule = fully_shard = None
 
 
 def available() -> bool:
@@ -130,6 +139,7 @@ class _Controlled:
         self.module = module
         self.units = units
         self.has_rest = has_rest  # Parameters outside the layer units, in the root unit.
+        self.rest_owner: Optional[nn.Module] = None  # The FSDP unit holding them (attach() finds it).
         self.template = copy.deepcopy(module).to("meta")  # Structure for the replica; no memory.
         self.replica: Optional[nn.Module] = None
         self.decision = "skip"
@@ -382,9 +392,10 @@ def _materialize(c: _Controlled, root: nn.Module) -> nn.Module:
         copy_from(unit, where[id(unit)] + ".")
         unit.reshard()  # Local: no collective.
     if c.has_rest:
-        root.unshard()
+        owner = c.rest_owner if c.rest_owner is not None else root
+        owner.unshard()
         copy_from(c.module, "")
-        root.reshard()
+        owner.reshard()
     assert replica is not None
     missing = [n for n, _ in replica.named_parameters() if n not in copied]
     if missing:
@@ -404,17 +415,41 @@ def _units_of(module: nn.Module, spec: ModuleSpec) -> List[nn.Module]:
     return [module.get_submodule(u.name) for u in spec.units if u.name]
 
 
-def shard(model: nn.Module, manifest: Iterable[ModuleSpec], mesh=None, fill_missing_grads: bool = True,
-          root_release: str = "after_forward", **fully_shard_kwargs) -> Fsdp2Control:
-    """Applies ``fully_shard`` to each layer unit of every controlled module and then to ``model``
-    (the root unit), and returns the controller that carries out decisions. Other submodules you
-    want as separate units: ``fully_shard`` them yourself before calling this (not inside
-    controlled modules). ``fill_missing_grads``: see the module's documentation (trainable
-    parameters only media batches use). ``root_release``: when a ``root`` decision releases the
-    gathered module, ``"after_forward"`` (after this rank's last planned call, when
-    ``begin_microbatch`` is given the calls) or ``"end_of_microbatch"`` (after the backward)."""
-    if root_release not in ROOT_RELEASES:
-        raise InvalidArgument(f"root_release must be one of {', '.join(ROOT_RELEASES)}, got {root_release!r}")
+def _is_fsdp(module: nn.Module) -> bool:
+    """Whether ``fully_shard`` made ``module`` an FSDP unit (a seam: the tests' stand-in has no class)."""
+    return FSDPModule is not None and isinstance(module, FSDPModule)
+
+
+class Towers:
+    """Phase one of two (:func:`shard_towers`): the controlled modules' layer units are FSDP units of
+    their own; the rest of the model is the framework's to wrap. :func:`attach` then takes the root
+    the framework made. ``modules``: the controlled modules sharded per layer; ``left_in_root``: those
+    without a layer list (they stay in whatever unit holds them: safe under every decision)."""
+
+    def __init__(self, model: nn.Module, controlled: Dict[str, "_Controlled"], left_in_root: List[str], mesh):
+        self.model = model
+        self.controlled = controlled
+        self.left_in_root = left_in_root
+        self.mesh = mesh
+        self.control: Optional[Fsdp2Control] = None  # Set by attach().
+
+    @property
+    def modules(self) -> List[str]:
+        return list(self.controlled)
+
+    def __repr__(self) -> str:
+        units = ", ".join(f"{name}: {len(c.units)} layer units" for name, c in self.controlled.items())
+        return f"Towers({units or 'none'}; left in their parent's unit: {self.left_in_root or 'none'})"
+
+
+def shard_towers(model: nn.Module, manifest: Iterable[ModuleSpec], mesh=None, **fully_shard_kwargs) -> Towers:
+    """Phase one: applies ``fully_shard`` to each layer unit of every controlled module, on ``mesh``
+    (the framework's FSDP mesh: 1-D, or 2-D ``(dp_replicate, dp_shard)`` for HSDP), and nothing
+    else. Call it before the framework wraps the rest (accelerate's ``prepare``, Lightning's
+    ``configure_model``, a torchtitan ``parallelize_fn``): frameworks skip modules that already are
+    FSDP units. Then :func:`attach` the root the framework made. ``fully_shard_kwargs`` (``mp_policy``,
+    ``offload_policy``, ...) should be the framework's, so the towers' units match the others;
+    ``reshard_after_forward`` is forced on for them (see :func:`shard`)."""
     if fully_shard is None:
         raise FailedPrecondition(f"FSDP2 needs torch >= 2.6 (torch.distributed.fsdp.fully_shard); this is torch "
                                  f"{torch.__version__}: use shardcoord.torch.Executor instead")
@@ -423,8 +458,14 @@ def shard(model: nn.Module, manifest: Iterable[ModuleSpec], mesh=None, fill_miss
     kwargs = dict(fully_shard_kwargs)
     if mesh is not None:
         kwargs["mesh"] = mesh
+    kwargs["reshard_after_forward"] = True
     for spec in manifest:
         module = model.get_submodule(spec.name)
+        if _is_fsdp(module) or any(_is_fsdp(m) for m in module.modules()):
+            raise FailedPrecondition(
+                f"fsdp2: controlled module '{spec.name}' already holds FSDP units ("
+                f"{', '.join(n or '<itself>' for n, m in module.named_modules() if _is_fsdp(m))}): shard the towers "
+                f"before anything else wraps them (call shard_towers before the framework's prepare / fully_shard)")
         units = _units_of(module, spec)
         if not units:
             left_in_root.append(spec.name)
@@ -436,7 +477,7 @@ def shard(model: nn.Module, manifest: Iterable[ModuleSpec], mesh=None, fill_miss
             # gathered, or resharded to a smaller mesh, would issue fewer or other ones on the
             # ranks that call more, where padded's passes gather every time); root and
             # replicate set their own behaviour per microbatch.
-            fully_shard(unit, **{**kwargs, "reshard_after_forward": True})
+            fully_shard(unit, **kwargs)
             unit.set_unshard_in_backward(False)
         for unit, following in zip(units, units[1:]):
             # per_layer: gather the next unit while this one computes (FSDP2 prefetches only in
@@ -446,14 +487,136 @@ def shard(model: nn.Module, manifest: Iterable[ModuleSpec], mesh=None, fill_miss
             unit.set_modules_to_forward_prefetch([following])
         _route_forward(c)
         controlled[spec.name] = c
-    fully_shard(model, **kwargs)
+    return Towers(model, controlled, left_in_root, mesh)
+
+
+def _owner_of_rest(c: "_Controlled", root: nn.Module, modules: Dict[int, str]) -> nn.Module:
+    """The FSDP unit that holds a controlled module's rest unit: its nearest ancestor that is one
+    (the root, or a unit the framework made around the tower's parent). Every rank gathers it
+    whenever the forward reaches the tower's caller, so the rest issues the same collectives under
+    every decision."""
+    path = modules[id(c.module)]
+    parts = path.split(".")
+    for i in range(len(parts) - 1, -1, -1):
+        candidate = root.get_submodule(".".join(parts[:i])) if i else root
+        if _is_fsdp(candidate):
+            return candidate
+    raise FailedPrecondition(f"fsdp2: no FSDP unit holds the rest of '{c.name}' (its parameters outside the layer "
+                             f"lists): wrap the model's root with fully_shard before attach()")
+
+
+def _outermost_unit(model: nn.Module, towers: Towers) -> Optional[nn.Module]:
+    """The shallowest FSDP unit inside ``model`` that holds every controlled module (a
+    LightningModule's ``self.model``, a wrapper's inner model), or None."""
+    held = [id(c.module) for c in towers.controlled.values()]
+    for _, module in sorted(model.named_modules(), key=lambda item: item[0].count(".") + bool(item[0])):
+        if _is_fsdp(module):
+            inside = {id(m) for m in module.modules()}
+            if all(h in inside for h in held):
+                return module
+    return None
+
+
+def attach(towers: Towers, root: Optional[nn.Module] = None, fill_missing_grads: bool = True,
+           root_release: str = "after_forward") -> Fsdp2Control:
+    """Phase two: once the framework wrapped the rest of the model (its root an FSDP unit), returns
+    the control that carries out decisions (:class:`Fsdp2Control`). ``root``: the model the
+    framework returned (default: the one given to :func:`shard_towers`; ``fully_shard`` wraps in
+    place). Checks that no other FSDP unit sits inside a controlled module (an auto-wrap policy that
+    matched a tower's submodule: its all-gather would run on the ranks that call the tower only)
+    and that the towers' units are still the ones :func:`shard_towers` made.
+    ``fill_missing_grads``, ``root_release``: see :func:`shard`."""
+    if root_release not in ROOT_RELEASES:
+        raise InvalidArgument(f"root_release must be one of {', '.join(ROOT_RELEASES)}, got {root_release!r}")
+    root = towers.model if root is None else getattr(root, "_orig_mod", root)  # torch.compile keeps the module
+    if towers.control is not None:
+        if towers.control._root is not root:
+            raise FailedPrecondition("fsdp2: these towers are attached to another root already")
+        return towers.control
+    if not _is_fsdp(root):
+        root = _outermost_unit(root, towers) or root
+    if not _is_fsdp(root):
+        raise FailedPrecondition(
+            f"fsdp2: attach() needs the model's root wrapped by fully_shard (a {type(root).__name__} is not an FSDP "
+            f"unit): let the framework wrap the model (accelerate's prepare with fsdp_version 2, Lightning's "
+            f"configure_model, your parallelize_fn), or call fully_shard(model) first")
+    modules = {id(m): n for n, m in root.named_modules()}
+    for name, c in towers.controlled.items():
+        if id(c.module) not in modules:
+            raise FailedPrecondition(f"fsdp2: controlled module '{name}' is not in the root given to attach()")
+        ours = {id(u) for u in c.units}
+        foreign = [n or "<itself>" for n, m in c.module.named_modules() if _is_fsdp(m) and id(m) not in ours]
+        if foreign:
+            raise FailedPrecondition(
+                f"fsdp2: the framework made FSDP units inside controlled module '{name}' besides its layer units: "
+                f"{', '.join(foreign[:8])}. Their all-gathers would run only on the ranks that call '{name}' (a hang "
+                f"when ranks differ): keep them out of the auto-wrap policy (accelerate: transformer_cls_names_to_wrap "
+                f"without their classes; Lightning / torchtitan: do not fully_shard inside '{name}')")
+        c.rest_owner = _owner_of_rest(c, root, modules) if c.has_rest else None
     if fill_missing_grads:
-        _fill_missing_grads(model)
-    ctl = Fsdp2Control(controlled, left_in_root, model, root_release)
+        _fill_missing_grads(root)
+    ctl = Fsdp2Control(towers.controlled, towers.left_in_root, root, root_release)
     # Padded's pad passes: registered after fully_shard, so it runs after FSDP's own pre-forward
     # hook (registered with prepend=True), once the root unit is gathered, as on a calling rank.
-    model.register_forward_pre_hook(ctl._before_model_forward)
+    root.register_forward_pre_hook(ctl._before_model_forward)
+    towers.control = ctl
     return ctl
+
+
+def shard(model: nn.Module, manifest: Iterable[ModuleSpec], mesh=None, fill_missing_grads: bool = True,
+          root_release: str = "after_forward", **fully_shard_kwargs) -> Fsdp2Control:
+    """Both phases in one call, for a loop that wraps the model itself: :func:`shard_towers`, then
+    ``fully_shard(model)`` (the root unit), then :func:`attach`. Other submodules you want as
+    separate units: ``fully_shard`` them yourself before calling this (not inside controlled
+    modules). ``fill_missing_grads``: see the module's documentation (trainable parameters only
+    media batches use). ``root_release``: when a ``root`` decision releases the gathered module,
+    ``"after_forward"`` (after this rank's last planned call, when ``begin_microbatch`` is given the
+    calls) or ``"end_of_microbatch"`` (after the backward)."""
+    if root_release not in ROOT_RELEASES:
+        raise InvalidArgument(f"root_release must be one of {', '.join(ROOT_RELEASES)}, got {root_release!r}")
+    towers = shard_towers(model, manifest, mesh, **fully_shard_kwargs)
+    kwargs = dict(fully_shard_kwargs)
+    if mesh is not None:
+        kwargs["mesh"] = mesh
+    fully_shard(model, **kwargs)
+    return attach(towers, model, fill_missing_grads, root_release)
+
+
+def mesh_shard_ranks(mesh=None) -> List[int]:
+    """The global ranks this rank shards parameters with on ``mesh`` (None: the world): a 1-D mesh's
+    ranks, or the row of a 2-D ``(dp_replicate, dp_shard)`` mesh (HSDP) that holds this rank, the
+    last dimension being the one FSDP shards over. That is the shard group shardcoord must decide
+    for: ``Worker(group_size=len(mesh_shard_ranks(mesh)))``."""
+    import torch.distributed as dist
+
+    if mesh is None:
+        return list(range(dist.get_world_size()))
+    grid = mesh.mesh
+    if grid.dim() == 1:
+        return [int(r) for r in grid.tolist()]
+    if grid.dim() != 2:
+        raise InvalidArgument(f"fsdp2: a {grid.dim()}-D mesh; FSDP takes a 1-D mesh or a 2-D (dp_replicate, "
+                              f"dp_shard) one: pass the FSDP dimensions (mesh['dp_shard'] or mesh['dp_replicate', "
+                              f"'dp_shard'])")
+    me = dist.get_rank()
+    for row in grid.tolist():
+        if me in row:
+            return [int(r) for r in row]
+    raise InvalidArgument(f"fsdp2: rank {me} is not in the mesh {grid.tolist()}")
+
+
+def check_shard_group(worker, mesh=None) -> None:
+    """Raises InvalidArgument when the worker's shard group (contiguous blocks of ``group_size``
+    ranks) is not the group FSDP shards over on ``mesh`` (:func:`mesh_shard_ranks`): decisions
+    would then be made for ranks that do not all-gather together."""
+    wanted = sorted(mesh_shard_ranks(mesh))
+    have = sorted(int(r) for r in worker.group.ranks)
+    if wanted != have:
+        raise InvalidArgument(
+            f"shardcoord's shard group of rank {worker.rank} is ranks {have} (group_size {len(have)}, contiguous "
+            f"blocks), but FSDP shards this rank's parameters over ranks {wanted}: give the Worker "
+            f"group_size={len(wanted)}, with the mesh laid out (dp_replicate, dp_shard) so that each shard group is "
+            f"a contiguous block of ranks")
 
 
 def _fill_missing_grads(model: nn.Module) -> None:
@@ -510,3 +673,27 @@ def _route_forward(c: _Controlled) -> None:
         return output
 
     c.module.forward = forward
+
+
+def parallelize(model: nn.Module, mesh=None, options=None, *, per_step: int = 1, fully_shard_kwargs=None,
+                **kwargs) -> "Session":
+    """For a hand-written FSDP2 loop shaped like torchtitan's: call it first in your ``parallelize_fn``,
+    before ``fully_shard`` of the decoder layers and the root, with the FSDP mesh (``world_mesh['dp_shard']``,
+    or ``world_mesh['dp_replicate', 'dp_shard']`` for HSDP) and your ``fully_shard`` keyword arguments
+    (``mp_policy``, ...). It connects this rank's worker (shard group: the mesh's shard dimension,
+    checked) and shards the towers' layer units; returns the
+    :class:`shardcoord.integration.Session`. After your ``fully_shard(model)``, ``session.attach(model)``;
+    then per step (torchtitan's ``train_step`` fetches every microbatch first)::
+
+        session.microbatches.plan(microbatches)
+        for mb in microbatches:
+            with session.microbatches.run(mb):
+                loss = loss_fn(model(**mb)); loss.backward()
+
+    ``options`` / ``kwargs``: :class:`shardcoord.integration.Options` (``plan_fn`` for a model that is
+    not a supported HF family)."""
+    from .integration import Options, Session
+
+    session = Session(Options.of(options, **kwargs), who="shardcoord.fsdp2")
+    session.shard_towers(model, mesh, fully_shard_kwargs, per_step)
+    return session

@@ -7,6 +7,7 @@ For the families below this module reads the count off the batch the HF processo
 rule the model's own forward applies (the same tests: ``is not None``, ``size(0) > 0``, ...)::
 
     import shardcoord.hf, shardcoord.torch as sct
+    from shardcoord.hf import Trainer                # transformers.Trainer, made safe (TrainerMixin; patch)
     plans = sct.PlanAhead(worker, sct.with_keys(loader, accum), shardcoord.hf.plan_fn(model))
     shardcoord.hf.tower_calls(model, batch)          # {"model.visual": 2} for images and videos
     shardcoord.hf.tower_calls("qwen2_vl", batch)     # by family name, with the canonical paths
@@ -58,7 +59,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import shardcoord as _shardcoord_pkg  # Its builtin names load the binding at first use, not here.
 from .errors import InvalidArgument
 
-__all__ = ["FAMILIES", "family_of", "plan_fn", "tower_calls"]
+__all__ = ["FAMILIES", "Options", "Trainer", "TrainerMixin", "family_of", "patch", "plan_fn", "tower_calls"]
 
 _Get = Callable[[str], Any]
 
@@ -337,3 +338,21 @@ def tower_calls(model_or_family: Any, batch: Any, *, extra_towers: Sequence[str]
     See :func:`plan_fn` for which modules are named; for a model, build ``plan_fn(model)`` once and call
     it per batch instead (this resolves the paths on every call)."""
     return plan_fn(model_or_family, extra_towers=extra_towers, extra_projectors=extra_projectors)(batch)
+
+
+# The Trainer integration (_hf_trainer.py): importing it loads neither torch nor transformers.
+from ._hf_trainer import TrainerMixin, patch  # noqa: E402
+from .integration import Options  # noqa: E402
+
+
+def __getattr__(name: str) -> Any:
+    """``shardcoord.hf.Trainer``: ``transformers.Trainer`` with :class:`TrainerMixin`, made on first
+    use (``import shardcoord.hf`` does not import transformers)."""
+    if name == "Trainer":
+        import transformers
+
+        value = type("Trainer", (TrainerMixin, transformers.Trainer), {"__module__": __name__, "__doc__":
+                     "transformers.Trainer under shardcoord (TrainerMixin's documentation)."})
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'shardcoord.hf' has no attribute '{name}'")

@@ -825,9 +825,14 @@ def _fsdp2_rank(monkeypatch, model_class=_PaddedVlm):
     """A model sharded by fsdp2.shard over the stand-in, its control and its all-gather log."""
     from shardcoord import fsdp2
 
-    log = []
-    monkeypatch.setattr(fsdp2, "fully_shard", lambda m, **kw: _FakeFsdp(m, "root" if m is model else
-                                                                       names[id(m)], log))
+    log, wrapped = [], set()
+
+    def fake_fully_shard(m, **kw):
+        _FakeFsdp(m, "root" if m is model else names[id(m)], log)
+        wrapped.add(id(m))
+
+    monkeypatch.setattr(fsdp2, "fully_shard", fake_fully_shard)
+    monkeypatch.setattr(fsdp2, "_is_fsdp", lambda m: id(m) in wrapped)
     model = model_class()
     names = {id(m): n for n, m in model.named_modules()}
     ctl = fsdp2.shard(model, sct.manifest(model))

@@ -1,0 +1,223 @@
+"""shardcoord for Hugging Face ``Trainer`` and its subclasses (TRL's ``SFTTrainer``, ``DPOTrainer``,
+``GRPOTrainer``, ...), exported as ``shardcoord.hf.TrainerMixin`` and ``shardcoord.hf.patch``.
+
+What it hooks, and why there (transformers 5.x with accelerate 1.x; a ``TrainerCallback`` never
+sees the batch, and its ``on_train_begin`` comes after the model is wrapped, so it cannot do this):
+
+- ``accelerator.prepare`` (the Trainer's, wrapped on the instance): before the framework wraps the
+  model, the frozen towers' layer units become FSDP units of their own on accelerate's FSDP2 mesh
+  with its mixed-precision and offload policies (accelerate then skips them: its wrap loop passes
+  over modules that already are FSDP units); after, the control is attached to the root accelerate
+  made. Without FSDP (DDP, one process) the plain executor shards the frozen towers over the world
+  instead. FSDP1 and DeepSpeed are refused, naming what to set.
+- ``get_batch_samples``: it returns every gradient-accumulation microbatch of a step before the
+  first forward; their plans (``shardcoord.hf.plan_fn(model)``, or ``plan_fn=``) are reported there.
+- ``training_step`` (one microbatch's forward and backward): the group's decision is carried out
+  around it. ``prediction_step`` (evaluation): each batch planned and decided on its own.
+- ``train`` / ``evaluate``: an error ends the session as failed, with its text (operators and the
+  other ranks see it). A training that ended well keeps the session for a later ``evaluate()``; it
+  ends cleanly at interpreter exit, or at ``trainer.shardcoord_close()``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional
+
+from .errors import FailedPrecondition
+from .integration import Options, Session
+
+__all__ = ["TrainerMixin", "patch"]
+
+
+def _distributed_kind(accelerator: Any) -> str:
+    """'fsdp2', 'plain' (DDP, CPU, one process); refuses what shardcoord cannot drive."""
+    kind = str(getattr(accelerator, "distributed_type", "NO")).rsplit(".", 1)[-1].upper()
+    if kind == "DEEPSPEED":
+        raise FailedPrecondition(
+            "shardcoord.hf: DeepSpeed gathers the frozen towers' parameters by its own hooks, which shardcoord does "
+            "not drive; use FSDP2 (TrainingArguments(fsdp='full_shard', fsdp_config={'fsdp_version': 2}) or "
+            "accelerate's FSDP2 plugin)")
+    if kind == "FSDP":
+        if not getattr(accelerator, "is_fsdp2", False):
+            raise FailedPrecondition(
+                "shardcoord.hf: FSDP1 is not supported (its flat parameters gather a unit whole on every rank); use "
+                "FSDP2: fsdp_config={'fsdp_version': 2} (TrainingArguments) or fsdp_version: 2 (accelerate config)")
+        return "fsdp2"
+    if kind in ("XLA", "TPU", "MEGATRON_LM"):
+        raise FailedPrecondition(f"shardcoord.hf: accelerate's {kind} mode is not supported; use FSDP2 or DDP")
+    return "plain"
+
+
+def fsdp2_settings(accelerator: Any) -> tuple:
+    """(mesh, fully_shard kwargs) as accelerate's FSDP2 preparation uses them (its
+    ``fsdp2_prepare_model``): the FSDP dimensions of its device mesh (None: the world), the plugin's
+    mixed-precision and offload policies, so the towers' units match the units accelerate makes."""
+    plugin = accelerator.state.fsdp_plugin
+    mesh = getattr(accelerator, "torch_device_mesh", None)
+    config = getattr(accelerator, "parallelism_config", None)
+    if mesh is not None and config is not None and getattr(config, "fsdp_dim_names", None):
+        mesh = mesh[tuple(config.fsdp_dim_names)]
+    elif mesh is not None and "dp_shard" in (getattr(mesh, "mesh_dim_names", None) or ()):
+        mesh = mesh["dp_shard"]
+    kwargs = {}
+    if getattr(plugin, "mixed_precision_policy", None) is not None:
+        kwargs["mp_policy"] = plugin.mixed_precision_policy
+    if getattr(plugin, "cpu_offload", None) is not None and not isinstance(plugin.cpu_offload, bool):
+        kwargs["offload_policy"] = plugin.cpu_offload
+    return mesh, kwargs
+
+
+class _Hook:
+    """The state of one trainer: its Session, and the wrapped methods' bodies."""
+
+    def __init__(self, trainer: Any, options: Options):
+        self.trainer = trainer
+        self.session = Session(options, who="shardcoord.hf")
+        self.kind: Optional[str] = None
+        self._atexit = False
+
+    # -- accelerator.prepare
+
+    def install_prepare(self) -> None:
+        accelerator = self.trainer.accelerator
+        if getattr(accelerator.prepare, "_shardcoord", False):
+            return
+        original = accelerator.prepare
+
+        @functools.wraps(original)
+        def prepare(*args: Any, **kwargs: Any) -> Any:
+            return self.prepare(original, *args, **kwargs)
+
+        prepare._shardcoord = True  # type: ignore[attr-defined]
+        accelerator.prepare = prepare
+
+    def _model_in(self, args: tuple) -> Any:
+        import torch
+
+        models = [a for a in args if isinstance(a, torch.nn.Module)]
+        return models[0] if models else None
+
+    def prepare(self, original: Any, *args: Any, **kwargs: Any) -> Any:
+        model = self._model_in(args)
+        if model is not None and not self.session.started:
+            self.kind = _distributed_kind(self.trainer.accelerator)
+            accum = max(1, int(getattr(self.trainer.args, "gradient_accumulation_steps", 1)))
+            if self.kind == "fsdp2":
+                mesh, kwargs_fs = fsdp2_settings(self.trainer.accelerator)
+                self.session.shard_towers(model, mesh, kwargs_fs, per_step=accum)
+            else:
+                self.session.shard_plain(model, per_step=accum)
+        out = original(*args, **kwargs)
+        if model is not None and self.kind == "fsdp2":
+            prepared = out[args.index(model)] if isinstance(out, tuple) else out
+            self.session.attach(prepared)
+        return out
+
+    # -- the training loop
+
+    def _microbatches(self):
+        mbs = self.session.microbatches
+        if mbs is None:
+            raise FailedPrecondition("shardcoord.hf: the model was never prepared by the trainer's accelerator, so "
+                                     "its towers are not sharded; use Trainer.train() (or accelerator.prepare)")
+        return mbs
+
+    def get_batch_samples(self, original: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original(*args, **kwargs)
+        batches = out[0] if isinstance(out, tuple) else out
+        if self.session.microbatches is not None and batches:
+            self.session.microbatches.plan(list(batches))
+        return out
+
+    def training_step(self, original: Any, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        with self._microbatches().run(inputs):
+            return original(model, inputs, *args, **kwargs)
+
+    def prediction_step(self, original: Any, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.session.microbatches is None:  # Evaluation before training: nothing sharded yet.
+            return original(model, inputs, *args, **kwargs)
+        with self.session.microbatches.run_one(inputs):
+            return original(model, inputs, *args, **kwargs)
+
+    def train(self, original: Any, *args: Any, **kwargs: Any) -> Any:
+        self.install_prepare()
+        return self._closing_on_error(original, *args, **kwargs)
+
+    def evaluate(self, original: Any, *args: Any, **kwargs: Any) -> Any:
+        return self._closing_on_error(original, *args, **kwargs)
+
+    def _closing_on_error(self, original: Any, *args: Any, **kwargs: Any) -> Any:
+        """Runs ``original``; an error ends the session as failed, with its text. After a training that
+        ended well the session stays open (``trainer.evaluate()`` after ``train()`` runs the towers
+        too), and ends cleanly at interpreter exit or at ``shardcoord_close()``."""
+        try:
+            out = original(*args, **kwargs)
+        except BaseException as e:
+            self.session.close(e)
+            raise
+        if self.session.started and not self._atexit:
+            import atexit
+
+            atexit.register(self.session.close)
+            self._atexit = True
+        return out
+
+    @property
+    def decisions(self):
+        mbs = self.session.microbatches
+        return dict(mbs.decisions) if mbs is not None else {}
+
+
+class TrainerMixin:
+    """Put it first among the bases: ``class MyTrainer(shardcoord.hf.TrainerMixin, SFTTrainer)``, or
+    ``shardcoord.hf.Trainer`` for ``transformers.Trainer`` itself. Every rank's trainer then reports
+    its microbatches' plans and runs the group's decisions on the frozen towers, sharded per layer.
+    ``shardcoord=`` takes an ``Options`` or a dict of its fields (``job_id``, ``plan_fn``, ``policy``,
+    ...); the defaults fit a supported HF VLM under torchrun with ``$SHARDCOORD_ADDR`` set.
+    ``self.shardcoord_decisions``: decision kind -> count, so far; ``self.shardcoord_close()``."""
+
+    def __init__(self, *args: Any, shardcoord: Any = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        options = shardcoord if isinstance(shardcoord, Options) else Options.of(**dict(shardcoord or {}))
+        self._shardcoord = _Hook(self, options)
+        self._shardcoord.install_prepare()
+
+    def get_batch_samples(self, *args: Any, **kwargs: Any) -> Any:
+        return self._shardcoord.get_batch_samples(super().get_batch_samples, *args, **kwargs)
+
+    def training_step(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        return self._shardcoord.training_step(super().training_step, model, inputs, *args, **kwargs)
+
+    def prediction_step(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        return self._shardcoord.prediction_step(super().prediction_step, model, inputs, *args, **kwargs)
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        return self._shardcoord.train(super().train, *args, **kwargs)
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> Any:
+        return self._shardcoord.evaluate(super().evaluate, *args, **kwargs)
+
+    @property
+    def shardcoord_decisions(self):
+        return self._shardcoord.decisions
+
+    def shardcoord_close(self) -> None:
+        """Ends this rank's shardcoord session now (otherwise at interpreter exit)."""
+        self._shardcoord.session.close()
+
+
+def patch(trainer: Any, options: Optional[Options] = None, **kwargs: Any) -> Any:
+    """The same as :class:`TrainerMixin`, on a trainer already built (any ``Trainer`` subclass):
+    ``trainer = shardcoord.hf.patch(SFTTrainer(...))``. Returns the trainer. ``options`` /
+    ``kwargs``: :class:`shardcoord.integration.Options` fields."""
+    if getattr(trainer, "_shardcoord", None) is not None:
+        raise FailedPrecondition("shardcoord.hf.patch: this trainer is already under shardcoord")
+    hook = _Hook(trainer, Options.of(options, **kwargs))
+    trainer._shardcoord = hook
+    trainer.shardcoord_close = hook.session.close
+    for name in ("get_batch_samples", "training_step", "prediction_step", "train", "evaluate"):
+        original = getattr(trainer, name)
+        setattr(trainer, name, functools.partial(getattr(hook, name), original))
+    hook.install_prepare()
+    return trainer

@@ -1,0 +1,268 @@
+"""The framework integrations (shardcoord.hf's Trainer hooks, shardcoord.integration, fsdp2's two
+phases): a Trainer stand-in (trainer_mixin_ranks.py: the calls transformers.Trainer makes, in its
+order) trains a look-alike VLM at two real Gloo ranks under a real shardcoordd, bitwise equal to
+the same trainer without shardcoord; the refusals name what to change. The real Trainer with
+accelerate's FSDP2 runs on the GPU machine (scripts/gpu/hf_trainer_check.py)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import shardcoord  # noqa: E402
+import shardcoord.hf  # noqa: E402
+import shardcoord.torch as sct  # noqa: E402
+from shardcoord import integration  # noqa: E402
+from trainer_mixin_ranks import FakeAccelerator, FakeArgs, FakeTrainer  # noqa: E402
+
+RUN_DEADLINE = 150  # Seconds for one two-rank run (about 10 normally).
+
+
+def run_ranks(tmp_path, mode, family, steps, address=None):
+    """Both ranks of one mode; returns their RESULT dicts (rank order), failing the test on a hang."""
+    init = f"file://{tmp_path}/store-{mode}"
+    env = dict(os.environ, SHARDCOORD_JOB=f"trainer-{mode}-{os.getpid()}")
+    if address:
+        env["SHARDCOORD_ADDR"] = address
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "trainer_mixin_ranks.py"), init, str(r), "2", mode,
+                               family, str(steps)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for r in range(2)]
+    results = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=RUN_DEADLINE)
+            assert p.returncode == 0, f"{mode} rank failed ({p.returncode}):\n{err[-3000:]}"
+            lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+            assert lines, f"{mode}: no RESULT line:\n{out[-2000:]}\n{err[-2000:]}"
+            results.append(json.loads(lines[-1][7:]))
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{mode}: a rank did not finish within {RUN_DEADLINE} s (a collective mismatch hangs)")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    return results
+
+
+def test_trainer_hooks_train_like_the_unsharded_trainer(tmp_path, trainer_daemon):
+    reference = run_ranks(tmp_path, "reference", "qwen2_5_vl", 4)
+    for mode in ("mixin", "patch"):
+        got = run_ranks(tmp_path, mode, "qwen2_5_vl", 4, trainer_daemon.address)
+        for rank in range(2):
+            assert got[rank]["losses"] == reference[rank]["losses"], (mode, rank)  # Bitwise.
+            assert got[rank]["eval"] == reference[rank]["eval"], (mode, rank)
+            assert got[rank]["params"] == reference[rank]["params"], (mode, rank)
+        decisions = got[0]["decisions"]
+        # Every microbatch decided (8 trained, 2 evaluated; one controlled module), with the
+        # agreeing kinds and the fallback among them (the ranks' media are drawn independently).
+        assert sum(decisions.values()) == 10, decisions
+        assert decisions.get("per_layer") and decisions.get("root") and decisions.get("skip"), decisions
+        assert got[1]["decisions"] == decisions
+
+
+# -- refusals and the hooks' seams (no daemon)
+
+class _Vlm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.visual = nn.Module()
+        self.visual.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+        self.head = nn.Linear(4, 2)
+
+
+def test_nothing_to_control_names_the_trainable_tower():
+    model = _Vlm()
+    model.visual.blocks[0].requires_grad_(False)  # Partly frozen: not controlled.
+    with pytest.raises(shardcoord.FailedPrecondition,
+                       match=r"Seen with trainable parameters: tower 'visual' \(2 of 4 parameters trainable\)"):
+        integration.controlled_manifest(model)
+    model.requires_grad_(False)
+    model.head.requires_grad_(True)
+    assert [s.name for s in integration.controlled_manifest(model)] == ["visual"]
+
+
+def test_unsupported_accelerators_are_refused_with_what_to_set():
+    from shardcoord._hf_trainer import _distributed_kind
+
+    with pytest.raises(shardcoord.FailedPrecondition, match=r"DeepSpeed .* use FSDP2"):
+        _distributed_kind(FakeAccelerator("DistributedType.DEEPSPEED"))
+    with pytest.raises(shardcoord.FailedPrecondition, match=r"FSDP1 is not supported.*fsdp_version': 2"):
+        _distributed_kind(FakeAccelerator("FSDP"))
+    fsdp2 = FakeAccelerator("FSDP")
+    fsdp2.is_fsdp2 = True
+    assert _distributed_kind(fsdp2) == "fsdp2"
+    assert _distributed_kind(FakeAccelerator("MULTI_GPU")) == "plain"
+    trainer = shardcoord.hf.patch(FakeTrainer(_Vlm(), FakeArgs(1), [], accelerator=FakeAccelerator("DEEPSPEED")))
+    with pytest.raises(shardcoord.FailedPrecondition, match="DeepSpeed"):
+        trainer.train()  # Refused at prepare, before anything is sharded.
+
+
+def test_options_and_patch_refuse_mistakes():
+    with pytest.raises(shardcoord.InvalidArgument, match=r"unknown option\(s\) job; the options are .*job_id"):
+        integration.Options.of(job="x")
+    trainer = shardcoord.hf.patch(FakeTrainer(_Vlm(), FakeArgs(1), []), job_id="j")
+    assert trainer._shardcoord.session.options.job_id == "j"
+    with pytest.raises(shardcoord.FailedPrecondition, match="already under shardcoord"):
+        shardcoord.hf.patch(trainer)
+
+
+def test_default_job_id_comes_from_the_launcher(monkeypatch):
+    for var in ("SHARDCOORD_JOB", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(shardcoord.InvalidArgument, match=r"set \$SHARDCOORD_JOB"):
+        integration.default_job_id()
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    assert integration.default_job_id("hf") == "hf-10.0.0.1-29500"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun --standalone: not an id.
+    assert integration.default_job_id("hf") == "hf-10.0.0.1-29500"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "abc")
+    assert integration.default_job_id("hf") == "hf-abc"
+    monkeypatch.setenv("SHARDCOORD_JOB", "mine")
+    assert integration.default_job_id("hf") == "mine"
+
+
+class _Worker:
+    """A unit seam for Microbatches: records plans, answers every microbatch per_layer."""
+
+    def __init__(self):
+        self.reported, self.closed_with = [], "open"
+        self.rank, self.closed = 0, False
+
+    def report_plan(self, step, mb, calls):
+        self.reported.append((step, mb, dict(calls)))
+
+    def get_decision(self, step, mb, timeout):
+        return {"visual": "per_layer"}
+
+    def close(self, timeout=10.0, reason=None):
+        self.closed, self.closed_with = True, reason
+
+
+class _Control:
+    def __init__(self):
+        self.calls = []
+
+    def begin_microbatch(self, decision, calls=None):
+        self.calls.append(("begin", dict(calls)))
+
+    def end_microbatch(self):
+        self.calls.append(("end",))
+
+
+def test_microbatches_run_in_plan_order_and_refuse_what_would_diverge():
+    worker, control = _Worker(), _Control()
+    mbs = integration.Microbatches(worker, control, lambda b: {"visual": b["n"]}, watch=False)
+    a, b = {"n": 1}, {"n": 0}
+    assert mbs.plan([a, b]) == [(0, 0), (0, 1)]
+    assert worker.reported == [(0, 0, {"visual": 1}), (0, 1, {"visual": 0})]
+    with pytest.raises(shardcoord.InvalidArgument, match=r"microbatch \(0, 0\) runs another batch"):
+        with mbs.run(b):
+            pass
+    with pytest.raises(shardcoord.FailedPrecondition, match=r"plan\(\) for step 1 while microbatches \[\(0, 0\), "):
+        mbs.plan([a])
+    for batch in (a, b):
+        with mbs.run(batch):
+            pass
+    assert control.calls == [("begin", {"visual": 1}), ("end",), ("begin", {"visual": 0}), ("end",)]
+    with pytest.raises(shardcoord.FailedPrecondition, match=r"run\(\) with no planned microbatch"):
+        with mbs.run():
+            pass
+    # iterate(): a step's batches planned together, each microbatch ended when the next is asked for.
+    control.calls.clear()
+    seen = [batch["n"] for batch in mbs.iterate([{"n": 2}, {"n": 0}, {"n": 1}], per_step=2)]
+    assert seen == [2, 0, 1]
+    assert [k for k in worker.reported[2:]] == [(1, 0, {"visual": 2}), (1, 1, {"visual": 0}), (2, 0, {"visual": 1})]
+    assert control.calls.count(("end",)) == 3
+    assert mbs.decisions == {"per_layer": 5}
+    mbs.close(RuntimeError("boom"))
+    assert worker.closed_with == "RuntimeError: boom"
+    with pytest.raises(shardcoord.FailedPrecondition, match="closed"):
+        mbs.plan([a])
+
+
+def test_a_plan_function_that_raises_reports_nothing():
+    worker = _Worker()
+    mbs = integration.Microbatches(worker, _Control(), lambda b: {"visual": b["n"]}, watch=False)
+    with pytest.raises(KeyError):
+        mbs.plan([{"n": 1}, {}])
+    assert worker.reported == [] and mbs.pending == []
+
+
+# -- fsdp2's two phases, over the stand-in FSDP of test_torch.py (torch 1.13 has no FSDP2)
+
+def _two_phase(monkeypatch):
+    from shardcoord import fsdp2
+    from test_torch import _FakeFsdp, _PaddedVlm
+
+    log, wrapped = [], set()
+
+    def fake_fully_shard(module, **kwargs):
+        _FakeFsdp(module, names[id(module)] or "root", log)
+        wrapped.add(id(module))
+
+    monkeypatch.setattr(fsdp2, "fully_shard", fake_fully_shard)
+    monkeypatch.setattr(fsdp2, "_is_fsdp", lambda module: id(module) in wrapped)
+    model = _PaddedVlm()
+    names = {id(m): n for n, m in model.named_modules()}
+    return fsdp2, model, log, fake_fully_shard
+
+
+def test_fsdp2_two_phases_leave_the_rest_to_the_framework(monkeypatch):
+    fsdp2, model, log, fully_shard = _two_phase(monkeypatch)
+    specs = sct.manifest(model)
+    towers = fsdp2.shard_towers(model, specs)
+    assert towers.modules == ["visual"] and len(towers.controlled["visual"].units) == 3
+    with pytest.raises(shardcoord.FailedPrecondition, match=r"attach\(\) needs the model's root wrapped"):
+        fsdp2.attach(towers, model)
+    fully_shard(model.head)  # The framework's own units, then its root.
+    fully_shard(model)
+    ctl = fsdp2.attach(towers, model)
+    assert fsdp2.attach(towers, model) is ctl  # Idempotent.
+    ctl.begin_microbatch({"visual": "per_layer"}, calls={"visual": 1})
+    with torch.no_grad():
+        model([torch.randn(1, 4)])
+    ctl.end_microbatch()
+    assert log == ["root", "visual.blocks.0", "visual.blocks.1", "visual.blocks.2", "head"], log
+    # A second phase one on the same towers is refused: they are FSDP units already.
+    with pytest.raises(shardcoord.FailedPrecondition, match=r"already holds FSDP units \(blocks.0"):
+        fsdp2.shard_towers(model, specs)
+
+
+def test_fsdp2_attach_refuses_a_framework_unit_inside_a_tower(monkeypatch):
+    fsdp2, model, log, fully_shard = _two_phase(monkeypatch)
+    towers = fsdp2.shard_towers(model, sct.manifest(model))
+    fully_shard(model.visual)  # An auto-wrap policy that matched the tower itself.
+    fully_shard(model)
+    with pytest.raises(shardcoord.FailedPrecondition,
+                       match=r"units inside controlled module 'visual' besides its layer units: <itself>.*"
+                             r"transformer_cls_names_to_wrap"):
+        fsdp2.attach(towers, model)
+
+
+def test_fsdp2_mesh_shard_group_must_be_the_workers():
+    from shardcoord import fsdp2
+
+    class Mesh:
+        def __init__(self, grid):
+            self.mesh = torch.tensor(grid)
+
+    class Group:
+        ranks = [0, 1]
+
+    class Worker:
+        rank, group = 0, Group()
+
+    assert fsdp2.mesh_shard_ranks(Mesh([0, 1])) == [0, 1]
+    fsdp2.check_shard_group(Worker(), Mesh([0, 1]))
+    with pytest.raises(shardcoord.InvalidArgument, match=r"FSDP shards this rank's parameters over ranks \[0, 1, 2, "
+                                                         r"3\]: give the Worker group_size=4"):
+        fsdp2.check_shard_group(Worker(), Mesh([0, 1, 2, 3]))
