@@ -37,6 +37,10 @@ daemon=$build/coordinator/shardcoordd
 shardctl=$build/client/shardctl
 work=$(mktemp -d)
 chmod 755 "$work"  # the daemon's user must reach the laid-out folders
+# ... and the daemon and the shipped config, which it cannot reach in a checkout cloned into a
+# private folder (root's home, a mktemp -d: mode 0700): copies of both, where it can.
+mkdir "$work/bin" && install -m 755 "$build/coordinator/shardcoordd" "$work/bin/shardcoordd"
+daemon=$work/bin/shardcoordd
 cleanup() {
   local pid
   if [[ -f $work/pids ]]; then
@@ -404,7 +408,8 @@ starts() {
 }
 
 # --- 1. The shipped config ------------------------------------------------------------------
-config=$root/deploy/config/shardcoordd.yaml
+install -m 644 "$root/deploy/config/shardcoordd.yaml" "$work/shardcoordd.yaml"
+config=$work/shardcoordd.yaml  # deploy/config/shardcoordd.yaml, readable by the daemon's user
 cfs=$work/config
 mkdir -p "$cfs/var/lib/shardcoord" "$cfs/tmp" && chmod 1777 "$cfs/tmp" && own "$cfs/var/lib/shardcoord"
 cp "$secrets/tokens" "$secrets/tls.crt" "$secrets/tls.key" "$cfs/" && own "$cfs/tokens" "$cfs/tls.crt" "$cfs/tls.key"
