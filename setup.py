@@ -13,13 +13,19 @@ neither PYTHONPATH nor LD_LIBRARY_PATH is needed. Two ways to get them:
   too. Environment: ``SHARDCOORD_BUILD_DIR`` (default ``build-pip``, kept between builds, so a
   second install compiles only what changed), ``SHARDCOORD_CMAKE_ARGS`` (extra CMake arguments,
   e.g. ``-DSHARDCOORD_WITH_NCCL=ON``), ``CMAKE_BUILD_PARALLEL_LEVEL``.
+The daemon ``shardcoordd`` and the CLI ``shardctl`` are built too and shipped in the package
+(``shardcoord/_bin/``), on the environment's PATH through the console entry points of pyproject.toml
+(``shardcoord/_cli.py``); ``SHARDCOORD_NO_DAEMON=1`` leaves them out.
+
 - Prebuilt (``SHARDCOORD_PREBUILT=DIR``): a worker library built elsewhere, as
   ``scripts/gpu/bundle.sh`` makes for the GPU machine (``DIR/lib`` with
   ``libshardcoord_worker.so*`` and every shared library it needs that the target machine lacks;
   ``DIR/include`` with Abseil's headers and ``shardcoord/version.h``). Only the binding is
   compiled here (pybind11's setuptools helpers); the libraries in ``DIR/lib`` are copied into
   the package, and the binding and the worker library look for them there ($ORIGIN, as
-  DT_RPATH so that their own dependencies are found too).
+  DT_RPATH so that their own dependencies are found too). ``DIR/bin/shardcoordd`` and
+  ``DIR/bin/shardctl``, where present, ship as above (run with the package folder on the loader's
+  path).
 """
 
 import glob
@@ -52,6 +58,23 @@ def run(cmd, **kwargs):
     subprocess.run([str(c) for c in cmd], check=True, **kwargs)
 
 
+# The daemon and the CLI ship in the package (shardcoord/_bin/), run by the console entry points of
+# pyproject.toml (shardcoord/_cli.py). SHARDCOORD_NO_DAEMON=1 builds the binding alone.
+DAEMON_BINARIES = {"shardcoordd": "shardcoordd", "shardctl": "shardctl"}  # file name -> CMake target
+DAEMON_PATHS = {"coordinator/shardcoordd": "shardcoordd", "client/shardctl": "shardctl"}  # in the build
+NO_DAEMON = os.environ.get("SHARDCOORD_NO_DAEMON", "0") == "1"
+
+
+def ship_binaries(out: Path, binaries: dict):
+    (out / "_bin").mkdir(exist_ok=True)
+    for name, path in binaries.items():
+        if not path.is_file():
+            sys.exit(f"setup.py: {path} was not built (the daemon and the CLI ship in the package; "
+                     f"SHARDCOORD_NO_DAEMON=1 builds without them)")
+        shutil.copy2(path, out / "_bin" / name)
+        subprocess.run(["strip", "--strip-unneeded", str(out / "_bin" / name)], check=False)
+
+
 class CMakeBuild(build_ext):
     def build_extension(self, ext):
         out = Path(self.get_ext_fullpath(ext.name)).resolve().parent  # <build_lib>/shardcoord
@@ -79,7 +102,10 @@ class CMakeBuild(build_ext):
             args += ["-G", "Ninja"]
         args += os.environ.get("SHARDCOORD_CMAKE_ARGS", "").split()
         run(["cmake", "-S", ROOT, "-B", build, *args])
-        run(["cmake", "--build", build, "--target", "shardcoord_python", "shardcoord_worker"])
+        targets = ["shardcoord_python", "shardcoord_worker"] + ([] if NO_DAEMON else list(DAEMON_BINARIES.values()))
+        print(f"setup.py: building {', '.join(targets)} in {build} (a first build takes minutes; pip -v shows it)",
+              file=sys.stderr, flush=True)
+        run(["cmake", "--build", build, "--target", *targets])
         binding = glob.glob(str(build / "python" / "shardcoord" / ("_shardcoord" + sysconfig.get_config_var("EXT_SUFFIX"))))
         if not binding:
             sys.exit(f"setup.py: CMake built no _shardcoord{sysconfig.get_config_var('EXT_SUFFIX')} in "
@@ -87,6 +113,8 @@ class CMakeBuild(build_ext):
         shutil.copy2(binding[0], out)
         worker = build / "worker" / "libshardcoord_worker.so.0"
         shutil.copy2(worker.resolve(), out / worker.name)
+        if not NO_DAEMON:
+            ship_binaries(out, {name: build / path for path, name in DAEMON_PATHS.items()})
 
     def build_prebuilt(self, ext, prebuilt: Path, out: Path):
         lib, include = prebuilt / "lib", prebuilt / "include"
@@ -112,6 +140,9 @@ class CMakeBuild(build_ext):
         # the loader asks for).
         for so in sorted(lib.glob("*.so.*")):
             shutil.copy2(so.resolve(), out / so.name)
+        found = {name: prebuilt / "bin" / name for name in DAEMON_BINARIES if (prebuilt / "bin" / name).is_file()}
+        if found and not NO_DAEMON:
+            ship_binaries(out, found)  # Run with the package folder on the loader's path (_cli.py).
 
 
 setup(

@@ -71,7 +71,9 @@ class Worker:
     ``rank`` and ``world_size`` default to torchrun's ``RANK`` and ``WORLD_SIZE``, or, in a task started
     by Slurm's ``srun`` without torchrun, ``SLURM_PROCID`` and ``SLURM_NTASKS`` (:func:`launcher_rank`;
     ``self.launcher`` says which); ``address`` to
-    ``$SHARDCOORD_ADDR``. ``group_size`` is the FSDP shard group size (contiguous blocks of ranks).
+    ``$SHARDCOORD_ADDR``; with neither, rank 0 starts a coordinator for this job and the others find
+    it through the launcher's rendezvous store (``_embedded.py``: the embedded mode, said in the log).
+    ``group_size`` is the FSDP shard group size (contiguous blocks of ranks).
     If the coordinator goes away (killed, restarted), the worker reconnects for ``reconnect_window``
     seconds and resumes, keeping the decisions it holds; 0 fails at once instead. ``token`` (a ``rank``
     token, for a coordinator started with ``--token-file``) defaults to ``$SHARDCOORD_TOKEN`` or the
@@ -91,10 +93,16 @@ class Worker:
                  token: str = "", tls_ca: str = "", tls_cert: str = "", tls_key: str = "",
                  tls_server_name: str = ""):
         rank, world_size, launcher = launcher_rank(rank, world_size)
+        address = address if address is not None else os.environ.get(ADDRESS_ENV, "")
+        if not address:  # The embedded coordinator of this job (_embedded.py): rank 0 starts it.
+            from ._embedded import coordinator_for
+
+            address, embedded_token = coordinator_for(job_id, rank, world_size, timeout=max(connect_timeout, 1.0))
+            token = token or embedded_token
         bound = native()
         tls = bound.TlsOptions(ca_file=tls_ca, cert_file=tls_cert, key_file=tls_key, server_name=tls_server_name)
         options = bound.WorkerOptions(
-            coordinator_address=address if address is not None else os.environ.get(ADDRESS_ENV, ""), job_id=job_id,
+            coordinator_address=address, job_id=job_id,
             rank=rank, world_size=world_size, group_size=group_size, modules=modules, policy=policy,
             fallback=fallback, wrap_outer_model=wrap_outer_model, lookahead=lookahead,
             memory_budget_bytes=memory_budget_bytes, connect_timeout=connect_timeout,

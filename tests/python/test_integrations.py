@@ -266,3 +266,59 @@ def test_fsdp2_mesh_shard_group_must_be_the_workers():
     with pytest.raises(shardcoord.InvalidArgument, match=r"FSDP shards this rank's parameters over ranks \[0, 1, 2, "
                                                          r"3\]: give the Worker group_size=4"):
         fsdp2.check_shard_group(Worker(), Mesh([0, 1, 2, 3]))
+
+
+# -- the embedded coordinator (no address given: rank 0 starts one for the job)
+
+def test_embedded_coordinator_serves_a_torchrun_job_and_stops_with_it(tmp_path):
+    import re
+    import socket
+
+    env = {k: v for k, v in os.environ.items() if k not in ("SHARDCOORD_ADDR", "SHARDCOORD_EMBEDDED")}
+    env["JOB"] = f"embedded-{os.getpid()}"
+    # Debian's torchrun (torch 1.13, Python 3.11) crashes without --redirects/--tee; they work on 2.x too.
+    with socket.socket() as s:  # torch 1.13's torchrun takes no port 0: a free one, released just before.
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--redirects", "2", "--tee", "2",
+            "--master_addr", "127.0.0.1", "--master_port", str(port), os.path.join(os.path.dirname(HERE), "..", "examples", "python", "minimal_loop.py")]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=RUN_DEADLINE, cwd=tmp_path)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the torchrun job did not finish within {RUN_DEADLINE} s")
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    hashes = set(re.findall(r"final params hash (\w+)", out))
+    assert len(hashes) == 1 and out.count("final params hash") == 2, out[-2000:]
+    said = re.search(r"rank 0 started an embedded shardcoordd for this job at 127\.0\.0\.1:(\d+)", out)
+    assert said, out[-2000:]
+    with socket.socket() as s:  # Stopped with rank 0: nothing listens there any more.
+        assert s.connect_ex(("127.0.0.1", int(said.group(1)))) != 0
+
+
+def test_embedded_coordinator_can_be_refused(monkeypatch):
+    from shardcoord import _embedded
+
+    monkeypatch.setenv("SHARDCOORD_EMBEDDED", "0")
+    with pytest.raises(shardcoord.InvalidArgument, match=r"set \$SHARDCOORD_ADDR=host:port .*SHARDCOORD_EMBEDDED=0"):
+        _embedded.coordinator_for("j", 0, 2)
+    monkeypatch.setenv("SHARDCOORD_EMBEDDED", "1")
+    for var in ("TORCHELASTIC_USE_AGENT_STORE",):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(shardcoord.InvalidArgument, match=r"no rendezvous store to share an embedded one through: launch "
+                                                         r"with torchrun"):
+        _embedded.coordinator_for("j", 1, 2)
+
+
+def test_the_entry_points_run_the_shipped_binaries(monkeypatch, tmp_path):
+    from shardcoord import _cli
+
+    assert _cli.binary("shardcoordd"), "the build tree's package has its daemon (shardcoord/_bin)"
+    done = subprocess.run([sys.executable, "-c", "import sys; sys.argv[1:] = ['--version']; "
+                           "from shardcoord._cli import shardcoordd; shardcoordd()"],
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0 and shardcoord.__version__ in done.stdout, done
+    monkeypatch.setattr(_cli, "PACKAGE", tmp_path)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(SystemExit, match=r"this installation of shardcoord has no shardctl .*SHARDCOORD_NO_DAEMON"):
+        _cli.shardctl()
