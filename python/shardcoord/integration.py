@@ -29,12 +29,13 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
-from .errors import Error, FailedPrecondition, InvalidArgument
+from .errors import Error, FailedPrecondition, GroupFailed, InvalidArgument
 
 if TYPE_CHECKING:  # pragma: no cover
     from .worker import Decision, ModuleSpec, Worker
 
 JOB_ENV = "SHARDCOORD_JOB"
+EXIT_AFTER = 10.0  # Seconds a loop blocked in an unabortable collective has to take a verdict (FailureWatch).
 
 
 def default_job_id(prefix: str = "job") -> str:
@@ -125,7 +126,7 @@ class Microbatches:
         if watch:
             from .torch import FailureWatch
 
-            self._watch = FailureWatch(worker, process_groups).start()
+            self._watch = FailureWatch(worker, process_groups, exit_after=EXIT_AFTER).start()
         self.closed = False
 
     @property
@@ -218,6 +219,19 @@ class Microbatches:
         if self.closed:
             raise FailedPrecondition("shardcoord: this job's session is closed")
 
+    def _leave_at_exit(self, error: BaseException) -> None:
+        """Training stopped on an error: at interpreter exit, the process ends without tearing down
+        its process groups (``shardcoord.torch.leave``), whose destructors wait for a lost peer on
+        Gloo. Exit code 3 after a coordinator's verdict, 1 otherwise."""
+        import atexit
+
+        from .torch import leave
+
+        verdict = isinstance(error, GroupFailed) or (self._watch is not None and self._watch.verdict is not None)
+        if isinstance(error, (KeyboardInterrupt, SystemExit)) and not verdict:
+            return
+        atexit.register(leave, 3 if verdict else 1)
+
     def close(self, error: Optional[BaseException] = None) -> None:
         """Ends the session: a clean leave, or, given the error that stopped training, a failure that
         operators and the other ranks see with its text. Idempotent."""
@@ -231,6 +245,7 @@ class Microbatches:
             reason = f"{type(error).__name__}: {error}"
             if self._watch is not None and self._watch.verdict is not None and error is not self._watch.verdict:
                 reason += f" (after the coordinator's verdict: {self._watch.verdict})"
+            self._leave_at_exit(error)
         try:
             self.worker.close(reason=reason)
         except Error as e:  # The session was already lost: say so, keep the training error.

@@ -68,6 +68,29 @@ def test_trainer_hooks_train_like_the_unsharded_trainer(tmp_path, trainer_daemon
         assert got[1]["decisions"] == decisions
 
 
+def test_a_stopped_peer_ends_the_survivor_promptly_naming_it(tmp_path, trainer_daemon):
+    """Rank 1 stops (SIGSTOP: its sockets stay open) in its third microbatch; rank 0 is then blocked
+    in a Gloo collective with it, which torch 1.13 cannot abort. The coordinator's verdict (after the
+    daemon's 5 s heartbeat timeout) must end rank 0 with exit code 3, naming rank 1, not the Gloo
+    timeout (30 minutes), and not a hang in the process group's destructor at exit."""
+    init = f"file://{tmp_path}/store-stop"
+    env = dict(os.environ, SHARDCOORD_JOB=f"trainer-stop-{os.getpid()}", SHARDCOORD_ADDR=trainer_daemon.address,
+               STOP_AT_MICROBATCH="3")
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "trainer_mixin_ranks.py"), init, str(r), "2", "mixin",
+                               "qwen2_5_vl", "4"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for r in range(2)]
+    try:
+        out, err = procs[0].communicate(timeout=5 + 10 + 30)  # Heartbeat timeout + exit_after + slack.
+    except subprocess.TimeoutExpired:
+        pytest.fail("rank 0 did not end within 45 s of its peer stopping")
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(10)
+    assert procs[0].returncode == 3, err[-3000:]
+    assert "rank 1 declared dead" in err, err[-3000:]
+
+
 # -- refusals and the hooks' seams (no daemon)
 
 class _Vlm(nn.Module):

@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import random
+import signal
 import sys
 
 import torch
@@ -74,6 +75,10 @@ class FakeTrainer:
         return batches, sum(int(b["labels"].numel()) for b in batches)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        self.microbatches_run = getattr(self, "microbatches_run", 0) + 1
+        if os.environ.get("STOP_AT_MICROBATCH") == str(self.microbatches_run) and dist.get_rank() == 1:
+            print("stopping", flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)  # Hung with its sockets open, as a stuck GPU would leave it.
         loss = model(**inputs).loss / ACCUM
         loss.backward()
         return loss.detach()

@@ -44,11 +44,11 @@ FailureWatch), _executor.py (the executor and the shard group's process group), 
 
 from ._costs import CostMeter
 from ._executor import Executor, ModuleBytes, shard_process_group
-from ._failures import FailureWatch, abort_process_group, collective, collective_failure, wait_collective
+from ._failures import FailureWatch, abort_process_group, collective, collective_failure, leave, wait_collective
 from ._manifest import DEFAULT_LAYER_LISTS, manifest
 from ._plan_ahead import PlanAhead, with_keys
 
 __all__ = [
     "CostMeter", "DEFAULT_LAYER_LISTS", "Executor", "FailureWatch", "ModuleBytes", "PlanAhead", "abort_process_group",
-    "collective", "collective_failure", "manifest", "shard_process_group", "wait_collective", "with_keys",
+    "collective", "collective_failure", "leave", "manifest", "shard_process_group", "wait_collective", "with_keys",
 ]

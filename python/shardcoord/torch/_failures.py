@@ -106,6 +106,22 @@ def abort_process_group(pg: Any = None) -> bool:
     return False
 
 
+def leave(code: int = 3) -> None:
+    """Ends the process now, flushing stdout and stderr, without Python's teardown: once a peer is
+    lost, destroying a Gloo process group (at exit, in its destructor) waits for that peer, which
+    never answers (a stopped rank: forever). Call it after a shardcoord verdict instead of
+    returning from main; NCCL groups aborted by :class:`FailureWatch` need it just as little as they
+    hurt from it. The coordinator sees this rank's session end and tells its group."""
+    import os
+
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed stream: nothing to flush
+            pass
+    os._exit(code)
+
+
 class FailureWatch:
     """Watches the coordinator from a background thread while the training loop runs collectives
     that shardcoord does not manage (FSDP2's all-gathers and reduce-scatters on NCCL).
@@ -118,7 +134,10 @@ class FailureWatch:
     with the dead peer; :meth:`check`, called by the training loop once per microbatch and after
     anything that waits for the GPU, raises the verdict. Without it, a rank blocked in an NCCL
     collective waits for the process group's timeout and then dies without saying why. The
-    aborted process groups are unusable afterwards: leave the process (or build new ones)::
+    aborted process groups are unusable afterwards: leave the process (:func:`leave`; or build new
+    ones). Where a group cannot be aborted (Gloo, torch < 2.6), ``exit_after`` (seconds) ends the
+    process once the loop, still blocked in a collective with the lost peer, has not taken the
+    verdict that long after it came (the integrations set 10)::
 
         with sct.FailureWatch(worker) as watch:
             for step, mb, batch, decision in plans:
@@ -128,9 +147,13 @@ class FailureWatch:
     """
 
     def __init__(self, worker: Worker, process_groups: Sequence[Any] = (None,), poll: float = 0.05,
-                 job_wide: bool = True):
+                 job_wide: bool = True, exit_after: Optional[float] = None):
         if poll <= 0:
             raise InvalidArgument(f"poll must be > 0 seconds, got {poll}")
+        if exit_after is not None and exit_after < 0:
+            raise InvalidArgument(f"exit_after must be >= 0 seconds, got {exit_after}")
+        self._exit_after = exit_after
+        self._raised = threading.Event()  # The loop took the verdict (check() raised it).
         self._worker = worker
         self._groups = list(process_groups)
         self._poll = poll
@@ -150,6 +173,7 @@ class FailureWatch:
 
     def stop(self) -> None:
         self._stop.set()
+        self._raised.set()  # The loop is past its collectives: no exit_after.
         if self._thread is not None:
             self._thread.join(max(1.0, 4 * self._poll))
 
@@ -162,6 +186,7 @@ class FailureWatch:
     def check(self) -> None:
         """Raises the coordinator's verdict once the group failed; returns at once otherwise."""
         if self.verdict is not None:
+            self._raised.set()
             raise self.verdict
 
     @property
@@ -184,5 +209,21 @@ class FailureWatch:
                         self.aborted = bool(self._abort(pg)) or self.aborted
                     except Exception as e:  # The verdict stands; the loop raises it at check().
                         print(f"shardcoord: aborting a process group failed: {e}", file=sys.stderr, flush=True)
+                self._exit_if_stuck()
                 return
+
+    def _exit_if_stuck(self) -> None:
+        """With ``exit_after``: a process group that could not be aborted (Gloo; torch < 2.6) keeps
+        the loop blocked in its collective with the lost peer until the backend's own timeout (30
+        minutes by default). If the loop has not taken the verdict (``check()``) ``exit_after``
+        seconds after it came, the process ends here (:func:`leave`, exit code 3), the verdict
+        printed: nothing else would end that wait."""
+        if self._exit_after is None:
+            return  # (An aborted NCCL group returns its collectives at once: the loop takes the verdict.)
+        if self._raised.wait(self._exit_after) or self._stop.is_set():
+            return
+        print(f"shardcoord: rank {self._worker.rank}: the training loop is still blocked {self._exit_after:g} s after "
+              f"the verdict, in a collective that cannot be aborted (this backend); ending the process (exit code 3)",
+              file=sys.stderr, flush=True)
+        leave(3)
 
