@@ -42,6 +42,7 @@
 #include "cost_model.h"
 #include "plan.h"
 #include "replay.h"
+#include "shardcoord/address.h"
 #include "shardcoord/channel_credentials.h"
 #include "watch.h"
 #include "shardcoord/internal/logging.h"
@@ -65,38 +66,7 @@ static_assert(kExitUsage == shardcoord::client::kReplayBadInput);
 constexpr int kMaxTimeoutMs = 24 * 60 * 60 * 1000;
 constexpr int kMaxLimit = 1 << 20;  // --limit, --lookahead.
 
-// Why `address` is not HOST:PORT or [IPV6]:PORT with a port in 1..65535, or "" when it is.
-// gRPC would take "host:99999" and quietly connect to another port.
-std::string AddressProblem(absl::string_view address) {
-  absl::string_view host, port;
-  if (absl::StartsWith(address, "[")) {
-    const size_t close = address.find(']');
-    if (close == absl::string_view::npos) return "no ']' after the IPv6 host";
-    host = address.substr(1, close - 1);
-    if (close + 1 >= address.size() || address[close + 1] != ':') return "no ':PORT' after ']'";
-    port = address.substr(close + 2);
-  } else {
-    const size_t colon = address.rfind(':');
-    if (colon == absl::string_view::npos) return "no ':PORT'";
-    host = address.substr(0, colon);
-    port = address.substr(colon + 1);
-    if (absl::StrContains(host, ':')) return "an IPv6 host needs brackets, [::1]:7871";
-  }
-  if (host.empty()) return "the host is empty";
-  for (char c : host) {
-    if (absl::ascii_isspace(static_cast<unsigned char>(c)) || c == '/') return "the host is not a host name or IP";
-  }
-  int value = 0;
-  if (port.empty() || port.size() > 5 || !std::all_of(port.begin(), port.end(), [](char c) {
-        return absl::ascii_isdigit(static_cast<unsigned char>(c));
-      })) {
-    return absl::StrCat("the port '", port, "' is not a number in 1..65535");
-  }
-  if (!absl::SimpleAtoi(port, &value) || value < 1 || value > 65535) {
-    return absl::StrCat("the port ", port, " is not in 1..65535");
-  }
-  return "";
-}
+using shardcoord::AddressProblem;  // contract/address.h: the worker checks addresses the same way.
 
 std::string ToJson(const google::protobuf::Message& m) {
   google::protobuf::util::JsonPrintOptions opts;

@@ -179,7 +179,7 @@ def test_bad_input_raises_typed_errors_with_the_message(daemon):
         assert time.monotonic() - start < 15
     with pytest.raises(shardcoord.InvalidArgument, match="unknown policy 'fastest'"):
         connect(daemon, 1, policy="fastest")
-    with pytest.raises(shardcoord.InvalidArgument, match="unknown rank 7"):
+    with pytest.raises(shardcoord.InvalidArgument, match=r"rank must be in 0\.\.1, got 7"):
         connect(daemon, 7)
 
 
@@ -370,3 +370,34 @@ def test_a_worker_reaches_a_tls_daemon_with_its_ca_and_a_token(tmp_path):
             del os.environ["SHARDCOORD_TOKEN"]
     finally:
         d.stop()
+
+
+@pytest.mark.parametrize("address,said,within", [
+    ("localhost", r"'localhost' is not HOST:PORT: no ':PORT'", 1.0),
+    ("127.0.0.1:78710", r"the port 78710 is not in 1\.\.65535", 1.0),
+    ("http://127.0.0.1:7871", r"a URL is not an address: give HOST:PORT without a scheme", 1.0),
+    ("nohost.invalid:7871", r"the host 'nohost\.invalid' does not resolve", 5.0),  # The resolver's own time.
+])
+def test_a_wrong_coordinator_address_is_named_at_once(address, said, within):
+    start = time.monotonic()
+    with pytest.raises((shardcoord.InvalidArgument, shardcoord.FailedPrecondition), match=said):
+        shardcoord.Worker("j", [], 1, rank=0, world_size=1, address=address, connect_timeout=20)
+    assert time.monotonic() - start < within
+
+
+def test_a_refused_address_says_nothing_listens(tmp_path):
+    import socket
+    with socket.socket() as s:  # A port nothing listens on: bound, never listened.
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        with pytest.raises(shardcoord.Unavailable, match=rf"connection refused: nothing listens on 127\.0\.0\.1:{port}"):
+            shardcoord.Worker("j", [], 1, rank=0, world_size=1, address=f"127.0.0.1:{port}", connect_timeout=1.5)
+
+
+def test_each_missing_identity_field_is_named():
+    with pytest.raises(shardcoord.InvalidArgument, match=r"group_size must be >= 1 \(the FSDP shard group's size\), got 0"):
+        shardcoord.Worker("j", [], 0, rank=0, world_size=1, address="127.0.0.1:7871")
+    with pytest.raises(shardcoord.InvalidArgument, match=r"rank must be in 0\.\.1, got 2"):
+        shardcoord.Worker("j", [], 1, rank=2, world_size=2, address="127.0.0.1:7871")
+    with pytest.raises(shardcoord.InvalidArgument, match=r"set \$SHARDCOORD_ADDR .* address= in Python"):
+        shardcoord.Worker.from_options(shardcoord.WorkerOptions(job_id="j", rank=0, world_size=1, group_size=1))

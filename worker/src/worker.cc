@@ -12,6 +12,8 @@
 #include <mutex>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "shardcoord/address.h"
 #include "shardcoord/channel_credentials.h"
 
 namespace shardcoord {
@@ -54,6 +56,8 @@ std::string HostName() {
 
 // What else may keep a connection from forming: TLS on one side only, or a certificate the
 // other side does not accept (gRPC tells only "failed to connect").
+constexpr absl::Duration kFirstConnectWait = absl::Seconds(1);
+
 std::string ConnectHint(const TlsFiles& tls) {
   if (!tls.enabled()) return " If it serves TLS, give the CA file ($SHARDCOORD_TLS_CA).";
   return " If it does, check that it serves TLS, that its certificate is signed by $SHARDCOORD_TLS_CA and names "
@@ -76,6 +80,20 @@ absl::StatusOr<std::string> ResolveToken(const std::string& explicit_token) {
   return std::string(absl::StripAsciiWhitespace(line));
 }
 
+// The job, rank and sizes a registration needs, each named when it is wrong.
+static absl::Status CheckIdentity(const WorkerOptions& o) {
+  if (o.job_id.empty()) return absl::InvalidArgumentError("job_id is empty: give the job's id, the same on every rank");
+  if (o.world_size <= 0) return absl::InvalidArgumentError(absl::StrCat("world_size must be >= 1, got ", o.world_size));
+  if (o.rank < 0 || o.rank >= o.world_size) {
+    return absl::InvalidArgumentError(absl::StrCat("rank must be in 0..", o.world_size - 1, ", got ", o.rank));
+  }
+  if (o.group_size <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("group_size must be >= 1 (the FSDP shard group's size), got ",
+                                                   o.group_size));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Worker::Impl::Start() {
   address_ = options_.coordinator_address;
   if (address_.empty()) {
@@ -83,16 +101,14 @@ absl::Status Worker::Impl::Start() {
   }
   if (address_.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "no coordinator address: set WorkerOptions::coordinator_address or ",
-        kCoordinatorAddressEnv, " to the HOST:PORT of shardcoordd"));
+        "no coordinator address: set $", kCoordinatorAddressEnv, " to the HOST:PORT of shardcoordd (or give it: "
+        "address= in Python, WorkerOptions::coordinator_address in C++)"));
   }
-  if (options_.job_id.empty() || options_.rank < 0 || options_.world_size <= 0 ||
-      options_.group_size <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "WorkerOptions incomplete: job_id='", options_.job_id, "' rank=", options_.rank,
-        " world_size=", options_.world_size, " group_size=", options_.group_size,
-        "; all four are required"));
+  if (std::string problem = AddressProblem(address_); !problem.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("coordinator address '", address_, "' is not HOST:PORT: ", problem));
   }
+  if (absl::Status s = CheckIdentity(options_); !s.ok()) return s;
   auto token = ResolveToken(options_.token);
   if (!token.ok()) return token.status();
   token_ = *token;
@@ -143,10 +159,26 @@ absl::Status Worker::Impl::Connect(absl::Time deadline) {
   if (!creds.ok()) return creds.status();
   auto channel = grpc::CreateCustomChannel(address_, *creds, args);
   const absl::Time start = absl::Now();
-  if (!channel->WaitForConnected(absl::ToChronoTime(deadline))) {
-    return absl::UnavailableError(absl::StrCat(
-        "cannot reach coordinator at ", address_, " within ", absl::ToInt64Milliseconds(deadline - start),
-        " ms; is shardcoordd running there?", ConnectHint(tls_), " (", Prefix(), ")"));
+  // A first short wait: what is wrong with the address is said within a second where it can be
+  // known (a name that does not resolve is final; a refusal may be a daemon still starting).
+  if (!channel->WaitForConnected(absl::ToChronoTime(std::min(deadline, start + kFirstConnectWait)))) {
+    const std::string problem = ReachProblem(address_, kFirstConnectWait);
+    if (absl::StartsWith(problem, "the host")) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("cannot reach coordinator at ", address_, ": ", problem, " (", Prefix(), ")"));
+    }
+    if (!problem.empty()) {
+      log_->warn("{} coordinator at {}: {}; waiting until the connect timeout", Prefix(), address_, problem);
+    }
+    if (!channel->WaitForConnected(absl::ToChronoTime(deadline))) {
+      const std::string now = ReachProblem(address_, kFirstConnectWait);
+      return absl::UnavailableError(absl::StrCat(
+          "cannot reach coordinator at ", address_, " within ", absl::ToInt64Milliseconds(deadline - start), " ms: ",
+          now.empty() ? "something accepts TCP connections there, but not as a shardcoordd serving gRPC as this "
+                        "worker dials it (TLS on one side only, or another program on that port)."
+                      : now + "; is shardcoordd running there?",
+          ConnectHint(tls_), " (", Prefix(), ")"));
+    }
   }
   auto stub = std::shared_ptr<v1::Coordinator::Stub>(v1::Coordinator::NewStub(channel));
   absl::MutexLock lock(&mu_);
