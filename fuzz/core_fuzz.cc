@@ -233,7 +233,7 @@ class Script {
       case 9: core_->OnBundle(id, FromWire(Bundle(Raw<v1::CommAborted>()))); break;
       case 10:
         if (in_.ConsumeBool()) {
-          core_->OnGoodbye(id, in_.ConsumeRandomLengthString(64));
+          core_->OnGoodbye(id, in_.ConsumeRandomLengthString(64), in_.ConsumeBool());
         } else {
           core_->OnSessionClosed(id, "fuzz: stream ended");
         }

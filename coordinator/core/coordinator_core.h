@@ -104,8 +104,9 @@ class CoordinatorCore {
   // epoch), its plans. Bad plans are answered with PlanRejected on the session; decisions that
   // became ready are sent to every member of the group.
   void OnBundle(uint64_t session_id, const WorkerReport& report);
-  // A clean leave: the rank becomes LEFT.
-  void OnGoodbye(uint64_t session_id, const std::string& reason);
+  // A clean leave: the rank becomes LEFT. `failed` (the trainer stopped on an error): the rank
+  // becomes DEAD with reason "failed: REASON" and its group fails naming it.
+  void OnGoodbye(uint64_t session_id, const std::string& reason, bool failed = false);
   // The session's stream ended without a goodbye: a registered rank is declared dead.
   // Idempotent; unknown sessions are ignored.
   void OnSessionClosed(uint64_t session_id, const std::string& why);
@@ -201,8 +202,10 @@ class CoordinatorCore {
   // Returns the session's member if it is the rank's current live session.
   Member* LiveMember(uint64_t session_id, Job** job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  // Marks the rank dead (or left) and fails / cancels what its group was waiting for.
-  void RemoveMember(Job& job, Member& member, bool clean, const std::string& reason)
+  // How a rank stops: a clean leave, its trainer's failure (said in its goodbye), or declared dead.
+  enum class Leaving { kClean, kFailed, kDead };
+  // Marks the rank left (or dead) and fails / cancels what its group was waiting for.
+  void RemoveMember(Job& job, Member& member, Leaving how, const std::string& reason)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Sends the decisions batched in members' `outgoing`.
   void Flush(ShardGroup& group) ABSL_SHARED_LOCKS_REQUIRED(mu_);

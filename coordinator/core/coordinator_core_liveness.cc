@@ -60,12 +60,17 @@ void CoordinatorCore::TakePlans(Job& job, ShardGroup& group, Member& m, const Pl
   Apply(job, group, fx);
 }
 
-void CoordinatorCore::OnGoodbye(uint64_t session_id, const std::string& reason) {
+void CoordinatorCore::OnGoodbye(uint64_t session_id, const std::string& reason, bool failed) {
   CoreLock lock(&mu_);
   Job* job = nullptr;
   Member* m = LiveMember(session_id, &job);
   if (m == nullptr) return;
-  RemoveMember(*job, *m, /*clean=*/true,
+  if (failed) {  // The trainer stopped on an error: its group fails now, naming it and the error.
+    RemoveMember(*job, *m, Leaving::kFailed,
+                 absl::StrCat("failed: ", reason.empty() ? std::string("stopped on an error") : Printable(reason)));
+    return;
+  }
+  RemoveMember(*job, *m, Leaving::kClean,
                reason.empty() ? std::string("left cleanly") : absl::StrCat("left cleanly: ", Printable(reason)));
 }
 
@@ -78,12 +83,14 @@ void CoordinatorCore::OnSessionClosed(uint64_t session_id, const std::string& wh
     jobs_.ForgetSession(session_id);
     return;
   }
-  RemoveMember(*job, *m, /*clean=*/false, absl::StrCat("session stream lost (", why, ")"));
+  RemoveMember(*job, *m, Leaving::kDead, absl::StrCat("session stream lost (", why, ")"));
 }
 
-void CoordinatorCore::RemoveMember(Job& job, Member& m, bool clean, const std::string& reason) {
+void CoordinatorCore::RemoveMember(Job& job, Member& m, Leaving how, const std::string& reason) {
   ShardGroup& group = Owned(job, m.group);
-  const std::string full = absl::StrCat("rank ", m.rank, " ", clean ? "" : "declared dead: ", reason);
+  const bool clean = how == Leaving::kClean;
+  // "rank 1 left cleanly", "rank 1 failed: ERROR" (its trainer said so), "rank 1 declared dead: WHY".
+  const std::string full = absl::StrCat("rank ", m.rank, " ", how == Leaving::kDead ? "declared dead: " : "", reason);
   // Flush what it was owed, then detach it.
   if (m.sink) {
     if (m.outgoing.has_decisions()) {
@@ -99,7 +106,7 @@ void CoordinatorCore::RemoveMember(Job& job, Member& m, bool clean, const std::s
   m.dead_reason = reason;
   Event(clean ? "info" : "error", clean ? EventKind::kRankLeft : EventKind::kRankDead, job.id, m.rank, group.index,
         full);
-  if (!clean) metrics_->ObserveDeathDetection(clock_->Now() - m.last_seen);
+  if (how == Leaving::kDead) metrics_->ObserveDeathDetection(clock_->Now() - m.last_seen);
   MaybeEndJob(job);
   OnMemberLost(job, m.rank, clean, full);
   if (clean) {
@@ -142,12 +149,12 @@ void CoordinatorCore::Tick(absl::Time started) {
     ForEachMember(*job, [&](Member& m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       if (!m.live()) return;
       if (!m.cut_reason.empty()) {
-        RemoveMember(*job, m, /*clean=*/false, std::string(m.cut_reason));
+        RemoveMember(*job, m, Leaving::kDead, std::string(m.cut_reason));
         return;
       }
       absl::Duration silent = now - m.last_seen;
       if (silent > options_.heartbeat_timeout) {
-        RemoveMember(*job, m, /*clean=*/false,
+        RemoveMember(*job, m, Leaving::kDead,
                      absl::StrCat("no heartbeat for ", absl::ToInt64Milliseconds(silent),
                                   " ms (heartbeat timeout ",
                                   absl::ToInt64Milliseconds(options_.heartbeat_timeout), " ms)"));

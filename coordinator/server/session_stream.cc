@@ -303,7 +303,7 @@ void SessionCall::OnRead(bool ok) {
       core->OnBundle(id_, FromWire(in_.bundle()));
       break;
     case v1::WorkerMessage::kGoodbye:
-      core->OnGoodbye(id_, in_.goodbye().reason());
+      core->OnGoodbye(id_, in_.goodbye().reason(), in_.goodbye().failed());
       sink_->Close(absl::OkStatus());
       return;
     case v1::WorkerMessage::kRegister:

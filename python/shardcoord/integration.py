@@ -247,7 +247,10 @@ class Microbatches:
                 reason += f" (after the coordinator's verdict: {self._watch.verdict})"
             self._leave_at_exit(error)
         try:
-            self.worker.close(reason=reason)
+            if reason is None or isinstance(error, (KeyboardInterrupt, SystemExit)):
+                self.worker.close(reason=reason)
+            else:
+                self.worker.fail(reason)
         except Error as e:  # The session was already lost: say so, keep the training error.
             print(f"shardcoord: closing the session: {e}", file=sys.stderr, flush=True)
 
@@ -416,7 +419,10 @@ class Session:
         if self.microbatches is not None:
             self.microbatches.close(error)
         elif self.worker is not None and not self.worker.closed:
-            self.worker.close(reason=f"{type(error).__name__}: {error}" if error is not None else None)
+            if error is None:
+                self.worker.close()
+            else:
+                self.worker.fail(f"{type(error).__name__}: {error}")
 
     def iterate(self, batches: Iterable[Any], per_step: int = 1) -> Iterator[Any]:
         """:meth:`Microbatches.iterate` of this session (after :meth:`attach` / :meth:`shard_plain`)."""

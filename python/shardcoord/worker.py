@@ -172,13 +172,24 @@ class Worker:
     def close(self, timeout: float = 10.0, reason: Optional[str] = None) -> None:
         """Says goodbye (the rank becomes LEFT, not dead), waiting at most ``timeout`` seconds for the
         coordinator to end the session (if it does not read the goodbye in time, e.g. it is paused,
-        the rank counts as dead). ``reason``, when the trainer stops on an error, is what operators
-        and the other ranks see ("left cleanly: REASON"), so they name the first cause. Idempotent."""
+        the rank counts as dead). ``reason`` is what operators see ("left cleanly: REASON"); a
+        trainer that stops on an error calls :meth:`fail` instead. Idempotent."""
         self.closed = True
-        self._native.close(float(timeout), reason or "")
+        self._native.close(float(timeout), reason or "", False)
+
+    def fail(self, error: str, timeout: float = 10.0) -> None:
+        """The trainer stops on an error: the rank is recorded failed (dead, reason "failed: ERROR"),
+        not left, and its group fails at once naming the rank and ``error`` (the other ranks raise
+        GroupFailed with it), instead of waiting for plans that will not come. Ends the session as
+        :meth:`close` does. Idempotent (the first of close and fail wins)."""
+        self.closed = True
+        self._native.close(float(timeout), error or "stopped on an error", True)
 
     def __enter__(self) -> "Worker":
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self.close(reason=f"{exc_type.__name__}: {exc}" if exc_type is not None else None)
+        if exc_type is None or issubclass(exc_type, (KeyboardInterrupt, GeneratorExit)):
+            self.close(reason="interrupted" if exc_type is not None else None)
+        else:
+            self.fail(f"{exc_type.__name__}: {exc}")

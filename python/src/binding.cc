@@ -153,11 +153,13 @@ class PyWorker {
 
   GroupInfo Group() const { return worker().group(); }
 
-  void Close(double timeout_s, const std::string& reason) {
+  void Close(double timeout_s, const std::string& reason, bool failed) {
     const absl::Duration timeout = Seconds(timeout_s, "timeout");
     if (!w_) return;
     py::gil_scoped_release nogil;
-    if (reason.empty()) {
+    if (failed) {
+      w_->Fail(reason, timeout);
+    } else if (reason.empty()) {
       w_->Close(timeout);
     } else {
       w_->Close(reason, timeout);
@@ -206,7 +208,7 @@ void BindWorker(py::module_& m) {
       .def("undecided_plans", &PyWorker::UndecidedPlans)
       .def("await_group_ready", &PyWorker::AwaitGroupReady, py::arg("timeout"))
       .def("group", &PyWorker::Group)
-      .def("close", &PyWorker::Close, py::arg("timeout"), py::arg("reason") = "");
+      .def("close", &PyWorker::Close, py::arg("timeout"), py::arg("reason") = "", py::arg("failed") = false);
   m.def("connect", &Connect, py::arg("options"),
         "Connects and registers within options.connect_timeout (the GIL released meanwhile).");
 }

@@ -137,9 +137,11 @@ def test_cost_reports_make_auto_decide_by_cost(daemon):
             w0.report_costs([("model.visual", "fast", [])])
 
 
-def test_a_trainer_stopping_on_an_error_leaves_cleanly_naming_it(daemon):
-    """Issue 25: ranks that stopped because another died were themselves "declared dead: session
-    stream lost", and the ranks left behind named them instead of the first cause."""
+def test_a_trainer_stopping_on_an_error_is_recorded_failed_naming_it(daemon):
+    """Issue 25: ranks that stopped because another died were "declared dead: session stream lost",
+    and the ranks left behind named them instead of the first cause. Issue 43: recorded as "left
+    cleanly", a job whose ranks all crashed looked finished. A rank that stops on an error is
+    recorded failed with its error (state DEAD, reason "failed: ..."), an error event."""
     with pytest.raises(RuntimeError):
         with shardcoord.Worker("stops", MODULES, 1, rank=0, world_size=1, address=daemon.address,
                                connect_timeout=10):
@@ -148,9 +150,27 @@ def test_a_trainer_stopping_on_an_error_leaves_cleanly_naming_it(daemon):
                           daemon.address], capture_output=True, text=True, timeout=30)
     import json
     rank = json.loads(out.stdout)["ranks"][0]
-    assert rank["state"] == "RANK_STATE_LEFT", rank
+    assert rank["state"] == "RANK_STATE_DEAD", rank
     reason = rank.get("dead_reason", rank.get("deadReason"))
-    assert reason == "left cleanly: RuntimeError: rank 3 of another group was lost", rank
+    assert reason == "failed: RuntimeError: rank 3 of another group was lost", rank
+    events = subprocess.run([os.environ["SHARDCTL"], "events", "--job", "stops", "--coordinator", daemon.address],
+                            capture_output=True, text=True, timeout=30).stdout
+    assert "rank 0 failed: RuntimeError" in events and "error" in events, events
+
+
+def test_a_failed_rank_fails_its_group_naming_it_and_the_cause(daemon):
+    w0 = shardcoord.Worker("fails", MODULES, 2, rank=0, world_size=2, address=daemon.address, connect_timeout=10)
+    w1 = shardcoord.Worker("fails", MODULES, 2, rank=1, world_size=2, address=daemon.address, connect_timeout=10)
+    try:
+        w1.report_plan(0, 0, {"model.visual": 1, "model.audio_tower": 0})
+        start = time.monotonic()
+        w0.fail("FailedPrecondition: its plan named calls it did not make")
+        with pytest.raises(shardcoord.GroupFailed,
+                           match=r"rank 0 failed: FailedPrecondition: its plan named calls it did not make"):
+            w1.get_decision(0, 0, timeout=20)
+        assert time.monotonic() - start < 5, "the group fails at once, not at a heartbeat timeout"
+    finally:
+        w1.close()
 
 
 def test_bad_input_raises_typed_errors_with_the_message(daemon):

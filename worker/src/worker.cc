@@ -298,7 +298,7 @@ absl::StatusOr<MicrobatchDecision> Worker::Impl::GetDecision(const MicrobatchKey
   return queue_.Take(key);  // Entries up to this key are done with: the trainer moves forward.
 }
 
-void Worker::Impl::Close(absl::Duration timeout, const std::string& reason) {
+void Worker::Impl::Close(absl::Duration timeout, const std::string& reason, bool failed) {
   absl::MutexLock close_lock(&close_mu_);
   if (closed_) return;
   closed_ = true;
@@ -307,6 +307,7 @@ void Worker::Impl::Close(absl::Duration timeout, const std::string& reason) {
     absl::MutexLock lock(&mu_);
     closing_ = true;
     close_reason_ = reason;
+    close_failed_ = failed;
     if (!writer_started_) {
       // Never registered: there is no session to leave.
       if (ctx_) ctx_->TryCancel();
@@ -415,5 +416,8 @@ absl::Status Worker::Health() const { return impl_->Health(); }
 absl::Status Worker::JobHealth() const { return impl_->JobHealth(); }
 void Worker::Close(absl::Duration timeout) { impl_->Close(timeout); }
 void Worker::Close(const std::string& reason, absl::Duration timeout) { impl_->Close(timeout, reason); }
+void Worker::Fail(const std::string& error, absl::Duration timeout) {
+  impl_->Close(timeout, error.empty() ? std::string("stopped on an error") : error, /*failed=*/true);
+}
 
 }  // namespace shardcoord

@@ -126,7 +126,7 @@ class Worker::Impl {
     }
     return absl::OkStatus();
   }
-  void Close(absl::Duration timeout, const std::string& reason = "worker closed");
+  void Close(absl::Duration timeout, const std::string& reason = "worker closed", bool failed = false);
   absl::StatusOr<std::shared_ptr<Communicator>> OpenCommunicator(const CommunicatorOptions& options);
 
  private:
@@ -217,6 +217,7 @@ class Worker::Impl {
   std::vector<std::pair<std::string, int64_t>> ready_acks_ ABSL_GUARDED_BY(mu_);
   bool closing_ ABSL_GUARDED_BY(mu_) = false;
   std::string close_reason_ ABSL_GUARDED_BY(mu_);  // The goodbye's reason.
+  bool close_failed_ ABSL_GUARDED_BY(mu_) = false;  // The goodbye says the trainer failed (Fail).
   bool writer_done_ ABSL_GUARDED_BY(mu_) = false;
   // Resume (DESIGN 12): the coordinator process we are registered with and what it answered.
   uint64_t incarnation_ ABSL_GUARDED_BY(mu_) = 0;

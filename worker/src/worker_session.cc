@@ -492,6 +492,7 @@ void Worker::Impl::WriterLoop() {
         if (!outbox_.empty()) TakeOutbox(bundle->mutable_plans());
       } else if (closing_) {
         msg.mutable_goodbye()->set_reason(close_reason_);
+        msg.mutable_goodbye()->set_failed(close_failed_);
         goodbye = true;
       } else {
         continue;  // Woken early with nothing to send.

@@ -209,6 +209,10 @@ class SHARDCOORD_EXPORT Worker {
   // a trainer that stops on an error says which, so that the ranks it leaves behind name
   // the first cause instead of "rank N declared dead: session stream lost".
   void Close(const std::string& reason, absl::Duration timeout = kDefaultCloseTimeout);
+  // The trainer stops on an error: the rank is recorded failed (dead, reason "failed: ERROR"),
+  // not left, and its group fails at once naming the rank and `error` (the other ranks' next
+  // GetDecision raises it), instead of waiting for plans that will not come. Then as Close.
+  void Fail(const std::string& error, absl::Duration timeout = kDefaultCloseTimeout);
 
   class Impl;
 
