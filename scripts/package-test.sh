@@ -192,10 +192,22 @@ part_deb() {
   check "the divergent microbatch fell back to root, the uniform ones are per_layer" \
     'grep -q "mb 1 root" "$work/rank0.out" && grep -q "mb 0 per_layer" "$work/rank0.out" && grep -q "mb 3 skip" "$work/rank0.out"'
   kill "$daemon_pid" 2>/dev/null; wait "$daemon_pid" 2>/dev/null; daemon_pid=""
+  # Enabled as `systemctl enable` does (a link in the target's wants; no systemd runs here): a
+  # purge must leave no link to the removed unit.
+  mkdir -p /etc/systemd/system/multi-user.target.wants
+  ln -sf /usr/lib/systemd/system/shardcoordd.service /etc/systemd/system/multi-user.target.wants/shardcoordd.service
+  local scripts
+  scripts=$(dpkg-query --control-list shardcoord 2>/dev/null | tr '\n' ' ')
+  check "the package has maintainer scripts for the unit ($scripts)" \
+    '[[ $scripts == *postinst* && $scripts == *prerm* && $scripts == *postrm* ]]'
   DEBIAN_FRONTEND=noninteractive apt-get remove -y -qq shardcoord >/dev/null 2>&1
   rc=$?
-  [[ $rc == 0 ]] && deb_installed=0
   check "apt-get remove shardcoord leaves no /usr/bin/shardcoordd (rc $rc)" '[[ $rc == 0 && ! -e /usr/bin/shardcoordd ]]'
+  DEBIAN_FRONTEND=noninteractive apt-get purge -y -qq shardcoord >/dev/null 2>&1
+  rc=$?
+  [[ $rc == 0 ]] && deb_installed=0
+  check "apt-get purge shardcoord leaves no link to the unit (rc $rc)" \
+    '[[ $rc == 0 && ! -L /etc/systemd/system/multi-user.target.wants/shardcoordd.service ]]'
 }
 
 for part in "${parts[@]}"; do
