@@ -24,7 +24,8 @@ may rearrange its own step freely. Two helpers, usable together with :mod:`shard
     sampler = scs.ModalityGroupedSampler(modalities, world_size, accum, S, seed=0)
 
 ``media_of(sample)`` says what media one sample brings, kind -> items: ``{"image": 2}``,
-``{"video": 1}``, ``{"image": 1, "audio": 1}``, ``{}`` for text only. How those turn into tower calls
+``{"video": 1}``, ``{"image": 1, "audio": 1}``, ``{}`` for text only (shorthands: ``True`` / ``False``
+for one image or none, an int for that many images, a kind name for one item of it). How those turn into tower calls
 depends on the model (``calls``, the same words as ``scripts/make_trace.py --calls``):
 
 - ``"batched"``: each tower runs once per microbatch that holds any of its kinds (LLaVA, LLaVA-NeXT /
@@ -33,8 +34,9 @@ depends on the model (``calls``, the same words as ``scripts/make_trace.py --cal
   and once more for ``pixel_values_videos``).
 - ``"per_item"``: once per media item.
 
-``tower_of`` maps a kind to the controlled module that encodes it: one module name for all kinds
-(the default, ``"tower"``), a mapping (``{"image": "model.visual", "video": "model.visual",
+``tower_of`` maps a kind to the controlled module that encodes it, named as in the manifest: one
+module name for all kinds (``"model.visual"``; :func:`tower_calls` needs it, since the plan it
+returns names that module; the arrangement helpers only group by it), a mapping (``{"image": "model.visual", "video": "model.visual",
 "audio": "model.audio_tower"}``) or a function. Pure Python; neither torch nor the compiled binding is
 imported by this module. Nothing here is thread-safe beyond being stateless (the sampler keeps only
 its epoch).
@@ -80,11 +82,28 @@ def _check_mode(calls: str) -> None:
         raise ValueError(f"calls must be one of {', '.join(CALL_MODES)}, got '{calls}'")
 
 
+def _as_media(value: object) -> Mapping[str, int]:
+    """What ``media_of`` returned, as kind -> items: a mapping as it is; ``True`` / ``False`` (has an
+    image or not), an int (that many images), a kind name (one item of it) or None (text only)."""
+    if isinstance(value, Mapping):
+        return value
+    if value is None or value is False:
+        return {}
+    if value is True:
+        return {"image": 1}
+    if isinstance(value, int):
+        return {"image": value}
+    if isinstance(value, str):
+        return {value: 1}
+    raise TypeError(f"media_of(sample) must return kind -> items ({{'image': 2}}, {{}} for text only), or a bool, an "
+                    f"int (images) or a kind name; got {type(value).__name__} {value!r}")
+
+
 def _media(sample: object, media_of: Callable[[object], Mapping[str, int]], tower: Callable[[str], str]
            ) -> Dict[str, Dict[str, int]]:
     """tower -> kind -> items for one sample; kinds with 0 items are dropped."""
     out: Dict[str, Dict[str, int]] = {}
-    for kind, items in media_of(sample).items():
+    for kind, items in _as_media(media_of(sample)).items():
         if not isinstance(items, int) or isinstance(items, bool) or items < 0:
             raise ValueError(f"media_of(sample) must map each kind to a non-negative int; kind '{kind}' has "
                              f"{items!r}")
@@ -131,13 +150,19 @@ class _Microbatch:
 
 
 def tower_calls(samples: Iterable[T], media_of: MediaOf, calls: str = "batched",
-                tower_of: TowerOf = "tower") -> Dict[str, int]:
+                tower_of: Optional[TowerOf] = None) -> Dict[str, int]:
     """How many times the model calls each tower on a microbatch holding ``samples``: the plan to
     report for it (``{module: calls}``; a tower none of the samples needs is absent, i.e. 0 calls).
+    ``tower_of`` names the controlled module(s) as the manifest does (``"model.visual"``); it has no
+    default, since the coordinator refuses a plan naming a module it was not registered with.
 
-    Raises ValueError for an unknown ``calls`` mode, a kind ``tower_of`` does not map, or a negative
-    or non-integer item count."""
+    Raises ValueError for a missing ``tower_of``, an unknown ``calls`` mode, a kind ``tower_of`` does
+    not map, or a negative or non-integer item count."""
     _check_mode(calls)
+    if tower_of is None:
+        raise ValueError("tower_calls needs tower_of: the controlled module that encodes the media, as named in "
+                         "the manifest (shardcoord.torch.manifest(model): e.g. tower_of='model.visual', or "
+                         "{'image': 'model.visual', 'audio': 'model.audio_tower'})")
     tower = _tower_fn(tower_of)
     mb = _Microbatch()
     for s in samples:

@@ -262,7 +262,21 @@ def test_tower_calls_by_mode():
     assert scs.tower_calls(mb, media_of, "batched", TOWERS) == {"audio": 1, "visual": 1}
     assert scs.tower_calls(mb, media_of, "per_kind", TOWERS) == {"audio": 1, "visual": 2}
     assert scs.tower_calls(mb, media_of, "per_item", TOWERS) == {"audio": 1, "visual": 4}
-    assert scs.tower_calls([Sample({})], media_of) == {}
+    assert scs.tower_calls([Sample({})], media_of, tower_of="model.visual") == {}
+
+
+def test_tower_calls_needs_the_manifests_module_name():
+    with pytest.raises(ValueError, match=r"tower_calls needs tower_of: .* e\.g\. tower_of='model\.visual'"):
+        scs.tower_calls([Sample({"image": 1})], media_of)
+
+
+def test_media_of_shorthands_and_what_it_refuses():
+    samples = [True, False, 3, "video", None, {"audio": 2}]
+    assert scs.tower_calls(samples, lambda s: s, "per_item", "model.visual") == {"model.visual": 7}
+    assert scs.tower_calls([True, None], lambda s: s, "batched", "model.visual") == {"model.visual": 1}
+    assert [len(mb) for mb in scs.arrange_step([True, False, False, True], 2, lambda s: s)] == [2, 2]
+    with pytest.raises(TypeError, match=r"media_of\(sample\) must return kind -> items .* got float 1\.5"):
+        scs.tower_calls([1.5], lambda s: s, tower_of="model.visual")
 
 
 # ---------------------------------------------------------------------------------------------
