@@ -42,6 +42,10 @@ wait_for() {  # wait_for SECONDS COMMAND: polls until COMMAND succeeds, at most 
   until "$@" >/dev/null 2>&1; do ((SECONDS < deadline)) || return 1; sleep 0.5; done
 }
 
+free_port() {  # a port free now (the kernel's pick): Slurm's own ports, the trainers' MASTER_PORT
+  /usr/bin/python3 -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])'
+}
+
 # munge, with its own key and socket.
 mkdir -p "$work/munge" && chown munge: "$work/munge" && chmod 700 "$work/munge"
 dd if=/dev/urandom of="$work/munge/munge.key" bs=1024 count=1 status=none
@@ -63,8 +67,8 @@ SlurmctldPidFile=$work/slurmctld.pid
 SlurmdPidFile=$work/slurmd.pid
 SlurmctldLogFile=$work/slurmctld.log
 SlurmdLogFile=$work/slurmd.log
-SlurmctldPort=$((16817 + RANDOM % 1000))
-SlurmdPort=$((17818 + RANDOM % 1000))
+SlurmctldPort=$(free_port)
+SlurmdPort=$(free_port)
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
@@ -88,11 +92,10 @@ echo "slurm: node $host idle"
 # The batch script as shipped; shardcoordd and shardctl from the build, in one folder as installed.
 cd "$work" || exit 1
 mkdir -p "$work/bin" && ln -s "$build/coordinator/shardcoordd" "$build/client/shardctl" "$work/bin/"
-free_port() {  # a port free now (the kernel's pick), for the coordinator of one job
-  /usr/bin/python3 -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])'
-}
 submit() {  # submit OUT TASKS TRAINER: the shipped script on one node without GPUs; sbatch's exit code
-  SHARDCOORD_BIN_DIR="$work/bin" SHARDCOORD_TRAINER="$3" SHARDCOORD_PORT=$(free_port) \
+  # Port 0: the coordinator binds a free port itself and the script reads it back (no port picked
+  # here and used later, which another test on a busy machine could take in between).
+  SHARDCOORD_BIN_DIR="$work/bin" SHARDCOORD_TRAINER="$3" SHARDCOORD_PORT=0 MASTER_PORT=$(free_port) \
     timeout 300 sbatch --wait -N1 --ntasks-per-node="$2" --gpus-per-node=0 --time=10 -o "$work/$1" \
     "$root/deploy/slurm/train.sbatch"
 }

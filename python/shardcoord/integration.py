@@ -220,17 +220,16 @@ class Microbatches:
             raise FailedPrecondition("shardcoord: this job's session is closed")
 
     def _leave_at_exit(self, error: BaseException) -> None:
-        """Training stopped on an error: at interpreter exit, the process ends without tearing down
-        its process groups (``shardcoord.torch.leave``), whose destructors wait for a lost peer on
-        Gloo. Exit code 3 after a coordinator's verdict, 1 otherwise."""
+        """Training stopped on the coordinator's verdict (a peer lost): at interpreter exit, the
+        process ends with exit code 3 without tearing down its process groups
+        (``shardcoord.torch.leave``), whose destructors wait for the lost peer on Gloo. Other errors
+        exit as Python does."""
         import atexit
 
         from .torch import leave
 
-        verdict = isinstance(error, GroupFailed) or (self._watch is not None and self._watch.verdict is not None)
-        if isinstance(error, (KeyboardInterrupt, SystemExit)) and not verdict:
-            return
-        atexit.register(leave, 3 if verdict else 1)
+        if isinstance(error, GroupFailed) or (self._watch is not None and self._watch.verdict is not None):
+            atexit.register(leave, 3)
 
     def close(self, error: Optional[BaseException] = None) -> None:
         """Ends the session: a clean leave, or, given the error that stopped training, a failure that

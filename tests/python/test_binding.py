@@ -199,7 +199,7 @@ def test_bad_input_raises_typed_errors_with_the_message(daemon):
         assert time.monotonic() - start < 15
     with pytest.raises(shardcoord.InvalidArgument, match="unknown policy 'fastest'"):
         connect(daemon, 1, policy="fastest")
-    with pytest.raises(shardcoord.InvalidArgument, match=r"rank must be in 0\.\.1, got 7"):
+    with pytest.raises(shardcoord.InvalidArgument, match="unknown rank 7"):
         connect(daemon, 7)
 
 
@@ -417,7 +417,7 @@ def test_a_refused_address_says_nothing_listens(tmp_path):
 def test_each_missing_identity_field_is_named():
     with pytest.raises(shardcoord.InvalidArgument, match=r"group_size must be >= 1 \(the FSDP shard group's size\), got 0"):
         shardcoord.Worker("j", [], 0, rank=0, world_size=1, address="127.0.0.1:7871")
-    with pytest.raises(shardcoord.InvalidArgument, match=r"rank must be in 0\.\.1, got 2"):
-        shardcoord.Worker("j", [], 1, rank=2, world_size=2, address="127.0.0.1:7871")
+    with pytest.raises(shardcoord.InvalidArgument, match=r"rank must be >= 0, got -1"):
+        shardcoord.Worker("j", [], 1, rank=-1, world_size=2, address="127.0.0.1:7871")
     with pytest.raises(shardcoord.InvalidArgument, match=r"set \$SHARDCOORD_ADDR .* address= in Python"):
         shardcoord.Worker.from_options(shardcoord.WorkerOptions(job_id="j", rank=0, world_size=1, group_size=1))

@@ -84,8 +84,8 @@ absl::StatusOr<std::string> ResolveToken(const std::string& explicit_token) {
 static absl::Status CheckIdentity(const WorkerOptions& o) {
   if (o.job_id.empty()) return absl::InvalidArgumentError("job_id is empty: give the job's id, the same on every rank");
   if (o.world_size <= 0) return absl::InvalidArgumentError(absl::StrCat("world_size must be >= 1, got ", o.world_size));
-  if (o.rank < 0 || o.rank >= o.world_size) {
-    return absl::InvalidArgumentError(absl::StrCat("rank must be in 0..", o.world_size - 1, ", got ", o.rank));
+  if (o.rank < 0) {  // A rank past the world is the coordinator's to name ("unknown rank").
+    return absl::InvalidArgumentError(absl::StrCat("rank must be >= 0, got ", o.rank));
   }
   if (o.group_size <= 0) {
     return absl::InvalidArgumentError(absl::StrCat("group_size must be >= 1 (the FSDP shard group's size), got ",
