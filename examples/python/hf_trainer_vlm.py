@@ -13,9 +13,10 @@ an image, another text only): their FSDP all-gathers no longer pair. The line ma
 replaces ``transformers.Trainer`` by the same class with ``shardcoord.hf.TrainerMixin``: each rank
 reports the plans of a step's microbatches when the Trainer fetches them, and the coordinator gives
 the group one decision per microbatch (per_layer, skip, or the fallback). Delete that line and it is
-the stock script. Run it with torchrun against a running shardcoordd (``SHARDCOORD_ADDR``)::
+the stock script. Run it with torchrun (with no ``SHARDCOORD_ADDR``, rank 0 starts a coordinator for
+the job; README, Install)::
 
-    SHARDCOORD_ADDR=127.0.0.1:7871 torchrun --nproc_per_node 2 examples/python/hf_trainer_vlm.py
+    torchrun --nproc_per_node 2 examples/python/hf_trainer_vlm.py
 
 Needs torch >= 2.6, transformers >= 5 and accelerate >= 1.8 (FSDP2), and a GPU per rank, or
 ``--ddp-backend gloo`` for ranks that share one GPU (docs/GPU.md).

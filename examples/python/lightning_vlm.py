@@ -7,10 +7,10 @@ block (``--wrap all``, the usual per-layer recipe) and then the model. Without s
 mixed media as soon as the ranks disagree on running the tower. The two lines marked ``# shardcoord``
 add the callback: it shards the tower's layers before ``configure_model`` (which then skips modules
 that already are FSDP units, as accelerate's wrap loop does) and carries out the coordinator's decision
-around each batch. Delete them and it is the stock script. With torchrun, against a running
-shardcoordd::
+around each batch. Delete them and it is the stock script. With torchrun (no ``SHARDCOORD_ADDR``:
+rank 0 starts a coordinator for the job)::
 
-    SHARDCOORD_ADDR=127.0.0.1:7871 torchrun --nproc_per_node 2 examples/python/lightning_vlm.py
+    torchrun --nproc_per_node 2 examples/python/lightning_vlm.py
 
 Needs torch >= 2.6, lightning >= 2.4 and transformers >= 5; ``--process-group-backend gloo`` for ranks
 that share one GPU (docs/GPU.md says how they are started there).

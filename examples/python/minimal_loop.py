@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """The smallest complete shardcoord training loop (README, Python): a model with a frozen two-layer
 "vision tower", sharded per layer over the shard group by the plain torch.distributed executor, on
-CPU with Gloo. Run it like any torchrun script, against a running shardcoordd::
+CPU with Gloo. Run it like any torchrun script; with no ``SHARDCOORD_ADDR`` rank 0 starts a
+coordinator for the job (README, Install), with it the job uses that running shardcoordd::
 
-    SHARDCOORD_ADDR=127.0.0.1:7871 torchrun --nproc-per-node 2 examples/python/minimal_loop.py
+    torchrun --nproc_per_node 2 --redirects 2 --tee 2 examples/python/minimal_loop.py
+    SHARDCOORD_ADDR=127.0.0.1:7871 torchrun --nproc_per_node 2 --redirects 2 --tee 2 examples/python/minimal_loop.py
 
 (or with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set by hand, or by srun). Every rank
 prints one line per microbatch with the group's decision, then the hash of its trained

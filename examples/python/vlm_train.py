@@ -8,8 +8,8 @@ SLURM_NTASKS, SLURM_LOCALID; MASTER_ADDR/MASTER_PORT exported, as deploy/slurm/t
 ``--nproc N`` launches N ranks locally (a FileStore in a temporary folder: no ports to choose)::
 
     SHARDCOORD_ADDR=127.0.0.1:7871 python3 examples/python/vlm_train.py --nproc 2 --media mixed
-    torchrun --nproc-per-node 2 examples/python/vlm_train.py --coordinator HOST:PORT --group-size 2
-    torchrun --nproc-per-node 2 examples/python/vlm_train.py --coordinator HOST:PORT --fsdp2   # GPUs, NCCL
+    torchrun --nproc_per_node 2 examples/python/vlm_train.py --coordinator HOST:PORT --group-size 2
+    torchrun --nproc_per_node 2 examples/python/vlm_train.py --coordinator HOST:PORT --fsdp2   # GPUs, NCCL
 
 ``--fsdp2`` (torch >= 2.6): FSDP2 instead of the plain executor: ``shardcoord.fsdp2.shard`` makes
 each layer of the frozen tower its own ``fully_shard`` unit and the model the root unit (the
