@@ -2,7 +2,7 @@
 """How often the shard groups agree, per published data mix, with and without shardcoord.sampler
 (results in docs/BENCHMARKS.md, "Agreement by data mix"). Standard library only.
 
-For every mix of ../shared/MIXES.md, samples per microbatch S and arrangement (none: draw order;
+For every mix of docs/MIXES.md, samples per microbatch S and arrangement (none: draw order;
 spread: shardcoord.sampler.arrange_step per rank and step; group_by_modality: LLaVA's sampler
 order for the whole job), scripts/make_trace.py writes a trace (the same seed, so the same samples
 in every arrangement), and `shardctl replay` plays it through an embedded coordinator, policy

@@ -28,7 +28,7 @@ images (image tokens each) to the tower. The same processes run every cell (data
                                    where the tower does not fit the budget)
   mixes       all, none, random50 (per rank and microbatch), skewed (even ranks 90 %, odd ranks
               10 %), alternating (every rank has media on even steps); and the published mixes of
-              ../shared/MIXES.md (scripts/make_trace.py --list-mixes; its tables are imported, not
+              docs/MIXES.md (scripts/make_trace.py --list-mixes; its tables are imported, not
               copied): NAME uses --samples-per-microbatch samples, NAME@S uses S (e.g.
               llava15_665k@1 qwen25vl_sft@4); each sample is drawn per rank and microbatch, its
               tower calls are what the mix's model makes (shardcoord.sampler.tower_calls; Qwen's
@@ -150,7 +150,7 @@ SIZES = {
 # Data: what a rank's microbatch holds (pure Python; the launcher uses it too)
 
 def load_make_trace():
-    """scripts/make_trace.py as a module: its mixes (../shared/MIXES.md) and their tower calls."""
+    """scripts/make_trace.py as a module: its mixes (docs/MIXES.md) and their tower calls."""
     path = os.path.join(HERE, os.pardir, "scripts", "make_trace.py")
     spec = importlib.util.spec_from_file_location("make_trace", path)
     module = importlib.util.module_from_spec(spec)

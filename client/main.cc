@@ -568,7 +568,7 @@ CLI::App* AddVerifyCommand(CLI::App& app, VerifyFlags* v) {
 }
 
 constexpr char kPlanFooter[] = R"(
-A trace from a published data mix (../shared/MIXES.md), piped in:
+A trace from a published data mix (docs/MIXES.md), piped in:
   python3 scripts/make_trace.py --mix qwen25vl_sft --world-size 8 --steps 20 --microbatches 4 \
       --samples-per-microbatch 4 --arrange none \
     | shardctl plan - --manifest examples/plan/manifest.json --cost examples/plan/cost_example.json

@@ -10,7 +10,7 @@ group, a microbatch is "uniform image" (every rank has images), "text only" (nob
   python3 scripts/make_trace.py --world-size 8 --group-size 4 --steps 10 \\
       --microbatches 4 --seed 7 > examples/traces/mixed_8ranks.jsonl
 
-With --mix NAME, a trace from a published training mix (../shared/MIXES.md; --list-mixes prints
+With --mix NAME, a trace from a published training mix (docs/MIXES.md; --list-mixes prints
 them): every rank draws --microbatches x --samples-per-microbatch samples per step from the mix,
 independently; --arrange says how they become microbatches; the calls are those the model makes
 on each microbatch (--calls, default the mix's model's). --group-size plays no part: the trace is
@@ -57,7 +57,7 @@ def load_sampler():
 
 
 # ---------------------------------------------------------------------------------------------
-# The mixes of ../shared/MIXES.md, as data. A sample is {kind: items}; {} is text only.
+# The mixes of docs/MIXES.md, as data. A sample is {kind: items}; {} is text only.
 
 VISUAL = "model.visual"
 AUDIO = "model.audio_tower"
@@ -260,7 +260,7 @@ def main():
     p.add_argument("--image-fraction", type=float, default=0.5,
                    help="without --mix: probability that a rank's microbatch carries images in a mixed microbatch")
     p.add_argument("--seed", type=int, default=7)
-    p.add_argument("--mix", choices=sorted(MIXES), help="a published training mix (../shared/MIXES.md)")
+    p.add_argument("--mix", choices=sorted(MIXES), help="a published training mix (docs/MIXES.md)")
     p.add_argument("--samples-per-microbatch", type=int, default=1, help="with --mix: samples per microbatch")
     p.add_argument("--calls", choices=["batched", "per_kind", "per_item"],
                    help="with --mix: how the model calls its tower: once per microbatch with media, once per "

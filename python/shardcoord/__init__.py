@@ -14,8 +14,8 @@ loaded on first use (_native.py says why), also by the first use of the types it
 
 from ._native import native as _native
 from .errors import (AlreadyExists, Cancelled, DeadlineExceeded, Error, FailedPrecondition, GroupFailed, Internal,
-                     InvalidArgument, NotFound, OutOfRange, PermissionDenied, ResourceExhausted, Unavailable,
-                     Unimplemented)
+                     InvalidArgument, NotFound, OutOfRange, PermissionDenied, ResourceExhausted, Unauthenticated,
+                     Unavailable, Unimplemented)
 from .worker import ADDRESS_ENV, BOUND_TYPES as _BOUND_TYPES, Worker, launcher_rank
 
 
@@ -55,5 +55,5 @@ __all__ = [
     "ADDRESS_ENV", "AlreadyExists", "BUILTIN_PROJECTOR_NAMES", "BUILTIN_TOWER_NAMES", "Cancelled", "DeadlineExceeded",
     "Decision", "Error", "FailedPrecondition", "GroupFailed", "GroupInfo", "Internal", "InvalidArgument", "LayerUnit",
     "ModuleDecision", "ModuleSpec", "NotFound", "OutOfRange", "PermissionDenied", "ResourceExhausted", "TlsOptions",
-    "Unavailable", "Unimplemented", "Worker", "WorkerOptions", "classify", "launcher_rank",
+    "Unauthenticated", "Unavailable", "Unimplemented", "Worker", "WorkerOptions", "classify", "launcher_rank",
 ]

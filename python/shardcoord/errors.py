@@ -94,10 +94,18 @@ class Unavailable(Error, ConnectionError):
     code = 14
 
 
+class Unauthenticated(PermissionDenied):
+    """UNAUTHENTICATED: the coordinator requires a token (``--token-file``) and this one is missing
+    or wrong; the message says which. A PermissionDenied, for handlers written before it existed."""
+
+    code = 16
+
+
 _BY_CODE = {
     cls.code: cls
     for cls in (Cancelled, InvalidArgument, DeadlineExceeded, NotFound, AlreadyExists, PermissionDenied,
-                ResourceExhausted, FailedPrecondition, GroupFailed, OutOfRange, Unimplemented, Internal, Unavailable)
+                ResourceExhausted, FailedPrecondition, GroupFailed, OutOfRange, Unimplemented, Internal, Unavailable,
+                Unauthenticated)
 }
 
 

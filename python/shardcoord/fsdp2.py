@@ -37,7 +37,7 @@ What each decision does, so that every rank of the shard group issues the same c
   rank's planned calls given to ``begin_microbatch(decision, calls)``, right after the rank's last
   planned call of the module (at once, unit by unit, when it plans none). A frozen tower takes no
   part in backward, so holding it gathered through the backward only raised the peak (by the whole
-  tower, at the moment decoder activations peak: ../shared/FSDP2-NOTES.md, "Memory of the
+  tower, at the moment decoder activations peak: docs/FSDP2-NOTES.md, "Memory of the
   placements"). ``calls`` must be exactly (or more than) what the rank runs: a call after the
   release would all-gather on this rank alone, so it raises FailedPrecondition instead, and the
   other ranks then wait in their next collective until its timeout (or until shardcoord's failure

@@ -2,7 +2,7 @@
 # Builds the daemon, the CLI and the NCCL-enabled rank program here (Debian 12, CUDA 13
 # and NCCL from /usr/local/cuda) and bundles them with the shared libraries the GPU
 # machine lacks (gRPC, protobuf, Abseil, spdlog, Gloo, ...) into .gpu/ at the repository
-# root. The GPU machine's own CUDA runtime and NCCL are used there (see ../shared/GPU.md).
+# root. The GPU machine's own CUDA runtime and NCCL are used there (see docs/GPU.md).
 #
 #   scripts/gpu/bundle.sh        then, on the GPU machine: scripts/gpu/run_nccl_test.sh
 set -euo pipefail

@@ -7,7 +7,7 @@ memory are real there, times are not.
 
 For each family (the real ``<X>ForConditionalGeneration`` from a tiny config, scripts/gpu/hf_calls_check.py),
 its tower and projector frozen, a synthetic mix shaped like the family's published one
-(``../shared/MIXES.md``, as docs/GPU.md cites), one collated microbatch per dataset item, 2 microbatches
+(``docs/MIXES.md``, as docs/GPU.md cites), one collated microbatch per dataset item, 2 microbatches
 per step, three runs at the same seed:
 
 - ``shardcoord``: the stock script plus ``shardcoord.hf.patch(trainer)``, accelerate's default FSDP2
@@ -40,7 +40,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 
-# The family's mix of batch kinds (hf_calls_check.py's kinds), from ../shared/MIXES.md.
+# The family's mix of batch kinds (hf_calls_check.py's kinds), from docs/MIXES.md.
 MIXES = {
     "qwen2_5_vl": {"text": 0.50, "image": 0.36, "images": 0.04, "video": 0.06, "image+video": 0.04},  # Qwen2.5-VL SFT
     "llava": {"text": 0.238, "image": 0.762},  # Cambrian-7M

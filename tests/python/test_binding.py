@@ -388,6 +388,8 @@ def test_a_worker_reaches_a_tls_daemon_with_its_ca_and_a_token(tmp_path):
                 assert w0.get_decision(0, 0, timeout=30) == w1.get_decision(0, 0, timeout=30)
         finally:
             del os.environ["SHARDCOORD_TOKEN"]
+        with pytest.raises(shardcoord.Unauthenticated):  # A wrong token: its own class (a PermissionDenied).
+            connect(d, 0, tls_ca=cert, token="not-the-token-0123456789abcdef")
     finally:
         d.stop()
 

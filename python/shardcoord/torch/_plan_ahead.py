@@ -74,9 +74,10 @@ class PlanAhead(Iterator[Tuple[int, int, T, "Decision"]]):  # The bound Decision
             try:
                 step, microbatch, batch = item
             except (TypeError, ValueError):
-                raise InvalidArgument(f"PlanAhead: batches must yield (step, microbatch, batch) tuples, got "
-                                      f"{type(item).__name__}; wrap a plain loader with with_keys(loader, accum)") \
-                    from None
+                what = f"a {type(item).__name__} of {len(item)} items" if isinstance(item, (tuple, list)) \
+                    else f"a {type(item).__name__}"
+                raise InvalidArgument(f"PlanAhead: batches must yield (step, microbatch, batch) tuples of 3 items, "
+                                      f"got {what}; wrap a plain loader with with_keys(loader, accum)") from None
             plan = dict(self._plan_fn(batch))  # A copy: what was reported, whatever plan_fn keeps.
             self._worker.report_plan(step, microbatch, plan)
             self._pending.append((step, microbatch, batch, plan))
