@@ -62,13 +62,17 @@ def rank_main(family: str, mode: str, steps: int, out: Path) -> None:
     model = getattr(tf, cls_name)(make_config(tf))
     for path in calls.frozen(family):
         model.get_submodule(path).requires_grad_(False)
+    if mode.endswith("-lora"):  # LoRA adapters on the decoder's attention (peft freezes the rest).
+        import peft
+
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
     rng = random.Random(1)
     mix = MIXES[family]
     kinds = rng.choices(list(mix), weights=list(mix.values()), k=64)
     torch.manual_seed(1)
     data = [make_batch(kind, model) for kind in kinds]
     fsdp_config = {"fsdp_version": 2, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP"}
-    if mode == "reference":
+    if mode.startswith("reference"):
         fsdp_config["transformer_layer_cls_to_wrap"] = [DECODER_LAYER[family]]
     args = tf.TrainingArguments(
         output_dir=str(out / f"{family}-{mode}"), max_steps=steps, per_device_train_batch_size=1,
@@ -76,7 +80,7 @@ def rank_main(family: str, mode: str, steps: int, out: Path) -> None:
         fsdp="full_shard", fsdp_config=fsdp_config, ddp_backend="gloo", remove_unused_columns=False,
         dataloader_num_workers=0, seed=0)
     trainer = tf.Trainer(model=model, args=args, train_dataset=data, data_collator=lambda features: features[0])
-    if mode == "shardcoord":
+    if mode.startswith("shardcoord"):
         import shardcoord.hf
         trainer = shardcoord.hf.patch(trainer)  # The one line a user adds.
     units = []
@@ -195,6 +199,10 @@ def main() -> int:
         for mode in ("shardcoord", "reference", "stock"):
             runs[(family, mode)] = launch(f"{family}-{mode}", rank_argv(family, mode, args.steps, out), args.ranks,
                                           out, env)
+    if "qwen2_5_vl" in families:  # LoRA (peft) on the decoder, the tower frozen: with and without shardcoord.
+        for mode in ("shardcoord-lora", "reference-lora"):
+            runs[("qwen2_5_vl", mode)] = launch(f"qwen2_5_vl-{mode}", rank_argv("qwen2_5_vl", mode, args.steps, out),
+                                                args.ranks, out, env)
     examples = ROOT / "examples" / "python"
     if args.examples:
         steps = ["--steps", str(args.steps)]
@@ -244,6 +252,19 @@ def main() -> int:
               f"{row.get('peak_mib_reference')}", flush=True)
         print(f"{'':12s} losses {row.get('losses_shardcoord')}", flush=True)
         print(f"{'':12s} stock: {row['stock_tail']}", flush=True)
+    if ("qwen2_5_vl", "shardcoord-lora") in runs:
+        sc, ref = results(out, "qwen2_5_vl", "shardcoord-lora", args.ranks), \
+            results(out, "qwen2_5_vl", "reference-lora", args.ranks)
+        c_sc, c_ref = codes[("qwen2_5_vl", "shardcoord-lora")], codes[("qwen2_5_vl", "reference-lora")]
+        a, b = (sc[0]["losses"] if sc else []), (ref[0]["losses"] if ref else [])
+        worst = max((abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b)), default=float("inf"))
+        print(f"qwen2_5_vl + LoRA shardcoord {c_sc} reference {c_ref}; decisions {sc[0]['decisions'] if sc else None}; "
+              f"worst loss diff {worst:.2e}", flush=True)
+        table.append({"family": "qwen2_5_vl+lora", "exit_shardcoord": c_sc, "exit_reference": c_ref, "losses_shardcoord": a,
+                      "losses_reference": b, "worst_rel_diff": worst, "decisions": sc[0]["decisions"] if sc else None})
+        if c_sc != [0] * args.ranks or c_ref != [0] * args.ranks or not a or len(a) != len(b) or worst > args.rtol:
+            failures.append(f"qwen2_5_vl + LoRA: exits {c_sc} / {c_ref}, losses {a} vs {b}: "
+                            f"{tail(out, 'qwen2_5_vl', 'shardcoord-lora', 0)}")
     for kind in ("hf", "lightning") if args.examples else ():
         sc, ref, stock = (f"example-{kind}-{m}" for m in ("shardcoord", "reference", "stock"))
         c_sc, c_ref, c_stock = codes[(sc, "")], codes[(ref, "")], codes[(stock, "")]
