@@ -348,3 +348,36 @@ def test_the_entry_points_run_the_shipped_binaries(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(SystemExit, match=r"this installation of shardcoord has no shardctl .*SHARDCOORD_NO_DAEMON"):
         _cli.shardctl()
+
+
+def test_embedded_coordinator_across_hosts_takes_a_token(tmp_path):
+    """Ranks on several hosts (here: LOCAL_WORLD_SIZE 1 per rank, as two one-rank nodes would have):
+    rank 0's daemon listens on every interface with a rank token it made, shared through
+    torch.distributed's store, and the other rank connects with it."""
+    import re
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("SHARDCOORD_ADDR", "SHARDCOORD_EMBEDDED", "SHARDCOORD_TOKEN")}
+    env.update(JOB=f"hosts-{os.getpid()}", WORLD_SIZE="2", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(port))
+    script = os.path.join(os.path.dirname(HERE), "..", "examples", "python", "minimal_loop.py")
+    procs = [subprocess.Popen([sys.executable, script], env=dict(env, RANK=str(r), LOCAL_RANK="0"),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=RUN_DEADLINE)[0])
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the two-host job did not finish within {RUN_DEADLINE} s")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert "on every interface with a rank token it made, without TLS" in outs[0], outs[0][-2000:]
+    hashes = {re.search(r"final params hash ([0-9a-f]{16})", o).group(1) for o in outs}
+    assert len(hashes) == 1, outs
