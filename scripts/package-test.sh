@@ -42,6 +42,10 @@ wait_for() {  # wait_for SECONDS COMMAND...: polls, bounded.
 }
 "$root/scripts/install-deps.sh" python
 
+free_port() {  # a port free now (the kernel's pick)
+  /usr/bin/python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+
 part_pip() {
   echo "== pip install into a fresh venv"
   /usr/bin/python3 -m venv --system-site-packages "$work/venv"
@@ -68,6 +72,19 @@ assert "torch" not in sys.modules, "import shardcoord imported torch"' 2>&1)
   local shown
   shown=$("$py" -m pip show shardcoord 2>/dev/null)
   check "pip show names it" '[[ $shown == *"Version: $version"* ]]'
+  # The daemon and the CLI come with the package, on the venv's PATH, with its version.
+  local daemon_version ctl_help
+  daemon_version=$(env -u PYTHONPATH -u LD_LIBRARY_PATH "$work/venv/bin/shardcoordd" --version 2>&1)
+  check "the venv's shardcoordd --version is the package's ($daemon_version)" '[[ $daemon_version == *"$version"* ]]'
+  ctl_help=$(env -u PYTHONPATH -u LD_LIBRARY_PATH "$work/venv/bin/shardctl" --help 2>&1 | head -1)
+  check "the venv's shardctl runs ($ctl_help)" '[[ -n $ctl_help && $ctl_help != *"has no shardctl"* ]]'
+  # pip alone: a two-rank job with no daemon started by hand (rank 0 starts one for the job).
+  local job_out
+  job_out=$(cd "$work" && env -u PYTHONPATH -u LD_LIBRARY_PATH -u SHARDCOORD_ADDR PATH="$work/venv/bin:$PATH" \
+    timeout 180 "$py" -m torch.distributed.run --nproc_per_node 2 --redirects 2 --tee 2 \
+    --master_addr 127.0.0.1 --master_port "$(free_port)" "$root/examples/python/minimal_loop.py" 2>&1)
+  check "pip alone: examples/python/minimal_loop.py at two ranks under torchrun, the daemon embedded" \
+    '[[ $job_out == *"started an embedded shardcoordd"* && $(grep -o "final params hash [0-9a-f]*" <<<"$job_out" | wc -l) -ge 2 ]]'
   if [[ -n $build && -x $build/coordinator/shardcoordd ]]; then
     env -u PYTHONPATH SHARDCOORDD="$build/coordinator/shardcoordd" SHARDCTL="$build/client/shardctl" \
       timeout 600 "$py" -m pytest -q -p no:cacheprovider "$root/tests/python/test_binding.py" \
