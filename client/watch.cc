@@ -243,7 +243,8 @@ std::vector<Line> RankRows(const WatchFrame& f, const std::string& job, RankSort
   std::vector<std::vector<Cell>> rows;
   for (const v1::RankStatus* r : ranks) {
     const std::string state = StateName(r->state());
-    const int64_t age = r->last_heartbeat_age_ms();
+    // A rank that left or died sends no heartbeat: its age is not counted on.
+    const int64_t age = r->state() == v1::RANK_STATE_LIVE ? r->last_heartbeat_age_ms() : -1;
     rows.push_back({{absl::StrCat(r->rank())}, {absl::StrCat(r->group())}, {state, StateColor(state)},
                     {age < 0 ? "-" : absl::StrCat(age)}, {absl::StrCat(r->plans_received())},
                     {Printable(r->dead_reason())}});
@@ -258,7 +259,7 @@ std::vector<Line> FinishedRows(const std::vector<const v1::JobStatus*>& jobs) {
   std::vector<std::vector<Cell>> rows;
   for (const v1::JobStatus* j : jobs) {
     const bool dead = j->ranks_dead() > 0;
-    rows.push_back({{"JOB " + Printable(j->job_id()), kDim}, {dead ? "ended" : "finished", dead ? kRed : kDim},
+    rows.push_back({{"JOB " + Printable(j->job_id()), kDim}, {dead ? "failed" : "finished", dead ? kRed : kDim},
                     {absl::StrCat(j->ranks_left(), " left"), kDim},
                     {absl::StrCat(j->ranks_dead(), " dead"), dead ? kRed : kDim},
                     {absl::StrCat("decided ", j->microbatches_decided()), kDim}});
@@ -300,7 +301,7 @@ std::vector<Line> Body(const WatchFrame& f, const WatchView& view, bool collapse
   }
   if (!over.empty()) {
     body.push_back({});
-    body.push_back({{"finished jobs (f and a job id show one in full)", kDim}});
+    body.push_back({{"ended jobs, failed or finished (f and a job id show one in full)", kDim}});
     Append(FinishedRows(over), &body);
   }
   if (jobs.empty() && f.error.empty()) {

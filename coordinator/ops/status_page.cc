@@ -38,7 +38,7 @@ std::string Header(const v1::StatusResponse& s, int refresh) {
   return absl::StrCat(
       "<h1>shardcoord coordinator</h1><p class=muted>", HtmlEscape(s.listen_address()), " &middot; version ",
       HtmlEscape(s.version()), " &middot; up ", absl::FormatDuration(absl::Seconds(s.uptime_ms() / 1000)), s.uptime_ms() < 1000 ? "s" : "",
-      " &middot; incarnation ", s.incarnation(), " &middot; ", s.jobs_size(), " jobs &middot; refreshes every ",
+      " &middot; incarnation ", s.incarnation(), " &middot; ", s.jobs_size(), s.jobs_size() == 1 ? " job" : " jobs", " &middot; refreshes every ",
       refresh, " s</p>");
 }
 
