@@ -14,8 +14,11 @@
 #include <fstream>
 #include <sstream>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "shardcoord/internal/logging.h"
 
 namespace shardcoord::coordinator {
 namespace {
@@ -82,34 +85,110 @@ bool ResumeAuthority::CheckSeal(const std::string& job, const v1::MicrobatchDeci
   return SameBytes(Seal(job, d), d.seal());
 }
 
+namespace {
+
+constexpr size_t kKeyFileMaxBytes = 4096;  // A key file is one line of 64 hex digits.
+
+// Reads the resume key file as the TLS key is read: not through a symbolic link, a regular file
+// of this user's that nobody else may read or write, at most a few bytes, 64 hex digits of a key
+// that is not all zero. NotFound when there is none (one is made); every other failure says what
+// is wrong and what to do.
+absl::StatusOr<std::string> ReadKeyFile(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) {
+    const int err = errno;
+    if (err == ENOENT) return absl::NotFoundError(path);
+    if (err == ELOOP) {
+      return absl::PermissionDeniedError(absl::StrCat("resume key file ", path, " is a symbolic link; a key is "
+                                                      "read only from a file of its own: replace the link by the file"));
+    }
+    return absl::PermissionDeniedError(absl::StrCat("resume key file ", path, " cannot be read: ",
+                                                    std::strerror(err), "; it must be readable by the daemon's user"));
+  }
+  struct stat st;
+  std::string content(kKeyFileMaxBytes + 1, '\0');
+  ssize_t got = -1;
+  if (::fstat(fd, &st) == 0 && S_ISREG(st.st_mode)) got = ::read(fd, content.data(), content.size());
+  ::close(fd);
+  if (!S_ISREG(st.st_mode)) {
+    return absl::PermissionDeniedError(absl::StrCat("resume key file ", path, " is not a regular file"));
+  }
+  if (st.st_uid != ::geteuid()) {
+    return absl::PermissionDeniedError(absl::StrCat("resume key file ", path, " belongs to uid ", st.st_uid,
+                                                    ", not to the daemon's user (uid ", ::geteuid(),
+                                                    "): another user could have planted it; chown it, or delete it"));
+  }
+  if ((st.st_mode & 077) != 0) {
+    return absl::PermissionDeniedError(absl::StrFormat(
+        "resume key file %s has mode %04o: others may read or change it (whoever reads it can forge resumes); "
+        "chmod 600 it", path, st.st_mode & 07777));
+  }
+  if (got < 0) return absl::UnavailableError(absl::StrCat("cannot read the resume key file ", path));
+  content.resize(static_cast<size_t>(got));
+  if (content.size() > kKeyFileMaxBytes) {
+    return absl::DataLossError(absl::StrCat("resume key file ", path, " is longer than ", kKeyFileMaxBytes,
+                                            " bytes: not a key file; restore it, or delete it"));
+  }
+  if (content.empty()) return absl::NotFoundError(absl::StrCat(path, " is empty"));  // Never written: remade.
+  const std::string hex(absl::StripAsciiWhitespace(content));
+  const bool is_hex = hex.size() == 2 * kKeyBytes && hex.find_first_not_of("0123456789abcdefABCDEF") == std::string::npos;
+  const std::string key = is_hex ? absl::HexStringToBytes(hex) : "";
+  if (key.size() != kKeyBytes) {
+    return absl::DataLossError(absl::StrCat("resume key file ", path, " does not hold ", kKeyBytes * 2,
+                                            " hex digits: restore it, or delete it (a new key is made, and ranks "
+                                            "registered before cannot resume)"));
+  }
+  if (key.find_first_not_of('\0') == std::string::npos) {
+    return absl::DataLossError(absl::StrCat("resume key file ", path, " holds an all-zero key, which anyone could "
+                                            "guess: delete it (a new key is made)"));
+  }
+  return key;
+}
+
+// Makes the key file atomically: the key is written and synced under a temporary name, then
+// linked to `path` (which fails if another start made it meanwhile: that one is read), so a crash
+// never leaves a partial or empty key file behind.
+absl::StatusOr<std::string> CreateKeyFile(const std::string& path) {
+  const std::string key = RandomBytes(kKeyBytes);
+  const std::string tmp = absl::StrCat(path, ".tmp.", ::getpid());
+  ::unlink(tmp.c_str());  // A leftover of a crashed start with this pid.
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+  if (fd < 0) {
+    return absl::PermissionDeniedError(absl::StrCat("cannot create the resume key file ", path, " (writing ", tmp,
+                                                    "): ", std::strerror(errno), "; make its folder writable"));
+  }
+  const std::string line = absl::StrCat(absl::BytesToHexString(key), "\n");
+  const bool ok = ::write(fd, line.data(), line.size()) == static_cast<ssize_t>(line.size()) && ::fsync(fd) == 0;
+  ::close(fd);
+  if (!ok) {
+    ::unlink(tmp.c_str());
+    return absl::UnavailableError(absl::StrCat("cannot write the resume key file ", tmp));
+  }
+  const int linked = ::link(tmp.c_str(), path.c_str());
+  const int err = errno;
+  ::unlink(tmp.c_str());
+  if (linked != 0 && err == EEXIST) return ReadKeyFile(path);  // Another start made it first.
+  if (linked != 0) {
+    return absl::PermissionDeniedError(absl::StrCat("cannot create the resume key file ", path, ": ",
+                                                    std::strerror(err)));
+  }
+  return key;
+}
+
+}  // namespace
+
 absl::StatusOr<ResumeKey> LoadResumeKey(const std::string& state_file, const std::string& token_file) {
   if (!state_file.empty()) {
     const std::string path = state_file + ".key";
-    std::ifstream in(path, std::ios::binary);
-    if (in) {
-      std::string hex;
-      std::getline(in, hex);
-      const bool is_hex = hex.size() == 2 * kKeyBytes &&
-                          hex.find_first_not_of("0123456789abcdefABCDEF") == std::string::npos;
-      const std::string key = is_hex ? absl::HexStringToBytes(hex) : "";
-      if (key.size() != kKeyBytes) {
-        return absl::DataLossError(absl::StrCat("resume key file ", path, " does not hold ", kKeyBytes * 2,
-                                                " hex digits: restore it, or delete it (a new key is made, and ranks "
-                                                "registered before cannot resume)"));
-      }
-      return ResumeKey{key, path};
+    absl::StatusOr<std::string> key = ReadKeyFile(path);
+    if (absl::IsNotFound(key.status()) && key.status().message() != path) {
+      // Empty: a crash of a version that wrote it in place left it so; it holds no key to keep.
+      logging::Get("coordinator")->warn("resume key file {} is empty; a new key is made", path);
+      ::unlink(path.c_str());
     }
-    const std::string key = RandomBytes(kKeyBytes);
-    const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL, 0600);
-    if (fd < 0) {
-      return absl::PermissionDeniedError(absl::StrCat("cannot create the resume key file ", path, ": ",
-                                                      std::strerror(errno), "; make its folder writable"));
-    }
-    const std::string line = absl::StrCat(absl::BytesToHexString(key), "\n");
-    const bool ok = ::write(fd, line.data(), line.size()) == static_cast<ssize_t>(line.size()) && ::fsync(fd) == 0;
-    ::close(fd);
-    if (!ok) return absl::UnavailableError(absl::StrCat("cannot write the resume key file ", path));
-    return ResumeKey{key, path};
+    if (absl::IsNotFound(key.status())) key = CreateKeyFile(path);
+    if (!key.ok()) return key.status();
+    return ResumeKey{*key, path};
   }
   if (!token_file.empty()) {
     std::ifstream in(token_file, std::ios::binary);

@@ -10,6 +10,9 @@
 #include "coordinator/daemon/state_file.h"
 #include "support/test_env.h"
 
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <fstream>
 #include <limits>
 
@@ -522,6 +525,63 @@ TEST_F(KeyedRecoveryTest, FieldsOutsideTheirRangesAreRefusedNamingTheField) {
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.says << ": " << s;
     EXPECT_THAT(s.message(), HasSubstr(c.says));
   }
+}
+
+// The resume key file is checked as the TLS key is (issue 44, item 6): what another user, a link
+// or a crash could have left there is refused, naming it, and the file is made atomically.
+class ResumeKeyFileTest : public ::testing::Test {
+ protected:
+  std::string Key() const { return dir_.path() + "/state.key"; }
+  void Write(const std::string& content, mode_t mode) {
+    std::ofstream(Key()) << content;
+    ASSERT_EQ(::chmod(Key().c_str(), mode), 0);
+  }
+  testing::TempDir dir_;
+  const std::string state_ = dir_.path() + "/state";
+};
+
+TEST_F(ResumeKeyFileTest, IsMadeOnceOwnerOnlyAndReadBack) {
+  auto made = LoadResumeKey(state_, "");
+  ASSERT_TRUE(made.ok()) << made.status();
+  struct stat st;
+  ASSERT_EQ(::stat(Key().c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  auto again = LoadResumeKey(state_, "");
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->key, made->key);
+}
+
+TEST_F(ResumeKeyFileTest, RefusesWhatOthersMayReadALinkAndAZeroKey) {
+  Write(std::string(64, 'a'), 0644);
+  EXPECT_THAT(LoadResumeKey(state_, "").status().message(), HasSubstr("has mode 0644: others may read or change it"));
+  Write(std::string(64, '0'), 0600);
+  EXPECT_THAT(LoadResumeKey(state_, "").status().message(), HasSubstr("all-zero key"));
+  ASSERT_EQ(::unlink(Key().c_str()), 0);
+  const std::string planted = dir_.path() + "/planted";
+  std::ofstream(planted) << std::string(64, 'b');
+  ASSERT_EQ(::chmod(planted.c_str(), 0600), 0);
+  ASSERT_EQ(::symlink(planted.c_str(), Key().c_str()), 0);
+  EXPECT_THAT(LoadResumeKey(state_, "").status().message(), HasSubstr("is a symbolic link"));
+}
+
+TEST_F(ResumeKeyFileTest, AnEmptyFileLeftByACrashIsRemadeNotACrashLoop) {
+  Write("", 0600);
+  auto key = LoadResumeKey(state_, "");
+  ASSERT_TRUE(key.ok()) << key.status();
+  EXPECT_EQ(key->key.size(), 32u);
+  Write("not hex\n", 0600);
+  EXPECT_THAT(LoadResumeKey(state_, "").status().message(), HasSubstr("does not hold 64 hex digits"));
+}
+
+TEST_F(ResumeKeyFileTest, AnotherUsersOrAnUnreadableFileIsNamedSoNotFileExists) {
+  Write(std::string(64, 'c'), 0600);
+  if (::geteuid() == 0) {  // Root may give it away (CI runs as root); root reads a mode 000 file.
+    ASSERT_EQ(::chown(Key().c_str(), 12345, 12345), 0);
+    EXPECT_THAT(LoadResumeKey(state_, "").status().message(), HasSubstr("belongs to uid 12345, not to the daemon's"));
+    return;
+  }
+  ASSERT_EQ(::chmod(Key().c_str(), 0), 0);
+  EXPECT_THAT(LoadResumeKey(state_, "").status().message(), HasSubstr("cannot be read"));
 }
 
 }  // namespace
