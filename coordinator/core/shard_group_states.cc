@@ -294,6 +294,15 @@ std::vector<int> ShardGroup::ExpireRecovery(absl::Time now, std::string* why, st
 void ShardGroup::StartRerun() {
   has_reference = false;
   formed = false;  // A rerun forms its groups afresh.
+  // The ended run's members wait to come back, as in a forming job: one that has not
+  // registered again yet is not "left" (its plans are still to come), or the first rank's
+  // plans would fail as never decidable and the next ones' be stale.
+  for (Member& m : members) {
+    if (m.state != v1::RANK_STATE_LIVE) {
+      m.state = v1::RANK_STATE_UNREGISTERED;
+      m.dead_reason.clear();
+    }
+  }
   RestartKeys();
   deferred_plans.clear();
   last_decided.reset();  // The group re-forms in a new epoch once its members are back.

@@ -362,6 +362,31 @@ TEST_F(CoreTest, ARerunOfAJobThatReFormedStillFormsItsGroupsAfresh) {
   EXPECT_EQ(d1[0].digest(), d0[0].digest());
 }
 
+TEST_F(CoreTest, ARerunWhoseRanksComeBackOneByOneIsDecided) {
+  // Issue 44, item 5: in a rerun under the same id and sizes, the member that had not registered
+  // again yet counted as left, so the first rank's plans failed ("can never be decided") and the
+  // second's were stale. The members of the ended run wait to come back, as in a forming job.
+  RegisterAll(2, 2);
+  Plan(0, 0, 0, 1);
+  Plan(1, 0, 0, 1);
+  core_->OnGoodbye(sessions_[0], "done");
+  core_->OnGoodbye(sessions_[1], "done");
+  ASSERT_TRUE(Register(Request(0, 2, 2)).ok());
+  Plan(0, 0, 0, 1);
+  Plan(0, 0, 1, 0);
+  EXPECT_TRUE(sinks_[0]->Where([](const auto& m) { return m.has_microbatch_failed(); }).empty())
+      << "the rerun's first rank was failed before the second came back";
+  ASSERT_TRUE(Register(Request(1, 2, 2)).ok());
+  Plan(1, 0, 0, 1);
+  Plan(1, 0, 1, 0);
+  EXPECT_TRUE(sinks_[1]->Where([](const auto& m) { return m.has_microbatch_failed() || m.has_plan_rejected(); })
+                  .empty());
+  auto d0 = sinks_[0]->Decisions(), d1 = sinks_[1]->Decisions();
+  ASSERT_EQ(d0.size(), 2u);
+  ASSERT_EQ(d1.size(), 2u);
+  EXPECT_EQ(d0[1].digest(), d1[1].digest());
+}
+
 TEST_F(CoreTest, TwoGroupsDecideIndependently) {
   RegisterAll();
   Plan(0, 0, 0, 1);  // Group 0 waits for rank 1.
