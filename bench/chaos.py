@@ -1166,9 +1166,13 @@ class Harness:
         begin = time.monotonic()
         for label, rp, must in procs:
             # Non-readers must be cut within 20 s of their start, forgeries answered within 10 s;
-            # a daemon pause (another trial's daemon_stop) adds its length.
+            # a daemon pause (another trial's daemon_stop) adds its length. A sanitized daemon
+            # decides about 20 times slower (measured: the ~440,000 decisions that fill the buffer
+            # budget before a non-reader is cut take 0.8 s in the RelWithDebInfo build, 15-22 s
+            # under ASan), so there the bound is 80 s.
+            bound = 80 if self.args.sanitized else 20
             while rp.proc.poll() is None and \
-                    time.monotonic() < begin + 20 + self.daemon.paused_since(begin) + self.args.slack / 3:
+                    time.monotonic() < begin + bound + self.daemon.paused_since(begin) + self.args.slack / 3:
                 time.sleep(0.1)
             if rp.proc.poll() is None:
                 kill_proc(rp.proc)
@@ -1383,11 +1387,16 @@ def summarize(h, results, elapsed, planned, daemon_rc, interrupted):
         rss = [x[1] / 1024.0 for x in s]
         fds = [x[2] for x in s if x[2] >= 0]
         q = lambda frac: rss[min(len(rss) - 1, int(frac * (len(rss) - 1)))]
-        rss_fail = max(rss) > args.max_rss_mb
+        # Under a sanitizer the daemon's RSS is the sanitizer's: ASan keeps 256 MB of freed memory
+        # in quarantine and pads every allocation (measured: one non-reader cut at the same buffer
+        # budget took the daemon to 50 MB in the RelWithDebInfo build, 550 MB under ASan). The
+        # bound is checked where it means something, the suite's own chaos.short; here it is shown.
+        rss_fail = max(rss) > args.max_rss_mb and not args.sanitized
         lines.append("daemon RSS MB: min %.1f max %.1f last %.1f (at 25%%/50%%/75%% of the run: %.1f/%.1f/%.1f; "
                      "bound %d: %s); %d samples, one a second" % (
                          min(rss), max(rss), rss[-1], q(0.25), q(0.5), q(0.75), args.max_rss_mb,
-                         "EXCEEDED" if rss_fail else "ok", len(s)))
+                         ("EXCEEDED" if rss_fail else "ok") if not args.sanitized else
+                         "not checked: a sanitized daemon", len(s)))
         if fds:
             lines.append("daemon open descriptors: min %d max %d last %d" % (min(fds), max(fds), fds[-1]))
     else:
@@ -1426,6 +1435,9 @@ def main():
     ap.add_argument("--keep-logs", action="store_true", help="keep the logs of passing trials too")
     ap.add_argument("--parallel", type=int, default=None, help="trials at once (default 1; they share the daemon)")
     ap.add_argument("--max-rss-mb", type=float, default=300)
+    ap.add_argument("--sanitized", action="store_true",
+                    help="the build runs under a sanitizer (scripts/sanitize.sh): the daemon is about 20 times slower "
+                         "and its RSS the sanitizer's, so non-readers get 80 s and the RSS bound is shown, not checked")
     ap.add_argument("--heartbeat-timeout-ms", type=int, default=1500)
     ap.add_argument("--heartbeat-interval-ms", type=int, default=100)
     ap.add_argument("--handshake-timeout-ms", type=int, default=2000)
@@ -1448,7 +1460,7 @@ def main():
     if args.trials is None:
         args.trials = 1 if args.short else 3
     if args.seconds is None:
-        args.seconds = 50 if args.short else 600
+        args.seconds = (50 if args.short else 600) * (2 if args.sanitized else 1)
     if args.parallel is None:
         args.parallel = 1
     args.build = os.path.abspath(args.build)

@@ -83,7 +83,10 @@ void CoordinatorCore::OnSessionClosed(uint64_t session_id, const std::string& wh
     jobs_.ForgetSession(session_id);
     return;
   }
-  RemoveMember(*job, *m, Leaving::kDead, absl::StrCat("session stream lost (", why, ")"));
+  // A rank already found not reading (or breaking the protocol) whose stream ends before the
+  // tick fails it: the finding is the cause, not the end of the stream it led to.
+  RemoveMember(*job, *m, Leaving::kDead,
+               m->cut_reason.empty() ? absl::StrCat("session stream lost (", why, ")") : std::string(m->cut_reason));
 }
 
 void CoordinatorCore::RemoveMember(Job& job, Member& m, Leaving how, const std::string& reason) {
