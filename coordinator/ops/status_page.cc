@@ -183,6 +183,13 @@ std::string Events(const std::vector<v1::Event>& events) {
   return out + "</table>";
 }
 
+bool HasComms(const std::string& job, const v1::ListCommsResponse& comms) {
+  for (const auto& c : comms.comms()) {
+    if (c.job_id() == job) return true;
+  }
+  return false;
+}
+
 // The summary line, groups, ranks and communicators of one job.
 std::string JobBody(const v1::JobStatus& j, const PageInput& in, const std::set<std::pair<std::string, int>>& behind) {
   const Snapshot& s = in.snapshot;
@@ -191,7 +198,8 @@ std::string JobBody(const v1::JobStatus& j, const PageInput& in, const std::set<
                       j.ranks_left(), " left, ", j.ranks_unregistered(), " not registered &middot; ",
                       j.microbatches_decided(), " microbatches decided</p>", "<h3>Shard groups</h3>",
                       GroupTable(job, s.groups), "<h3>Ranks</h3>", RankTable(job, in, behind),
-                      "<h3>Communicators</h3>", CommTable(job, s.comms));
+                      "<h3>Communicators</h3>", HasComms(job, s.comms) ? CommTable(job, s.comms)
+                                                                      : "<p class=muted>none opened by this job</p>");
 }
 
 // One line for a job that is over, linking to its own page (/?job=ID) where its tables are in
@@ -266,7 +274,9 @@ std::string StatusPage(const PageInput& in) {
   }
   std::string out = absl::StrCat("<!doctype html><html><head><meta charset=utf-8><title>shardcoord</title>",
                                  "<meta http-equiv=refresh content=", in.refresh_seconds, "><style>", kStyle,
-                                 "</style></head><body>", Header(s.status, in.refresh_seconds), Chart(in.history));
+                                 "</style></head><body>", Header(s.status, in.refresh_seconds),
+                                 // The chart counts every job's decisions: on the page of one job it is not shown.
+                                 in.job.empty() ? Chart(in.history) : std::string());
   // Live jobs first, at full size; a finished one (hours of them on a shared daemon) is one
   // line linking to its own page, so it never pushes a running job down the page.
   std::string finished;
