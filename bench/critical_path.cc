@@ -194,7 +194,8 @@ int main(int argc, char** argv) {
   o.token_file = tokens;
   o.tls.cert_file = std::string(dir) + "/server.pem";
   o.tls.key_file = std::string(dir) + "/server.key";
-  const shardcoord::TlsFiles tls{std::string(dir) + "/ca.pem"};
+  shardcoord::TlsFiles tls;
+  tls.ca_file = std::string(dir) + "/ca.pem";
   auto secured = shardcoord::coordinator::CoordinatorServer::Start(o);
   if (!secured.ok()) {
     std::fprintf(stderr, "%s\n", std::string(secured.status().message()).c_str());

@@ -187,7 +187,10 @@ class Script {
 
   void Register(uint64_t id, Session& s, const v1::RegisterRequest& r) {
     if (s.sink) core_->OnSessionClosed(id, "fuzz: new registration on this session");
-    s = Session{std::make_shared<RecordingSink>(), r.job_id(), r.rank()};
+    s = Session{};
+    s.sink = std::make_shared<RecordingSink>();
+    s.job = r.job_id();
+    s.rank = r.rank();
     s.sink->refuse = in_.ConsumeIntegralInRange<int>(0, 15) == 0;  // A rank that stopped reading.
     if (!core_->Register(id, FromWire(r), s.sink).ok()) return;
     reach.registered++;

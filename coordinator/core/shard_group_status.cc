@@ -21,7 +21,11 @@ v1::CoordinatorMessage ShardGroup::Registered(const Registration& req, uint64_t 
   resp->set_lookahead(req.lookahead);
   resp->set_coordinator_version(shardcoord::kVersion);
   resp->set_wire_revision(kWireRevision);
-  resp->set_accepts_bundles(true);  // Deprecated: what workers built before bundles only look at.
+  // Deprecated: what workers built before bundles only look at (set while they may exist).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+  resp->set_accepts_bundles(true);
+#pragma GCC diagnostic pop
   if (req.policy == Policy::kPerLayer) {
     resp->add_warnings("policy per_layer: microbatches where ranks of the group diverge fall back to " +
                        std::string(FallbackName(req.fallback)) +

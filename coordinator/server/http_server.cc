@@ -359,14 +359,14 @@ std::string QueryValue(const std::string& query, const std::string& key) {
 
 HttpServer::Reply HttpServer::Serve(const std::string& path, const std::string& authorization,
                                     const std::string& query) {
-  if (path == "/healthz") return {200, "text/plain", "ok\n"};
-  if (path != "/metrics" && path != "/") return {404, "text/plain", "no such page; try /, /metrics or /healthz\n"};
+  if (path == "/healthz") return {200, "text/plain", "ok\n", {}};
+  if (path != "/metrics" && path != "/") return {404, "text/plain", "no such page; try /, /metrics or /healthz\n", {}};
   std::optional<Grant> grant = Allowed(authorization, path == "/" ? "GET /" : "GET /metrics");
   if (!grant) {
     return {401, "text/plain", "a read token is required: Authorization: Bearer TOKEN, or Basic auth with it as password\n",
             {"WWW-Authenticate", "Basic realm=\"shardcoord (password: a read token)\""}};
   }
-  if (path == "/metrics") return {200, "text/plain; version=0.0.4; charset=utf-8", MetricsText(Take(grant->job))};
+  if (path == "/metrics") return {200, "text/plain; version=0.0.4; charset=utf-8", MetricsText(Take(grant->job)), {}};
   PageInput in;
   // /?job=ID: that job's page. A reader limited to one job sees that one whatever it asks.
   in.job = grant->job.empty() ? QueryValue(query, "job") : grant->job;
@@ -380,7 +380,7 @@ HttpServer::Reply HttpServer::Serve(const std::string& path, const std::string& 
     in.history = history_;
   }
   in.history.push_back(Totals(in.snapshot.groups));  // The chart ends now.
-  return {200, "text/html; charset=utf-8", StatusPage(in)};
+  return {200, "text/html; charset=utf-8", StatusPage(in), {}};
 }
 
 void HttpServer::SampleLoop() {

@@ -22,6 +22,18 @@
 namespace shardcoord {
 namespace {
 
+// TlsFiles from its fields in order, the ones not given empty (brace initialization leaves
+// -Wmissing-field-initializers warnings).
+TlsFiles Tls(std::string ca = "", std::string cert = "", std::string key = "", std::string name = "") {
+  TlsFiles t;
+  t.ca_file = std::move(ca);
+  t.cert_file = std::move(cert);
+  t.key_file = std::move(key);
+  t.server_name = std::move(name);
+  return t;
+}
+
+
 using ::testing::HasSubstr;
 
 constexpr char kRankToken[] = "rank-token-0123456789abcdef";
@@ -86,21 +98,21 @@ class TlsTest : public InProcessTest {
 
 TEST_F(TlsTest, AJobRunsOverTlsAndNothingElseIsServed) {
   StartServer(Secured());
-  const TlsFiles tls{certs_.ca};
+  const TlsFiles tls = Tls(certs_.ca);
   auto w0 = Connect(RankOptions(0, tls));
   auto w1 = Connect(RankOptions(1, tls));
   ASSERT_TRUE(w0 && w1);
   RunMicrobatch(*w0, *w1, 0);
   // Plaintext with the right token: no connection forms, and the worker says what to try.
-  EXPECT_EQ(Query(TlsFiles{}).code(), absl::StatusCode::kUnavailable);
-  auto plain = Worker::Connect(RankOptions(0, TlsFiles{}));
+  EXPECT_EQ(Query(Tls()).code(), absl::StatusCode::kUnavailable);
+  auto plain = Worker::Connect(RankOptions(0, Tls()));
   ASSERT_FALSE(plain.ok());
   EXPECT_EQ(plain.status().code(), absl::StatusCode::kUnavailable);
   EXPECT_THAT(plain.status().message(), HasSubstr("If it serves TLS, give the CA file"));
   // A CA that did not sign the daemon's certificate: refused (no man in the middle either way).
-  EXPECT_EQ(Query(TlsFiles{certs_.other_ca}).code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(Query(Tls(certs_.other_ca)).code(), absl::StatusCode::kUnavailable);
   // The right CA but a name the certificate does not carry.
-  EXPECT_EQ(Query(TlsFiles{certs_.ca, "", "", "coordinator.example"}).code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(Query(Tls(certs_.ca, "", "", "coordinator.example")).code(), absl::StatusCode::kUnavailable);
   // TLS and the right CA, but tokens still apply.
   EXPECT_TRUE(Query(tls).ok());
   EXPECT_EQ(Query(tls, kRankToken).code(), absl::StatusCode::kPermissionDenied);
@@ -111,18 +123,18 @@ TEST_F(TlsTest, AJobRunsOverTlsAndNothingElseIsServed) {
 
 TEST_F(TlsTest, MutualTlsServesOnlyCallersWithACertificateFromTheClientCa) {
   StartServer(Secured(/*mutual=*/true));
-  const TlsFiles with_cert{certs_.ca, certs_.client_cert, certs_.client_key};
+  const TlsFiles with_cert = Tls(certs_.ca, certs_.client_cert, certs_.client_key);
   auto w0 = Connect(RankOptions(0, with_cert));
   auto w1 = Connect(RankOptions(1, with_cert));
   ASSERT_TRUE(w0 && w1);
   RunMicrobatch(*w0, *w1, 0);
-  EXPECT_EQ(Query(TlsFiles{certs_.ca}).code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(Query(Tls(certs_.ca)).code(), absl::StatusCode::kUnavailable);
   // A certificate of another CA (a server certificate, here) is no client certificate of ours.
-  EXPECT_EQ(Query(TlsFiles{certs_.ca, certs_.other_server_cert, certs_.other_server_key}).code(),
+  EXPECT_EQ(Query(Tls(certs_.ca, certs_.other_server_cert, certs_.other_server_key)).code(),
             absl::StatusCode::kUnavailable);
   EXPECT_TRUE(Query(with_cert).ok());
   // A client certificate without its key is refused before dialling, saying so.
-  absl::Status half = Query(TlsFiles{certs_.ca, certs_.client_cert});
+  absl::Status half = Query(Tls(certs_.ca, certs_.client_cert));
   EXPECT_EQ(half.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(half.message(), HasSubstr("needs its key"));
   RunMicrobatch(*w0, *w1, 1);
@@ -140,15 +152,15 @@ TEST_F(TlsTest, ARenewedCertificateIsServedWithoutARestart) {
   o.tls.key_file = key;
   o.tls.reload_interval = absl::Seconds(1);
   StartServer(o);
-  auto w0 = Connect(RankOptions(0, TlsFiles{certs_.ca}));
-  auto w1 = Connect(RankOptions(1, TlsFiles{certs_.ca}));
+  auto w0 = Connect(RankOptions(0, Tls(certs_.ca)));
+  auto w1 = Connect(RankOptions(1, Tls(certs_.ca)));
   ASSERT_TRUE(w0 && w1);
-  EXPECT_EQ(Query(TlsFiles{certs_.other_ca}).code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(Query(Tls(certs_.other_ca)).code(), absl::StatusCode::kUnavailable);
   copy(certs_.other_server_key, key);
   copy(certs_.other_server_cert, cert);
-  EXPECT_TRUE(testing::WaitUntil([&] { return Query(TlsFiles{certs_.other_ca}).ok(); }, absl::Seconds(20)))
+  EXPECT_TRUE(testing::WaitUntil([&] { return Query(Tls(certs_.other_ca)).ok(); }, absl::Seconds(20)))
       << "the renewed certificate was not served";
-  EXPECT_EQ(Query(TlsFiles{certs_.ca}).code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(Query(Tls(certs_.ca)).code(), absl::StatusCode::kUnavailable);
   RunMicrobatch(*w0, *w1, 0);
 }
 
@@ -206,20 +218,20 @@ TEST_F(TlsTest, ACertificateRenewedBeforeItsKeyKeepsThePreviousPairServing) {
   o.tls.reload_interval = absl::Seconds(1);
   o.limits.self_check_interval = absl::Milliseconds(200);
   StartServer(o);
-  auto w0 = Connect(RankOptions(0, TlsFiles{certs_.ca}));
-  auto w1 = Connect(RankOptions(1, TlsFiles{certs_.ca}));
+  auto w0 = Connect(RankOptions(0, Tls(certs_.ca)));
+  auto w1 = Connect(RankOptions(1, Tls(certs_.ca)));
   ASSERT_TRUE(w0 && w1);
   ASSERT_TRUE(testing::ReplaceFile(certs_.other_server_cert, cert));  // The key comes later.
   // Three reload intervals: every new connection is still served the previous pair.
   const absl::Time until = absl::Now() + absl::Seconds(3);
   int queries = 0;
   while (absl::Now() < until) {
-    ASSERT_TRUE(Query(TlsFiles{certs_.ca}).ok()) << "query " << queries;
+    ASSERT_TRUE(Query(Tls(certs_.ca)).ok()) << "query " << queries;
     ++queries;
   }
   RunMicrobatch(*w0, *w1, 0);
   ASSERT_TRUE(testing::ReplaceFile(certs_.other_server_key, key));
-  EXPECT_TRUE(testing::WaitUntil([&] { return Query(TlsFiles{certs_.other_ca}).ok(); }, absl::Seconds(20)))
+  EXPECT_TRUE(testing::WaitUntil([&] { return Query(Tls(certs_.other_ca)).ok(); }, absl::Seconds(20)))
       << "the complete renewal was not served";
   RunMicrobatch(*w0, *w1, 1);
 }
