@@ -381,3 +381,8 @@ def test_embedded_coordinator_across_hosts_takes_a_token(tmp_path):
     assert "on every interface with a rank token it made, without TLS" in outs[0], outs[0][-2000:]
     hashes = {re.search(r"final params hash ([0-9a-f]{16})", o).group(1) for o in outs}
     assert len(hashes) == 1, outs
+
+
+def test_manifest_warning_names_a_trainable_tower():
+    with pytest.warns(RuntimeWarning, match=r"seen with trainable parameters .*: 'visual'"):
+        assert sct.manifest(_Vlm()) == []

@@ -170,9 +170,13 @@ def manifest(model: "_torch_t.nn.Module", layer_lists: Optional[Mapping[str, Uni
     if not specs:
         frozen = _frozen_roots(model, [])
         seen = ", ".join(f"'{p}' ({b / 2**20:.1f} MiB)" for p, b in frozen[:8]) or "none"
+        trainable = [f"'{path}'" for path, _kind, fully_frozen in classify(nodes, extra_towers, extra_projectors)
+                     if not fully_frozen]
+        also = (f"; seen with trainable parameters (not controlled: freeze them with requires_grad_(False)): "
+                f"{', '.join(trainable[:8])}") if trainable else ""
         warnings.warn(f"shardcoord.torch.manifest: no controlled module in {type(model).__name__}: none of its fully "
-                      f"frozen modules has a tower or projector name (frozen modules seen: {seen}); pass their last "
-                      f"name component as extra_towers=[...] or extra_projectors=[...], e.g. "
+                      f"frozen modules has a tower or projector name (frozen modules seen: {seen}){also}; pass their "
+                      f"last name component as extra_towers=[...] or extra_projectors=[...], e.g. "
                       f"extra_towers=['{frozen[0][0].rsplit('.', 1)[-1] if frozen else 'vision'}']",
                       RuntimeWarning, stacklevel=2)
     return specs
