@@ -444,13 +444,16 @@ check "deploy/config/shardcoordd.yaml lists every key the daemon accepts" every_
 config_conflicts() {  # RUN: a second daemon on the first one's ports, and a journal without a folder
   local grpc out rc
   grpc=$(<"$1/grpc.addr")
-  out=$("$daemon" "${config_flags[@]}" "${journal_flag[@]}" --listen "$grpc" --http-listen 127.0.0.1:0 --check-config 2>&1)
+  # As the deploy files' user, as the daemon that made the state folder's resume key ran: a key of
+  # another user's is refused (issue: the key file is trusted only from its owner or root).
+  out=$("${as_daemon[@]}" "$daemon" "${config_flags[@]}" "${journal_flag[@]}" --listen "$grpc" \
+    --http-listen 127.0.0.1:0 --check-config 2>&1)
   rc=$?
   [[ $rc == 2 && $out == *"port ${grpc##*:} is already in use"*"--listen"* ]] ||
     { echo "--check-config on a taken port: exit $rc: $out"; return 1; }
   for mode in --check-config ""; do  # the check and a real start agree
     # shellcheck disable=SC2086  # no mode: no argument
-    out=$(timeout 30 "$daemon" "${config_flags[@]}" --listen 127.0.0.1:0 --http-listen 127.0.0.1:0 \
+    out=$(timeout 30 "${as_daemon[@]}" "$daemon" "${config_flags[@]}" --listen 127.0.0.1:0 --http-listen 127.0.0.1:0 \
       --journal-file "$cfs/no-such-folder/events.db" $mode 2>&1)
     rc=$?
     [[ $rc == 2 && $out == *"$cfs/no-such-folder"* ]] ||

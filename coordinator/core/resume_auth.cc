@@ -113,10 +113,11 @@ absl::StatusOr<std::string> ReadKeyFile(const std::string& path) {
   if (!S_ISREG(st.st_mode)) {
     return absl::PermissionDeniedError(absl::StrCat("resume key file ", path, " is not a regular file"));
   }
-  if (st.st_uid != ::geteuid()) {
+  if (st.st_uid != ::geteuid() && st.st_uid != 0) {  // Root's or its own: nobody else could plant it.
     return absl::PermissionDeniedError(absl::StrCat("resume key file ", path, " belongs to uid ", st.st_uid,
-                                                    ", not to the daemon's user (uid ", ::geteuid(),
-                                                    "): another user could have planted it; chown it, or delete it"));
+                                                    ", neither the daemon's user (uid ", ::geteuid(),
+                                                    ") nor root: another user could have planted it; chown it, or "
+                                                    "delete it"));
   }
   if ((st.st_mode & 077) != 0) {
     return absl::PermissionDeniedError(absl::StrFormat(

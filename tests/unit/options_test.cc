@@ -804,6 +804,7 @@ TEST(CheckServingNeedsTest, StateFileBesideADamagedResumeKeyIsRefused) {
   shardcoord::testing::TempDir dir;
   CoordinatorOptions o = ServingOptions(dir);
   WriteConfig(dir, "not hex\n", "state.key");
+  ASSERT_EQ(::chmod((o.state_file + ".key").c_str(), 0600), 0);  // A key file others may read is refused first.
   EXPECT_THAT(CheckServingNeeds(o), ElementsAre(AllOf(HasSubstr(o.state_file + ".key"), HasSubstr("delete it"))));
 }
 

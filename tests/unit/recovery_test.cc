@@ -577,7 +577,7 @@ TEST_F(ResumeKeyFileTest, AnotherUsersOrAnUnreadableFileIsNamedSoNotFileExists) 
   Write(std::string(64, 'c'), 0600);
   if (::geteuid() == 0) {  // Root may give it away (CI runs as root); root reads a mode 000 file.
     ASSERT_EQ(::chown(Key().c_str(), 12345, 12345), 0);
-    EXPECT_THAT(LoadResumeKey(state_, "").status().message(), HasSubstr("belongs to uid 12345, not to the daemon's"));
+    EXPECT_THAT(LoadResumeKey(state_, "").status().message(), HasSubstr("belongs to uid 12345, neither the daemon's user"));
     return;
   }
   ASSERT_EQ(::chmod(Key().c_str(), 0), 0);
