@@ -49,6 +49,21 @@ def _distributed_kind(accelerator: Any) -> str:
     return "plain"
 
 
+def resolve_wrap_policy(accelerator: Any, model: Any) -> None:
+    """Has accelerate's FSDP plugin resolve its auto-wrap classes now, by name, while the towers' blocks
+    still have their own class names. ``fully_shard`` turns a ``Qwen2_5_VLVisionBlock`` into an
+    ``FSDPQwen2_5_VLVisionBlock``, and accelerate's ``set_auto_wrap_policy`` looks classes up by
+    name: called first inside ``prepare``, after the towers were sharded, it raised "Could not find the
+    transformer layer class Qwen2_5_VLVisionBlock in the model" (seen on the GPU machine with
+    transformers 5.17 and accelerate 1.15). Once resolved, the plugin keeps the classes and does not
+    look them up again; the sharded blocks are subclasses of them, and its wrap loop skips them as
+    FSDP units already."""
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    resolve = getattr(plugin, "set_auto_wrap_policy", None)
+    if callable(resolve):
+        resolve(model)
+
+
 def fsdp2_settings(accelerator: Any) -> tuple:
     """(mesh, fully_shard kwargs) as accelerate's FSDP2 preparation uses them (its
     ``fsdp2_prepare_model``): the FSDP dimensions of its device mesh (None: the world), the plugin's
@@ -104,6 +119,7 @@ class _Hook:
             self.kind = _distributed_kind(self.trainer.accelerator)
             accum = max(1, int(getattr(self.trainer.args, "gradient_accumulation_steps", 1)))
             if self.kind == "fsdp2":
+                resolve_wrap_policy(self.trainer.accelerator, model)
                 mesh, kwargs_fs = fsdp2_settings(self.trainer.accelerator)
                 self.session.shard_towers(model, mesh, kwargs_fs, per_step=accum)
             else:

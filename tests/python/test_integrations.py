@@ -386,3 +386,28 @@ def test_embedded_coordinator_across_hosts_takes_a_token(tmp_path):
 def test_manifest_warning_names_a_trainable_tower():
     with pytest.warns(RuntimeWarning, match=r"seen with trainable parameters .*: 'visual'"):
         assert sct.manifest(_Vlm()) == []
+
+
+def test_fsdp2_prepare_resolves_the_wrap_classes_before_the_towers_change_class(monkeypatch):
+    """On the GPU machine (transformers 5.17, accelerate 1.15) the first run failed in accelerate's
+    set_auto_wrap_policy: it looks the wrap classes up by name, and fully_shard had turned
+    Qwen2_5_VLVisionBlock into FSDPQwen2_5_VLVisionBlock. The hook has the plugin resolve them first."""
+    from types import SimpleNamespace
+
+    order = []
+
+    class Plugin:
+        mixed_precision_policy = cpu_offload = None
+
+        def set_auto_wrap_policy(self, model):
+            order.append("resolve")
+
+    accelerator = FakeAccelerator("FSDP")
+    accelerator.is_fsdp2 = True
+    accelerator.state = SimpleNamespace(fsdp_plugin=Plugin())
+    accelerator.torch_device_mesh = accelerator.parallelism_config = None
+    monkeypatch.setattr(integration.Session, "shard_towers", lambda self, *a, **k: order.append("shard towers"))
+    monkeypatch.setattr(integration.Session, "attach", lambda self, root: order.append("attach"))
+    trainer = shardcoord.hf.patch(FakeTrainer(_Vlm(), FakeArgs(1), [], accelerator=accelerator))
+    trainer.accelerator.prepare(trainer.model)
+    assert order == ["resolve", "shard towers", "attach"]
