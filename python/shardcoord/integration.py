@@ -65,8 +65,8 @@ def controlled_manifest(model: Any, *, extra_towers: Sequence[str] = (), extra_p
     modules with other names (name them in ``extra_towers``)."""
     import warnings
 
-    from . import classify
     from .torch import manifest
+    from .torch._manifest import _frozen_roots, candidates
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # Said below, as an error.
@@ -74,19 +74,12 @@ def controlled_manifest(model: Any, *, extra_towers: Sequence[str] = (), extra_p
     if specs:
         return specs
     modules = dict(model.named_modules())
-    nodes = []
-    for path, m in modules.items():
-        if path:
-            params = list(m.parameters())
-            nodes.append((path, len(params), sum(1 for p in params if p.requires_grad)))
     trainable = []
-    for path, kind, frozen in classify(nodes, extra_towers, extra_projectors):
+    for path, kind, frozen in candidates(modules, extra_towers, extra_projectors):
         if not frozen:
             params = list(modules[path].parameters())
             trainable.append(f"{kind} '{path}' ({sum(p.requires_grad for p in params)} of {len(params)} parameters "
                              f"trainable)")
-    from .torch._manifest import _frozen_roots
-
     frozen = [f"'{p}'" for p, _ in _frozen_roots(model, [])[:8]]
     raise FailedPrecondition(
         f"{who}: nothing to control in {type(model).__name__}: shardcoord decides for fully frozen towers and "

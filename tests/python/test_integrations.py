@@ -25,6 +25,20 @@ from trainer_mixin_ranks import FakeAccelerator, FakeArgs, FakeTrainer  # noqa: 
 RUN_DEADLINE = 150  # Seconds for one two-rank run (about 10 normally).
 
 
+def communicate_all(procs, what):
+    """Each process's (stdout, stderr), waiting at most RUN_DEADLINE seconds for each; a hang fails
+    the test, and a process still running is killed whatever happens."""
+    try:
+        return [p.communicate(timeout=RUN_DEADLINE) for p in procs]
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{what}: a rank did not finish within {RUN_DEADLINE} s (a collective mismatch hangs)")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+
+
 def run_ranks(tmp_path, mode, family, steps, address=None):
     """Both ranks of one mode; returns their RESULT dicts (rank order), failing the test on a hang."""
     init = f"file://{tmp_path}/store-{mode}"
@@ -35,20 +49,11 @@ def run_ranks(tmp_path, mode, family, steps, address=None):
                                family, str(steps)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for r in range(2)]
     results = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=RUN_DEADLINE)
-            assert p.returncode == 0, f"{mode} rank failed ({p.returncode}):\n{err[-3000:]}"
-            lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
-            assert lines, f"{mode}: no RESULT line:\n{out[-2000:]}\n{err[-2000:]}"
-            results.append(json.loads(lines[-1][7:]))
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"{mode}: a rank did not finish within {RUN_DEADLINE} s (a collective mismatch hangs)")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
+    for p, (out, err) in zip(procs, communicate_all(procs, mode)):
+        assert p.returncode == 0, f"{mode} rank failed ({p.returncode}):\n{err[-3000:]}"
+        lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+        assert lines, f"{mode}: no RESULT line:\n{out[-2000:]}\n{err[-2000:]}"
+        results.append(json.loads(lines[-1][7:]))
     return results
 
 
@@ -366,17 +371,7 @@ def test_embedded_coordinator_across_hosts_takes_a_token(tmp_path):
     script = os.path.join(os.path.dirname(HERE), "..", "examples", "python", "minimal_loop.py")
     procs = [subprocess.Popen([sys.executable, script], env=dict(env, RANK=str(r), LOCAL_RANK="0"),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=RUN_DEADLINE)[0])
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the two-host job did not finish within {RUN_DEADLINE} s")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
+    outs = [out for out, _ in communicate_all(procs, "the two-host job")]
     assert [p.returncode for p in procs] == [0, 0], outs
     assert "on every interface with a rank token it made, without TLS" in outs[0], outs[0][-2000:]
     hashes = {re.search(r"final params hash ([0-9a-f]{16})", o).group(1) for o in outs}

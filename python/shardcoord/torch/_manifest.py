@@ -131,6 +131,19 @@ def _frozen_roots(model: Any, controlled: Sequence[str]) -> List[Tuple[str, int]
     return sorted(out, key=lambda item: -item[1])
 
 
+def candidates(modules: Mapping[str, Any], extra_towers: Sequence[str] = (),
+               extra_projectors: Sequence[str] = ()) -> List[Tuple[str, str, bool]]:
+    """The contract's classification of ``modules`` (``dict(model.named_modules())``): (path, "tower"
+    | "projector", fully_frozen) of every tower- or projector-named module, the model itself left
+    out as the C++ BuildManifest does (include_self=false)."""
+    nodes = []
+    for path, m in modules.items():
+        if path:
+            params = list(m.parameters())
+            nodes.append((path, len(params), sum(1 for p in params if p.requires_grad)))
+    return classify(nodes, extra_towers, extra_projectors)
+
+
 def manifest(model: "_torch_t.nn.Module", layer_lists: Optional[Mapping[str, Union[str, Sequence[str]]]] = None,
              extra_towers: Sequence[str] = (), extra_projectors: Sequence[str] = ()) -> List[ModuleSpec]:
     """The controlled modules of ``model`` (fully frozen towers and projectors, by the contract's
@@ -153,14 +166,9 @@ def manifest(model: "_torch_t.nn.Module", layer_lists: Optional[Mapping[str, Uni
     unknown = sorted(set(layer_lists) - set(modules))
     if unknown:
         raise InvalidArgument(f"layer_lists names modules the model does not have: {_names(unknown)}")
-    nodes = []
-    for path, m in modules.items():
-        if not path:
-            continue  # The model itself, as the C++ BuildManifest (include_self=false).
-        params = list(m.parameters())
-        nodes.append((path, len(params), sum(1 for p in params if p.requires_grad)))
+    classified = candidates(modules, extra_towers, extra_projectors)
     specs = []
-    for path, _kind, fully_frozen in classify(nodes, extra_towers, extra_projectors):
+    for path, _kind, fully_frozen in classified:
         if not fully_frozen:
             continue  # A trainable tower or projector keeps normal FSDP sharding: no decisions.
         module = modules[path]
@@ -170,8 +178,7 @@ def manifest(model: "_torch_t.nn.Module", layer_lists: Optional[Mapping[str, Uni
     if not specs:
         frozen = _frozen_roots(model, [])
         seen = ", ".join(f"'{p}' ({b / 2**20:.1f} MiB)" for p, b in frozen[:8]) or "none"
-        trainable = [f"'{path}'" for path, _kind, fully_frozen in classify(nodes, extra_towers, extra_projectors)
-                     if not fully_frozen]
+        trainable = [f"'{path}'" for path, _kind, fully_frozen in classified if not fully_frozen]
         also = (f"; seen with trainable parameters (not controlled: freeze them with requires_grad_(False)): "
                 f"{', '.join(trainable[:8])}") if trainable else ""
         warnings.warn(f"shardcoord.torch.manifest: no controlled module in {type(model).__name__}: none of its fully "
