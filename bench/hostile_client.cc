@@ -132,6 +132,8 @@ int ForgeResume(v1::Coordinator::Stub& stub, const Args& a) {
   s->mutable_previous()->set_policy(r.policy());
   s->mutable_previous()->set_fallback(r.fallback());
   s->mutable_previous()->set_lookahead(r.lookahead());
+  // A real run id (of the probe's job): the forgery fails on its credential, not its form.
+  s->mutable_previous()->set_run_id(probe->run_id());
   for (int mb = 0; mb < 8; ++mb) {
     auto* d = s->add_held();
     d->set_group(a.rank / a.group);

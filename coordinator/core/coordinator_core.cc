@@ -32,7 +32,18 @@ CoordinatorCore::CoordinatorCore(CoordinatorOptions options, std::shared_ptr<con
                                                : ResumeAuthority(options_.resume_key, /*persistent=*/true)),
       journal_(options_.event_capacity),
       metrics_(std::make_unique<DaemonMetrics>()),
-      buffers_(std::make_shared<BufferBudget>(options_.limits.max_buffered_bytes)) {}
+      buffers_(std::make_shared<BufferBudget>(options_.limits.max_buffered_bytes)),
+      runs_file_(RunPinsPath(options_.state_file)) {
+  if (runs_file_.empty()) return;
+  absl::StatusOr<RunPins> pins = ReadRunPins(runs_file_);
+  if (pins.ok()) {
+    pinned_runs_ = *std::move(pins);
+    written_runs_ = pinned_runs_;
+  } else if (!absl::IsNotFound(pins.status())) {
+    logging::Get("coordinator")->warn("{}; no run is known, so no job of the last start can resume (restart them)",
+                                      std::string(pins.status().message()));
+  }
+}
 
 CoordinatorCore::~CoordinatorCore() = default;
 

@@ -47,6 +47,7 @@
 #include "coordinator/core/job_table.h"
 #include "coordinator/core/rank_sink.h"
 #include "coordinator/core/resume_auth.h"
+#include "coordinator/core/run_pins.h"
 #include "coordinator/core/shard_group.h"
 #include "coordinator/core/worker_report.h"
 #include "coordinator/journal/event_journal.h"
@@ -213,12 +214,26 @@ class CoordinatorCore {
   // Sends through the member's sink; a refused send sets Member::cut_reason.
   void SinkSend(Member& member, const v1::CoordinatorMessage& msg) ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Register's steps (DESIGN 3, "Registration"; DESIGN 8 for the group it joins).
+  // The checks that need no state, first: a malformed request changes nothing.
+  absl::Status CheckRequestAlone(const Registration& req) const;
   Job* ReuseOrForgetEndedJob(const Registration& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The job the rank joins (nullptr: a new one, admitted), or why it may not. (The checks that
   // need no state are in registration.h.)
   absl::StatusOr<Job*> FindOrAdmitJob(const Registration& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // PERMISSION_DENIED for a resume no key can check, past the recovery window after a start.
   absl::Status CheckUnverifiedResumeIsTimely(const Registration& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // PERMISSION_DENIED for a resume of another run than the job's current one: the run of the
+  // job this process holds, else the run the runs file pinned (with a state file; run_pins.h).
+  absl::Status CheckResumedRun(const Registration& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A resume refused for its trust (credential, seals, run): the refusal is evented (so logged
+  // and counted, shardcoord_events_total{kind="resume_refused"}) and returned.
+  absl::Status RefuseResume(const Registration& req, absl::Status why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The run a new job takes: the resume's, else the one pinned before a restart, else a new one.
+  std::string RunOfNewJob(const Registration& req, bool resuming) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Writes the runs of the jobs with a live rank (and the pins not yet claimed, within the
+  // recovery window, and `joining`, whose first rank is being accepted) to the runs file when
+  // they changed (run_pins.h).
+  void SyncRunPins(const Job* joining = nullptr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // An accepted rank becomes live in its group (not recovering): its RegisterResponse, the
   // group's state, its communicators, and a notice to the others if the group re-formed.
   void JoinGroup(Job& job, ShardGroup& group, Member& m, uint64_t session_id, std::shared_ptr<RankSink> sink,
@@ -228,7 +243,7 @@ class CoordinatorCore {
                                  const Registration& req, bool rejoin) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckJobAccepts(const Job& job, const Registration& req) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  Job& CreateJob(const Registration& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  Job& CreateJob(const Registration& req, const std::string& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SetLive(Job& job, Member& m, uint64_t session_id, std::shared_ptr<RankSink> sink,
                const Registration& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The status query's part, under mu_ shared: takes each group's mutex itself.
@@ -286,6 +301,11 @@ class CoordinatorCore {
   mutable CoreMutex mu_;
   JobTable jobs_ ABSL_GUARDED_BY(mu_);
   bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
+  // With a state file: the runs file (run_pins.h), the runs it held at this start that no
+  // resume claimed yet, and what was last written.
+  const std::string runs_file_;
+  RunPins pinned_runs_ ABSL_GUARDED_BY(mu_);
+  RunPins written_runs_ ABSL_GUARDED_BY(mu_);
   std::string bound_address_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -171,6 +171,7 @@ void CoordinatorCore::Tick(absl::Time started) {
     }
     TickComms(*job, now);
   }
+  SyncRunPins();  // Jobs that ended or were forgotten, pins no resume claimed.
 }
 
 void CoordinatorCore::OnPaused(absl::Duration gap) {

@@ -8,6 +8,7 @@
 #include "coordinator/core/registration.h"
 #include "coordinator/core/text.h"
 #include "shardcoord/decide.h"
+#include "shardcoord/internal/logging.h"
 #include "shardcoord/proto/convert.h"
 
 namespace shardcoord::coordinator {
@@ -15,29 +16,25 @@ namespace shardcoord::coordinator {
 absl::Status CoordinatorCore::Register(uint64_t session_id, const Registration& in,
                                        std::shared_ptr<RankSink> sink) {
   const Registration req = WithRegisterDefaults(in, options_);
-  // Stateless checks first: a malformed request changes nothing. The wire revision before
-  // anything else: a worker of another revision is told that, not what its request lacks.
-  if (std::string why = WireMismatch(req.wire_revision,
-                                     absl::StrCat("rank ", req.rank, " of job '", Printable(req.job_id, 64), "'"));
-      !why.empty()) {
-    return absl::FailedPreconditionError(absl::StrCat("register: ", why));
-  }
-  if (absl::Status s = ValidateRegistration(req, options_.limits, options_.max_lookahead); !s.ok()) return s;
-  if (absl::Status s = CheckRootIsPossible(req); !s.ok()) return s;
+  if (absl::Status s = CheckRequestAlone(req); !s.ok()) return s;
   // A rank of an earlier coordinator process resumes (DESIGN 12); one of this process that
   // lost its stream registers again as usual.
   const bool resuming = req.resume.has_value() && req.resume->incarnation() != incarnation_;
   bool verified = true;
+  absl::Status trust = absl::OkStatus();
   if (resuming) {
     if (absl::Status s = CheckResume(req, incarnation_, config_digest_); !s.ok()) return s;
-    if (absl::Status s = CheckResumeTrust(req, resume_auth_, &verified); !s.ok()) return s;
+    trust = CheckResumeTrust(req, resume_auth_, &verified);
   }
 
   CoreLock lock(&mu_);
   if (shut_down_) return absl::UnavailableError("coordinator is shutting down");
-  if (resuming && !verified) {
-    if (absl::Status s = CheckUnverifiedResumeIsTimely(req); !s.ok()) return s;
+  if (resuming) {
+    absl::Status s = trust.ok() ? (verified ? CheckResumedRun(req) : CheckUnverifiedResumeIsTimely(req)) : trust;
+    if (!s.ok()) return RefuseResume(req, s);
   }
+  const Job* before = jobs_.Find(req.job_id);
+  const std::string run_before = before != nullptr ? before->run : "";
   absl::StatusOr<Job*> found = FindOrAdmitJob(req);
   if (!found.ok()) return found.status();
   Job* job = *found;
@@ -49,7 +46,8 @@ absl::Status CoordinatorCore::Register(uint64_t session_id, const Registration& 
   }
 
   // Accepted: from here on state changes.
-  if (job == nullptr) job = &CreateJob(req);
+  if (job == nullptr) job = &CreateJob(req, RunOfNewJob(req, resuming));
+  if (job->run != run_before) SyncRunPins(job);  // A new run (a new job, a rerun): pinned before any answer.
   ShardGroup& group = Owned(*job, job->GroupOf(req.rank));
   Member& m = group.member(req.rank);
   if (!group.has_reference) group.SetReference(req, options_.promotion);
@@ -72,6 +70,18 @@ absl::Status CoordinatorCore::Register(uint64_t session_id, const Registration& 
   }
   JoinGroup(*job, group, m, session_id, std::move(sink), req);
   return absl::OkStatus();
+}
+
+absl::Status CoordinatorCore::CheckRequestAlone(const Registration& req) const {
+  // The wire revision before anything else: a worker of another revision is told that, not
+  // what its request lacks.
+  if (std::string why = WireMismatch(req.wire_revision,
+                                     absl::StrCat("rank ", req.rank, " of job '", Printable(req.job_id, 64), "'"));
+      !why.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat("register: ", why));
+  }
+  if (absl::Status s = ValidateRegistration(req, options_.limits, options_.max_lookahead); !s.ok()) return s;
+  return CheckRootIsPossible(req);
 }
 
 void CoordinatorCore::JoinGroup(Job& job, ShardGroup& group, Member& m, uint64_t session_id,
@@ -105,6 +115,66 @@ absl::StatusOr<Job*> CoordinatorCore::FindOrAdmitJob(const Registration& req) {
   return job;
 }
 
+absl::Status CoordinatorCore::CheckResumedRun(const Registration& req) {
+  const std::string& claimed = req.resume->previous().run_id();
+  std::string current;
+  std::string whose;
+  if (const Job* job = jobs_.Find(req.job_id); job != nullptr && !job->has_ended()) {
+    current = job->run;
+    whose = "this coordinator holds";
+  } else if (runs_file_.empty()) {
+    return absl::OkStatus();  // No state file: the first resume of the job names its run.
+  } else if (auto pin = pinned_runs_.find(req.job_id); pin != pinned_runs_.end()) {
+    current = pin->second;
+    whose = absl::StrCat("the runs file ", runs_file_, " pinned at the last stop");
+  } else {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "register: rank ", req.rank, " of job '", Printable(req.job_id, 64), "' resumes run ", claimed,
+        ", but the job had no live run when the last coordinator with state file ", options_.state_file,
+        " stopped (", runs_file_, " names none): restart the job (register afresh, without a resume)"));
+  }
+  if (claimed == current) return absl::OkStatus();
+  return absl::PermissionDeniedError(absl::StrCat(
+      "register: rank ", req.rank, " of job '", Printable(req.job_id, 64), "' resumes run ", claimed,
+      ", not the job's current run ", current, " (", whose, "): a credential of an earlier run of the same job id "
+      "resumes nothing; a rank of the current run resumes with what its worker was given, a new process registers "
+      "afresh"));
+}
+
+absl::Status CoordinatorCore::RefuseResume(const Registration& req, absl::Status why) {
+  Event("warning", EventKind::kResumeRefused, req.job_id, req.rank, -1, std::string(why.message()));
+  return why;
+}
+
+std::string CoordinatorCore::RunOfNewJob(const Registration& req, bool resuming) {
+  std::string run;
+  if (resuming && ResumeAuthority::IsRunId(req.resume->previous().run_id())) {
+    run = req.resume->previous().run_id();
+  } else if (auto pin = pinned_runs_.find(req.job_id); pin != pinned_runs_.end()) {
+    run = pin->second;  // A fresh rank of a job that is resuming: the run continues.
+  } else {
+    run = ResumeAuthority::NewRunId();
+  }
+  pinned_runs_.erase(req.job_id);  // Claimed: the job's own run is written from now on.
+  return run;
+}
+
+void CoordinatorCore::SyncRunPins(const Job* joining) {
+  if (runs_file_.empty()) return;
+  if (clock_->Now() - started_ > options_.recovery_window) pinned_runs_.clear();  // Unclaimed: no resume comes.
+  RunPins pins = pinned_runs_;
+  for (const auto& [id, job] : jobs_) {
+    if (!job->has_ended() || job.get() == joining) pins[id] = job->run;
+  }
+  if (pins == written_runs_) return;
+  if (absl::Status s = WriteRunPins(runs_file_, pins); !s.ok()) {
+    logging::Get("coordinator")->warn("runs file: {}; after a restart the jobs not written cannot resume",
+                                      std::string(s.message()));
+    return;
+  }
+  written_runs_ = std::move(pins);
+}
+
 absl::Status CoordinatorCore::CheckUnverifiedResumeIsTimely(const Registration& req) {
   if (clock_->Now() - started_ <= options_.recovery_window) return absl::OkStatus();
   // Honest resumes come within seconds of a restart (a worker reconnects for its reconnect
@@ -120,7 +190,8 @@ v1::CoordinatorMessage CoordinatorCore::Welcome(const Job& job, const ShardGroup
                                                 const Registration& req, bool rejoin) {
   v1::CoordinatorMessage msg = group.Registered(req, incarnation_, config_digest_);
   msg.mutable_registered()->set_session_key(m.session_key);
-  msg.mutable_registered()->set_resume_credential(resume_auth_.Credential(job.id, req.rank));
+  msg.mutable_registered()->set_resume_credential(job.run_auth->Credential(job.id, req.rank));
+  msg.mutable_registered()->set_run_id(job.run);
   const Policy policy = req.policy;
   Event("info", rejoin ? EventKind::kRankRejoined : EventKind::kRankRegistered, job.id, req.rank, group.index,
         absl::StrCat("host=", req.host, " policy=", PolicyName(policy),
@@ -149,7 +220,10 @@ Job* CoordinatorCore::ReuseOrForgetEndedJob(const Registration& req) {
   // A rerun plans its keys from the start again: each group begins a new epoch with no
   // microbatch resolved (else every plan of the rerun is "stale" until job_retention_ms
   // forgets the job).
-  for (size_t i = 0; i < job->groups.size(); ++i) Owned(*job, static_cast<int>(i)).StartRerun();
+  // A new run: credentials and seals of the ended one resume nothing in it.
+  job->run = ResumeAuthority::NewRunId();
+  job->run_auth = std::make_unique<const ResumeAuthority>(resume_auth_.ForRun(job->id, job->run));
+  for (size_t i = 0; i < job->groups.size(); ++i) Owned(*job, static_cast<int>(i)).StartRerun(job->run_auth.get());
   Event("info", EventKind::kJobRerun, job->id, req.rank, -1,
         "every rank had left: the job runs again under the same id and sizes, its keys from the start");
   return job;
@@ -182,9 +256,9 @@ absl::Status CoordinatorCore::CheckJobAccepts(const Job& job, const Registration
                               absl::StrCat(" (job '", job.id, "', group ", g.index, ")"));
 }
 
-Job& CoordinatorCore::CreateJob(const Registration& req) {
-  Job& job = jobs_.Create(req.job_id, req.world_size, req.group_size,
-                          GroupRules{req.job_id, &options_, &resume_auth_});
+Job& CoordinatorCore::CreateJob(const Registration& req, const std::string& run) {
+  Job& job = jobs_.Create(req.job_id, req.world_size, req.group_size, GroupRules{req.job_id, &options_, &resume_auth_},
+                          run);
   const bool no_modules = req.modules.empty();
   Event(no_modules ? "warning" : "info", EventKind::kJobCreated, job.id, -1, -1,
         absl::StrCat("world_size=", job.world_size, " group_size=", job.group_size, " groups=", job.groups.size(),

@@ -53,15 +53,22 @@ absl::Status JobTable::Admit(const std::string& job_id, int world_size, const Co
   return absl::OkStatus();
 }
 
-Job& JobTable::Create(const std::string& id, int world_size, int group_size, const GroupRules& rules) {
+Job& JobTable::Create(const std::string& id, int world_size, int group_size, const GroupRules& rules,
+                      const std::string& run) {
   const CoordinatorOptions& options = *rules.options;
   auto job = std::make_unique<Job>();
   job->id = id;
   job->world_size = world_size;
   job->group_size = group_size;
+  job->run = run;
+  job->run_auth = std::make_unique<const ResumeAuthority>(rules.auth->ForRun(id, run));
+  GroupRules run_rules = rules;
+  run_rules.auth = job->run_auth.get();
   const int groups = world_size / group_size;
   job->groups.reserve(groups);
-  for (int g = 0; g < groups; ++g) job->groups.push_back(std::make_unique<GroupSlot>(g, g * group_size, group_size, rules));
+  for (int g = 0; g < groups; ++g) {
+    job->groups.push_back(std::make_unique<GroupSlot>(g, g * group_size, group_size, run_rules));
+  }
   job->comms = std::make_unique<CommTable>(id, world_size, group_size, options.limits, options.behind_threshold);
   Job& created = *job;
   jobs_[id] = std::move(job);

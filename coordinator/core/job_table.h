@@ -31,6 +31,10 @@ struct Job {
   std::string id;
   int world_size = 0;
   int group_size = 0;
+  // This run of the job id (RegisterResponse.run_id) and the authority that makes its
+  // credentials and seals (ResumeAuthority::ForRun); both new on a rerun (NewRun).
+  std::string run;
+  std::unique_ptr<const ResumeAuthority> run_auth;
   // Group g holds ranks [g * group_size, (g + 1) * group_size) and their Members.
   std::vector<std::unique_ptr<GroupSlot>> groups;
   std::unique_ptr<CommTable> comms;
@@ -67,9 +71,9 @@ class JobTable {
   // the bound and the flag that raises it, when every job has live ranks.
   absl::Status Admit(const std::string& job_id, int world_size, const CoordinatorLimits& limits,
                      std::vector<Forgotten>* forgotten);
-  // A new job with its groups (each made with `rules`) and its communicators (under
-  // `rules.options`' limits).
-  Job& Create(const std::string& id, int world_size, int group_size, const GroupRules& rules);
+  // A new job of run `run` with its groups (each made with `rules`, sealing with the run's
+  // authority derived from `rules.auth`) and its communicators (under `rules.options`' limits).
+  Job& Create(const std::string& id, int world_size, int group_size, const GroupRules& rules, const std::string& run);
   // Forgets the job and its sessions.
   void Erase(const std::string& id);
   // Forgets the jobs with no live rank for longer than `retention`.

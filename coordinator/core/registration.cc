@@ -291,9 +291,11 @@ constexpr uint64_t kMaxResumeSeq = uint64_t{1} << 62;
 std::string ImpossibleDecision(const Registration& req, const v1::MicrobatchDecision& d) {
   const int group = req.rank / req.group_size;
   if (d.group() != group) return absl::StrCat("it is for group ", d.group(), ", the rank is in group ", group);
-  if (d.epoch() < 0 || d.epoch() > req.resume->group_epoch()) {
-    return absl::StrCat("its epoch ", d.epoch(), " is outside 0..", req.resume->group_epoch(),
-                        " (the epoch the rank resumes at)");
+  if (d.epoch() != req.resume->group_epoch()) {
+    // Only the epoch being recovered: a decision of an earlier epoch was made for a group that
+    // has re-formed since, and is no evidence of what the group holds now.
+    return absl::StrCat("its epoch ", d.epoch(), " is not ", req.resume->group_epoch(),
+                        ", the epoch the rank resumes at (a resume holds decisions of that epoch only)");
   }
   if (!d.has_key()) return "it names no microbatch (no key)";
   if (d.key().step() < 0 || d.key().microbatch() < 0) return "its step or microbatch is negative";
@@ -341,16 +343,26 @@ absl::Status CheckResumeTrust(const Registration& req, const ResumeAuthority& au
                                                      "every plan names its microbatch; register afresh"));
     }
   }
-  *verified = auth.CheckCredential(req.job_id, req.rank, r.credential());
+  const std::string& run = r.previous().run_id();
+  if (!ResumeAuthority::IsRunId(run)) {
+    *verified = false;
+    if (!auth.persistent()) return absl::OkStatus();
+    return absl::PermissionDeniedError(absl::StrCat(
+        who, " names no run of the job (ResumeState.previous.run_id: 32 hex characters): it comes from a worker older "
+        "than this coordinator, or was made up; restart the job"));
+  }
+  const ResumeAuthority run_auth = auth.ForRun(req.job_id, run);
+  *verified = run_auth.CheckCredential(req.job_id, req.rank, r.credential());
   if (!*verified) {
     if (!auth.persistent()) return absl::OkStatus();  // Nothing to check against (see resume_auth.h).
     return absl::PermissionDeniedError(absl::StrCat(
-        who, " carries no valid resume credential: only the process this coordinator (or an earlier one with the same "
-        "resume key) registered as that rank may resume it; a rank that never registered registers afresh, without a "
-        "resume. If the daemon's resume key changed (a new --state-file, or edited tokens), restart the job"));
+        who, " carries no valid resume credential for run ", run, ": only the process this coordinator (or an earlier "
+        "one with the same resume key) registered as that rank in that run may resume it; a rank that never registered "
+        "registers afresh, without a resume. If the daemon's resume key changed (a new --state-file, or edited "
+        "tokens), restart the job"));
   }
   for (const auto& d : r.held()) {
-    if (!auth.CheckSeal(req.job_id, d)) {
+    if (!run_auth.CheckSeal(req.job_id, d)) {
       return absl::PermissionDeniedError(absl::StrCat(
           who, " holds a decision for ", KeyOf(d).ToString(), " seq ", d.seq(),
           " that no coordinator with this resume key made (its seal does not verify): the resume is refused whole"));

@@ -85,9 +85,12 @@ absl::Status CheckResume(const Registration& req, uint64_t incarnation, uint64_t
 // and every held decision must be one the group could have been given: its group and epoch,
 // one entry per module of `req`'s manifest in order, decisions and reasons the protocol
 // defines, seq below 2^62, the digest of its fields (INVALID_ARGUMENT naming the decision).
-// Then the credential must be the one issued for (job, rank) and each held decision's seal
-// must verify (PERMISSION_DENIED naming what failed), unless `auth` has no key that outlives
-// its process: then *verified is false and the resume is taken as sent.
+// Held decisions are of the epoch the rank resumes at only. Then the resume must name a run
+// (previous.run_id), the credential must be the one issued for (job, rank) in that run and
+// each held decision's seal must verify with the run's key (PERMISSION_DENIED naming what
+// failed), unless `auth` has no key that outlives its process: then *verified is false and
+// the resume is taken as sent. Whether the run named is the job's current one needs the
+// core's state (CoordinatorCore::CheckResumedRun).
 absl::Status CheckResumeTrust(const Registration& req, const ResumeAuthority& auth, bool* verified);
 
 }  // namespace shardcoord::coordinator

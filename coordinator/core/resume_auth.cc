@@ -45,6 +45,19 @@ void Field(std::string* out, const std::string& value) { absl::StrAppend(out, va
 
 ResumeAuthority ResumeAuthority::Ephemeral() { return ResumeAuthority(RandomBytes(kKeyBytes), false); }
 
+ResumeAuthority ResumeAuthority::ForRun(const std::string& job, const std::string& run) const {
+  std::string message = "shardcoord run key 1;";
+  Field(&message, job);
+  Field(&message, run);
+  return ResumeAuthority(Mac(message), persistent_);
+}
+
+std::string ResumeAuthority::NewRunId() { return absl::BytesToHexString(RandomBytes(kMacBytes)); }
+
+bool ResumeAuthority::IsRunId(const std::string& run) {
+  return run.size() == 2 * kMacBytes && run.find_first_not_of("0123456789abcdef") == std::string::npos;
+}
+
 std::string ResumeAuthority::Mac(const std::string& message) const {
   unsigned char mac[EVP_MAX_MD_SIZE];
   unsigned int len = 0;

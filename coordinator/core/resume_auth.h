@@ -4,9 +4,11 @@
 // binding for its whole group, so a client that could send a resume for a rank it does not
 // run, or decisions the coordinator never made, could hand honest ranks a decision that hangs
 // NCCL. So every registration answer carries a resume credential for (job, rank), and every
-// decision a seal, both keyed MACs (HMAC-SHA256, truncated to 128 bits) under the daemon's
-// resume key. A resume is taken only with the credential of its rank and held decisions only
-// with their seals: whatever a client makes up fails the check.
+// decision a seal, both keyed MACs (HMAC-SHA256, truncated to 128 bits) under a key of the
+// job's run (ForRun: derived from the daemon's resume key, the job id and the run id, new
+// each time the job id starts afresh). A resume is taken only with the credential of its rank
+// in the run being resumed and held decisions only with their seals: whatever a client makes
+// up, or kept from an earlier run of the same job id, fails the check.
 //
 // The key must outlive the process for resumes after a restart to verify. It comes from, in
 // this order: the key file next to --state-file (<state file>.key, 32 random bytes written at
@@ -32,6 +34,13 @@ class ResumeAuthority {
   static ResumeAuthority Ephemeral();
 
   bool persistent() const { return persistent_; }
+  // The authority of one run of `job` (RegisterResponse.run_id): its key is derived from this
+  // key, the job id and the run, so credentials and seals of one run verify in no other.
+  ResumeAuthority ForRun(const std::string& job, const std::string& run) const;
+  // A new run id: 32 hex characters of 128 random bits.
+  static std::string NewRunId();
+  // Whether `run` has the form NewRunId gives.
+  static bool IsRunId(const std::string& run);
   // The credential of (job, rank): 32 hex characters.
   std::string Credential(const std::string& job, int rank) const;
   bool CheckCredential(const std::string& job, int rank, const std::string& credential) const;

@@ -242,8 +242,9 @@ class ShardGroup {
   // Keys start afresh (a new epoch, a rerun): nothing pending or resolved, nothing planned.
   void RestartKeys();
   // A rerun of the job under the same id (every rank had left): the group takes the manifest
-  // of its first rank to register again and forms afresh, its keys from the start.
-  void StartRerun();
+  // of its first rank to register again and forms afresh, its keys from the start, its
+  // decisions sealed by `run_auth` (the new run's).
+  void StartRerun(const ResumeAuthority* run_auth);
   // shard_group_status.cc: the RegisterResponse of a rank joining the group (its group, the
   // timeouts, the policy it registered, the last key decided, the coordinator's incarnation and
   // config digest);

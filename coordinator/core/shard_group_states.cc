@@ -291,7 +291,8 @@ std::vector<int> ShardGroup::ExpireRecovery(absl::Time now, std::string* why, st
   return missing;
 }
 
-void ShardGroup::StartRerun() {
+void ShardGroup::StartRerun(const ResumeAuthority* run_auth) {
+  rules_.auth = run_auth;
   has_reference = false;
   formed = false;  // A rerun forms its groups afresh.
   // The ended run's members wait to come back, as in a forming job: one that has not

@@ -23,6 +23,7 @@ namespace shardcoord::coordinator {
   X(kRankLeft, "rank_left")                                       \
   X(kRankDead, "rank_dead")                                       \
   X(kResumeUnverified, "resume_unverified")                       \
+  X(kResumeRefused, "resume_refused")                             \
   X(kPerLayerRequested, "per_layer_requested")                    \
   X(kGroupFormed, "group_formed")                                 \
   X(kGroupReformed, "group_reformed")                             \

@@ -17,6 +17,7 @@
 #include <limits>
 
 #include "coordinator/core/resume_auth.h"
+#include "coordinator/core/run_pins.h"
 #include "shardcoord/decide.h"
 #include "shardcoord/proto/convert.h"
 #include "support/core_fakes.h"
@@ -108,6 +109,9 @@ TEST(PlanGroupRecoveryTest, PromotionsAreRebuiltFromTheNewestDecisionAndLostKeys
 // ---------------------------------------------------------------------------------------
 // Through the core
 
+// The run of "job" that the resumes below come from (RegisterResponse.run_id).
+constexpr char kRun[] = "0123456789abcdef0123456789abcdef";
+
 CoordinatorOptions RecoveryOptions() {
   CoordinatorOptions o;
   o.heartbeat_interval = absl::Milliseconds(100);
@@ -150,6 +154,7 @@ class CoreRecoveryTest : public ::testing::Test, protected shardcoord::testing::
     prev->set_fallback(v1::FALLBACK_ROOT);
     prev->set_lookahead(4);
     prev->set_config_digest(core_->config_digest());
+    prev->set_run_id(kRun);
     return r;
   }
 
@@ -419,7 +424,7 @@ v1::MicrobatchDecision HeldDecision(int64_t step, int mb, uint64_t seq, v1::Deci
                                     const ResumeAuthority* auth) {
   v1::MicrobatchDecision d =
       Decision(step, mb, seq, kind, kind == v1::DECISION_SKIP ? v1::REASON_ALL_SKIP : v1::REASON_UNIFORM);
-  d.set_seal(auth->Seal("job", d));
+  d.set_seal(auth->ForRun("job", kRun).Seal("job", d));
   return d;
 }
 
@@ -430,7 +435,7 @@ class KeyedRecoveryTest : public CoreRecoveryTest {
   // What a rank registered with an earlier daemon of the same key holds.
   v1::RegisterRequest Resume(int rank, bool with_credential) {
     v1::RegisterRequest r = CoreRecoveryTest::Resume(rank);
-    if (with_credential) r.mutable_resume()->set_credential(earlier_.Credential("job", rank));
+    if (with_credential) r.mutable_resume()->set_credential(earlier_.ForRun("job", kRun).Credential("job", rank));
     return r;
   }
 
@@ -445,9 +450,9 @@ TEST_F(KeyedRecoveryTest, AResumeWithoutItsRanksCredentialIsRefusedAndChangesNot
   EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << s;
   EXPECT_THAT(s.message(), HasSubstr("carries no valid resume credential"));
   // Another rank's credential does not do either.
-  forged.mutable_resume()->set_credential(earlier_.Credential("job", 0));
+  forged.mutable_resume()->set_credential(earlier_.ForRun("job", kRun).Credential("job", 0));
   EXPECT_EQ(Register(forged).code(), absl::StatusCode::kPermissionDenied);
-  forged.mutable_resume()->set_credential(earlier_.Credential("other-job", 1));
+  forged.mutable_resume()->set_credential(earlier_.ForRun("other-job", kRun).Credential("other-job", 1));
   EXPECT_EQ(Register(forged).code(), absl::StatusCode::kPermissionDenied);
   // Nothing started: the honest rank 1 registers as usual.
   v1::RegisterRequest honest = Resume(1, true);
@@ -476,7 +481,7 @@ TEST_F(KeyedRecoveryTest, APaddedDecisionsPassesAreSealed) {
   v1::MicrobatchDecision padded = Decision(0, 0, 0, v1::DECISION_PADDED, v1::REASON_DIVERGENT);
   padded.mutable_modules(0)->set_calls(2);
   padded.set_digest(DecisionDigest(FromProto(padded)));
-  padded.set_seal(earlier_.Seal("job", padded));
+  padded.set_seal(earlier_.ForRun("job", kRun).Seal("job", padded));
   // A forged pass count (digest recomputed to match) would make the honest ranks gather a
   // different number of times: the seal refuses it.
   v1::MicrobatchDecision forged = padded;
@@ -496,8 +501,9 @@ TEST_F(KeyedRecoveryTest, AnHonestResumeWithSealedDecisionsIsTaken) {
   EXPECT_EQ(core_->Groups("job").groups(0).state(), v1::GROUP_STATE_RECOVERING);
   auto registered = sinks_[0]->Where([](const auto& m) { return m.has_registered(); });
   ASSERT_EQ(registered.size(), 1u);
-  EXPECT_EQ(registered[0].registered().resume_credential(), earlier_.Credential("job", 0))
+  EXPECT_EQ(registered[0].registered().resume_credential(), earlier_.ForRun("job", kRun).Credential("job", 0))
       << "the same key gives the same credential after the restart";
+  EXPECT_EQ(registered[0].registered().run_id(), kRun) << "the run goes on";
 }
 
 TEST_F(KeyedRecoveryTest, FieldsOutsideTheirRangesAreRefusedNamingTheField) {
@@ -514,7 +520,7 @@ TEST_F(KeyedRecoveryTest, FieldsOutsideTheirRangesAreRefusedNamingTheField) {
       {[](auto& s) { s.mutable_held(0)->clear_modules(); }, "0 module entries, the manifest 1"},
       {[](auto& s) { s.mutable_held(0)->set_digest(0xdeadbeef); }, "digest does not match"},
       {[](auto& s) { s.mutable_held(0)->set_group(3); }, "for group 3"},
-      {[](auto& s) { s.mutable_held(0)->set_epoch(5); }, "epoch 5 is outside 0..0"},
+      {[](auto& s) { s.mutable_held(0)->set_epoch(5); }, "epoch 5 is not 0"},
       {[](auto& s) { s.mutable_held(0)->mutable_modules(0)->set_calls(3); }, "DECISION_ROOT with 3 passes"},
   };
   for (const Case& c : cases) {
@@ -525,6 +531,134 @@ TEST_F(KeyedRecoveryTest, FieldsOutsideTheirRangesAreRefusedNamingTheField) {
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.says << ": " << s;
     EXPECT_THAT(s.message(), HasSubstr(c.says));
   }
+}
+
+int CountEvents(CoordinatorCore& core, const std::string& kind) {
+  int n = 0;
+  for (const auto& e : core.Events("", 0, 1000)) n += e.kind() == kind;
+  return n;
+}
+
+TEST_F(KeyedRecoveryTest, HeldDecisionsOfAnEarlierEpochAreNoEvidence) {
+  // The probe: decisions of epoch 0 were taken with a claimed epoch 5.
+  v1::RegisterRequest r = Resume(0, true);
+  r.mutable_resume()->set_group_epoch(5);
+  *r.mutable_resume()->add_held() = HeldDecision(0, 0, 0, v1::DECISION_PER_LAYER, &earlier_);
+  absl::Status s = Register(r);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("a resume holds decisions of that epoch only"));
+  EXPECT_EQ(CountEvents(*core_, "resume_refused"), 1) << "refused, evented and counted";
+}
+
+TEST_F(KeyedRecoveryTest, ACredentialOfAnotherRunOfTheJobIdResumesNothing) {
+  // The probe: a client that registered the job id once, in a throwaway run, kept its
+  // credential and sealed decisions; the job runs again (run kRun) and the daemon restarts.
+  const std::string old_run = "ffffffffffffffffffffffffffffffff";
+  const ResumeAuthority thrown_away = earlier_.ForRun("job", old_run);
+  v1::RegisterRequest attack = Resume(1, false);
+  attack.mutable_resume()->mutable_previous()->set_run_id(old_run);
+  attack.mutable_resume()->set_credential(thrown_away.Credential("job", 1));
+  v1::MicrobatchDecision held = Decision(0, 0, 0, v1::DECISION_PER_LAYER);
+  held.set_seal(thrown_away.Seal("job", held));
+  *attack.mutable_resume()->add_held() = held;
+  // Its credential and seals verify for its own run only: claiming the current run fails them.
+  v1::RegisterRequest claiming_current = attack;
+  claiming_current.mutable_resume()->mutable_previous()->set_run_id(kRun);
+  absl::Status s = Register(claiming_current);
+  EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << s;
+  EXPECT_THAT(s.message(), HasSubstr("no valid resume credential for run " + std::string(kRun)));
+  // The honest rank 0 resumes run kRun; then the old run's resume is refused as another run.
+  ASSERT_TRUE(Register(Resume(0, true)).ok());
+  s = Register(attack);
+  EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << s;
+  EXPECT_THAT(s.message(), HasSubstr("resumes run " + old_run + ", not the job's current run " + kRun));
+  EXPECT_EQ(CountEvents(*core_, "resume_refused"), 2);
+  // The honest rank 1 is not locked out, and the group recovers from the honest ranks only.
+  ASSERT_TRUE(Register(Resume(1, true)).ok());
+  EXPECT_NE(core_->Groups("job").groups(0).state(), v1::GROUP_STATE_FAILED);
+}
+
+// With a state file, the daemon pins the current run of every live job (run_pins.h): after a
+// restart, a resume of any other run is refused even when it comes first.
+class PinnedRecoveryTest : public KeyedRecoveryTest {
+ protected:
+  static CoordinatorOptions WithStateFile(const std::string& state) {
+    CoordinatorOptions o = KeyedOptions();
+    o.state_file = state;
+    return o;
+  }
+  // The run each registration answer of `rank` named, in order.
+  std::string RunOf(int rank) {
+    auto registered = sinks_[rank]->Where([](const auto& m) { return m.has_registered(); });
+    return registered.empty() ? "" : registered.back().registered().run_id();
+  }
+  testing::TempDir dir_;
+  const std::string state_ = dir_.path() + "/state";
+};
+
+TEST_F(PinnedRecoveryTest, AfterARestartOnlyThePinnedRunResumesEvenIfAnEarlierRunComesFirst) {
+  CoordinatorOptions before = WithStateFile(state_);
+  before.incarnation = 900;
+  Reset(before);
+  // A throwaway run of "job": its client keeps the credential.
+  ASSERT_TRUE(Register(Request(0)).ok());
+  ASSERT_TRUE(Register(Request(1)).ok());
+  const std::string thrown_away = RunOf(1);
+  ASSERT_TRUE(ResumeAuthority::IsRunId(thrown_away));
+  const std::string credential = sinks_[1]->Where([](const auto& m) { return m.has_registered(); })[0]
+                                     .registered().resume_credential();
+  core_->OnGoodbye(sessions_[0], "done");
+  core_->OnGoodbye(sessions_[1], "done");
+  core_->Tick();
+  // The real run, under the same id: a new run id.
+  ASSERT_TRUE(Register(Request(0)).ok());
+  ASSERT_TRUE(Register(Request(1)).ok());
+  const std::string real = RunOf(0);
+  EXPECT_NE(real, thrown_away) << "a rerun is a new run";
+  EXPECT_EQ(RunOf(1), real);
+  auto pins = ReadRunPins(RunPinsPath(state_));
+  ASSERT_TRUE(pins.ok()) << pins.status();
+  EXPECT_EQ((*pins)["job"], real) << "pinned before the ranks were answered";
+
+  // kill -9 and restart with the same state file: the attacker resumes first.
+  Reset(WithStateFile(state_));
+  v1::RegisterRequest attack = Resume(1, false);
+  attack.mutable_resume()->mutable_previous()->set_run_id(thrown_away);
+  attack.mutable_resume()->set_credential(credential);
+  absl::Status s = Register(attack);
+  EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << s;
+  EXPECT_THAT(s.message(), HasSubstr("not the job's current run " + real));
+  EXPECT_THAT(s.message(), HasSubstr("pinned at the last stop"));
+  EXPECT_EQ(CountEvents(*core_, "resume_refused"), 1);
+  EXPECT_TRUE(core_->Status("").jobs().empty()) << "the refused resume created nothing";
+  // The honest ranks resume the real run.
+  for (int rank = 0; rank < 2; ++rank) {
+    v1::RegisterRequest honest = Resume(rank, false);
+    honest.mutable_resume()->mutable_previous()->set_run_id(real);
+    honest.mutable_resume()->set_credential(earlier_.ForRun("job", real).Credential("job", rank));
+    ASSERT_TRUE(Register(honest).ok()) << "rank " << rank;
+  }
+  EXPECT_EQ(RunOf(0), real);
+}
+
+TEST_F(PinnedRecoveryTest, AJobWithNoLiveRunAtTheStopCannotBeResumedAndADamagedFileResumesNothing) {
+  Reset(WithStateFile(state_));
+  absl::Status s = Register(Resume(0, true));
+  EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << s;
+  EXPECT_THAT(s.message(), HasSubstr("the job had no live run when the last coordinator"));
+  EXPECT_THAT(s.message(), HasSubstr("restart the job"));
+  // A damaged runs file is no pin either (and says so in the log at start).
+  std::ofstream(RunPinsPath(state_)) << "shardcoordd-runs 1\n" << kRun << " 6a6f62\ncheck 1\n";
+  EXPECT_EQ(ReadRunPins(RunPinsPath(state_)).status().code(), absl::StatusCode::kDataLoss);
+  Reset(WithStateFile(state_));
+  EXPECT_EQ(Register(Resume(0, true)).code(), absl::StatusCode::kPermissionDenied);
+  // Written by the daemon, it pins.
+  ASSERT_TRUE(WriteRunPins(RunPinsPath(state_), {{"job", kRun}}).ok());
+  struct stat st {};
+  ASSERT_EQ(::stat(RunPinsPath(state_).c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  Reset(WithStateFile(state_));
+  EXPECT_TRUE(Register(Resume(0, true)).ok());
 }
 
 // The resume key file is checked as the TLS key is (issue 44, item 6): what another user, a link

@@ -199,11 +199,14 @@ v1::ResumeState Worker::Impl::ResumeStateLocked() {
   }
   *r.mutable_previous() = previous_;
   r.set_credential(previous_.resume_credential());
-  // Held decisions, newest first, as many as fit the coordinator's 4 MiB message limit
-  // (with the registration's manifest): the newest are the ones others may lack.
+  // Held decisions of the current epoch (the coordinator takes no other: an earlier epoch's
+  // were made for a group that re-formed since), newest first, as many as fit the
+  // coordinator's 4 MiB message limit (with the registration's manifest): the newest are the
+  // ones others may lack.
   const std::vector<MicrobatchDecision> held = queue_.Held();
   size_t bytes = r.ByteSizeLong() + RegisterMessage().ByteSizeLong();
   for (auto it = held.rbegin(); it != held.rend(); ++it) {
+    if (it->epoch != group_.epoch) continue;
     v1::MicrobatchDecision d;
     ToProto(*it, &d);
     bytes += d.ByteSizeLong() + 8;
