@@ -76,6 +76,12 @@ def main() -> None:
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             losses.append(float(outputs["loss"]))
 
+    if args.process_group_backend == "gloo" and torch.cuda.is_available() and not torch.distributed.is_initialized():
+        # Ranks sharing one GPU over Gloo (the GPU check, docs/GPU.md): Lightning would bind the group to
+        # the GPU, and torch 2.11's device mesh then splits it, which fails for Gloo ("cannot pickle
+        # '_Options' object"). An unbound group is made here from the launcher's environment; with NCCL,
+        # Lightning makes its own.
+        torch.distributed.init_process_group("gloo")
     trainer = L.Trainer(
         accelerator="cuda", devices=args.devices, num_nodes=args.num_nodes, max_steps=args.steps,
         accumulate_grad_batches=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,

@@ -64,6 +64,31 @@ def resolve_wrap_policy(accelerator: Any, model: Any) -> None:
         resolve(model)
 
 
+def narrow_wrap_names(accelerator: Any, model: Any) -> None:
+    """After the towers were sharded: drops from the plugin's ``transformer_cls_names_to_wrap`` the
+    names no module of the model has any more. accelerate's ``fsdp2_prepare_model`` looks the names up
+    once more (``fsdp2_prepare_auto_wrap_policy``, by ``type(module).__name__``) and raised "Could not
+    find the transformer layer class Qwen2_5_VLVisionBlock" (GPU machine, accelerate 1.15): every
+    vision block had become an ``FSDPQwen2_5_VLVisionBlock``, an FSDP unit already, which its wrap
+    loop skips anyway. A name the model never had was refused by ``resolve_wrap_policy`` before."""
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    names = getattr(plugin, "transformer_cls_names_to_wrap", None)
+    if not names:
+        return
+    present = {type(m).__name__ for m in model.modules()}
+    plugin.transformer_cls_names_to_wrap = [n for n in names if n in present]
+
+
+def fsdp2_phase_one(accelerator: Any, session: Session, model: Any, per_step: int) -> None:
+    """Phase one under accelerate's FSDP2 plugin: the wrap classes resolved while the blocks keep their
+    names, the towers sharded on the plugin's mesh with its policies, the names accelerate looks up
+    again narrowed to those the model still has."""
+    resolve_wrap_policy(accelerator, model)
+    mesh, kwargs = fsdp2_settings(accelerator)
+    session.shard_towers(model, mesh, kwargs, per_step=per_step)
+    narrow_wrap_names(accelerator, model)
+
+
 def fsdp2_settings(accelerator: Any) -> tuple:
     """(mesh, fully_shard kwargs) as accelerate's FSDP2 preparation uses them (its
     ``fsdp2_prepare_model``): the FSDP dimensions of its device mesh (None: the world), the plugin's
@@ -119,9 +144,7 @@ class _Hook:
             self.kind = _distributed_kind(self.trainer.accelerator)
             accum = max(1, int(getattr(self.trainer.args, "gradient_accumulation_steps", 1)))
             if self.kind == "fsdp2":
-                resolve_wrap_policy(self.trainer.accelerator, model)
-                mesh, kwargs_fs = fsdp2_settings(self.trainer.accelerator)
-                self.session.shard_towers(model, mesh, kwargs_fs, per_step=accum)
+                fsdp2_phase_one(self.trainer.accelerator, self.session, model, accum)
             else:
                 self.session.shard_plain(model, per_step=accum)
         out = original(*args, **kwargs)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from ._hf_trainer import _distributed_kind, fsdp2_settings, resolve_wrap_policy
+from ._hf_trainer import _distributed_kind, fsdp2_phase_one, fsdp2_settings
 from .errors import InvalidArgument
 from .integration import Options, Session
 
@@ -35,9 +35,7 @@ def shard_towers(accelerator: Any, model: Any, options: Optional[Options] = None
     FSDP2)."""
     session = Session(Options.of(options, **kwargs), who="shardcoord.accelerate")
     if _distributed_kind(accelerator) == "fsdp2":
-        resolve_wrap_policy(accelerator, model)  # By class name, before the towers' blocks change class.
-        mesh, fs_kwargs = fsdp2_settings(accelerator)
-        session.shard_towers(model, mesh, fs_kwargs, per_step=per_step)
+        fsdp2_phase_one(accelerator, session, model, per_step)
     else:
         session.shard_plain(model, per_step=per_step)
     return session

@@ -11,8 +11,9 @@ its tower and projector frozen, a synthetic mix shaped like the family's publish
 per step, three runs at the same seed:
 
 - ``shardcoord``: the stock script plus ``shardcoord.hf.patch(trainer)``, accelerate's default FSDP2
-  wrapping (``TRANSFORMER_BASED_WRAP`` on ``_no_split_modules``: the tower's layers are units of their
-  own), a real shardcoordd;
+  wrapping (``TRANSFORMER_BASED_WRAP`` on ``_no_split_modules``, or for LLaVA and Gemma 3, whose
+  ``_no_split_modules`` accelerate cannot use, the decoder's and the tower's layer classes listed: the
+  tower's layers are units of their own), a real shardcoordd;
 - ``reference``: the same without shardcoord, but only the decoder layers wrapped (the tower stays in
   the root unit, gathered whole by every rank in every forward: safe, and the same math);
 - ``stock``: the same as ``shardcoord`` without it: the tower per layer on mixed media. Expected to
@@ -49,6 +50,13 @@ MIXES = {
 }
 DECODER_LAYER = {"qwen2_5_vl": "Qwen2_5_VLDecoderLayer", "llava": "LlamaDecoderLayer",
                  "gemma3": "Gemma3DecoderLayer", "qwen2_audio": "Qwen2DecoderLayer"}
+# Where accelerate's default (the model's _no_split_modules) cannot be used: LLaVA's and Gemma 3's
+# name text-side classes of CLIP and SigLIP (CLIPTextEmbeddings, SiglipTextEmbeddings) that the
+# vision-only towers do not have, and accelerate refuses them ("Could not find the transformer layer
+# class ...", stock as well, seen on the GPU machine). Their users list the classes, as here: the
+# decoder's layers and the tower's, per layer.
+LISTED_LAYERS = {"llava": ["LlamaDecoderLayer", "CLIPEncoderLayer"],
+                 "gemma3": ["Gemma3DecoderLayer", "SiglipEncoderLayer"]}
 
 
 def rank_main(family: str, mode: str, steps: int, out: Path) -> None:
@@ -74,6 +82,8 @@ def rank_main(family: str, mode: str, steps: int, out: Path) -> None:
     fsdp_config = {"fsdp_version": 2, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP"}
     if mode.startswith("reference"):
         fsdp_config["transformer_layer_cls_to_wrap"] = [DECODER_LAYER[family]]
+    elif family in LISTED_LAYERS:
+        fsdp_config["transformer_layer_cls_to_wrap"] = LISTED_LAYERS[family]
     args = tf.TrainingArguments(
         output_dir=str(out / f"{family}-{mode}"), max_steps=steps, per_device_train_batch_size=1,
         gradient_accumulation_steps=2, learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[],

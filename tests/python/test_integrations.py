@@ -383,26 +383,45 @@ def test_manifest_warning_names_a_trainable_tower():
         assert sct.manifest(_Vlm()) == []
 
 
+class _FsdpBlock(nn.Linear):
+    """What fully_shard makes of a block: a subclass named FSDP<class>."""
+
+
+_FsdpBlock.__name__ = "FSDPLinear"
+
+
 def test_fsdp2_prepare_resolves_the_wrap_classes_before_the_towers_change_class(monkeypatch):
-    """On the GPU machine (transformers 5.17, accelerate 1.15) the first run failed in accelerate's
-    set_auto_wrap_policy: it looks the wrap classes up by name, and fully_shard had turned
-    Qwen2_5_VLVisionBlock into FSDPQwen2_5_VLVisionBlock. The hook has the plugin resolve them first."""
+    """On the GPU machine (transformers 5.17, accelerate 1.15) the first runs failed twice in
+    accelerate, which looks the wrap classes up by name after fully_shard had turned
+    Qwen2_5_VLVisionBlock into FSDPQwen2_5_VLVisionBlock: in set_auto_wrap_policy, then in
+    fsdp2_prepare_auto_wrap_policy. The hook has the plugin resolve them first, and narrows the names
+    accelerate looks up again to those the model still has (the sharded blocks are units already)."""
     from types import SimpleNamespace
 
     order = []
 
     class Plugin:
         mixed_precision_policy = cpu_offload = None
+        transformer_cls_names_to_wrap = None
 
         def set_auto_wrap_policy(self, model):
             order.append("resolve")
+            self.transformer_cls_names_to_wrap = ["Linear", "ModuleList"]  # From _no_split_modules.
 
+    def shard_towers(self, model, *args, **kwargs):
+        order.append("shard towers")
+        for block in model.visual.blocks:
+            block.__class__ = _FsdpBlock
+        model.head.__class__ = _FsdpBlock  # No Linear is left: only ModuleList is looked up again.
+
+    plugin = Plugin()
     accelerator = FakeAccelerator("FSDP")
     accelerator.is_fsdp2 = True
-    accelerator.state = SimpleNamespace(fsdp_plugin=Plugin())
+    accelerator.state = SimpleNamespace(fsdp_plugin=plugin)
     accelerator.torch_device_mesh = accelerator.parallelism_config = None
-    monkeypatch.setattr(integration.Session, "shard_towers", lambda self, *a, **k: order.append("shard towers"))
+    monkeypatch.setattr(integration.Session, "shard_towers", shard_towers)
     monkeypatch.setattr(integration.Session, "attach", lambda self, root: order.append("attach"))
     trainer = shardcoord.hf.patch(FakeTrainer(_Vlm(), FakeArgs(1), [], accelerator=accelerator))
     trainer.accelerator.prepare(trainer.model)
     assert order == ["resolve", "shard towers", "attach"]
+    assert plugin.transformer_cls_names_to_wrap == ["ModuleList"]
