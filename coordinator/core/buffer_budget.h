@@ -75,6 +75,17 @@ class BufferCharge {
   }
   ~BufferCharge() { Release(); }
 
+  // Takes `bytes` more from `budget` (the one this charge holds, if any), never exempt: false,
+  // nothing taken, past the limit.
+  bool AddStrict(BufferBudget* budget, int64_t bytes) {
+    if (budget_ != nullptr && budget_ != budget) return false;
+    if (!budget->TryTakeStrict(bytes)) return false;
+    budget_ = budget;
+    bytes_ += bytes;
+    return true;
+  }
+  int64_t bytes() const { return bytes_; }
+
  private:
   void Release() {
     if (budget_ != nullptr) budget_->Give(bytes_);

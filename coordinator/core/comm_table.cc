@@ -14,6 +14,8 @@ namespace {
 
 constexpr absl::Duration kDefaultCommWait = absl::Seconds(60);
 constexpr absl::Duration kMaxCommWait = absl::Minutes(30);
+// What a store entry costs beyond its key and value (the map node, two strings).
+constexpr int64_t kStoreEntryOverhead = 128;
 
 absl::Duration WaitFor(absl::Duration timeout) {
   if (timeout <= absl::ZeroDuration()) return kDefaultCommWait;
@@ -29,11 +31,12 @@ void Complete(CommHost& host, Done& done, Result result) {
 }  // namespace
 
 CommTable::CommTable(std::string job_id, int world_size, int group_size, const CoordinatorLimits& limits,
-                     absl::Duration behind_threshold)
+                     absl::Duration behind_threshold, BufferBudget* buffers)
     : job_id_(std::move(job_id)),
       world_size_(world_size),
       group_size_(group_size),
       limits_(limits),
+      buffers_(buffers),
       behind_threshold_(behind_threshold) {}
 
 absl::StatusOr<std::vector<int>> CommTable::Members(const std::string& name, const std::vector<int>& ranks) const {
@@ -120,6 +123,11 @@ absl::Status CommTable::CheckEpoch(const Comm& comm, int64_t epoch) const {
   return absl::OkStatus();
 }
 
+void CommTable::ForgetStore(Comm& comm) {
+  comm.store.clear();
+  comm.store_charge = BufferCharge();  // Its bytes go back to the daemon's budget.
+}
+
 void CommTable::MaybeStartEpoch(CommHost& host, Comm& comm) {
   // Joiners wait while live members still hold the aborted epoch's communicator.
   if (comm.state == v1::COMM_STATE_ABORTING) return;
@@ -131,7 +139,7 @@ void CommTable::MaybeStartEpoch(CommHost& host, Comm& comm) {
     }
     comm.epoch++;
     comm.state = v1::COMM_STATE_FORMING;
-    comm.store.clear();
+    ForgetStore(comm);
     comm.lost_ranks.clear();
     comm.behind.clear();
     ClearProgress(comm.name);
@@ -176,12 +184,21 @@ absl::Status CommTable::Set(CommHost& host, StoreSetCall call) {
     return absl::ResourceExhaustedError(absl::StrCat("communicator '", c.name, "' epoch ", c.epoch, " already holds ",
                                                      c.store.size(), " keys (at most 2 x members + 16)"));
   }
-  auto [it, inserted] = c.store.try_emplace(call.key, std::move(call.value));  // Not moved when present.
-  if (!inserted) {
+  if (c.store.count(call.key)) {
     return absl::AlreadyExistsError(absl::StrCat("key '", Printable(call.key, 64), "' of communicator '", c.name,
                                                  "' epoch ", c.epoch,
                                                  " was already published; each key is set once per epoch"));
   }
+  // Every byte a client makes the daemon hold is under max_buffered_bytes: 1024 communicators
+  // of a job could otherwise hold 18 x 64 KiB each (1152 MiB), outside every bound.
+  const int64_t cost = kStoreEntryOverhead + static_cast<int64_t>(call.key.size() + call.value.size());
+  if (buffers_ != nullptr && !c.store_charge.AddStrict(buffers_, cost)) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "store value of ", call.value.size(), " bytes for key '", Printable(call.key, 64), "' of communicator '",
+        c.name, "' epoch ", c.epoch, " does not fit the daemon's buffers (max_buffered_bytes ", buffers_->limit(),
+        ", ", buffers_->used(), " in use by all jobs): raise max_buffered_bytes, or open fewer communicators at once"));
+  }
+  c.store.emplace(call.key, std::move(call.value));
   auto waiters = std::move(c.get_waiters);
   c.get_waiters.clear();
   for (auto& w : waiters) {
@@ -303,6 +320,7 @@ void CommTable::MaybeFinishAbort(CommHost& host, Comm& comm) {
     if (!gone && st != CommMemberState::kAborted && st != CommMemberState::kAbsent) return;
   }
   comm.state = comm.ended_cleanly ? v1::COMM_STATE_CLOSED : v1::COMM_STATE_ABORTED;
+  ForgetStore(comm);
   MaybeStartEpoch(host, comm);
 }
 
@@ -319,6 +337,7 @@ void CommTable::OnRankLost(CommHost& host, int rank, bool clean, const std::stri
                                         [&](int r) { return host.StateOf(r) != v1::RANK_STATE_LIVE; });
       if (all_gone) {
         comm.state = v1::COMM_STATE_CLOSED;
+        ForgetStore(comm);
         comm.abort_reason = absl::StrCat("every member left (last: rank ", rank, ")");
         host.Event("info", EventKind::kCommClosed, rank,
                    absl::StrCat("communicator '", comm.name, "' epoch ", comm.epoch, " closed: ", comm.abort_reason));

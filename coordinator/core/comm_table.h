@@ -21,6 +21,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "coordinator/core/buffer_budget.h"
 #include "coordinator/core/comm_call.h"
 #include "coordinator/core/worker_report.h"
 #include "coordinator/journal/event_kind.h"
@@ -66,9 +67,10 @@ class CommTable {
   // The values, in the order of the call's keys.
   using GetDone = std::function<void(absl::StatusOr<std::vector<std::string>>)>;
 
-  // For job `job_id` of `world_size` ranks in groups of `group_size`.
+  // For job `job_id` of `world_size` ranks in groups of `group_size`. Store entries are charged
+  // to `buffers` (the daemon's max_buffered_bytes; none when null) until their epoch ends.
   CommTable(std::string job_id, int world_size, int group_size, const CoordinatorLimits& limits,
-            absl::Duration behind_threshold);
+            absl::Duration behind_threshold, BufferBudget* buffers = nullptr);
 
   // The RPCs, for `rank`, which the caller checked is live and the caller's session (DESIGN 13).
   // Errors as CoordinatorCore's CommJoin etc. say; waiting calls complete through `done`
@@ -130,6 +132,7 @@ class CommTable {
     std::map<int, CommMemberState> member_state;
     std::string behind;                        // See CommStatus.behind.
     std::map<std::string, std::string> store;  // The current epoch's keys.
+    BufferCharge store_charge;                 // What they hold, from the daemon's budget.
     std::string abort_reason;
     bool ended_cleanly = false;  // The current epoch ends (or ended) by a clean leave.
     std::vector<int> lost_ranks;
@@ -151,6 +154,8 @@ class CommTable {
   absl::Status CheckEpoch(const Comm& comm, int64_t epoch) const;
   // Starts a new epoch if the last one was aborted (or none exists) and every member is
   // live; then completes the join waiters.
+  // An epoch ended (closed, aborted) or a new one starts: its store is of no more use.
+  static void ForgetStore(Comm& comm);
   void MaybeStartEpoch(CommHost& host, Comm& comm);
   // Ends the current epoch for every member. `failure` false is a clean end (a member that
   // left registered again): same effect, but not counted as an abort and logged as info.
@@ -171,6 +176,7 @@ class CommTable {
   const int world_size_;
   const int group_size_;
   const CoordinatorLimits limits_;
+  BufferBudget* const buffers_;
   const absl::Duration behind_threshold_;
   std::map<std::string, Comm> comms_;
   // Collective progress, by communicator and rank, for the current epochs: written by

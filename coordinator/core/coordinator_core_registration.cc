@@ -258,7 +258,7 @@ absl::Status CoordinatorCore::CheckJobAccepts(const Job& job, const Registration
 
 Job& CoordinatorCore::CreateJob(const Registration& req, const std::string& run) {
   Job& job = jobs_.Create(req.job_id, req.world_size, req.group_size, GroupRules{req.job_id, &options_, &resume_auth_},
-                          run);
+                          run, buffers_.get());
   const bool no_modules = req.modules.empty();
   Event(no_modules ? "warning" : "info", EventKind::kJobCreated, job.id, -1, -1,
         absl::StrCat("world_size=", job.world_size, " group_size=", job.group_size, " groups=", job.groups.size(),

@@ -54,7 +54,7 @@ absl::Status JobTable::Admit(const std::string& job_id, int world_size, const Co
 }
 
 Job& JobTable::Create(const std::string& id, int world_size, int group_size, const GroupRules& rules,
-                      const std::string& run) {
+                      const std::string& run, BufferBudget* buffers) {
   const CoordinatorOptions& options = *rules.options;
   auto job = std::make_unique<Job>();
   job->id = id;
@@ -69,7 +69,8 @@ Job& JobTable::Create(const std::string& id, int world_size, int group_size, con
   for (int g = 0; g < groups; ++g) {
     job->groups.push_back(std::make_unique<GroupSlot>(g, g * group_size, group_size, run_rules));
   }
-  job->comms = std::make_unique<CommTable>(id, world_size, group_size, options.limits, options.behind_threshold);
+  job->comms =
+      std::make_unique<CommTable>(id, world_size, group_size, options.limits, options.behind_threshold, buffers);
   Job& created = *job;
   jobs_[id] = std::move(job);
   return created;

@@ -73,7 +73,9 @@ class JobTable {
                      std::vector<Forgotten>* forgotten);
   // A new job of run `run` with its groups (each made with `rules`, sealing with the run's
   // authority derived from `rules.auth`) and its communicators (under `rules.options`' limits).
-  Job& Create(const std::string& id, int world_size, int group_size, const GroupRules& rules, const std::string& run);
+  // Its communicators' stores are charged to `buffers`.
+  Job& Create(const std::string& id, int world_size, int group_size, const GroupRules& rules, const std::string& run,
+              BufferBudget* buffers);
   // Forgets the job and its sessions.
   void Erase(const std::string& id);
   // Forgets the jobs with no live rank for longer than `retention`.

@@ -61,6 +61,35 @@ std::vector<std::string> StateNames(const google::protobuf::EnumDescriptor* d) {
   return names;
 }
 
+// The (job, name) pairs given series of their own: the first `max` asked for; the others are
+// summed under "_other" (names are the client's: without the bound, 100 jobs of 1024 modules
+// made an 821,913-series answer).
+class LabelFold {
+ public:
+  static constexpr char kOther[] = "_other";
+  explicit LabelFold(int max) : max_(static_cast<size_t>(std::max(max, 0))) {}
+  std::string operator()(const std::string& job, const std::string& name) {
+    std::pair<std::string, std::string> key(job, name);
+    if (admitted_.count(key) > 0) return name;
+    if (admitted_.size() < max_) {
+      admitted_.insert(std::move(key));
+      return name;
+    }
+    folded_.insert(std::move(key));
+    return kOther;
+  }
+  size_t folded() const { return folded_.size(); }
+
+ private:
+  size_t max_;
+  std::set<std::pair<std::string, std::string>> admitted_, folded_;
+};
+
+struct Folds {
+  explicit Folds(int max) : modules(max), comms(max) {}
+  LabelFold modules, comms;
+};
+
 using StateCounts = std::map<std::string, std::map<std::string, int>>;  // job -> state -> how many
 
 // Every state of every job held, at zero: a series for each, whether or not anything is in it.
@@ -127,7 +156,7 @@ void ModuleCounts(Families& f, const std::string& job, const std::string& module
             base, static_cast<double>(c.divergent()));
 }
 
-void Groups(Families& f, const Snapshot& s, const std::set<std::string>& detailed) {
+void Groups(Families& f, const Snapshot& s, const std::set<std::string>& detailed, LabelFold& fold) {
   static const std::vector<std::string> kStates = StateNames<v1::GroupState>(v1::GroupState_descriptor());
   StateCounts by_state = ZeroStates(s.status, kStates);  // job -> state -> groups
   std::map<std::string, std::map<std::string, v1::DecisionCounts>> by_module;  // job -> module -> counts
@@ -154,7 +183,9 @@ void Groups(Families& f, const Snapshot& s, const std::set<std::string>& detaile
             "summed over the job's groups", {{"job_id", job}}, static_cast<double>(n));
   }
   for (const auto& [job, modules] : by_module) {
-    for (const auto& [module, c] : modules) ModuleCounts(f, job, module, c);
+    std::map<std::string, v1::DecisionCounts> folded;
+    for (const auto& [module, c] : modules) AddDecisionCounts(c, &folded[fold(job, module)]);
+    for (const auto& [module, c] : folded) ModuleCounts(f, job, module, c);
   }
 }
 
@@ -166,7 +197,7 @@ struct RankSums {
   std::map<std::string, std::pair<double, double>> memory;  // module -> (max peak, gathered total)
 };
 
-void PerJobRankSeries(Families& f, const std::string& job, const RankSums& pj) {
+void PerJobRankSeries(Families& f, const std::string& job, const RankSums& pj, LabelFold& fold) {
   const Labels l = {{"job_id", job}};
   f.Gauge("shardcoord_heartbeat_age_max_seconds", "Time since the least recent message (heartbeat, plans, "
           "communicator call) of a live rank (0: none live)", l, pj.oldest);
@@ -178,7 +209,13 @@ void PerJobRankSeries(Families& f, const std::string& job, const RankSums& pj) {
             "window and waited, summed over the job's ranks (their heartbeats report it)", l, pj.stalls);
   f.Counter("shardcoord_decision_stall_seconds_total", "Time trainers waited for decisions, summed over the job's "
             "ranks", l, pj.stall_us / 1e6);
+  std::map<std::string, std::pair<double, double>> folded;
   for (const auto& [module, mem] : pj.memory) {
+    auto& into = folded[fold(job, module)];
+    into.first = std::max(into.first, mem.first);
+    into.second += mem.second;
+  }
+  for (const auto& [module, mem] : folded) {
     const Labels lm = {{"job_id", job}, {"module", module}};
     f.Gauge("shardcoord_frozen_peak_bytes", "Highest frozen-parameter memory of the module on any rank, as the "
             "trainers report it", lm, mem.first);
@@ -187,7 +224,7 @@ void PerJobRankSeries(Families& f, const std::string& job, const RankSums& pj) {
   }
 }
 
-void Ranks(Families& f, const Snapshot& s, const std::set<std::string>& detailed) {
+void Ranks(Families& f, const Snapshot& s, const std::set<std::string>& detailed, LabelFold& fold) {
   std::map<std::string, RankSums> jobs;
   for (const auto& j : s.status.jobs()) jobs[j.job_id()];
   for (const auto& r : s.ranks.ranks()) {
@@ -211,18 +248,24 @@ void Ranks(Families& f, const Snapshot& s, const std::set<std::string>& detailed
               "metrics_rank_series_max ranks)", {{"job_id", r.job_id()}, {"rank", std::to_string(r.rank())}}, age);
     }
   }
-  for (const auto& [job, pj] : jobs) PerJobRankSeries(f, job, pj);
+  for (const auto& [job, pj] : jobs) PerJobRankSeries(f, job, pj, fold);
 }
 
-void Comms(Families& f, const Snapshot& s) {
+void Comms(Families& f, const Snapshot& s, LabelFold& fold) {
   static const std::vector<std::string> kStates = StateNames<v1::CommState>(v1::CommState_descriptor());
   StateCounts by_state = ZeroStates(s.status, kStates);  // job -> state -> communicators
+  std::map<std::pair<std::string, std::string>, std::pair<double, double>> by_comm;  // -> (max epoch, aborts)
   for (const auto& c : s.comms.comms()) {
     by_state[c.job_id()][StateName(c.state())]++;
-    const Labels l = {{"job_id", c.job_id()}, {"comm", c.name()}};
-    f.Gauge("shardcoord_communicator_epoch", "A named communicator's epoch", l, static_cast<double>(c.epoch()));
-    f.Counter("shardcoord_communicator_aborts_total", "Epochs of the communicator that ended in an abort", l,
-              static_cast<double>(c.epochs_aborted()));
+    auto& into = by_comm[{c.job_id(), fold(c.job_id(), c.name())}];
+    into.first = std::max(into.first, static_cast<double>(c.epoch()));
+    into.second += static_cast<double>(c.epochs_aborted());
+  }
+  for (const auto& [key, v] : by_comm) {
+    const Labels l = {{"job_id", key.first}, {"comm", key.second}};
+    f.Gauge("shardcoord_communicator_epoch", "A named communicator's epoch (\"_other\": the highest of the job's "
+            "communicators past metrics_labels_max)", l, v.first);
+    f.Counter("shardcoord_communicator_aborts_total", "Epochs of the communicator that ended in an abort", l, v.second);
   }
   for (const auto& [job, states] : by_state) {
     for (const auto& [state, n] : states) {
@@ -278,9 +321,15 @@ std::string MetricsText(const Snapshot& snapshot) {
   Daemon(f, snapshot);
   Jobs(f, snapshot.status);
   const std::set<std::string> detailed = DetailedJobs(snapshot.status, snapshot.rank_series_max);
-  Groups(f, snapshot, detailed);
-  Ranks(f, snapshot, detailed);
-  Comms(f, snapshot);
+  Folds folds(snapshot.labels_max);
+  Groups(f, snapshot, detailed, folds.modules);
+  Ranks(f, snapshot, detailed, folds.modules);
+  Comms(f, snapshot, folds.comms);
+  for (const auto& [kind, n] : {std::pair<const char*, size_t>{"module", folds.modules.folded()},
+                                {"comm", folds.comms.folded()}}) {
+    f.Gauge("shardcoord_metrics_folded_labels", "(job, module) or (job, communicator) pairs summed under \"_other\" "
+            "in this answer: past metrics_labels_max", {{"kind", kind}}, static_cast<double>(n));
+  }
   if (snapshot.process) Process(f);
   if (snapshot.daemon != nullptr) snapshot.daemon->AppendTo(&f.all());
   return prometheus::TextSerializer().Serialize(f.all());

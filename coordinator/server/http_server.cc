@@ -337,6 +337,7 @@ std::optional<Grant> HttpServer::Allowed(const std::string& authorization, const
 Snapshot HttpServer::Take(const std::string& job) const {
   Snapshot s{core_->Status(job), core_->Groups(job), core_->Ranks(job), core_->Comms(job)};
   s.rank_series_max = core_->options().metrics_rank_series_max;
+  s.labels_max = core_->options().metrics_labels_max;
   if (!job.empty()) return s;  // A reader of one job sees nothing daemon-wide.
   s.daemon = &core_->metrics();
   s.buffered_bytes = core_->buffers()->used();

@@ -65,18 +65,35 @@ def resolve_wrap_policy(accelerator: Any, model: Any) -> None:
 
 
 def narrow_wrap_names(accelerator: Any, model: Any) -> None:
-    """After the towers were sharded: drops from the plugin's ``transformer_cls_names_to_wrap`` the
-    names no module of the model has any more. accelerate's ``fsdp2_prepare_model`` looks the names up
-    once more (``fsdp2_prepare_auto_wrap_policy``, by ``type(module).__name__``) and raised "Could not
-    find the transformer layer class Qwen2_5_VLVisionBlock" (GPU machine, accelerate 1.15): every
-    vision block had become an ``FSDPQwen2_5_VLVisionBlock``, an FSDP unit already, which its wrap
-    loop skips anyway. A name the model never had was refused by ``resolve_wrap_policy`` before."""
+    """After the towers were sharded: keeps in the plugin's ``transformer_cls_names_to_wrap`` only the
+    classes with modules outside the towers' FSDP units. accelerate's ``fsdp2_prepare_model`` looks
+    the names up once more (``fsdp2_prepare_auto_wrap_policy``, by ``type(module).__name__``) and
+    ``fully_shard``s every module of those classes that is not an FSDP unit itself. Seen on the GPU
+    machine (accelerate 1.15): "Could not find the transformer layer class Qwen2_5_VLVisionBlock"
+    (every block had become an ``FSDPQwen2_5_VLVisionBlock``, a unit already), and for Qwen2-Audio,
+    whose ``_no_split_modules`` names ``Qwen2AudioAttention``, a ``fully_shard`` of the attention inside
+    an encoder-layer unit, whose parameters were sharded already (torch: "value was None"). A class
+    with modules both inside a tower and outside cannot be wrapped outside only: refused, naming it."""
+    from . import fsdp2
+
     plugin = getattr(accelerator.state, "fsdp_plugin", None)
     names = getattr(plugin, "transformer_cls_names_to_wrap", None)
     if not names:
         return
-    present = {type(m).__name__ for m in model.modules()}
-    plugin.transformer_cls_names_to_wrap = [n for n in names if n in present]
+    inside = set()
+    for module in model.modules():
+        if fsdp2._is_fsdp(module):
+            inside.update(id(m) for m in module.modules())
+    outside_names = {type(m).__name__ for m in model.modules() if id(m) not in inside}
+    inside_names = {type(m).__name__ for m in model.modules() if id(m) in inside}
+    both = sorted(n for n in names if n in outside_names and n in inside_names)
+    if both:
+        raise FailedPrecondition(
+            f"shardcoord.hf: accelerate's FSDP2 wrap classes {both} have modules inside the controlled towers and "
+            "outside them; accelerate would wrap the towers' ones inside the units shardcoord made. List the "
+            "decoder's layer classes only: fsdp_config={'transformer_layer_cls_to_wrap': [...]} (TrainingArguments) "
+            "or transformer_cls_names_to_wrap (the FSDP plugin)")
+    plugin.transformer_cls_names_to_wrap = [n for n in names if n in outside_names]
 
 
 def fsdp2_phase_one(accelerator: Any, session: Session, model: Any, per_step: int) -> None:
@@ -149,7 +166,8 @@ class _Hook:
                 self.session.shard_plain(model, per_step=accum)
         out = original(*args, **kwargs)
         if model is not None and self.kind == "fsdp2":
-            prepared = out[args.index(model)] if isinstance(out, tuple) else out
+            # accelerate returns a list for several objects (a tuple in some versions), the object for one.
+            prepared = out[args.index(model)] if isinstance(out, (tuple, list)) else out
             self.session.attach(prepared)
         return out
 

@@ -55,7 +55,8 @@ def prepare(accelerator: Any, model: Any, *objects: Any, options: Optional[Optio
     session = shard_towers(accelerator, model, options, per_step, **kwargs)
     try:
         out = accelerator.prepare(model, *objects)
-        out = out if isinstance(out, tuple) else (out,)
+        # accelerate returns a list for several objects (a tuple in some versions), the object for one.
+        out = tuple(out) if objects and isinstance(out, (tuple, list)) else (out,)
         if session.towers is not None:
             session.attach(out[0])
     except BaseException as e:

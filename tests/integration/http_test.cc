@@ -24,6 +24,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "coordinator/ops/metrics.h"
 #include "coordinator/ops/status_page.h"
 #include "integration/inprocess_fixture.h"
 #include "shardcoord/v1/coordinator.grpc.pb.h"
@@ -474,6 +475,50 @@ TEST(StatusPageTest, AHugeJobGivesABoundedPageWithTheDeadFirst) {
   EXPECT_LT(page.find("data-rank=60000"), page.find("data-rank=0 ")) << "the dead come first";
   EXPECT_THAT(page, HasSubstr("65280 more ranks not shown"));
   EXPECT_THAT(page, HasSubstr("... (65504 more)"));  // The group's rank list.
+}
+
+TEST(MetricsTextTest, ClientChosenModuleAndCommunicatorNamesGiveABoundedNumberOfSeries) {
+  // 100 one-rank jobs of 1024 modules made an 821,913-series, 430 MB answer.
+  coordinator::Snapshot in;
+  in.labels_max = 100;
+  for (int j = 0; j < 20; ++j) {
+    const std::string job = absl::StrCat("job-", j);
+    auto* status = in.status.add_jobs();
+    status->set_job_id(job);
+    status->set_world_size(1);
+    auto* g = in.groups.add_groups();
+    g->set_job_id(job);
+    for (int m = 0; m < 50; ++m) {
+      (*g->mutable_module_counts())[absl::StrCat("module-", m)].set_per_layer(1);
+      auto* c = in.comms.add_comms();
+      c->set_job_id(job);
+      c->set_name(absl::StrCat("comm-", m));
+      c->set_epochs_aborted(1);
+    }
+  }
+  const auto samples = ParseMetrics(coordinator::MetricsText(in));
+  std::set<std::pair<std::string, std::string>> modules, comms;
+  double per_layer = 0, aborts = 0;
+  std::map<std::string, double> folded;
+  for (const auto& s : samples) {
+    if (s.name == "shardcoord_module_decisions_total" && s.labels.at("decision") == "per_layer") {
+      modules.insert({s.labels.at("job_id"), s.labels.at("module")});
+      per_layer += s.value;
+    }
+    if (s.name == "shardcoord_communicator_aborts_total") {
+      comms.insert({s.labels.at("job_id"), s.labels.at("comm")});
+      aborts += s.value;
+    }
+    if (s.name == "shardcoord_metrics_folded_labels") folded[s.labels.at("kind")] = s.value;
+  }
+  // 100 pairs of their own (two jobs' 50), and one "_other" for each of the 18 other jobs.
+  EXPECT_EQ(modules.size(), 100u + 18u);
+  EXPECT_EQ(comms.size(), 100u + 18u);
+  EXPECT_TRUE(modules.count({"job-19", "_other"}));
+  EXPECT_EQ(per_layer, 20 * 50) << "folded, not dropped: the sums are whole";
+  EXPECT_EQ(aborts, 20 * 50);
+  EXPECT_EQ(folded["module"], 900);
+  EXPECT_EQ(folded["comm"], 900);
 }
 
 TEST(StatusPageTest, EveryClientChosenStringIsEscaped) {

@@ -420,8 +420,55 @@ def test_fsdp2_prepare_resolves_the_wrap_classes_before_the_towers_change_class(
     accelerator.state = SimpleNamespace(fsdp_plugin=plugin)
     accelerator.torch_device_mesh = accelerator.parallelism_config = None
     monkeypatch.setattr(integration.Session, "shard_towers", shard_towers)
-    monkeypatch.setattr(integration.Session, "attach", lambda self, root: order.append("attach"))
+    monkeypatch.setattr(integration.Session, "attach", lambda self, root: order.append(("attach", root)))
     trainer = shardcoord.hf.patch(FakeTrainer(_Vlm(), FakeArgs(1), [], accelerator=accelerator))
-    trainer.accelerator.prepare(trainer.model)
-    assert order == ["resolve", "shard towers", "attach"]
+    model, optimizer = trainer.accelerator.prepare(trainer.model, "optimizer")  # As the Trainer calls it.
+    assert order == ["resolve", "shard towers", ("attach", model)], "attached to the model, not the list"
     assert plugin.transformer_cls_names_to_wrap == ["ModuleList"]
+
+
+def test_wrap_classes_inside_the_towers_units_are_left_to_them_and_a_shared_class_is_refused(monkeypatch):
+    """Qwen2-Audio's _no_split_modules names Qwen2AudioAttention, a module inside each encoder layer:
+    on the GPU machine accelerate fully_shard-ed those inside the towers' units (torch: "value was
+    None"). The names accelerate looks up again keep only classes with modules outside the units."""
+    from types import SimpleNamespace
+
+    from shardcoord import fsdp2
+    from shardcoord._hf_trainer import narrow_wrap_names
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(2, 2)
+
+    class EncoderLayer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = Attention()
+
+    class DecoderLayer(nn.Module):
+        def __init__(self, shared: bool):
+            super().__init__()
+            self.mlp = Attention() if shared else nn.Linear(2, 2)
+
+    def model(shared: bool):
+        m = nn.Module()
+        m.audio_tower = nn.Module()
+        m.audio_tower.layers = nn.ModuleList([EncoderLayer(), EncoderLayer()])
+        m.decoder = nn.ModuleList([DecoderLayer(shared), DecoderLayer(shared)])
+        return m
+
+    plugin = SimpleNamespace(transformer_cls_names_to_wrap=["Attention", "DecoderLayer"])
+    accelerator = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin))
+    vlm = model(shared=False)
+    units = {id(layer) for layer in vlm.audio_tower.layers}  # What shard_towers made FSDP units.
+    monkeypatch.setattr(fsdp2, "_is_fsdp", lambda module: id(module) in units)
+    narrow_wrap_names(accelerator, vlm)
+    assert plugin.transformer_cls_names_to_wrap == ["DecoderLayer"]
+
+    plugin.transformer_cls_names_to_wrap = ["Attention", "DecoderLayer"]
+    vlm = model(shared=True)
+    units = {id(layer) for layer in vlm.audio_tower.layers}
+    with pytest.raises(shardcoord.FailedPrecondition, match=r"\['Attention'\] have modules inside the controlled "
+                                                            r"towers and outside them.*transformer_layer_cls_to_wrap"):
+        narrow_wrap_names(accelerator, vlm)

@@ -47,7 +47,7 @@ class FakeAccelerator:
 
     def prepare(self, *objects):
         self.prepared.extend(objects)
-        return objects[0] if len(objects) == 1 else objects
+        return objects[0] if len(objects) == 1 else list(objects)  # A list, as accelerate 1.15 returns.
 
 
 class FakeArgs:

@@ -29,7 +29,7 @@ CoordinatorOptions CommTestOptions() {
 
 class CommManagerTest : public ::testing::Test, protected shardcoord::testing::CoreHarness {
  protected:
-  CommManagerTest() : CoreHarness(CommTestOptions()) {}
+  explicit CommManagerTest(const CoordinatorOptions& options = CommTestOptions()) : CoreHarness(options) {}
   void SetUp() override {
     for (int r = 0; r < 2; ++r) ASSERT_TRUE(Register(r).ok());
   }
@@ -290,6 +290,47 @@ TEST_F(CommManagerTest, CompletionsRunAfterTheCoreLockIsReleased) {
     reentered = status.wait_for(std::chrono::seconds(10)) == std::future_status::ready;
   });
   EXPECT_TRUE(reentered) << "the join's completion ran with the core's mutex held";
+}
+
+// Communicator stores are charged to the daemon's max_buffered_bytes (the probe: one rank of a
+// one-rank job with 1024 communicators held 1152 MiB, nothing refused).
+class BoundedStoreTest : public CommManagerTest {
+ protected:
+  static CoordinatorOptions Bounded() {
+    CoordinatorOptions o = CommTestOptions();
+    o.limits.max_buffered_bytes = 256 << 10;
+    return o;
+  }
+  BoundedStoreTest() : CommManagerTest(Bounded()) {}
+};
+
+TEST_F(BoundedStoreTest, StoresTakeFromTheDaemonsBudgetAndGiveBackWhenTheEpochEnds) {
+  const std::string value(64 << 10, 'x');
+  int accepted = 0;
+  absl::Status refused;
+  for (const std::string name : {"a", "b", "c", "d", "e"}) {
+    ASSERT_TRUE(JoinNow({Caller(0), name, {0, 1}, absl::Seconds(5)}).has_value());
+    absl::Status s = core_->StoreSet({Caller(0), name, 1, "addr", value});
+    if (!s.ok()) {
+      refused = s;
+      break;
+    }
+    ++accepted;
+  }
+  EXPECT_EQ(accepted, 3) << "3 x 64 KiB fit a 256 KiB budget, the fourth does not";
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
+  EXPECT_THAT(refused.message(), HasSubstr("does not fit the daemon's buffers (max_buffered_bytes 262144"));
+  EXPECT_LE(core_->buffers()->used(), core_->buffers()->limit());
+  EXPECT_GT(core_->buffers()->used(), 3 * (64 << 10));
+  // Rank 1 dies: every epoch it was in is aborted, and their stores give their bytes back.
+  core_->OnSessionClosed(sessions_[1], "killed");
+  for (const std::string name : {"a", "b", "c", "d"}) {
+    v1::CommAborted ack;
+    ack.set_name(name);
+    ack.set_epoch(1);
+    OnCommAborted(sessions_[0], ack);
+  }
+  EXPECT_LT(core_->buffers()->used(), 64 << 10) << "aborted epochs hold no store";
 }
 
 }  // namespace
