@@ -51,13 +51,13 @@ absl::Status ReadInteger(const json& j, const char* field, const std::string& wh
   return absl::OkStatus();
 }
 
-// j's "name": a non-empty string.
-absl::StatusOr<std::string> ReadName(const json& j, const std::string& where) {
+// j's "name": a string, non-empty unless `may_be_empty` (a unit's: "" is the rest unit).
+absl::StatusOr<std::string> ReadName(const json& j, const std::string& where, bool may_be_empty = false) {
   if (!j.is_object()) return absl::InvalidArgumentError(absl::StrCat(where, ": must be an object, got ", JsonShown(j)));
   if (!j.contains("name")) return Missing(where, "name", "a string");
-  if (!j.at("name").is_string() || j.at("name").get<std::string>().empty()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(where, ": 'name' must be a non-empty string, got ", JsonShown(j.at("name"))));
+  if (!j.at("name").is_string() || (!may_be_empty && j.at("name").get<std::string>().empty())) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": 'name' must be a ", may_be_empty ? "" : "non-empty ",
+                                                   "string, got ", JsonShown(j.at("name"))));
   }
   return j.at("name").get<std::string>();
 }
@@ -77,7 +77,7 @@ void WarnUnknown(const json& j, std::initializer_list<const char*> known, const 
 
 // One entry of a module's "units".
 absl::StatusOr<UnitCost> ParseUnit(const json& u, const std::string& at, std::vector<std::string>* warnings) {
-  absl::StatusOr<std::string> name = ReadName(u, at);
+  absl::StatusOr<std::string> name = ReadName(u, at, /*may_be_empty=*/true);  // "": the rest unit.
   if (!name.ok()) return name.status();
   const std::string where = absl::StrCat(at, " ('", *name, "')");
   UnitCost unit;

@@ -34,10 +34,18 @@ CallShape ShapeOf(const std::vector<int32_t>& calls) {
   return s;
 }
 
-int64_t LargestUnit(const ModuleSpec& spec) {
-  int64_t largest = 0;
-  for (const LayerUnit& u : spec.units) largest = std::max(largest, u.param_bytes);
-  return largest > 0 ? largest : spec.param_bytes;
+// What one per_layer call holds at its peak (DESIGN 5): the rest unit ("") beside the largest
+// layer unit; a module without units is gathered whole.
+int64_t PerLayerPeak(const ModuleSpec& spec) {
+  int64_t rest = 0, largest = 0;
+  for (const LayerUnit& u : spec.units) {
+    if (u.name.empty()) {
+      rest = u.param_bytes;
+    } else {
+      largest = std::max(largest, u.param_bytes);
+    }
+  }
+  return rest + largest > 0 ? rest + largest : spec.param_bytes;
 }
 
 }  // namespace
@@ -58,7 +66,7 @@ PlacementEstimate EstimatePlacement(const CostInputs& in, Decision decision, con
       e.safe = shape.all_equal;
       e.seconds = shape.max * (g + f);
       e.gathered_bytes = shape.max * gather_bytes;
-      e.peak_bytes = shape.max > 0 ? LargestUnit(*in.spec) : 0;
+      e.peak_bytes = shape.max > 0 ? PerLayerPeak(*in.spec) : 0;
       break;
     case Decision::kRoot:
       e.safe = true;
@@ -70,7 +78,7 @@ PlacementEstimate EstimatePlacement(const CostInputs& in, Decision decision, con
       e.safe = true;
       e.seconds = shape.max * (g + f);
       e.gathered_bytes = shape.max * gather_bytes;
-      e.peak_bytes = shape.max > 0 ? LargestUnit(*in.spec) : 0;
+      e.peak_bytes = shape.max > 0 ? PerLayerPeak(*in.spec) : 0;
       break;
     case Decision::kReplicate:
       e.safe = true;

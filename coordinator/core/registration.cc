@@ -66,6 +66,38 @@ absl::Status ValidateIdentity(const Registration& req, const CoordinatorLimits& 
   return absl::OkStatus();
 }
 
+// Far beyond any module (a petabyte): sums of sizes stay exact, and a 2^62-byte unit is refused.
+constexpr int64_t kMaxParamBytes = int64_t{1} << 50;
+
+// A module's sizes and its rest unit as DESIGN 5 has them: the rest unit ("") first if at all,
+// no unit larger than its module, the units together not larger either.
+absl::Status CheckUnitSizes(const ModuleSpec& m) {
+  const std::string where = absl::StrCat("register: module '", m.name, "'");
+  if (m.param_bytes > kMaxParamBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(where, " has param_bytes ", m.param_bytes, ", over 2^50: a manifest "
+                                                   "of this size is no real module"));
+  }
+  int64_t sum = 0;
+  for (size_t i = 0; i < m.units.size(); ++i) {
+    const LayerUnit& u = m.units[i];
+    if (u.name.empty() && i != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(where, " lists its rest unit \"\" at position ", i,
+                                                     ": the rest unit comes first (the manifest's order, DESIGN 5)"));
+    }
+    if (u.param_bytes > m.param_bytes) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": unit '", u.name, "' has ", u.param_bytes,
+                                                     " bytes, more than the module's param_bytes ", m.param_bytes));
+    }
+    sum += std::max<int64_t>(u.param_bytes, 0);  // Each at most 2^50, a few thousand of them: no overflow.
+  }
+  if (sum > m.param_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": its units hold ", sum, " bytes together, more than the "
+                                                   "module's param_bytes ", m.param_bytes,
+                                                   " (a unit counted twice, or the module's size is wrong)"));
+  }
+  return absl::OkStatus();
+}
+
 // The controlled modules and their layer units.
 absl::Status ValidateManifest(const Registration& req, const CoordinatorLimits& lim) {
   auto too_long = [&](const std::string& what, const std::string& value) { return TooLong(lim, what, value); };
@@ -98,6 +130,7 @@ absl::Status ValidateManifest(const Registration& req, const CoordinatorLimits& 
           " layer units, over the coordinator's max_units_per_module (", lim.max_units_per_module,
           "); group layers into fewer units or raise --max-units-per-module"));
     }
+    if (absl::Status s = CheckUnitSizes(m); !s.ok()) return s;
     std::set<std::string> unit_names;
     for (const LayerUnit& unit : m.units) {
       // "" is the rest unit: the module's parameters that no named unit holds (all of them when

@@ -793,7 +793,7 @@ TEST_F(CoreTest, RegistrationsOverTheCapsAreRefusedNamingTheCap) {
          r.mutable_modules(0)->add_units();
          r.mutable_modules(0)->add_units();
        },
-       absl::StatusCode::kInvalidArgument, "lists layer unit '' twice"},
+       absl::StatusCode::kInvalidArgument, "rest unit \"\" at position 1"},
       {[](auto& r) {
          r.mutable_modules(0)->add_units()->set_name("layers.0");
          r.mutable_modules(0)->add_units()->set_name("layers.0");

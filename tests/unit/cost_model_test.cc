@@ -58,6 +58,18 @@ TEST(ParseCostFileTest, AGoodFileGivesEveryField) {
   EXPECT_THAT(f->warnings, IsEmpty());
 }
 
+TEST(ParseCostFileTest, TheRestUnitIsNamedByTheEmptyString) {
+  // The probe: a cost file refused the rest unit's name "", as the manifest and the daemon name it.
+  absl::StatusOr<CostFile> f = ParseCostFile(R"({"format": "shardcoord.cost/v1", "group_size": 2, "other_seconds_per_microbatch": 0, "modules": [
+    {"name": "visual", "forward_seconds_per_call": 0.01,
+     "units": [{"name": "", "param_bytes": 900, "gather_seconds": 0.002},
+               {"name": "blocks.0", "param_bytes": 100, "gather_seconds": 0.0003}]}]})", "c.json");
+  ASSERT_TRUE(f.ok()) << f.status();
+  ASSERT_THAT(f->modules[0].cost.units, SizeIs(2));
+  EXPECT_EQ(f->modules[0].cost.units[0].unit, "");
+  EXPECT_EQ(f->modules[0].cost.units[0].gather_bytes, 900);
+}
+
 TEST(ParseCostFileTest, OptionalFieldsMayBeLeftOutAndUnknownOnesAreNamedInWarnings) {
   absl::StatusOr<CostFile> f = ParseCostFile(
       R"({"format": "shardcoord.cost/v1", "other_seconds_per_microbatch": 0, "note": "x",

@@ -26,6 +26,15 @@ class CostTest : public ::testing::Test {
   CostInputs in_;
 };
 
+TEST_F(CostTest, PerLayersPeakIsTheRestUnitBesideTheLargestLayer) {
+  // The probe: rest 900 + layers of 100 were priced at 900 (the largest unit); a call holds 1000.
+  spec_ = ModuleSpec{"tower", 1100, {{"", 900}, {"blocks.0", 100}, {"blocks.1", 100}}};
+  EXPECT_EQ(EstimatePlacement(in_, Decision::kPerLayer, {1, 1}).peak_bytes, 1000);
+  EXPECT_EQ(EstimatePlacement(in_, Decision::kPadded, {1, 2}).peak_bytes, 1000);
+  spec_ = ModuleSpec{"tower", 1100, {}};  // No units: gathered whole.
+  EXPECT_EQ(EstimatePlacement(in_, Decision::kPerLayer, {1, 1}).peak_bytes, 1100);
+}
+
 TEST_F(CostTest, EachPlacementCostsWhatTheModelSays) {
   const std::vector<int32_t> twice = {2, 2};
   PlacementEstimate per_layer = EstimatePlacement(in_, Decision::kPerLayer, twice);

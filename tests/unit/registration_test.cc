@@ -6,6 +6,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include <string>
 
 #include "coordinator/server/wire_intake.h"
@@ -48,10 +50,44 @@ TEST(RegistrationTest, AWellFormedRequestPasses) {
 TEST(RegistrationTest, ARestUnitBesideLayerUnitsPasses) {
   // A Hugging Face tower: the rest unit "" (embeddings, norms, merger) and its layers.
   v1::RegisterRequest r = Request(1);
-  auto* rest = r.mutable_modules(0)->add_units();
-  rest->set_name("");
-  rest->set_param_bytes(40);
+  r.mutable_modules(0)->set_param_bytes(240);
+  v1::LayerUnit rest;
+  rest.set_name("");
+  rest.set_param_bytes(40);
+  auto* units = r.mutable_modules(0)->mutable_units();
+  units->Add()->CopyFrom(rest);
+  std::rotate(units->begin(), units->end() - 1, units->end());  // The rest unit first, as manifests list it.
   EXPECT_TRUE(ValidateRegistration(FromWire(r), CoordinatorLimits{}, 64).ok());
+}
+
+TEST(RegistrationTest, TheRestUnitAndUnitSizesAreCheckedAsDesignSays) {
+  // The probe: a rest after or between layers, larger than its module, units summing past the
+  // module, a 2^62-byte rest were all accepted.
+  struct Case {
+    void (*mutate)(v1::RegisterRequest&);
+    std::string says;
+  };
+  const Case cases[] = {
+      {[](auto& r) { r.mutable_modules(0)->mutable_units(1)->set_name(""); },
+       "lists its rest unit \"\" at position 1: the rest unit comes first"},
+      {[](auto& r) { r.mutable_modules(0)->mutable_units(0)->set_param_bytes(201); },
+       "unit 'blocks.0' has 201 bytes, more than the module's param_bytes 200"},
+      {[](auto& r) { r.mutable_modules(0)->mutable_units(1)->set_param_bytes(150); },
+       "its units hold 250 bytes together, more than the module's param_bytes 200"},
+      {[](auto& r) {
+         r.mutable_modules(0)->set_param_bytes(int64_t{1} << 62);
+         r.mutable_modules(0)->mutable_units(0)->set_name("");
+         r.mutable_modules(0)->mutable_units(0)->set_param_bytes(int64_t{1} << 62);
+       },
+       "over 2^50"},
+  };
+  for (const Case& c : cases) {
+    v1::RegisterRequest r = Request(1);
+    c.mutate(r);
+    absl::Status s = ValidateRegistration(FromWire(r), CoordinatorLimits{}, 64);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.says << ": " << s;
+    EXPECT_THAT(s.message(), HasSubstr(c.says));
+  }
 }
 
 TEST(RegistrationTest, EachBadFieldIsNamed) {
@@ -74,7 +110,7 @@ TEST(RegistrationTest, EachBadFieldIsNamed) {
          r.mutable_modules(0)->mutable_units(0)->set_name("");
          r.mutable_modules(0)->mutable_units(1)->set_name("");
        },
-       absl::StatusCode::kInvalidArgument, "lists layer unit '' twice"},
+       absl::StatusCode::kInvalidArgument, "rest unit \"\" at position 1"},
       {[](auto& r) { r.mutable_modules(0)->set_param_bytes(-1); }, absl::StatusCode::kInvalidArgument,
        "negative param_bytes -1"},
       {[](auto& r) { r.set_policy(static_cast<v1::Policy>(99)); }, absl::StatusCode::kInvalidArgument,
