@@ -1,5 +1,7 @@
 #include "replay.h"
 
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <condition_variable>
 #include <fstream>
@@ -23,6 +25,7 @@
 #include "json_values.h"
 #include "coordinator/server/coordinator_server.h"
 #include "shardcoord/plan_ahead.h"
+#include "shardcoord/plan_check.h"
 #include "shardcoord/worker.h"
 
 namespace shardcoord::client {
@@ -452,9 +455,9 @@ struct BadPerRankField : std::invalid_argument {
 // holds as a double) throws BadPerRankField rather than being cast or wrapped; a missing
 // field throws as nlohmann's at() does.
 template <typename T>
-T IntegerAt(const nlohmann::json& j, const char* field) {
+T IntegerAt(const nlohmann::json& j, const char* field, bool non_negative = false) {
   const nlohmann::json& v = j.at(field);
-  const int64_t min = static_cast<int64_t>(std::numeric_limits<T>::min());
+  const int64_t min = non_negative ? 0 : static_cast<int64_t>(std::numeric_limits<T>::min());
   const int64_t max = static_cast<int64_t>(
       std::min<uint64_t>(static_cast<uint64_t>(std::numeric_limits<T>::max()), INT64_MAX));
   if (!JsonIntegerIn(v, min, max)) {
@@ -467,10 +470,17 @@ T IntegerAt(const nlohmann::json& j, const char* field) {
 // Throws nlohmann::json::exception or BadPerRankField when it is not such a line.
 void AddPerRankLine(const std::string& line, VerifyState* state, std::ostream& err) {
   const nlohmann::json j = nlohmann::json::parse(line);
-  VerifyKey key = std::make_tuple(IntegerAt<int>(j, "group"), IntegerAt<int64_t>(j, "step"),
-                                  IntegerAt<int32_t>(j, "microbatch"), j.at("module").get<std::string>());
-  VerifyState::Seen s{j.at("decision").get<std::string>(), IntegerAt<uint64_t>(j, "seq"), IntegerAt<int>(j, "rank"),
-                      j.contains("calls") ? IntegerAt<int32_t>(j, "calls") : 0};
+  // Ranks, groups and keys are never negative; the strings are shown escaped (a file is anyone's).
+  VerifyKey key = std::make_tuple(IntegerAt<int>(j, "group", true), IntegerAt<int64_t>(j, "step", true),
+                                  IntegerAt<int32_t>(j, "microbatch", true), Printable(j.at("module").get<std::string>()));
+  const std::string decision = j.at("decision").get<std::string>();
+  static const std::set<std::string> kDecisions = {"per_layer", "skip", "root", "replicate", "padded"};
+  if (kDecisions.count(decision) == 0) {
+    throw BadPerRankField(absl::StrCat("'decision' is '", Printable(decision, 64), "', not one of per_layer, skip, "
+                                       "root, replicate, padded"));
+  }
+  VerifyState::Seen s{decision, IntegerAt<uint64_t>(j, "seq"), IntegerAt<int>(j, "rank", true),
+                      j.contains("calls") ? IntegerAt<int32_t>(j, "calls", true) : 0};
   state->ranks.insert(s.rank);
   state->group_ranks[std::get<0>(key)].insert(s.rank);
   state->holders[key].insert(s.rank);
@@ -486,6 +496,13 @@ void AddPerRankLine(const std::string& line, VerifyState* state, std::ostream& e
 
 // Reads one rank's output; false (and one line on `err`) when it is empty or not replay output.
 bool ReadPerRankFile(const std::string& path, VerifyState* state, std::ostream& err) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) {
+    // /dev/zero, a FIFO or a terminal would be read forever (or taken as empty).
+    err << "shardctl verify: " << Printable(path) << " is not a regular file: give the files `shardctl replay "
+        << "--per-rank` wrote\n";
+    return false;
+  }
   std::ifstream in(path);
   if (in.peek() == std::ifstream::traits_type::eof()) {
     err << "shardctl verify: " << path
@@ -555,6 +572,14 @@ int VerifyPerRankOutputs(const std::vector<std::string>& files, std::ostream& ou
   VerifyState state;
   for (const auto& path : files) {
     if (!ReadPerRankFile(path, &state, err)) return kReplayBadInput;
+  }
+  int64_t compared = 0;
+  for (const auto& [key, who] : state.holders) compared += who.size() > 1;
+  if (state.ranks.size() > 1 && compared == 0) {
+    err << "shardctl verify: the outputs of ranks " << absl::StrJoin(state.ranks, ",") << " share no decision (no "
+        << "group, microbatch and module is in two of them): nothing was compared. Are they of one job, and of "
+        << "ranks of one group?\n";
+    return kReplayBadInput;
   }
   const int64_t missing = CountMissing(state, complete, err);
   PrintVerifySummary(state, missing, complete, out);

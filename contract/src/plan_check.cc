@@ -1,5 +1,7 @@
 #include "shardcoord/plan_check.h"
 
+#include <cstdio>
+
 #include <algorithm>
 
 namespace shardcoord {
@@ -14,13 +16,24 @@ std::string NamesForMessage(const std::vector<std::string>& names) {
   return out;
 }
 
+namespace {
+bool IsControl(uint32_t cp);
+size_t Utf8Length(const std::string& text, size_t i, uint32_t* code_point);
+}  // namespace
+
 std::string ControlCharacterIn(const std::string& name) {
-  for (size_t i = 0; i < name.size(); ++i) {
-    const unsigned char c = static_cast<unsigned char>(name[i]);
-    if (c < 0x20 || c == 0x7f) {
-      static const char kHex[] = "0123456789abcdef";
-      return std::string("byte ") + std::to_string(i) + " is the control character 0x" + kHex[c >> 4] + kHex[c & 15];
+  // C0 and C1 controls, DEL, bidi overrides and isolates (U+202E reverses what follows on an
+  // operator's page or terminal), and bytes that are no UTF-8.
+  for (size_t i = 0; i < name.size();) {
+    uint32_t cp = 0;
+    const size_t n = Utf8Length(name, i, &cp);
+    if (n == 0) return "byte " + std::to_string(i) + " is not valid UTF-8";
+    if (IsControl(cp)) {
+      char shown[16];
+      std::snprintf(shown, sizeof shown, cp <= 0x7f ? "0x%02x" : "U+%04X", static_cast<unsigned>(cp));
+      return "byte " + std::to_string(i) + " is the control character " + shown;
     }
+    i += n;
   }
   return "";
 }

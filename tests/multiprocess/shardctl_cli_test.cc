@@ -4,6 +4,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <tuple>
+
 #include <signal.h>
 
 #include <algorithm>
@@ -147,6 +149,39 @@ TEST(ShardctlCliTest, VerifyRefusesAnOutOfRangeNumberNamingTheLine) {
     EXPECT_THAT(r.err, HasSubstr(dir.File("r0.jsonl") + ":1: not a `shardctl replay --per-rank` line"));
     EXPECT_THAT(r.err, HasSubstr("'microbatch' is "));
   }
+}
+
+// The probes: rank -5 and group -1 accepted, escape sequences from a file written raw to the
+// terminal, /dev/zero read as empty with rc 0, "all ranks agree" for two outputs sharing nothing.
+TEST(ShardctlCliTest, VerifyRefusesNegativesEscapesDevicesAndOutputsThatShareNothing) {
+  TempDir dir;
+  auto line = [](const std::string& rank, const std::string& group, const std::string& module) {
+    return absl::StrCat(R"({"rank":)", rank, R"(,"group":)", group, R"(,"step":0,"microbatch":0,"module":")", module,
+                        R"(","decision":"skip","seq":0,"reason":"x"})", "\n");
+  };
+  for (const auto& [rank, group, says] : std::vector<std::tuple<std::string, std::string, std::string>>{
+           {"-5", "0", "'rank' is -5, not an integer in 0.."}, {"0", "-1", "'group' is -1, not an integer in 0.."}}) {
+    std::ofstream(dir.File("neg.jsonl"), std::ios::trunc) << line(rank, group, "m");
+    auto r = RunCommand(Shardctl({"verify", dir.File("neg.jsonl")}), kCommandTimeout);
+    EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
+    EXPECT_THAT(r.err, HasSubstr(says));
+  }
+  std::ofstream(dir.File("e0.jsonl")) << line("0", "0", "\\u001b[2J\\u009b31m");
+  std::ofstream(dir.File("e1.jsonl")) << R"({"rank":1,"group":0,"step":0,"microbatch":0,"module":"\u001b[2J\u009b31m",)"
+                                      << R"("decision":"root","seq":0,"reason":"x"})" << "\n";
+  auto escaped = RunCommand(Shardctl({"verify", dir.File("e0.jsonl"), dir.File("e1.jsonl")}), kCommandTimeout);
+  EXPECT_EQ(escaped.exit_code, 3) << escaped.out << escaped.err;
+  EXPECT_THAT(escaped.err, HasSubstr("module \\x1b[2J\\xc2\\x9b31m"));
+  EXPECT_EQ(escaped.err.find('\x1b'), std::string::npos) << "an escape sequence reached the terminal";
+  auto device = RunCommand(Shardctl({"verify", "/dev/zero"}), kCommandTimeout);
+  EXPECT_EQ(device.exit_code, 2) << device.out << device.err;
+  EXPECT_THAT(device.err, HasSubstr("/dev/zero is not a regular file"));
+  std::ofstream(dir.File("a.jsonl")) << line("0", "0", "vision");
+  std::ofstream(dir.File("b.jsonl")) << line("1", "0", "audio");
+  auto disjoint = RunCommand(Shardctl({"verify", dir.File("a.jsonl"), dir.File("b.jsonl")}), kCommandTimeout);
+  EXPECT_EQ(disjoint.exit_code, 2) << disjoint.out << disjoint.err;
+  EXPECT_THAT(disjoint.err, HasSubstr("share no decision"));
+  EXPECT_THAT(disjoint.out, ::testing::Not(HasSubstr("agree")));
 }
 
 TEST(ShardctlCliTest, BothProgramsSayTheirVersion) {

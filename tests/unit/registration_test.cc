@@ -152,6 +152,14 @@ TEST(RegistrationTest, ControlCharactersInIdsAndNamesAreRefusedAndNeverEchoedRaw
   r = Request(0);
   r.set_job_id("tâche-é");  // UTF-8 is fine.
   EXPECT_TRUE(ValidateRegistration(FromWire(r), lim, 64).ok());
+  // C1 controls (U+009B is a terminal's CSI) and bidi overrides (U+202E) reached the page and
+  // shardctl raw: refused like C0 ones.
+  r = Request(0);
+  r.set_job_id("job\xc2\x9b2J");
+  refused(r, "the control character U+009B");
+  r = Request(0);
+  r.set_host("host\xe2\x80\xaetxt.exe");
+  refused(r, "the control character U+202E");
 }
 
 TEST(RegistrationTest, LimitsAreNamedWithTheirFlags) {
