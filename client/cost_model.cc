@@ -30,9 +30,11 @@ absl::Status Missing(const std::string& where, const char* field, const char* wh
 absl::Status ReadSeconds(const json& j, const char* field, const std::string& where, bool required, double* out) {
   if (!j.contains(field)) return required ? Missing(where, field, "seconds, a non-negative number") : absl::OkStatus();
   const json& v = j.at(field);
-  if (!v.is_number() || !std::isfinite(v.get<double>()) || v.get<double>() < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(where, ": '", field, "' must be a non-negative number (seconds), got ", JsonShown(v)));
+  // At most a day: 1e308 s made every estimate infinite (or NaN once multiplied by 0).
+  constexpr double kMaxSeconds = 86400;
+  if (!v.is_number() || !std::isfinite(v.get<double>()) || v.get<double>() < 0 || v.get<double>() > kMaxSeconds) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": '", field,
+                                                   "' must be a number of seconds from 0 to 86400, got ", JsonShown(v)));
   }
   *out = v.get<double>();
   return absl::OkStatus();

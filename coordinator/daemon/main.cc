@@ -8,6 +8,7 @@
 // closed.
 #include <signal.h>
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <cstdio>
@@ -15,10 +16,12 @@
 #include <fstream>
 #include <iostream>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "google/protobuf/stubs/logging.h"
 #include "shardcoord/plan_check.h"
@@ -324,6 +327,30 @@ void AdoptRenamedEnv() {
   for (const RenamedEnv& r : kRenamedEnv) AdoptRenamedEnv(r.old_name, EnvName(r.key));
 }
 
+// A SHARDCOORD_DAEMON_ variable that no setting reads (a typo, or a key without a variable)
+// would be ignored silently: refused, naming the ones the daemon reads. False: said on stderr.
+bool KnownDaemonEnvironment() {
+  using shardcoord::coordinator::EnvName;
+  std::set<std::string> known;
+  for (const Setting& s : shardcoord::coordinator::Settings()) {
+    if (!s.env) continue;
+    known.insert(EnvName(s.key));
+    if (s.renamed_from != nullptr) known.insert(EnvName(s.renamed_from));
+  }
+  for (const RenamedEnv& r : kRenamedEnv) known.insert(r.old_name);
+  bool ok = true;
+  for (char** e = environ; *e != nullptr; ++e) {
+    const std::string entry(*e);
+    const std::string name = entry.substr(0, entry.find('='));
+    if (name.rfind("SHARDCOORD_DAEMON_", 0) != 0 || known.count(name) > 0) continue;
+    std::cerr << "shardcoordd: environment variable " << shardcoord::Printable(name, 64)
+              << " is not one the daemon reads (" << absl::StrJoin(known, ", ")
+              << "; every other setting is a flag or a config key): unset it or fix its name\n";
+    ok = false;
+  }
+  return ok;
+}
+
 // --check-config once the settings are valid: what serving needs too. 0 only when a start
 // would serve; 2 with one line per problem otherwise.
 int CheckConfig(const CoordinatorOptions& options, const std::string& http_address_file) {
@@ -370,7 +397,7 @@ int main(int argc, char** argv) {
     }
     options = *loaded;
   }
-  if (!ApplyFlags(f, options)) return 2;
+  if (!KnownDaemonEnvironment() || !ApplyFlags(f, options)) return 2;
   if (!shardcoord::logging::SetLevel(options.log_level)) {
     std::cerr << "shardcoordd: unknown log level '" << options.log_level
               << "'; use trace, debug, info, warn, error or off\n";
@@ -379,6 +406,12 @@ int main(int argc, char** argv) {
   if (absl::Status s = shardcoord::coordinator::ValidateOptions(options); !s.ok()) {
     std::cerr << "shardcoordd: " << s.message() << "\n";
     return 2;
+  }
+  if (options.limits.max_outbox_bytes > options.limits.max_buffered_bytes) {
+    shardcoord::logging::Get("coordinator")
+        ->warn("max_outbox_bytes ({}) is above max_buffered_bytes ({}): the daemon-wide bound cuts a rank that "
+               "does not read before its own bound can; lower max_outbox_bytes to mean it",
+               options.limits.max_outbox_bytes, options.limits.max_buffered_bytes);
   }
   if (f.check_config) return CheckConfig(options, f.http_address_file);
   return Serve(options, f.http_address_file);

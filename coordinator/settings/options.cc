@@ -2,6 +2,8 @@
 
 #include <yaml-cpp/yaml.h>
 
+#include <set>
+
 #include <algorithm>
 #include <optional>
 #include <utility>
@@ -197,6 +199,11 @@ absl::Status Parse(const Setting& s, const std::string& text, bool& out) {
 }
 
 absl::Status Parse(const Setting& s, const std::string& text, int64_t& out) {
+  // Digits only: SimpleAtoi takes " 5" (a quoted value with a space) as 5.
+  if (text.empty() || absl::ascii_isspace(static_cast<unsigned char>(text.front())) ||
+      absl::ascii_isspace(static_cast<unsigned char>(text.back()))) {
+    return WrongType(s, text);
+  }
   return absl::SimpleAtoi(text, &out) ? absl::OkStatus() : WrongType(s, text);
 }
 
@@ -356,6 +363,12 @@ absl::Status CheckRelations(const CoordinatorOptions& o) {
         " ms): heartbeat_timeout_ms >= 2 x heartbeat_interval_ms (flags --heartbeat-timeout-ms, "
         "--heartbeat-interval-ms)"));
   }
+  if (o.limits.max_world_size > o.limits.max_total_ranks) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_world_size (", o.limits.max_world_size, ") is above max_total_ranks (", o.limits.max_total_ranks,
+        "): a job of that size could never be admitted; lower max_world_size or raise max_total_ranks (flags "
+        "--max-world-size, --max-total-ranks)"));
+  }
   const PromotionOptions& p = o.promotion;
   if (p.promote_threshold > p.window || p.demote_threshold >= p.promote_threshold) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -432,12 +445,17 @@ absl::StatusOr<CoordinatorOptions> LoadConfigFile(const std::string& path,
     return absl::InvalidArgumentError(
         absl::StrCat("config file ", path, " must be a mapping of key: value"));
   }
+  std::set<std::string> seen;
   for (const auto& kv : root) {
     if (!kv.first.IsScalar()) {
       return absl::InvalidArgumentError(absl::StrCat(
           "config file ", path, ": every key must be a plain name; accepted keys: ", AcceptedKeys()));
     }
     const std::string key = kv.first.Scalar();
+    if (!seen.insert(key).second) {  // yaml-cpp keeps both; which one wins would be an accident.
+      return absl::InvalidArgumentError(absl::StrCat("config file ", path, ": key '", key,
+                                                     "' is given twice; keep one"));
+    }
     const Setting* s = FindSetting(key);
     if (s == nullptr) {
       return absl::InvalidArgumentError(

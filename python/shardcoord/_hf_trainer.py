@@ -273,6 +273,12 @@ def patch(trainer: Any, options: Optional[Options] = None, **kwargs: Any) -> Any
     hook = _Hook(trainer, Options.of(options, **kwargs))
     trainer._shardcoord = hook
     trainer.shardcoord_close = hook.session.close
+    # shardcoord_decisions as TrainerMixin has it (a property: the counts so far): the instance
+    # becomes one of a subclass of its own class that adds it, nothing else.
+    cls = type(trainer)
+    trainer.__class__ = type(cls.__name__, (cls,), {
+        "shardcoord_decisions": property(lambda self: self._shardcoord.decisions),
+        "__module__": cls.__module__, "__doc__": cls.__doc__})
     for name in ("get_batch_samples", "training_step", "prediction_step", "train", "evaluate"):
         original = getattr(trainer, name)
         setattr(trainer, name, functools.partial(getattr(hook, name), original))

@@ -23,10 +23,10 @@ or both at once for a loop that wraps the model itself, on every rank::
 What each decision does, so that every rank of the shard group issues the same collectives
 (why each mechanism is needed, and the 2-GPU check of each, are in docs/GPU.md):
 
-- Every layer unit of a controlled module is its own FSDP unit with ``set_unshard_in_backward(False)``:
-  a frozen tower takes no part in backward, and without this FSDP's backward prefetch follows each
-  rank's own forward order (ranks that skipped the tower would gather other units than ranks that
-  ran it).
+- Every layer unit of a controlled module is its own FSDP unit with ``set_unshard_in_backward(False)``,
+  left out of FSDP's record of the forward order: a frozen tower takes no part in backward, and
+  without this FSDP's backward prefetch follows each rank's own forward order (ranks that skipped the
+  tower would gather other units than ranks that ran it, the tower's or the unit before it).
 - ``per_layer``: FSDP's own per-unit all-gather before each unit's forward (each unit prefetches
   the next one: measured 2 x H200, without it per_layer was 30 % slower than root), reshard after.
 - ``skip``: nothing; no rank calls the module, so no rank gathers it.
@@ -442,6 +442,25 @@ class Towers:
         return f"Towers({units or 'none'}; left in their parent's unit: {self.left_in_root or 'none'})"
 
 
+def _keep_out_of_backward_order(unit: nn.Module) -> None:
+    """FSDP2 records every unit's forward (``FSDPParamGroup._record_post_forward``) and in backward
+    each unit prefetches the one recorded before it. A tower's units are recorded only on the ranks
+    that ran the tower, so the prefetch targets differed between ranks: on the GPU machine, with
+    accelerate making the input embeddings a unit of their own, the ranks without images prefetched
+    the embeddings at the first decoder layer's backward and the others at the embeddings' own, and
+    the all-gathers and reduce-scatters crossed (both ranks hung). A frozen tower takes no part in
+    backward, so its units are left out of the record on every rank."""
+    state = getattr(unit, "_get_fsdp_state", None)
+    group = getattr(state(), "_fsdp_param_group", None) if state is not None else None
+    if group is None or not hasattr(group, "_record_post_forward"):
+        _warn_once("shardcoord.fsdp2: this torch's FSDP2 has no FSDPParamGroup._record_post_forward, so a tower's "
+                   "units stay in the backward prefetch order; ranks that skip the tower may then prefetch other "
+                   "units than ranks that ran it (a hang with units before the tower, such as accelerate's input "
+                   "embeddings)")
+        return
+    group._record_post_forward = lambda: None
+
+
 def shard_towers(model: nn.Module, manifest: Iterable[ModuleSpec], mesh=None, **fully_shard_kwargs) -> Towers:
     """Phase one: applies ``fully_shard`` to each layer unit of every controlled module, on ``mesh``
     (the framework's FSDP mesh: 1-D, or 2-D ``(dp_replicate, dp_shard)`` for HSDP), and nothing
@@ -479,6 +498,7 @@ def shard_towers(model: nn.Module, manifest: Iterable[ModuleSpec], mesh=None, **
             # replicate set their own behaviour per microbatch.
             fully_shard(unit, **kwargs)
             unit.set_unshard_in_backward(False)
+            _keep_out_of_backward_order(unit)
         for unit, following in zip(units, units[1:]):
             # per_layer: gather the next unit while this one computes (FSDP2 prefetches only in
             # backward by default, and a frozen tower has no backward): every rank runs the

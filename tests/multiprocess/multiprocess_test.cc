@@ -436,6 +436,11 @@ TEST_F(MultiProcessTest, ASecuredDaemonServesOnlyCallersWithTheirTokens) {
                               "--tls-key-file", certs->other_server_key}, absl::Seconds(10));
   EXPECT_EQ(mismatch.exit_code, 2);
   EXPECT_THAT(mismatch.err, HasSubstr("does not belong to certificate"));
+  // A token file that never ends (it was read forever at start): refused at once, named.
+  auto endless = RunCommand({SHARDCOORDD_PATH, "--listen", "127.0.0.1:0", "--token-file", "/dev/zero"},
+                            absl::Seconds(10));
+  EXPECT_EQ(endless.exit_code, 2) << endless.err;
+  EXPECT_THAT(endless.err, HasSubstr("token file /dev/zero is not a regular file"));
 }
 
 // Strings with invalid UTF-8 fail to parse, and protobuf logs each: a client sending many must

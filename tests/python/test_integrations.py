@@ -472,3 +472,28 @@ def test_wrap_classes_inside_the_towers_units_are_left_to_them_and_a_shared_clas
     with pytest.raises(shardcoord.FailedPrecondition, match=r"\['Attention'\] have modules inside the controlled "
                                                             r"towers and outside them.*transformer_layer_cls_to_wrap"):
         narrow_wrap_names(accelerator, vlm)
+
+
+def test_the_towers_units_are_left_out_of_fsdps_forward_record():
+    """On the GPU machine the HF runs hung at the first backward: FSDP2 records each unit's forward
+    and prefetches, in backward, the unit recorded before; a tower's units are recorded on the ranks
+    that ran it only. shard_towers leaves them out of the record (FSDPParamGroup._record_post_forward)."""
+    from types import SimpleNamespace
+
+    from shardcoord import fsdp2
+
+    order = []
+
+    class Group:
+        def _record_post_forward(self):
+            order.append(self)
+
+    group = Group()
+    unit = nn.Linear(2, 2)
+    unit._get_fsdp_state = lambda: SimpleNamespace(_fsdp_param_group=group)
+    fsdp2._keep_out_of_backward_order(unit)
+    group._record_post_forward()  # What FSDP2's post_forward calls.
+    assert order == [], "a tower unit's forward is not recorded"
+    other = Group()
+    other._record_post_forward()
+    assert order == [other], "other units are"

@@ -389,6 +389,24 @@ TEST(ValidateOptionsTest, RejectsLimitsBelowOneNamingThem) {
   }
 }
 
+TEST(LoadConfigFileTest, DuplicateKeysPaddedNumbersAndImpossibleBoundsAreRefused) {
+  // The probes: a key given twice, " 5" for a number and max_world_size above max_total_ranks were
+  // accepted silently.
+  shardcoord::testing::TempDir dir;
+  auto twice = LoadConfigFile(WriteConfig(dir, "max_jobs: 3\nmax_jobs: 5\n"));
+  EXPECT_EQ(twice.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(twice.status().message()), HasSubstr("key 'max_jobs' is given twice"));
+  auto padded = LoadConfigFile(WriteConfig(dir, "max_jobs: \" 5\"\n"));
+  EXPECT_EQ(padded.status().code(), absl::StatusCode::kInvalidArgument) << padded.status();
+  EXPECT_THAT(std::string(padded.status().message()), HasSubstr("max_jobs"));
+  CoordinatorOptions o;
+  o.limits.max_world_size = 1024;
+  o.limits.max_total_ranks = 512;
+  EXPECT_THAT(std::string(ValidateOptions(o).message()),
+              HasSubstr("max_world_size (1024) is above max_total_ranks (512): a job of that size could never be "
+                        "admitted"));
+}
+
 TEST(LoadConfigFileTest, ReadsTheLimits) {
   shardcoord::testing::TempDir dir;
   auto o = LoadConfigFile(WriteConfig(dir, "max_world_size: 128\nmax_total_ranks: 512\nmax_jobs: 3\n"

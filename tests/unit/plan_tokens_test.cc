@@ -147,9 +147,9 @@ TEST(CostTokenPriceTest, TheTokensWithoutThePriceAreIgnoredWithAWarning) {
 
 TEST(CostTokenPriceTest, BadValuesNameTheField) {
   const std::pair<std::string, std::string> cases[] = {
-      {R"(,"other_seconds_per_token":-1e-05)", "c.json: 'other_seconds_per_token' must be a non-negative number "
-                                               "(seconds), got -1e-05"},
-      {R"(,"other_seconds_per_token":"fast")", "'other_seconds_per_token' must be a non-negative number (seconds), "
+      {R"(,"other_seconds_per_token":-1e-05)", "c.json: 'other_seconds_per_token' must be a number of seconds "
+                                               "from 0 to 86400, got -1e-05"},
+      {R"(,"other_seconds_per_token":"fast")", "'other_seconds_per_token' must be a number of seconds from 0 to 86400, "
                                                "got \"fast\""},
       {R"(,"other_seconds_per_token":1,"other_tokens_per_microbatch":-5)",
        "c.json: 'other_tokens_per_microbatch' must be an integer in 0..2147483647, got -5"},
