@@ -81,6 +81,7 @@ std::string Chart(const std::deque<DecisionSample>& h) {
 
 // Rows of one table on the page, at most: the page stays small whatever the job's size.
 constexpr size_t kPageRows = 256;
+constexpr int kFullJobs = 8;  // Live jobs shown at full size on the page of every job.
 
 // "0,1,2,...": at most 32 ranks, then how many more (a group of 16,384 ranks in one cell).
 std::string ShortRanks(const google::protobuf::RepeatedField<int32_t>& ranks) {
@@ -214,6 +215,15 @@ std::string FinishedJob(const v1::JobStatus& j) {
                       " &middot; ", j.microbatches_decided(), " microbatches decided</p>");
 }
 
+// A live job past the ones shown at full size: one line linking to its own page.
+std::string LiveJobLine(const v1::JobStatus& j) {
+  return absl::StrCat("<p class=live-line data-job='", HtmlEscape(j.job_id()), "'><a href='/?job=",
+                      UrlEncode(j.job_id()), "'><b>Job ", HtmlEscape(j.job_id()), "</b></a> &middot; ",
+                      j.ranks_live(), " of ", j.world_size(), " ranks live", j.ranks_dead() > 0 ?
+                      absl::StrCat(", <span class=ended-dead>", j.ranks_dead(), " dead</span>") : "",
+                      " &middot; ", j.microbatches_decided(), " microbatches decided</p>");
+}
+
 }  // namespace
 
 std::string UrlEncode(const std::string& text) {
@@ -279,16 +289,23 @@ std::string StatusPage(const PageInput& in) {
                                  in.job.empty() ? Chart(in.history) : std::string());
   // Live jobs first, at full size; a finished one (hours of them on a shared daemon) is one
   // line linking to its own page, so it never pushes a running job down the page.
-  std::string finished;
+  // The page is bounded per page, not only per job (200 live jobs made a 16 MB page): the first
+  // kFullJobs live jobs at full size, the other live ones a line each, linking to their pages.
+  std::string finished, more;
+  int full = 0;
   if (!in.job.empty() && in.link_every_job) out += "<p><a href='/'>&larr; every job</a></p>";
   for (const auto& j : s.status.jobs()) {
     if (JobIsOver(j) && in.job.empty()) {
       finished += FinishedJob(j);
+    } else if (in.job.empty() && full >= kFullJobs) {
+      more += LiveJobLine(j);
     } else {
+      ++full;
       out += absl::StrCat("<section class=job data-job='", HtmlEscape(j.job_id()), "'><h2>Job ",
                           HtmlEscape(j.job_id()), "</h2>", JobBody(j, in, behind), "</section>");
     }
   }
+  if (!more.empty()) out += absl::StrCat("<h2>More live jobs</h2>", more);
   if (!finished.empty()) out += "<h2>Finished jobs</h2>" + finished;
   if (s.status.jobs_size() == 0) {
     out += in.job.empty() ? "<p>No job yet.</p>" : absl::StrCat("<p>No job '", HtmlEscape(in.job), "' here.</p>");

@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "coordinator/ops/metrics.h"
+#include "shardcoord/plan_check.h"
 #include "shardcoord/internal/logging.h"
 
 namespace shardcoord::coordinator {
@@ -143,15 +144,24 @@ struct HttpServer::Io {
 // the request deadline, so a slow or silent client costs a descriptor and a little memory
 // until then, never a thread.
 template <class Stream>
-class HttpServer::Connection : public std::enable_shared_from_this<Connection<Stream>> {
+class HttpServer::Connection : public HttpServer::Waiting, public std::enable_shared_from_this<Connection<Stream>> {
  public:
   Connection(HttpServer* server, tcp::socket socket, std::shared_ptr<ssl::context> ctx)
       : server_(server), ctx_(std::move(ctx)), stream_(MakeStream(std::move(socket), ctx_.get())) {
     server_->open_.fetch_add(1);
   }
-  ~Connection() { server_->open_.fetch_sub(1); }
+  ~Connection() override { server_->open_.fetch_sub(1); }
+
+  bool awaiting_request() const override { return awaiting_.load(); }
+  void Evict() override {
+    net::post(stream_.get_executor(), [self = this->shared_from_this()] {
+      beast::error_code ignored;
+      beast::get_lowest_layer(self->stream_).socket().close(ignored);  // Its pending read ends: it goes.
+    });
+  }
 
   void Start() {
+    server_->AddWaiting(this->shared_from_this());
     beast::get_lowest_layer(stream_).expires_after(server_->request_timeout_);
     if constexpr (std::is_same_v<Stream, beast::tcp_stream>) {
       Read();
@@ -172,11 +182,18 @@ class HttpServer::Connection : public std::enable_shared_from_this<Connection<St
   }
 
   void OnHeader(beast::error_code ec) {
+    awaiting_.store(false);
     if (ec == http::error::header_limit || ec == http::error::buffer_overflow) {
       return Write(Response(11, {431, "text/plain",
                                  absl::StrCat("the request line and headers exceed ", kHeaderLimit, " bytes\n"), {}}));
     }
-    if (ec) return;  // Timed out, closed, or not HTTP: nothing to answer.
+    if (ec && ec.category() == beast::error_code(http::error::bad_target).category() &&
+        ec != http::error::end_of_stream &&
+        ec != http::error::partial_message) {
+      // Bytes that are no HTTP request (bad framing, a bad method or version): said, not just closed.
+      return Write(Response(11, {400, "text/plain", absl::StrCat("malformed HTTP request: ", ec.message(), "\n"), {}}));
+    }
+    if (ec) return;  // Timed out, closed or cut short: nothing to answer.
     const auto& req = parser_.get();
     if (req.method() != http::verb::get && req.method() != http::verb::head) {
       return Write(Response(req.version(), {405, "text/plain", "only GET and HEAD\n", {"Allow", "GET, HEAD"}}));
@@ -233,7 +250,35 @@ class HttpServer::Connection : public std::enable_shared_from_this<Connection<St
   beast::flat_buffer buffer_;  // Grows to the header limit at most (the parser stops there).
   http::request_parser<http::empty_body> parser_;
   http::response<http::string_body> response_;
+  std::atomic<bool> awaiting_{true};  // No request header yet.
 };
+
+void HttpServer::AddWaiting(std::weak_ptr<Waiting> c) {
+  absl::MutexLock lock(&waiting_mu_);
+  if (waiting_.size() >= 2 * static_cast<size_t>(max_connections_) + 16) {  // Bounded: drop those gone or served.
+    std::deque<std::weak_ptr<Waiting>> kept;
+    for (auto& w : waiting_) {
+      auto p = w.lock();
+      if (p && p->awaiting_request()) kept.push_back(std::move(w));
+    }
+    waiting_.swap(kept);
+  }
+  waiting_.push_back(std::move(c));
+}
+
+bool HttpServer::EvictOneWaiting() {
+  absl::MutexLock lock(&waiting_mu_);
+  while (!waiting_.empty()) {
+    std::shared_ptr<Waiting> oldest = waiting_.front().lock();
+    waiting_.pop_front();
+    if (oldest && oldest->awaiting_request()) {
+      oldest->Evict();
+      ++evicted_;
+      return true;
+    }
+  }
+  return false;
+}
 
 absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(CoordinatorCore* core,
                                                                const CoordinatorOptions& options, Tokens tokens) {
@@ -298,7 +343,9 @@ void HttpServer::Accept() {
   io_->acceptor.async_accept(net::make_strand(io_->context), [this](beast::error_code ec, tcp::socket socket) {
     if (ec == net::error::operation_aborted) return;
     if (!ec) {
-      if (open_.load() >= max_connections_) {
+      // At the limit, the oldest connection that has sent no request yet makes room: idle or
+      // slow clients cannot keep /healthz from being answered (64 reopened idle connections did).
+      if (open_.load() >= max_connections_ && !EvictOneWaiting()) {
         // Refused at once: the descriptor is freed now, not held until a deadline.
         beast::error_code ignored;
         socket.close(ignored);
@@ -308,8 +355,8 @@ void HttpServer::Accept() {
         if (now - last_refusal_log_ >= absl::Seconds(10)) {
           last_refusal_log_ = now;
           logging::Get("coordinator")->warn(
-              "http: {} connections open, the limit (http_max_connections); refused {} so far. Slow or idle "
-              "clients hold them until http_request_timeout_ms",
+              "http: {} connections open, the limit (http_max_connections), every one of them with its request "
+              "read; refused {} so far",
               max_connections_, refused);
         }
       } else if (tls_) {
@@ -371,6 +418,9 @@ HttpServer::Reply HttpServer::Serve(const std::string& path, const std::string& 
   PageInput in;
   // /?job=ID: that job's page. A reader limited to one job sees that one whatever it asks.
   in.job = grant->job.empty() ? QueryValue(query, "job") : grant->job;
+  if (std::string bad = ControlCharacterIn(in.job); !bad.empty()) {  // /?job=%00 was put in the page.
+    return {400, "text/plain", absl::StrCat("the job in ?job= is no job id: ", bad, "\n"), {}};
+  }
   in.link_every_job = grant->job.empty();
   in.snapshot = Take(in.job);
   in.events = core_->Events(in.job, 0, 20);

@@ -48,6 +48,17 @@ class HttpServer {
   class TlsContexts;
   template <class Stream>
   class Connection;
+  // A connection that has not sent its request yet, which a new one may take the place of.
+  class Waiting {
+   public:
+    virtual ~Waiting() = default;
+    virtual bool awaiting_request() const = 0;
+    virtual void Evict() = 0;  // Closes it (on its own strand).
+  };
+  // At the connection limit: closes the oldest connection still waiting for its request, so
+  // that idle clients cannot keep /healthz (and every page) from being answered. False: none.
+  bool EvictOneWaiting();
+  void AddWaiting(std::weak_ptr<Waiting> c);
   struct Reply {
     int status = 200;
     std::string content_type, body;
@@ -77,6 +88,10 @@ class HttpServer {
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   absl::Time last_refusal_log_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   std::deque<DecisionSample> history_ ABSL_GUARDED_BY(mu_);
+  // Connections in the order they were accepted, while they may still be waiting (pruned).
+  absl::Mutex waiting_mu_;
+  std::deque<std::weak_ptr<Waiting>> waiting_ ABSL_GUARDED_BY(waiting_mu_);
+  std::atomic<int64_t> evicted_{0};
 };
 
 }  // namespace shardcoord::coordinator
