@@ -573,12 +573,14 @@ int VerifyPerRankOutputs(const std::vector<std::string>& files, std::ostream& ou
   for (const auto& path : files) {
     if (!ReadPerRankFile(path, &state, err)) return kReplayBadInput;
   }
-  int64_t compared = 0;
-  for (const auto& [key, who] : state.holders) compared += who.size() > 1;
-  if (state.ranks.size() > 1 && compared == 0) {
-    err << "shardctl verify: the outputs of ranks " << absl::StrJoin(state.ranks, ",") << " share no decision (no "
-        << "group, microbatch and module is in two of them): nothing was compared. Are they of one job, and of "
-        << "ranks of one group?\n";
+  // A group with outputs of several ranks must have something in two of them to compare.
+  std::map<int, int64_t> compared;  // group -> decisions held by two ranks or more
+  for (const auto& [key, who] : state.holders) compared[std::get<0>(key)] += who.size() > 1;
+  for (const auto& [group, ranks] : state.group_ranks) {
+    if (ranks.size() < 2 || compared[group] > 0) continue;
+    err << "shardctl verify: the outputs of ranks " << absl::StrJoin(ranks, ",") << " of group " << group
+        << " share no decision (no microbatch and module is in two of them): nothing was compared. Are they "
+        << "of one job?\n";
     return kReplayBadInput;
   }
   const int64_t missing = CountMissing(state, complete, err);

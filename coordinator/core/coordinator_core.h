@@ -281,6 +281,9 @@ class CoordinatorCore {
   absl::StatusOr<BufferCharge> ChargeResume(const Registration& req);
   // Fails the missing members of groups whose recovery window passed.
   void ExpireRecovery(Job& job, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A job with a group that has not formed form_timeout after its start: its live ranks are
+  // declared dead, naming the ranks that never came, and it ends (its rank slots can go).
+  void ExpireForming(Job& job, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Records an event in the journal; its log line is written after the mutex is released.
   void Event(const std::string& severity, EventKind kind, const std::string& job,

@@ -121,6 +121,28 @@ void CoordinatorCore::RemoveMember(Job& job, Member& m, Leaving how, const std::
   }
 }
 
+void CoordinatorCore::ExpireForming(Job& job, absl::Time now) {
+  if (job.has_ended() || now - job.started <= options_.limits.form_timeout) return;
+  std::vector<int> never;  // The ranks of groups that never formed that never registered.
+  bool forming = false;
+  for (size_t i = 0; i < job.groups.size(); ++i) {
+    const ShardGroup& g = Owned(job, static_cast<int>(i));
+    if (g.formed) continue;
+    forming = true;
+    for (const Member& m : g.members) {
+      if (m.state == v1::RANK_STATE_UNREGISTERED) never.push_back(m.rank);
+    }
+  }
+  if (!forming) return;
+  const std::string why = absl::StrCat(
+      "job '", job.id, "' did not form within form_timeout_ms (", absl::ToInt64Milliseconds(options_.limits.form_timeout),
+      " ms): ", never.size(), " of its ", job.world_size, " ranks never registered (", RankList(never),
+      "); start every rank of the job, or give them longer (form_timeout_ms)");
+  ForEachMember(job, [&](Member& m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (m.live()) RemoveMember(job, m, Leaving::kDead, why);
+  });
+}
+
 void CoordinatorCore::MaybeEndJob(Job& job) {
   for (size_t i = 0; i < job.groups.size(); ++i) {
     if (Owned(job, static_cast<int>(i)).Count().live > 0) return;
@@ -149,6 +171,7 @@ void CoordinatorCore::Tick(absl::Time started) {
   for (auto& entry : jobs_) {
     Job* job = entry.second.get();
     ExpireRecovery(*job, now);
+    ExpireForming(*job, now);
     ForEachMember(*job, [&](Member& m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       if (!m.live()) return;
       if (!m.cut_reason.empty()) {

@@ -221,6 +221,7 @@ Job* CoordinatorCore::ReuseOrForgetEndedJob(const Registration& req) {
   // microbatch resolved (else every plan of the rerun is "stale" until job_retention_ms
   // forgets the job).
   // A new run: credentials and seals of the ended one resume nothing in it.
+  job->started = clock_->Now();
   job->run = ResumeAuthority::NewRunId();
   job->run_auth = std::make_unique<const ResumeAuthority>(resume_auth_.ForRun(job->id, job->run));
   for (size_t i = 0; i < job->groups.size(); ++i) Owned(*job, static_cast<int>(i)).StartRerun(job->run_auth.get());
@@ -259,6 +260,7 @@ absl::Status CoordinatorCore::CheckJobAccepts(const Job& job, const Registration
 Job& CoordinatorCore::CreateJob(const Registration& req, const std::string& run) {
   Job& job = jobs_.Create(req.job_id, req.world_size, req.group_size, GroupRules{req.job_id, &options_, &resume_auth_},
                           run, buffers_.get());
+  job.started = clock_->Now();
   const bool no_modules = req.modules.empty();
   Event(no_modules ? "warning" : "info", EventKind::kJobCreated, job.id, -1, -1,
         absl::StrCat("world_size=", job.world_size, " group_size=", job.group_size, " groups=", job.groups.size(),

@@ -41,6 +41,7 @@ struct Job {
   std::atomic<int64_t> plans_received{0};  // Counted by groups in parallel.
   std::atomic<int64_t> microbatches_decided{0};
   absl::Time ended = absl::InfinitePast();  // When its last live rank ended (retention).
+  absl::Time started = absl::InfinitePast();  // Its first registration (or its rerun's): form_timeout.
   absl::flat_hash_set<uint64_t> sessions;  // Its entries in the JobTable's sessions (JobTable only).
 
   bool has_ended() const { return ended != absl::InfinitePast(); }

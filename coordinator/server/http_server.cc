@@ -187,6 +187,9 @@ class HttpServer::Connection : public HttpServer::Waiting, public std::enable_sh
       return Write(Response(11, {431, "text/plain",
                                  absl::StrCat("the request line and headers exceed ", kHeaderLimit, " bytes\n"), {}}));
     }
+    if (ec == http::error::body_limit) {  // A GET or HEAD has no body; a big one is refused before it is read.
+      return Write(Response(11, {413, "text/plain", "a request body is not taken: only GET and HEAD\n", {}}));
+    }
     if (ec && ec.category() == beast::error_code(http::error::bad_target).category() &&
         ec != http::error::end_of_stream &&
         ec != http::error::partial_message) {

@@ -97,7 +97,9 @@ def rank_main(family: str, mode: str, steps: int, out: Path) -> None:
     start = time.monotonic()
     trainer.train()
     for name, m in trainer.model.named_modules():
-        if type(m).__name__.startswith("FSDP") and any(name.startswith(p.split(".", 1)[1]) or name.startswith(p)
+        # Under peft the tower is base_model.model.model.visual: matched as a dotted part of the name.
+        if type(m).__name__.startswith("FSDP") and any(f".{p.split('.', 1)[1]}." in f".{name}." or
+                                                       f".{p}." in f".{name}."
                                                        for p in calls.frozen(family)):
             units.append(name)
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]

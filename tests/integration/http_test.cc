@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <csignal>
 #include <thread>
 
 #include <fstream>
@@ -270,9 +271,12 @@ TEST_F(HttpTest, BadRequestsAreRefusedAndTheServerGoesOn) {
   if (huge) {
     EXPECT_EQ(huge->status, 431);
   }
+  // The server answers before reading the body and closes: the client's write may meet a closed
+  // socket (EPIPE, not a signal that kills the test).
+  signal(SIGPIPE, SIG_IGN);
   auto post = client_->Post("/metrics", std::string(1 << 20, 'y'), "text/plain");
   if (post) {
-    EXPECT_EQ(post->status, 405);
+    EXPECT_TRUE(post->status == 405 || post->status == 413) << post->status;
   }
   auto head = client_->Head("/healthz");
   ASSERT_TRUE(head);

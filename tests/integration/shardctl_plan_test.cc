@@ -449,7 +449,7 @@ TEST(ShardctlPlanTest, BadInputIsExitTwoWithOneLineNamingIt) {
   const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
       {{trace, "--manifest", manifest, "--cost", unknown}, "module 'audio' is not in the manifest [visual]"},
       {{trace, "--manifest", manifest, "--cost", negative},
-       "modules[0] ('visual'): 'forward_seconds_per_call' must be a non-negative number (seconds), got -1"},
+       "modules[0] ('visual'): 'forward_seconds_per_call' must be a number of seconds from 0 to 86400, got -1"},
       {{audio_trace, "--manifest", manifest, "--cost", cost},
        "the trace names module 'audio_tower' which is not in the manifest [visual]"},
       {{trace, "--manifest", manifest, "--cost", cost, "--group-size", "3"}, "group size 3 does not divide world size 2"},

@@ -905,6 +905,30 @@ TEST_F(CoreTest, RanksOfAllJobsAreCapped) {
   EXPECT_TRUE(Register(Request(0, 2, 2)).ok());  // 8 + 2 fits
 }
 
+TEST_F(CoreTest, AJobWhoseRanksNeverComeIsFailedAtTheFormTimeoutAndFreesItsRankSlots) {
+  // The probe: four registrations of world 65536 with one live rank each took every rank slot
+  // for as long as those ranks lived.
+  CoordinatorOptions o = options_;
+  o.limits.max_total_ranks = 10;
+  o.limits.form_timeout = absl::Seconds(30);
+  o.heartbeat_timeout = absl::Hours(1);
+  Reset(o);
+  v1::RegisterRequest squatter = Request(0, 8, 2);
+  squatter.set_job_id("squatter");
+  ASSERT_TRUE(Register(squatter).ok());
+  EXPECT_EQ(Register(Request(0, 4, 2)).code(), absl::StatusCode::kResourceExhausted);
+  clock_->Advance(absl::Seconds(29));
+  core_->Tick();
+  EXPECT_EQ(core_->Ranks("squatter").ranks(0).state(), v1::RANK_STATE_LIVE) << "within the timeout";
+  clock_->Advance(absl::Seconds(2));
+  core_->Tick();
+  const v1::RankStatus r0 = core_->Ranks("squatter").ranks(0);
+  EXPECT_EQ(r0.state(), v1::RANK_STATE_DEAD);
+  EXPECT_THAT(r0.dead_reason(), HasSubstr("did not form within form_timeout_ms (30000 ms): 7 of its 8 ranks never "
+                                          "registered (1,2,3,4,5,6,7)"));
+  EXPECT_TRUE(Register(Request(0, 4, 2)).ok()) << "the ended job makes room";
+}
+
 TEST_F(CoreTest, ARankThatStopsReadingIsFailedAndItsGroupToldWhy) {
   RegisterAll(4, 2, v1::POLICY_REPLICATE);
   sinks_[1]->refuse = true;  // Its outgoing queue is full.

@@ -155,7 +155,7 @@ TEST(RegistrationTest, ControlCharactersInIdsAndNamesAreRefusedAndNeverEchoedRaw
   // C1 controls (U+009B is a terminal's CSI) and bidi overrides (U+202E) reached the page and
   // shardctl raw: refused like C0 ones.
   r = Request(0);
-  r.set_job_id("job\xc2\x9b2J");
+  r.set_job_id("job\xc2\x9b" "2J");
   refused(r, "the control character U+009B");
   r = Request(0);
   r.set_host("host\xe2\x80\xaetxt.exe");
