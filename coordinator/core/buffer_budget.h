@@ -48,6 +48,10 @@ class BufferBudget {
     }
     return true;
   }
+  // Takes `bytes` whatever the limit: for a rank that reads (its queue moves), which is never
+  // refused for others' bytes; the core then cuts the holders that do not read until the total
+  // is under the limit again (CoordinatorCore::ReclaimBuffers).
+  void TakeOver(int64_t bytes) { used_.fetch_add(bytes, std::memory_order_relaxed); }
   void Give(int64_t bytes) { used_.fetch_sub(bytes, std::memory_order_relaxed); }
 
   int64_t used() const { return used_.load(std::memory_order_relaxed); }

@@ -284,6 +284,11 @@ class CoordinatorCore {
   // A job with a group that has not formed form_timeout after its start: its live ranks are
   // declared dead, naming the ranks that never came, and it ends (its rank slots can go).
   void ExpireForming(Job& job, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Cuts ranks that do not read (their write waited more than kNotReadingGrace), the biggest
+  // holders first, while the daemon's buffers are over max_buffered_bytes; and any that has not
+  // read for a heartbeat timeout. A rank that reads is never cut for the budget (RankSink).
+  void ReclaimBuffers(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  static constexpr absl::Duration kNotReadingGrace = absl::Seconds(1);
 
   // Records an event in the journal; its log line is written after the mutex is released.
   void Event(const std::string& severity, EventKind kind, const std::string& job,

@@ -121,6 +121,41 @@ void CoordinatorCore::RemoveMember(Job& job, Member& m, Leaving how, const std::
   }
 }
 
+void CoordinatorCore::ReclaimBuffers(absl::Time now) {
+  // The ranks whose write has waited for them to read: the biggest holders first, while the
+  // daemon's buffers are over the limit (the ranks that read may have taken past it); and any
+  // that has not read for a heartbeat timeout, whatever the budget (a rank that heartbeats but
+  // never reads held its bytes for as long as it lived).
+  struct Holder {
+    Member* m;
+    RankSink::Backlog b;
+  };
+  std::vector<Holder> stalled;
+  for (auto& entry : jobs_) {
+    ForEachMember(*entry.second, [&](Member& m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      if (!m.live() || !m.sink || !m.cut_reason.empty()) return;
+      const RankSink::Backlog b = m.sink->backlog();
+      if (b.stalled_since < now - kNotReadingGrace && b.charged > 0) stalled.push_back({&m, b});
+    });
+  }
+  std::sort(stalled.begin(), stalled.end(), [](const Holder& a, const Holder& b) { return a.b.charged > b.b.charged; });
+  int64_t over = buffers_->used() - buffers_->limit();
+  for (const Holder& h : stalled) {
+    const absl::Duration waited = now - h.b.stalled_since;
+    if (over <= 0 && waited <= options_.heartbeat_timeout) continue;
+    h.m->cut_reason = absl::StrCat(
+        "not reading its session stream: ", h.b.charged, " bytes queued for it have waited ",
+        absl::ToInt64Milliseconds(waited), " ms for it to read",
+        over > 0 ? absl::StrCat(" while the daemon's buffers for all clients are over their limit (max_buffered_bytes ",
+                                buffers_->limit(), ")")
+                 : absl::StrCat(", longer than the heartbeat timeout (", absl::ToInt64Milliseconds(
+                                                                            options_.heartbeat_timeout), " ms)"),
+        "; a rank must keep reading its decisions");
+    h.m->sink->CutForNotReading();
+    over -= h.b.charged;
+  }
+}
+
 void CoordinatorCore::ExpireForming(Job& job, absl::Time now) {
   if (job.has_ended() || now - job.started <= options_.limits.form_timeout) return;
   std::vector<int> never;  // The ranks of groups that never formed that never registered.
@@ -168,6 +203,7 @@ void CoordinatorCore::Tick(absl::Time started) {
   for (const JobTable::Forgotten& f : jobs_.ForgetEnded(now, options_.limits.job_retention)) {
     Event("info", EventKind::kJobEvicted, f.id, -1, -1, f.why);
   }
+  ReclaimBuffers(now);  // Sets cut_reason: the members are removed in the loop below.
   for (auto& entry : jobs_) {
     Job* job = entry.second.get();
     ExpireRecovery(*job, now);

@@ -4,6 +4,7 @@
 #define SHARDCOORD_COORDINATOR_CORE_RANK_SINK_H_
 
 #include "absl/status/status.h"
+#include "absl/time/time.h"
 #include "shardcoord/v1/coordinator.pb.h"
 
 namespace shardcoord::coordinator {
@@ -23,6 +24,18 @@ class RankSink {
   virtual void Kick() {}
   // Ends the session with `status` once the queued messages are written.
   virtual void Close(const absl::Status& status) = 0;
+
+  // For the daemon-wide buffer budget (BufferBudget): the bytes the rank's queue holds, and
+  // since when its write in flight has been waiting for the rank to read (InfiniteFuture: no
+  // write waiting). A rank that reads is never the one cut for the budget.
+  struct Backlog {
+    int64_t charged = 0;
+    absl::Time stalled_since = absl::InfiniteFuture();
+  };
+  virtual Backlog backlog() const { return {}; }
+  // The core cuts the rank for not reading: at Close, what is queued is dropped (its bytes go
+  // back to the budget) instead of waiting behind a write that never completes.
+  virtual void CutForNotReading() {}
 };
 
 }  // namespace shardcoord::coordinator

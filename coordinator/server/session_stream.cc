@@ -59,6 +59,9 @@ class SessionCall;
 
 // The RankSink of one session: a write queue in front of its stream. The core may call it
 // after the stream is gone; it then drops messages. Thread-safe.
+// A write in flight for less than this does not make its rank a non-reader.
+constexpr absl::Duration kReadingGrace = absl::Seconds(1);
+
 class SessionSink final : public RankSink {
  public:
   SessionSink(SessionCall* call, int64_t max_bytes, std::shared_ptr<BufferBudget> budget, uint64_t incarnation)
@@ -78,6 +81,14 @@ class SessionSink final : public RankSink {
     if (!writing_) StartNextLocked();
   }
   void Close(const absl::Status& status) override;
+  Backlog backlog() const override {
+    absl::MutexLock lock(&mu_);
+    return {charged_, writing_ ? write_started_ : absl::InfiniteFuture()};
+  }
+  void CutForNotReading() override {
+    absl::MutexLock lock(&mu_);
+    overflowed_ = true;  // Close drops the queue and cancels the stuck write.
+  }
   void OnWriteDone(bool ok);
   // The stream is over: nothing more is written. Operations started before stay counted
   // by the call (SessionCall::BeginOp runs under mu_).
@@ -90,7 +101,7 @@ class SessionSink final : public RankSink {
   // Starts the next write or the finish, if nothing is in flight.
   void StartNextLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  absl::Mutex mu_;
+  mutable absl::Mutex mu_;
   SessionCall* call_ ABSL_GUARDED_BY(mu_);
   // Gives back what the queued messages of `wire_bytes` were charged.
   void DequeuedLocked(size_t wire_bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -108,6 +119,7 @@ class SessionSink final : public RankSink {
   int64_t charged_ ABSL_GUARDED_BY(mu_) = 0;        // Taken from budget_ for queue_.
   bool overflowed_ ABSL_GUARDED_BY(mu_) = false;  // A Send was refused.
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Time write_started_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();  // Of the write in flight.
   std::optional<grpc::Status> finish_ ABSL_GUARDED_BY(mu_);
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
   v1::CoordinatorMessage current_ ABSL_GUARDED_BY(mu_);  // Owned by the write in flight.
@@ -337,11 +349,19 @@ absl::Status SessionSink::Send(const v1::CoordinatorMessage& msg) {
         " bytes were queued for it (max_outbox_bytes); a rank must keep reading its decisions"));
   }
   if (!budget_->TryTake(cost, charged_)) {
-    overflowed_ = true;
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "not reading its session stream: the daemon's buffers for all clients are full (max_buffered_bytes ",
-        budget_->limit(), ") and ", charged_, " bytes of them are queued for this rank; a rank must keep "
-        "reading its decisions (if many ranks fall behind at once, raise max_buffered_bytes)"));
+    const absl::Time now = absl::Now();
+    if (!writing_ || now - write_started_ < kReadingGrace) {
+      // It reads (its last write completed, or is recent): never cut, nor blamed, for bytes
+      // others hold. Taken past the limit; the core cuts the holders that do not read.
+      budget_->TakeOver(cost);
+    } else {
+      overflowed_ = true;
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "not reading its session stream: its write has waited ", absl::ToInt64Milliseconds(now - write_started_),
+          " ms for it to read while the daemon's buffers for all clients are full (max_buffered_bytes ",
+          budget_->limit(), ") and ", charged_, " bytes of them are queued for this rank; a rank must keep reading "
+          "its decisions"));
+    }
   }
   queue_.emplace_back(msg, size);
   queue_.back().first.set_incarnation(incarnation_);
@@ -406,6 +426,7 @@ void SessionSink::StartNextLocked() {
       }
     }
     writing_ = true;
+    write_started_ = absl::Now();
     call_->StartWrite(&current_);
     return;
   }

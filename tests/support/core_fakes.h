@@ -53,6 +53,11 @@ class RecordingSink final : public RankSink {
     closed = true;
     close_status = status;
   }
+  // What the budget sees of the rank's queue (set by a test), and whether it was cut for it.
+  Backlog backlog() const override { return backlog_; }
+  void CutForNotReading() override { cut = true; }
+  Backlog backlog_;
+  bool cut = false;
 
   std::vector<v1::MicrobatchDecision> Decisions() const {
     std::vector<v1::MicrobatchDecision> out;

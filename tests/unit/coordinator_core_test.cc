@@ -929,6 +929,37 @@ TEST_F(CoreTest, AJobWhoseRanksNeverComeIsFailedAtTheFormTimeoutAndFreesItsRankS
   EXPECT_TRUE(Register(Request(0, 4, 2)).ok()) << "the ended job makes room";
 }
 
+TEST_F(CoreTest, OverTheBudgetTheRanksThatDoNotReadAreCutBiggestFirstAndReadersNever) {
+  // The probe: non-readers that kept heartbeating held 121 MiB for as long as they lived; an
+  // honest reading job was then cut "for not reading", its own queue empty.
+  CoordinatorOptions o = options_;
+  o.limits.max_buffered_bytes = 1 << 20;
+  o.heartbeat_timeout = absl::Seconds(30);
+  Reset(o);
+  RegisterAll(4, 2, v1::POLICY_REPLICATE);
+  const absl::Time now = clock_->Now();
+  core_->buffers()->TakeOver(3 << 20);  // What the queues below hold: over the limit.
+  sinks_[1]->backlog_ = {2 << 20, now - absl::Seconds(5)};       // Stuck for 5 s, the biggest.
+  sinks_[2]->backlog_ = {1 << 20, now - absl::Seconds(5)};       // Stuck too, smaller.
+  sinks_[3]->backlog_ = {4 << 20, now - absl::Milliseconds(10)};  // Reads: its write is fresh.
+  for (int r = 0; r < 4; ++r) OnHeartbeat(sessions_[r]);
+  core_->Tick();
+  EXPECT_EQ(RankStatusOf(1).state(), v1::RANK_STATE_DEAD);
+  EXPECT_THAT(RankStatusOf(1).dead_reason(), HasSubstr("2097152 bytes queued for it have waited 5000 ms for it to read "
+                                                       "while the daemon's buffers for all clients are over "
+                                                       "their limit (max_buffered_bytes 1048576)"));
+  EXPECT_TRUE(sinks_[1]->cut);
+  EXPECT_EQ(RankStatusOf(3).state(), v1::RANK_STATE_LIVE) << "a rank that reads is never cut for the budget";
+  EXPECT_EQ(RankStatusOf(2).state(), v1::RANK_STATE_LIVE) << "one cut brought the total under: no more";
+  // Under the limit, a rank that has not read for a heartbeat timeout goes all the same.
+  core_->buffers()->Give(3 << 20);
+  clock_->Advance(absl::Seconds(26));
+  for (int r : {0, 2, 3}) OnHeartbeat(sessions_[r]);
+  core_->Tick();
+  EXPECT_EQ(RankStatusOf(2).state(), v1::RANK_STATE_DEAD);
+  EXPECT_THAT(RankStatusOf(2).dead_reason(), HasSubstr("longer than the heartbeat timeout (30000 ms)"));
+}
+
 TEST_F(CoreTest, ARankThatStopsReadingIsFailedAndItsGroupToldWhy) {
   RegisterAll(4, 2, v1::POLICY_REPLICATE);
   sinks_[1]->refuse = true;  // Its outgoing queue is full.
