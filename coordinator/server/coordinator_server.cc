@@ -205,7 +205,15 @@ absl::Status CoordinatorServer::Listen(const CoordinatorOptions& options) {
   builder.AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS,
                              static_cast<int>(absl::ToInt64Milliseconds(options.limits.handshake_timeout)));
   server_ = builder.BuildAndStart();
-  if (server_ && port_ != 0) sessions_->Start();
+  if (server_ && port_ != 0) {
+    if (absl::Status s = sessions_->Start(); !s.ok()) {
+      server_->Shutdown(std::chrono::system_clock::now());
+      server_->Wait();
+      sessions_->Stop();
+      server_.reset();  // Never served: Shutdown() has nothing left to stop.
+      return s;
+    }
+  }
   if (!server_ || port_ == 0) {
     return absl::UnavailableError(absl::StrCat("cannot listen on ", options.listen_address,
                                                ": address in use or not local; pick another "

@@ -2,6 +2,8 @@
 // outbox per session (SessionSink), N completion queues with a thread each (DESIGN 9).
 #include "coordinator/server/session_stream.h"
 
+#include <system_error>
+
 #include <algorithm>
 #include <atomic>
 #include <deque>
@@ -227,6 +229,8 @@ class SessionCall {
     stream_.Read(&in_, &read_tag_);
   }
 
+  // The registration, the only message a Session may begin with.
+  void OnFirstMessage();
   void OnRead(bool ok);
 
   void OnDone() {
@@ -282,26 +286,16 @@ void SessionCall::OnRead(bool ok) {
   CoordinatorCore* core = shared_->core;
   if (!ok) {
     core->OnSessionClosed(id_, absl::StrCat("stream from ", peer_, " ended"));
-    sink_->Close(absl::OkStatus());
+    // Before a registration, answered: a message gRPC cannot parse (a string field that is no
+    // UTF-8) ends the reads like a close, and was answered OK with nothing said.
+    sink_->Close(registered_ ? absl::OkStatus()
+                             : absl::InvalidArgumentError(
+                                   "the Session ended before a `register` could be read: the client closed it, or "
+                                   "its first message could not be parsed (every string must be valid UTF-8, and "
+                                   "the message a WorkerMessage)"));
     return;
   }
-  if (!registered_) {
-    if (in_.kind_case() != v1::WorkerMessage::kRegister) {
-      sink_->Close(absl::FailedPreconditionError(
-          "the first message of a Session must be `register`; send a RegisterRequest first"));
-      return;
-    }
-    absl::Status s = Grant{Role::kRank, job_scope_}.AllowsJob(in_.register_().job_id(), "register");
-    if (s.ok()) s = core->Register(id_, FromWire(in_.register_()), sink_);
-    if (!s.ok()) {
-      sink_->Close(s);
-      return;
-    }
-    registered_ = true;
-    register_deadline_.Cancel();
-    Read();
-    return;
-  }
+  if (!registered_) return OnFirstMessage();
   if (in_.incarnation() != 0 && in_.incarnation() != core->incarnation()) {
     const std::string why = absl::StrCat("message meant for coordinator incarnation ", in_.incarnation(),
                                          ", but this is incarnation ", core->incarnation(),
@@ -333,6 +327,23 @@ void SessionCall::OnRead(bool ok) {
       }
       break;  // An empty message (a newer client's unknown kind): ignored.
   }
+  Read();
+}
+
+void SessionCall::OnFirstMessage() {
+  if (in_.kind_case() != v1::WorkerMessage::kRegister) {
+    sink_->Close(absl::FailedPreconditionError(
+        "the first message of a Session must be `register`; send a RegisterRequest first"));
+    return;
+  }
+  absl::Status s = Grant{Role::kRank, job_scope_}.AllowsJob(in_.register_().job_id(), "register");
+  if (s.ok()) s = shared_->core->Register(id_, FromWire(in_.register_()), sink_);
+  if (!s.ok()) {
+    sink_->Close(s);
+    return;
+  }
+  registered_ = true;
+  register_deadline_.Cancel();
   Read();
 }
 
@@ -451,22 +462,34 @@ SessionStreams::~SessionStreams() {
   if (!stopped_) Stop();
 }
 
-void SessionStreams::Start() {
-  started_ = true;
+absl::Status SessionStreams::Start() {
+  // Every thread first: one that cannot be made (1024 of them under a 2 GiB address-space limit)
+  // is said, where it aborted the daemon; no stream is awaited on a queue without its thread.
   for (size_t i = 0; i < queues_.size(); ++i) {
     grpc::ServerCompletionQueue* cq = queues_[i].get();
-    // Two awaited streams per queue, so that a burst of registrations is accepted quickly.
-    SessionCall::Await(shared_, cq);
-    SessionCall::Await(shared_, cq);
-    threads_.emplace_back([cq] {
-      void* tag = nullptr;
-      bool ok = false;
-      while (cq->Next(&tag, &ok)) {
-        auto* t = static_cast<Tag*>(tag);
-        t->call->Proceed(t->op, ok);
-      }
-    });
+    try {
+      threads_.emplace_back([cq] {
+        void* tag = nullptr;
+        bool ok = false;
+        while (cq->Next(&tag, &ok)) {
+          auto* t = static_cast<Tag*>(tag);
+          t->call->Proceed(t->op, ok);
+        }
+      });
+    } catch (const std::system_error& e) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "cannot start session thread ", i + 1, " of ", queues_.size(), " (", e.what(),
+          "): lower session_threads (--session-threads; 0 is one per CPU) or raise the process's thread or "
+          "address-space limit"));
+    }
   }
+  started_ = true;
+  for (auto& q : queues_) {
+    // Two awaited streams per queue, so that a burst of registrations is accepted quickly.
+    SessionCall::Await(shared_, q.get());
+    SessionCall::Await(shared_, q.get());
+  }
+  return absl::OkStatus();
 }
 
 void SessionStreams::Stop() {

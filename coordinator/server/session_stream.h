@@ -51,8 +51,10 @@ class SessionStreams {
   SessionStreams(const SessionStreams&) = delete;
   SessionStreams& operator=(const SessionStreams&) = delete;
 
-  // Once the server runs: waits for streams on every queue.
-  void Start();
+  // Once the server runs: a thread per queue, then waits for streams on every queue.
+  // RESOURCE_EXHAUSTED when a thread cannot be made (an address-space or thread limit): nothing
+  // is awaited then, and Stop() drains what was started.
+  absl::Status Start();
   // Once the server's Shutdown() returned: drains the queues, joins their threads.
   void Stop();
 

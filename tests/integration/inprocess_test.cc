@@ -638,6 +638,18 @@ TEST_F(InProcessTest, AClientSendingARetiredKindAfterRegisteringIsToldWhatToSend
   EXPECT_THAT(end.error_message(), HasSubstr("send them in a WorkerMessage.bundle"));
 }
 
+TEST_F(InProcessTest, ARegistrationThatCannotBeParsedIsAnsweredWithAnError) {
+  // The probe: invalid UTF-8 in a registration ended the stream OK, with no answer.
+  RawSession raw(server_->address());
+  v1::RegisterRequest req = RawRequest(0, 2, 1);
+  req.set_host("host\xff\xfe");  // Serialized as is; the daemon's parser refuses it.
+  absl::StatusOr<v1::RegisterResponse> r = raw.Register(req);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  EXPECT_THAT(r.status().message(), HasSubstr("could not be parsed (every string must be valid UTF-8"));
+  EXPECT_TRUE(RawSession(server_->address()).Register(RawRequest(0, 2, 1)).ok()) << "the daemon goes on";
+}
+
 TEST_F(InProcessTest, APlanBatchBeyondTheLookaheadWindowFailsTheSenderForWhatItDid) {
   // Issue 25: one batch of 10^5 plans made 10^5 rejections that filled the sender's own
   // outbox: it was failed as "not reading". The batch breaks the protocol; it says so.

@@ -436,6 +436,15 @@ TEST_F(MultiProcessTest, ASecuredDaemonServesOnlyCallersWithTheirTokens) {
                               "--tls-key-file", certs->other_server_key}, absl::Seconds(10));
   EXPECT_EQ(mismatch.exit_code, 2);
   EXPECT_THAT(mismatch.err, HasSubstr("does not belong to certificate"));
+#ifndef SHARDCOORD_SANITIZED  // A sanitizer's shadow memory does not fit a 2 GiB address space.
+  // 1024 session threads under a 2 GiB address-space limit aborted the daemon (SIGABRT).
+  auto threads = RunCommand({"/bin/bash", "-c", std::string("ulimit -v 2097152; exec ") + SHARDCOORDD_PATH +
+                                               " --listen 127.0.0.1:0 --session-threads 1024"},
+                            absl::Seconds(30));
+  EXPECT_EQ(threads.exit_code, 2) << threads.err;
+  EXPECT_THAT(threads.err, HasSubstr("cannot start session thread"));
+  EXPECT_THAT(threads.err, HasSubstr("lower session_threads"));
+#endif
   // A token file that never ends (it was read forever at start): refused at once, named.
   auto endless = RunCommand({SHARDCOORDD_PATH, "--listen", "127.0.0.1:0", "--token-file", "/dev/zero"},
                             absl::Seconds(10));
