@@ -79,11 +79,12 @@ class BufferCharge {
   }
   ~BufferCharge() { Release(); }
 
-  // Takes `bytes` more from `budget` (the one this charge holds, if any), never exempt: false,
-  // nothing taken, past the limit.
-  bool AddStrict(BufferBudget* budget, int64_t bytes) {
+  // Takes `bytes` more from `budget` (the one this charge holds, if any), as TryTake does: a
+  // holder of at most kSmallHolder is served past the limit (a short store is never refused
+  // because ranks that read took the budget); false, nothing taken, otherwise past the limit.
+  bool Add(BufferBudget* budget, int64_t bytes) {
     if (budget_ != nullptr && budget_ != budget) return false;
-    if (!budget->TryTakeStrict(bytes)) return false;
+    if (!budget->TryTake(bytes, bytes_)) return false;
     budget_ = budget;
     bytes_ += bytes;
     return true;

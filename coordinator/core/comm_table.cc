@@ -192,7 +192,7 @@ absl::Status CommTable::Set(CommHost& host, StoreSetCall call) {
   // Every byte a client makes the daemon hold is under max_buffered_bytes: 1024 communicators
   // of a job could otherwise hold 18 x 64 KiB each (1152 MiB), outside every bound.
   const int64_t cost = kStoreEntryOverhead + static_cast<int64_t>(call.key.size() + call.value.size());
-  if (buffers_ != nullptr && !c.store_charge.AddStrict(buffers_, cost)) {
+  if (buffers_ != nullptr && !c.store_charge.Add(buffers_, cost)) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "store value of ", call.value.size(), " bytes for key '", Printable(call.key, 64), "' of communicator '",
         c.name, "' epoch ", c.epoch, " does not fit the daemon's buffers (max_buffered_bytes ", buffers_->limit(),

@@ -314,6 +314,10 @@ class CoordinatorCore {
   const std::string runs_file_;
   RunPins pinned_runs_ ABSL_GUARDED_BY(mu_);
   RunPins written_runs_ ABSL_GUARDED_BY(mu_);
+  absl::Time retry_runs_write_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+  // The end of the last pause of the daemon (Tick): a write cannot have waited for its rank
+  // while the daemon itself was stopped.
+  absl::Time last_pause_end_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   std::string bound_address_ ABSL_GUARDED_BY(mu_);
 };
 

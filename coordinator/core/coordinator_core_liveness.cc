@@ -94,7 +94,12 @@ void CoordinatorCore::RemoveMember(Job& job, Member& m, Leaving how, const std::
   const bool clean = how == Leaving::kClean;
   // "rank 1 left cleanly", "rank 1 failed: ERROR" (its trainer said so), "rank 1 declared dead: WHY".
   const std::string full = absl::StrCat("rank ", m.rank, " ", how == Leaving::kDead ? "declared dead: " : "", reason);
-  // Flush what it was owed, then detach it.
+  // Flush what it was owed, then detach it. A dead rank whose write is stuck is cut for it
+  // too: its queue is dropped at once instead of staying charged until its TCP goes.
+  if (m.sink && how == Leaving::kDead &&
+      m.sink->backlog().stalled_since < clock_->Now() - kNotReadingGrace) {
+    m.sink->CutForNotReading();
+  }
   if (m.sink) {
     if (m.outgoing.has_decisions()) {
       SinkSend(m, m.outgoing);
@@ -134,15 +139,18 @@ void CoordinatorCore::ReclaimBuffers(absl::Time now) {
   for (auto& entry : jobs_) {
     ForEachMember(*entry.second, [&](Member& m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       if (!m.live() || !m.sink || !m.cut_reason.empty()) return;
-      const RankSink::Backlog b = m.sink->backlog();
-      if (b.stalled_since < now - kNotReadingGrace && b.charged > 0) stalled.push_back({&m, b});
+      RankSink::Backlog b = m.sink->backlog();
+      b.stalled_since = std::max(b.stalled_since, last_pause_end_);  // The daemon's own pause is no rank's.
+      if (b.stalled_since < now - kNotReadingGrace) stalled.push_back({&m, b});
     });
   }
   std::sort(stalled.begin(), stalled.end(), [](const Holder& a, const Holder& b) { return a.b.charged > b.b.charged; });
   int64_t over = buffers_->used() - buffers_->limit();
   for (const Holder& h : stalled) {
     const absl::Duration waited = now - h.b.stalled_since;
-    if (over <= 0 && waited <= options_.heartbeat_timeout) continue;
+    // Over the budget, the holders of queued bytes; whatever the budget, a write stuck longer
+    // than the heartbeat timeout (its bytes in flight are not in `charged`).
+    if ((over <= 0 || h.b.charged == 0) && waited <= options_.heartbeat_timeout) continue;
     h.m->cut_reason = absl::StrCat(
         "not reading its session stream: ", h.b.charged, " bytes queued for it have waited ",
         absl::ToInt64Milliseconds(waited), " ms for it to read",
@@ -240,6 +248,7 @@ void CoordinatorCore::OnPaused(absl::Duration gap) {
 
 void CoordinatorCore::RestartHeartbeatDeadlines(absl::Duration gap) {
   const absl::Time now = clock_->Now();
+  last_pause_end_ = now;  // Writes waiting across the pause waited for the daemon, not their ranks.
   int extended = 0;
   for (auto& [id, job] : jobs_) {
     ForEachMember(*job, [&](Member& m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {

@@ -119,7 +119,9 @@ absl::Status CoordinatorCore::CheckResumedRun(const Registration& req) {
   const std::string& claimed = req.resume->previous().run_id();
   std::string current;
   std::string whose;
-  if (const Job* job = jobs_.Find(req.job_id); job != nullptr && !job->has_ended()) {
+  if (const Job* job = jobs_.Find(req.job_id); job != nullptr) {
+    // Held, ended or not: a resume into an ended job (its ranks resumed and went again before
+    // the others came back) continues that run, and no other.
     current = job->run;
     whose = "this coordinator holds";
   } else if (runs_file_.empty()) {
@@ -167,9 +169,14 @@ void CoordinatorCore::SyncRunPins(const Job* joining) {
     if (!job->has_ended() || job.get() == joining) pins[id] = job->run;
   }
   if (pins == written_runs_) return;
+  // Written under the core's lock, as the set changes (a job starts, ends or is forgotten: rare);
+  // after a failure, retried at most every 10 s, so a broken disk is not written at every tick.
+  const absl::Time now = clock_->Now();
+  if (now < retry_runs_write_) return;
   if (absl::Status s = WriteRunPins(runs_file_, pins); !s.ok()) {
-    logging::Get("coordinator")->warn("runs file: {}; after a restart the jobs not written cannot resume",
-                                      std::string(s.message()));
+    retry_runs_write_ = now + absl::Seconds(10);
+    logging::Get("coordinator")->warn("runs file: {}; after a restart the jobs not written cannot resume (retried "
+                                      "in 10 s)", std::string(s.message()));
     return;
   }
   written_runs_ = std::move(pins);
@@ -220,10 +227,15 @@ Job* CoordinatorCore::ReuseOrForgetEndedJob(const Registration& req) {
   // A rerun plans its keys from the start again: each group begins a new epoch with no
   // microbatch resolved (else every plan of the rerun is "stale" until job_retention_ms
   // forgets the job).
-  // A new run: credentials and seals of the ended one resume nothing in it.
+  // A new run: credentials and seals of the ended one resume nothing in it. Unless a rank of
+  // that run resumes it (CheckResumedRun verified the run): then the run goes on.
   job->started = clock_->Now();
-  job->run = ResumeAuthority::NewRunId();
-  job->run_auth = std::make_unique<const ResumeAuthority>(resume_auth_.ForRun(job->id, job->run));
+  const bool same_run = req.resume.has_value() && req.resume->incarnation() != incarnation_ &&
+                        req.resume->previous().run_id() == job->run;
+  if (!same_run) {
+    job->run = ResumeAuthority::NewRunId();
+    job->run_auth = std::make_unique<const ResumeAuthority>(resume_auth_.ForRun(job->id, job->run));
+  }
   for (size_t i = 0; i < job->groups.size(); ++i) Owned(*job, static_cast<int>(i)).StartRerun(job->run_auth.get());
   Event("info", EventKind::kJobRerun, job->id, req.rank, -1,
         "every rank had left: the job runs again under the same id and sizes, its keys from the start");

@@ -34,6 +34,7 @@ constexpr size_t kHistory = 300;                           // Chart points kept 
 constexpr absl::Duration kSampleInterval = absl::Seconds(2);
 constexpr uint32_t kHeaderLimit = 16 << 10;                // Request line and headers, all together.
 constexpr int kIoThreads = 2;
+constexpr absl::Duration kEvictableAge = absl::Milliseconds(200);  // See EvictOneWaiting.
 
 // "Basic base64(user:TOKEN)" -> "Bearer TOKEN"; anything else unchanged.
 std::string AsBearer(const std::string& authorization) {
@@ -153,8 +154,10 @@ class HttpServer::Connection : public HttpServer::Waiting, public std::enable_sh
   ~Connection() override { server_->open_.fetch_sub(1); }
 
   bool awaiting_request() const override { return awaiting_.load(); }
+  absl::Time accepted() const override { return accepted_; }
   void Evict() override {
     net::post(stream_.get_executor(), [self = this->shared_from_this()] {
+      if (!self->awaiting_.load()) return;  // Its request came meanwhile: it is answered.
       beast::error_code ignored;
       beast::get_lowest_layer(self->stream_).socket().close(ignored);  // Its pending read ends: it goes.
     });
@@ -254,6 +257,7 @@ class HttpServer::Connection : public HttpServer::Waiting, public std::enable_sh
   http::request_parser<http::empty_body> parser_;
   http::response<http::string_body> response_;
   std::atomic<bool> awaiting_{true};  // No request header yet.
+  const absl::Time accepted_ = absl::Now();
 };
 
 void HttpServer::AddWaiting(std::weak_ptr<Waiting> c) {
@@ -270,9 +274,13 @@ void HttpServer::AddWaiting(std::weak_ptr<Waiting> c) {
 }
 
 bool HttpServer::EvictOneWaiting() {
+  // Only one that has had time to send its request (a TLS handshake included): a burst of new
+  // connections does not push out clients that are about to speak; the newcomer is refused then.
+  const absl::Time young = absl::Now() - kEvictableAge;
   absl::MutexLock lock(&waiting_mu_);
   while (!waiting_.empty()) {
     std::shared_ptr<Waiting> oldest = waiting_.front().lock();
+    if (oldest && oldest->awaiting_request() && oldest->accepted() > young) return false;
     waiting_.pop_front();
     if (oldest && oldest->awaiting_request()) {
       oldest->Evict();

@@ -53,6 +53,7 @@ class HttpServer {
    public:
     virtual ~Waiting() = default;
     virtual bool awaiting_request() const = 0;
+    virtual absl::Time accepted() const = 0;
     virtual void Evict() = 0;  // Closes it (on its own strand).
   };
   // At the connection limit: closes the oldest connection still waiting for its request, so

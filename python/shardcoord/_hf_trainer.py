@@ -22,6 +22,7 @@ sees the batch, and its ``on_train_begin`` comes after the model is wrapped, so 
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from typing import Any, Optional
 
 from .errors import FailedPrecondition
@@ -93,7 +94,14 @@ def narrow_wrap_names(accelerator: Any, model: Any) -> None:
             "outside them; accelerate would wrap the towers' ones inside the units shardcoord made. List the "
             "decoder's layer classes only: fsdp_config={'transformer_layer_cls_to_wrap': [...]} (TrainingArguments) "
             "or transformer_cls_names_to_wrap (the FSDP plugin)")
-    plugin.transformer_cls_names_to_wrap = [n for n in names if n in outside_names]
+    kept = [n for n in names if n in outside_names]
+    if not kept:
+        raise FailedPrecondition(
+            f"shardcoord.hf: every FSDP2 wrap class of accelerate's ({names}) is inside the controlled towers, so the "
+            "rest of the model would be one unit, gathered whole in every forward. List the decoder's layer class: "
+            "fsdp_config={'transformer_layer_cls_to_wrap': [...]} (TrainingArguments) or transformer_cls_names_to_wrap "
+            "(the FSDP plugin)")
+    plugin.transformer_cls_names_to_wrap = kept
 
 
 def fsdp2_phase_one(accelerator: Any, session: Session, model: Any, per_step: int) -> None:
@@ -226,6 +234,25 @@ class _Hook:
         return dict(mbs.decisions) if mbs is not None else {}
 
 
+class _LiveDecisions(Mapping):
+    """Decision kind -> count so far, read from the hook each time (str() shows a dict)."""
+
+    def __init__(self, hook: "_Hook"):
+        self._hook = hook
+
+    def __getitem__(self, kind: str) -> int:
+        return self._hook.decisions[kind]
+
+    def __iter__(self):
+        return iter(self._hook.decisions)
+
+    def __len__(self) -> int:
+        return len(self._hook.decisions)
+
+    def __repr__(self) -> str:
+        return repr(self._hook.decisions)
+
+
 class TrainerMixin:
     """Put it first among the bases: ``class MyTrainer(shardcoord.hf.TrainerMixin, SFTTrainer)``, or
     ``shardcoord.hf.Trainer`` for ``transformers.Trainer`` itself. Every rank's trainer then reports
@@ -273,12 +300,9 @@ def patch(trainer: Any, options: Optional[Options] = None, **kwargs: Any) -> Any
     hook = _Hook(trainer, Options.of(options, **kwargs))
     trainer._shardcoord = hook
     trainer.shardcoord_close = hook.session.close
-    # shardcoord_decisions as TrainerMixin has it (a property: the counts so far): the instance
-    # becomes one of a subclass of its own class that adds it, nothing else.
-    cls = type(trainer)
-    trainer.__class__ = type(cls.__name__, (cls,), {
-        "shardcoord_decisions": property(lambda self: self._shardcoord.decisions),
-        "__module__": cls.__module__, "__doc__": cls.__doc__})
+    # The decision counts so far, as TrainerMixin's property gives them: a live read-only mapping
+    # (the trainer's class stays its own, so it pickles and compares as before).
+    trainer.shardcoord_decisions = _LiveDecisions(hook)
     for name in ("get_batch_samples", "training_step", "prediction_step", "train", "evaluate"):
         original = getattr(trainer, name)
         setattr(trainer, name, functools.partial(getattr(hook, name), original))

@@ -105,7 +105,7 @@ def rank_main(family: str, mode: str, steps: int, out: Path) -> None:
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     result = {"family": family, "mode": mode, "rank": int(os.environ["RANK"]), "losses": losses,
               "seconds": round(time.monotonic() - start, 1), "tower_units": len(units),
-              "decisions": getattr(trainer, "shardcoord_decisions", {}),
+              "decisions": dict(getattr(trainer, "shardcoord_decisions", {})),
               "peak_mib": round(torch.cuda.max_memory_allocated() / 2**20, 1) if torch.cuda.is_available() else 0}
     print("RESULT " + json.dumps(result), flush=True)
 

@@ -466,6 +466,10 @@ def test_wrap_classes_inside_the_towers_units_are_left_to_them_and_a_shared_clas
     narrow_wrap_names(accelerator, vlm)
     assert plugin.transformer_cls_names_to_wrap == ["DecoderLayer"]
 
+    plugin.transformer_cls_names_to_wrap = ["Attention"]  # Only classes inside the towers: nothing else wrapped.
+    with pytest.raises(shardcoord.FailedPrecondition, match=r"every FSDP2 wrap class .* is inside the controlled towers"):
+        narrow_wrap_names(accelerator, vlm)
+
     plugin.transformer_cls_names_to_wrap = ["Attention", "DecoderLayer"]
     vlm = model(shared=True)
     units = {id(layer) for layer in vlm.audio_tower.layers}
@@ -497,3 +501,15 @@ def test_the_towers_units_are_left_out_of_fsdps_forward_record():
     other = Group()
     other._record_post_forward()
     assert order == [other], "other units are"
+
+
+def test_patch_keeps_the_trainers_class_and_gives_live_decision_counts():
+    """patch() swapped the trainer's class to add shardcoord_decisions, which broke pickling and
+    `type(trainer) is X`; the counts are now a live mapping on the instance."""
+    trainer = FakeTrainer(_Vlm(), FakeArgs(1), [], accelerator=FakeAccelerator("NO"))
+    cls = type(trainer)
+    shardcoord.hf.patch(trainer)
+    assert type(trainer) is cls
+    assert dict(trainer.shardcoord_decisions) == {}, "nothing decided before training"
+    trainer._shardcoord.session.microbatches = type("M", (), {"decisions": {"per_layer": 2}})()
+    assert dict(trainer.shardcoord_decisions) == {"per_layer": 2}, "read live"

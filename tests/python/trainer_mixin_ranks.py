@@ -136,8 +136,8 @@ def main():
     trainable = [p for p in model.parameters() if p.requires_grad]
     digest = hashlib.sha256(b"".join(p.detach().contiguous().numpy().tobytes() for p in trainable)).hexdigest()[:16]
     result = {"rank": rank, "losses": [x.hex() for x in losses], "params": digest,
-              "decisions": getattr(trainer, "shardcoord_decisions", None) or
-              (trainer._shardcoord.decisions if hasattr(trainer, "_shardcoord") else {}),
+              "decisions": dict(getattr(trainer, "shardcoord_decisions", None) or
+                                (trainer._shardcoord.decisions if hasattr(trainer, "_shardcoord") else {})),
               "eval": eval_losses}
     print("RESULT " + json.dumps(result), flush=True)
     if hasattr(trainer, "shardcoord_close"):

@@ -958,6 +958,12 @@ TEST_F(CoreTest, OverTheBudgetTheRanksThatDoNotReadAreCutBiggestFirstAndReadersN
   core_->Tick();
   EXPECT_EQ(RankStatusOf(2).state(), v1::RANK_STATE_DEAD);
   EXPECT_THAT(RankStatusOf(2).dead_reason(), HasSubstr("longer than the heartbeat timeout (30000 ms)"));
+  // A pause of the daemon is no rank's: rank 3's write, stuck across it, is not held against it.
+  sinks_[3]->backlog_ = {1 << 10, clock_->Now() - absl::Seconds(40)};
+  core_->OnPaused(absl::Seconds(40));
+  OnHeartbeat(sessions_[3]);
+  core_->Tick();
+  EXPECT_EQ(RankStatusOf(3).state(), v1::RANK_STATE_LIVE) << "its write waited for the paused daemon";
 }
 
 TEST_F(CoreTest, ARankThatStopsReadingIsFailedAndItsGroupToldWhy) {

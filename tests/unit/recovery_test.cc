@@ -661,6 +661,28 @@ TEST_F(PinnedRecoveryTest, AJobWithNoLiveRunAtTheStopCannotBeResumedAndADamagedF
   EXPECT_TRUE(Register(Resume(0, true)).ok());
 }
 
+TEST_F(PinnedRecoveryTest, AResumeIntoAnEndedJobOfItsRunContinuesThatRunAndNoOther) {
+  // Review: a job whose resumed ranks all went again before the others came back had ended;
+  // every later resume was refused ("no live run"), and a rerun took a new run id, locking the
+  // rest of the run out.
+  ASSERT_TRUE(WriteRunPins(RunPinsPath(state_), {{"job", kRun}}).ok());
+  Reset(WithStateFile(state_));
+  ASSERT_TRUE(Register(Resume(0, true)).ok());
+  core_->OnSessionClosed(sessions_[0], "stream lost");
+  ASSERT_EQ(core_->Ranks("job").ranks(0).state(), v1::RANK_STATE_DEAD);
+  // Another run's credential does not resume it...
+  const std::string other = "ffffffffffffffffffffffffffffffff";
+  v1::RegisterRequest attack = Resume(1, false);
+  attack.mutable_resume()->mutable_previous()->set_run_id(other);
+  attack.mutable_resume()->set_credential(earlier_.ForRun("job", other).Credential("job", 1));
+  absl::Status s = Register(attack);
+  EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << s;
+  EXPECT_THAT(s.message(), HasSubstr("not the job's current run " + std::string(kRun)));
+  // ...the run's own does, and the run goes on.
+  ASSERT_TRUE(Register(Resume(1, true)).ok());
+  EXPECT_EQ(RunOf(1), kRun);
+}
+
 // The resume key file is checked as the TLS key is (issue 44, item 6): what another user, a link
 // or a crash could have left there is refused, naming it, and the file is made atomically.
 class ResumeKeyFileTest : public ::testing::Test {
