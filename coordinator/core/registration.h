@@ -3,7 +3,8 @@
 // CoordinatorCore::Register runs the ones that need no state (the wire revision first,
 // WireMismatch in proto/convert.h, then ValidateRegistration, CheckRootIsPossible,
 // CheckResume, CheckResumeTrust) before it takes its lock, and CheckSameAsReference under it.
-#pragma once
+#ifndef SHARDCOORD_COORDINATOR_CORE_REGISTRATION_H_
+#define SHARDCOORD_COORDINATOR_CORE_REGISTRATION_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -94,3 +95,5 @@ absl::Status CheckResume(const Registration& req, uint64_t incarnation, uint64_t
 absl::Status CheckResumeTrust(const Registration& req, const ResumeAuthority& auth, bool* verified);
 
 }  // namespace shardcoord::coordinator
+
+#endif  // SHARDCOORD_COORDINATOR_CORE_REGISTRATION_H_

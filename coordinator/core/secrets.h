@@ -1,6 +1,7 @@
 // Session keys (DESIGN 12 and 13): a random secret per registered session that the rank's
 // communicator calls must carry, compared in constant time.
-#pragma once
+#ifndef SHARDCOORD_COORDINATOR_CORE_SECRETS_H_
+#define SHARDCOORD_COORDINATOR_CORE_SECRETS_H_
 
 #include <cstdint>
 #include <random>
@@ -29,3 +30,5 @@ inline bool SameSecret(const std::string& given, const std::string& expected) {
 }
 
 }  // namespace shardcoord::coordinator
+
+#endif  // SHARDCOORD_COORDINATOR_CORE_SECRETS_H_

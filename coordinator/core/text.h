@@ -1,5 +1,6 @@
 // Text helpers for the coordinator's messages and logs.
-#pragma once
+#ifndef SHARDCOORD_COORDINATOR_CORE_TEXT_H_
+#define SHARDCOORD_COORDINATOR_CORE_TEXT_H_
 
 #include <cstdint>
 #include <string>
@@ -35,3 +36,5 @@ inline std::string RankList(const std::vector<int>& ranks) {
 inline std::string NameList(const std::vector<std::string>& names) { return NamesForMessage(names); }
 
 }  // namespace shardcoord::coordinator
+
+#endif  // SHARDCOORD_COORDINATOR_CORE_TEXT_H_

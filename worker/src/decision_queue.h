@@ -11,7 +11,8 @@
 //   moves forward, so earlier undecided entries are abandoned.
 // - For a resume after a coordinator restart (DESIGN 12) it remembers the plan of each
 //   undecided entry and the last kHeldHistory decisions taken in this epoch.
-#pragma once
+#ifndef SHARDCOORD_WORKER_SRC_DECISION_QUEUE_H_
+#define SHARDCOORD_WORKER_SRC_DECISION_QUEUE_H_
 
 #include <deque>
 #include <map>
@@ -82,3 +83,5 @@ class DecisionQueue {
 };
 
 }  // namespace shardcoord::internal
+
+#endif  // SHARDCOORD_WORKER_SRC_DECISION_QUEUE_H_
