@@ -289,6 +289,8 @@ class CoordinatorCore {
   // read for a heartbeat timeout. A rank that reads is never cut for the budget (RankSink).
   void ReclaimBuffers(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static constexpr absl::Duration kNotReadingGrace = absl::Seconds(1);
+  // The sink's backlog, its write's wait counted from the end of the daemon's last pause at most.
+  RankSink::Backlog BacklogOf(const RankSink& sink) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Records an event in the journal; its log line is written after the mutex is released.
   void Event(const std::string& severity, EventKind kind, const std::string& job,

@@ -96,8 +96,7 @@ void CoordinatorCore::RemoveMember(Job& job, Member& m, Leaving how, const std::
   const std::string full = absl::StrCat("rank ", m.rank, " ", how == Leaving::kDead ? "declared dead: " : "", reason);
   // Flush what it was owed, then detach it. A dead rank whose write is stuck is cut for it
   // too: its queue is dropped at once instead of staying charged until its TCP goes.
-  if (m.sink && how == Leaving::kDead &&
-      m.sink->backlog().stalled_since < clock_->Now() - kNotReadingGrace) {
+  if (m.sink && how == Leaving::kDead && BacklogOf(*m.sink).stalled_since < clock_->Now() - kNotReadingGrace) {
     m.sink->CutForNotReading();
   }
   if (m.sink) {
@@ -126,6 +125,12 @@ void CoordinatorCore::RemoveMember(Job& job, Member& m, Leaving how, const std::
   }
 }
 
+RankSink::Backlog CoordinatorCore::BacklogOf(const RankSink& sink) const {
+  RankSink::Backlog b = sink.backlog();
+  b.stalled_since = std::max(b.stalled_since, last_pause_end_);  // The daemon's own pause is no rank's.
+  return b;
+}
+
 void CoordinatorCore::ReclaimBuffers(absl::Time now) {
   // The ranks whose write has waited for them to read: the biggest holders first, while the
   // daemon's buffers are over the limit (the ranks that read may have taken past it); and any
@@ -139,8 +144,7 @@ void CoordinatorCore::ReclaimBuffers(absl::Time now) {
   for (auto& entry : jobs_) {
     ForEachMember(*entry.second, [&](Member& m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       if (!m.live() || !m.sink || !m.cut_reason.empty()) return;
-      RankSink::Backlog b = m.sink->backlog();
-      b.stalled_since = std::max(b.stalled_since, last_pause_end_);  // The daemon's own pause is no rank's.
+      const RankSink::Backlog b = BacklogOf(*m.sink);
       if (b.stalled_since < now - kNotReadingGrace) stalled.push_back({&m, b});
     });
   }

@@ -100,8 +100,7 @@ bool ResumeAuthority::CheckSeal(const std::string& job, const v1::MicrobatchDeci
 
 namespace {
 
-constexpr size_t kKeyFileMaxBytes = 4096;
-constexpr int64_t kMaxTokenFileBytes = 1 << 20;  // As the token table's (server/auth.cc).  // A key file is one line of 64 hex digits.
+constexpr size_t kKeyFileMaxBytes = 4096;  // A key file is one line of 64 hex digits.
 
 // Reads the resume key file as the TLS key is read: not through a symbolic link, a regular file
 // of this user's that nobody else may read or write, at most a few bytes, 64 hex digits of a key
@@ -192,6 +191,13 @@ absl::StatusOr<std::string> CreateKeyFile(const std::string& path) {
 
 }  // namespace
 
+absl::Status CheckTokenFileShape(const std::string& path, const struct stat& st) {
+  if (S_ISREG(st.st_mode) && st.st_size <= kMaxTokenFileBytes) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat("token file ", path, " is not a regular file of at most ",
+                                                 kMaxTokenFileBytes, " bytes; give the file of 'ROLE TOKEN [job=ID]' "
+                                                 "lines"));
+}
+
 absl::StatusOr<ResumeKey> LoadResumeKey(const std::string& state_file, const std::string& token_file) {
   if (!state_file.empty()) {
     const std::string path = state_file + ".key";
@@ -206,11 +212,10 @@ absl::StatusOr<ResumeKey> LoadResumeKey(const std::string& state_file, const std
     return ResumeKey{*key, path};
   }
   if (!token_file.empty()) {
-    // Read before the token table is (main.cc): /dev/zero or a FIFO would be read forever.
+    // Read before the token table is (main.cc).
     struct stat st {};
-    if (::stat(token_file.c_str(), &st) == 0 && (!S_ISREG(st.st_mode) || st.st_size > kMaxTokenFileBytes)) {
-      return absl::InvalidArgumentError(absl::StrCat("token file ", token_file, " is not a regular file of at most ",
-                                                     kMaxTokenFileBytes, " bytes; give the file of 'ROLE TOKEN' lines"));
+    if (::stat(token_file.c_str(), &st) == 0) {
+      if (absl::Status s = CheckTokenFileShape(token_file, st); !s.ok()) return s;
     }
     std::ifstream in(token_file, std::ios::binary);
     if (!in) return absl::NotFoundError(absl::StrCat("cannot read the token file ", token_file));

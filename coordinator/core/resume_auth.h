@@ -19,6 +19,9 @@
 #ifndef SHARDCOORD_COORDINATOR_CORE_RESUME_AUTH_H_
 #define SHARDCOORD_COORDINATOR_CORE_RESUME_AUTH_H_
 
+#include <sys/stat.h>
+
+#include <cstdint>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -61,6 +64,12 @@ struct ResumeKey {
   std::string source;  // For the start-up log line: which file it came from.
 };
 absl::StatusOr<ResumeKey> LoadResumeKey(const std::string& state_file, const std::string& token_file);
+
+// The token file (`st`: its stat) is a regular file of at most kMaxTokenFileBytes, else
+// INVALID_ARGUMENT naming it: /dev/zero or a FIFO would be read forever. Checked by both of its
+// readers, LoadResumeKey and the token table (server/auth.h).
+inline constexpr int64_t kMaxTokenFileBytes = 1 << 20;
+absl::Status CheckTokenFileShape(const std::string& path, const struct stat& st);
 
 }  // namespace shardcoord::coordinator
 

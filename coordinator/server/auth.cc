@@ -8,6 +8,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "coordinator/core/resume_auth.h"
 #include "coordinator/core/secrets.h"
 #include "shardcoord/plan_check.h"
 
@@ -43,10 +44,7 @@ absl::StatusOr<Tokens> Tokens::Load(const std::string& path) {
   if (stat(path.c_str(), &st) != 0) {
     return absl::NotFoundError(absl::StrCat("token file ", path, " cannot be read"));
   }
-  if (!S_ISREG(st.st_mode) || st.st_size > (1 << 20)) {  // /dev/zero or a FIFO would be read forever.
-    return absl::InvalidArgumentError(absl::StrCat("token file ", path, " is not a regular file of at most 1 MiB; "
-                                                   "give the file of 'ROLE TOKEN [job=ID]' lines"));
-  }
+  if (absl::Status s = CheckTokenFileShape(path, st); !s.ok()) return s;
   // Group read is allowed (a Kubernetes Secret mounted for fsGroup is 0440); others, never.
   if ((st.st_mode & 027) != 0) {
     return absl::PermissionDeniedError(absl::StrCat("token file ", path, " is open to others or writable by its group (mode ",
