@@ -219,7 +219,9 @@ class CoordinatorCore {
   Job* ReuseOrForgetEndedJob(const Registration& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The job the rank joins (nullptr: a new one, admitted), or why it may not. (The checks that
   // need no state are in registration.h.)
-  absl::StatusOr<Job*> FindOrAdmitJob(const Registration& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // `proven`: the registration a verified resume proved (nullptr for any other request).
+  absl::StatusOr<Job*> FindOrAdmitJob(const Registration& req, const RegistrationClaim* proven)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // PERMISSION_DENIED for a resume no key can check, past the recovery window after a start.
   absl::Status CheckUnverifiedResumeIsTimely(const Registration& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // PERMISSION_DENIED for a resume of another run than the job's current one: the run of the
@@ -241,7 +243,20 @@ class CoordinatorCore {
   // The RegisterResponse for an accepted rank (session key, resume credential), with its events.
   v1::CoordinatorMessage Welcome(const Job& job, const ShardGroup& group, const Member& m,
                                  const Registration& req, bool rejoin) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status CheckJobAccepts(const Job& job, const Registration& req) const
+  // Sizes, the group's reference, and the rank's slot: a live slot is taken only by a verified
+  // resume of a newer registration than its holder's (`proven`, RegistrationClaim); a resume of
+  // an older one than the slot's last holder proved is refused.
+  absl::Status CheckJobAccepts(const Job& job, const Registration& req, const RegistrationClaim* proven) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The live holder of `m`'s slot gives it up to a verified resume of a newer registration:
+  // its session ends (PERMISSION_DENIED saying why), evented; outside recovery it is lost to
+  // its group as a death is.
+  void Supersede(Job& job, ShardGroup& group, Member& m, const Registration& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The accepted rank takes its slot: its group recovering (ResumeMember) or not (JoinGroup),
+  // superseding a holder `proven` outdates; `proven`: what a verified resume proved, else null
+  // (an unverified resume is evented as such).
+  void Seat(Job& job, const Registration& req, uint64_t session_id, std::shared_ptr<RankSink> sink,
+            BufferCharge resume_charge, bool resuming, const RegistrationClaim* proven)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   Job& CreateJob(const Registration& req, const std::string& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SetLive(Job& job, Member& m, uint64_t session_id, std::shared_ptr<RankSink> sink,
@@ -320,6 +335,8 @@ class CoordinatorCore {
   // The end of the last pause of the daemon (Tick): a write cannot have waited for its rank
   // while the daemon itself was stopped.
   absl::Time last_pause_end_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+  // The serial of the last registration answered (RegisterResponse.registration).
+  uint64_t last_registration_ ABSL_GUARDED_BY(mu_) = 0;
   std::string bound_address_ ABSL_GUARDED_BY(mu_);
 };
 

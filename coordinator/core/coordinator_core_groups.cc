@@ -32,6 +32,7 @@ void CoordinatorCore::SetLive(Job& job, Member& m, uint64_t session_id, std::sha
   m.memory_budget = req.memory_budget_bytes;
   m.cut_reason.clear();
   m.session_key = NewSessionKey();
+  m.registration = ++last_registration_;
   job.ended = absl::InfinitePast();
   jobs_.BindSession(session_id, job, req.rank);
 }

@@ -35,8 +35,13 @@ absl::Status CoordinatorCore::Register(uint64_t session_id, const Registration& 
   }
   const Job* before = jobs_.Find(req.job_id);
   const std::string run_before = before != nullptr ? before->run : "";
-  absl::StatusOr<Job*> found = FindOrAdmitJob(req);
-  if (!found.ok()) return found.status();
+  const bool proves = resuming && verified;  // Only a persistent key verifies a resume.
+  const RegistrationClaim proven{proves ? req.resume->incarnation() : 0, proves ? req.resume->previous().registration() : 0};
+  absl::StatusOr<Job*> found = FindOrAdmitJob(req, proves ? &proven : nullptr);
+  if (!found.ok()) {
+    const bool trust = found.status().code() == absl::StatusCode::kPermissionDenied;
+    return resuming && trust ? RefuseResume(req, found.status()) : found.status();
+  }
   Job* job = *found;
   BufferCharge resume_charge;
   if (resuming) {
@@ -48,7 +53,13 @@ absl::Status CoordinatorCore::Register(uint64_t session_id, const Registration& 
   // Accepted: from here on state changes.
   if (job == nullptr) job = &CreateJob(req, RunOfNewJob(req, resuming));
   if (job->run != run_before) SyncRunPins(job);  // A new run (a new job, a rerun): pinned before any answer.
-  ShardGroup& group = Owned(*job, job->GroupOf(req.rank));
+  Seat(*job, req, session_id, std::move(sink), std::move(resume_charge), resuming, proves ? &proven : nullptr);
+  return absl::OkStatus();
+}
+
+void CoordinatorCore::Seat(Job& job, const Registration& req, uint64_t session_id, std::shared_ptr<RankSink> sink,
+                           BufferCharge resume_charge, bool resuming, const RegistrationClaim* proven) {
+  ShardGroup& group = Owned(job, job.GroupOf(req.rank));
   Member& m = group.member(req.rank);
   if (!group.has_reference) group.SetReference(req, options_.promotion);
   group.ForgetMeasures(group.IndexOf(req.rank));  // Its process measures afresh (and resends).
@@ -57,19 +68,36 @@ absl::Status CoordinatorCore::Register(uint64_t session_id, const Registration& 
   if (resuming && group.IsFresh()) {
     GroupEffects fx;
     group.StartRecovery(clock_->Now(), fx);
-    Apply(*job, group, fx);
+    Apply(job, group, fx);
   }
-  if (resuming && !verified) {
-    Event("warning", EventKind::kResumeUnverified, job->id, req.rank, group.index,
+  if (resuming && proven == nullptr) {
+    Event("warning", EventKind::kResumeUnverified, job.id, req.rank, group.index,
           "taken as sent: this coordinator has no resume key that outlived the last one (start it with --state-file "
           "or --token-file so that resumes are checked)");
   }
+  if (m.live()) Supersede(job, group, m, req);  // CheckJobAccepts let only a newer proven registration here.
   if (group.state == v1::GROUP_STATE_RECOVERING) {
-    ResumeMember(*job, group, m, session_id, std::move(sink), req, std::move(resume_charge));
-    return absl::OkStatus();
+    ResumeMember(job, group, m, session_id, std::move(sink), req, std::move(resume_charge));
+    m.claim = proven != nullptr ? *proven : RegistrationClaim{};  // A fresh rank while the group recovers proves nothing.
+    return;
   }
-  JoinGroup(*job, group, m, session_id, std::move(sink), req);
-  return absl::OkStatus();
+  JoinGroup(job, group, m, session_id, std::move(sink), req);
+  m.claim = proven != nullptr ? *proven : RegistrationClaim{incarnation_, m.registration};
+}
+
+void CoordinatorCore::Supersede(Job& job, ShardGroup& group, Member& m, const Registration& req) {
+  const std::string why = absl::StrCat(
+      "superseded: a process proved a newer registration of rank ", m.rank, " of job '", job.id, "' (incarnation ",
+      req.resume->incarnation(), ", registration ", req.resume->previous().registration(),
+      ") and resumed it; this session held an older one (incarnation ", m.claim.incarnation, ", registration ",
+      m.claim.serial, "). Only the rank's newest process resumes it");
+  Event("warning", EventKind::kRankSuperseded, job.id, m.rank, group.index, why);
+  if (group.state != v1::GROUP_STATE_RECOVERING) {
+    RemoveMember(job, m, Leaving::kDead, why);  // Its group re-forms, as for a death.
+    return;
+  }
+  if (m.sink) m.sink->Close(absl::PermissionDeniedError(why));
+  m.sink.reset();  // ResumeMember binds the new session in its place.
 }
 
 absl::Status CoordinatorCore::CheckRequestAlone(const Registration& req) const {
@@ -102,14 +130,14 @@ void CoordinatorCore::JoinGroup(Job& job, ShardGroup& group, Member& m, uint64_t
   }
 }
 
-absl::StatusOr<Job*> CoordinatorCore::FindOrAdmitJob(const Registration& req) {
+absl::StatusOr<Job*> CoordinatorCore::FindOrAdmitJob(const Registration& req, const RegistrationClaim* proven) {
   Job* job = ReuseOrForgetEndedJob(req);
   if (job == nullptr) {
     std::vector<JobTable::Forgotten> forgotten;
     absl::Status admitted = jobs_.Admit(req.job_id, req.world_size, options_.limits, &forgotten);
     for (const JobTable::Forgotten& f : forgotten) Event("info", EventKind::kJobEvicted, f.id, -1, -1, f.why);
     if (!admitted.ok()) return admitted;
-  } else if (absl::Status s = CheckJobAccepts(*job, req); !s.ok()) {
+  } else if (absl::Status s = CheckJobAccepts(*job, req, proven); !s.ok()) {
     return s;
   }
   return job;
@@ -197,8 +225,9 @@ v1::CoordinatorMessage CoordinatorCore::Welcome(const Job& job, const ShardGroup
                                                 const Registration& req, bool rejoin) {
   v1::CoordinatorMessage msg = group.Registered(req, incarnation_, config_digest_);
   msg.mutable_registered()->set_session_key(m.session_key);
-  msg.mutable_registered()->set_resume_credential(job.run_auth->Credential(job.id, req.rank));
+  msg.mutable_registered()->set_resume_credential(job.run_auth->Credential(job.id, req.rank, incarnation_, m.registration));
   msg.mutable_registered()->set_run_id(job.run);
+  msg.mutable_registered()->set_registration(m.registration);
   const Policy policy = req.policy;
   Event("info", rejoin ? EventKind::kRankRejoined : EventKind::kRankRegistered, job.id, req.rank, group.index,
         absl::StrCat("host=", req.host, " policy=", PolicyName(policy),
@@ -242,7 +271,8 @@ Job* CoordinatorCore::ReuseOrForgetEndedJob(const Registration& req) {
   return job;
 }
 
-absl::Status CoordinatorCore::CheckJobAccepts(const Job& job, const Registration& req) const {
+absl::Status CoordinatorCore::CheckJobAccepts(const Job& job, const Registration& req,
+                                              const RegistrationClaim* proven) const {
   if (job.world_size != req.world_size) {
     return absl::FailedPreconditionError(absl::StrCat(
         "register: world size mismatch: job '", job.id, "' has world_size ", job.world_size,
@@ -256,7 +286,14 @@ absl::Status CoordinatorCore::CheckJobAccepts(const Job& job, const Registration
   }
   const ShardGroup& g = Owned(job, job.GroupOf(req.rank));
   const Member& existing = g.member(req.rank);
-  if (existing.state == v1::RANK_STATE_LIVE) {
+  if (proven != nullptr && existing.claim.incarnation != 0 && *proven < existing.claim) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "register: rank ", req.rank, " of job '", job.id, "' resumes its registration ", proven->serial,
+        " of coordinator incarnation ", proven->incarnation, ", but the rank's slot was since held by registration ",
+        existing.claim.serial, " of incarnation ", existing.claim.incarnation,
+        ": an older registration of a rank resumes nothing; only the rank's newest process resumes it"));
+  }
+  if (existing.state == v1::RANK_STATE_LIVE && !(proven != nullptr && existing.claim < *proven)) {
     return absl::AlreadyExistsError(absl::StrCat(
         "register: duplicate rank ", req.rank, " of job '", job.id,
         "': it is already live (host ", existing.host,

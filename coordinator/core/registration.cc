@@ -385,7 +385,7 @@ absl::Status CheckResumeTrust(const Registration& req, const ResumeAuthority& au
         "than this coordinator, or was made up; restart the job"));
   }
   const ResumeAuthority run_auth = auth.ForRun(req.job_id, run);
-  *verified = run_auth.CheckCredential(req.job_id, req.rank, r.credential());
+  *verified = run_auth.CheckCredential(req.job_id, req.rank, r.incarnation(), r.previous().registration(), r.credential());
   if (!*verified) {
     if (!auth.persistent()) return absl::OkStatus();  // Nothing to check against (see resume_auth.h).
     return absl::PermissionDeniedError(absl::StrCat(

@@ -66,15 +66,19 @@ std::string ResumeAuthority::Mac(const std::string& message) const {
   return std::string(reinterpret_cast<const char*>(mac), kMacBytes);
 }
 
-std::string ResumeAuthority::Credential(const std::string& job, int rank) const {
-  std::string message = "shardcoord resume credential 1;";
+std::string ResumeAuthority::Credential(const std::string& job, int rank, uint64_t incarnation,
+                                        uint64_t serial) const {
+  std::string message = "shardcoord resume credential 2;";
   Field(&message, job);
   Field(&message, absl::StrCat(rank));
+  Field(&message, absl::StrCat(incarnation));
+  Field(&message, absl::StrCat(serial));
   return absl::BytesToHexString(Mac(message));
 }
 
-bool ResumeAuthority::CheckCredential(const std::string& job, int rank, const std::string& credential) const {
-  return SameBytes(Credential(job, rank), credential);
+bool ResumeAuthority::CheckCredential(const std::string& job, int rank, uint64_t incarnation, uint64_t serial,
+                                      const std::string& credential) const {
+  return SameBytes(Credential(job, rank, incarnation, serial), credential);
 }
 
 std::string ResumeAuthority::Seal(const std::string& job, const v1::MicrobatchDecision& d) const {

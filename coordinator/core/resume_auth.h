@@ -3,7 +3,8 @@
 // After a restart a rank resumes with what it held: the decisions it received. Those are
 // binding for its whole group, so a client that could send a resume for a rank it does not
 // run, or decisions the coordinator never made, could hand honest ranks a decision that hangs
-// NCCL. So every registration answer carries a resume credential for (job, rank), and every
+// NCCL. So every registration answer carries a resume credential for that registration of
+// (job, rank): the coordinator process and the serial of the answer are in it; and every
 // decision a seal, both keyed MACs (HMAC-SHA256, truncated to 128 bits) under a key of the
 // job's run (ForRun: derived from the daemon's resume key, the job id and the run id, new
 // each time the job id starts afresh). A resume is taken only with the credential of its rank
@@ -44,9 +45,13 @@ class ResumeAuthority {
   static std::string NewRunId();
   // Whether `run` has the form NewRunId gives.
   static bool IsRunId(const std::string& run);
-  // The credential of (job, rank): 32 hex characters.
-  std::string Credential(const std::string& job, int rank) const;
-  bool CheckCredential(const std::string& job, int rank, const std::string& credential) const;
+  // The credential of one registration of (job, rank): the `serial`-th registration answered
+  // by the coordinator process `incarnation` (RegisterResponse.incarnation, .registration).
+  // 32 hex characters. A resume proves which registration it is; of two that prove one rank,
+  // the newer holds the slot (DESIGN 12).
+  std::string Credential(const std::string& job, int rank, uint64_t incarnation, uint64_t serial) const;
+  bool CheckCredential(const std::string& job, int rank, uint64_t incarnation, uint64_t serial,
+                       const std::string& credential) const;
   // The seal of a decision of `job`: over every field but `seal` and `decided_unix_ms`.
   std::string Seal(const std::string& job, const v1::MicrobatchDecision& d) const;
   bool CheckSeal(const std::string& job, const v1::MicrobatchDecision& d) const;

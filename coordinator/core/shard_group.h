@@ -18,6 +18,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -59,6 +60,20 @@ class ReportedTotal {
 };
 
 // One rank of a group, as the coordinator knows it.
+// Which registration of a rank the holder of its slot proved (DESIGN 12): the coordinator
+// process that answered it and that answer's serial (RegisterResponse.incarnation,
+// .registration). None ({0, 0}): a fresh registration while its group recovers, or a resume
+// nothing could verify. A verified resume of a newer registration takes the slot from its
+// holder; one of an older registration is refused: a process that was the rank earlier in the
+// run cannot keep out the one that holds the rank's newest credential.
+struct RegistrationClaim {
+  uint64_t incarnation = 0;
+  uint64_t serial = 0;
+  friend bool operator<(const RegistrationClaim& a, const RegistrationClaim& b) {
+    return std::tie(a.incarnation, a.serial) < std::tie(b.incarnation, b.serial);
+  }
+};
+
 struct Member {
   int rank = 0;
   int group = 0;
@@ -87,6 +102,8 @@ struct Member {
   ReportedTotal decision_stalls, decision_stall_us;  // From heartbeats, across worker restarts.
   std::map<std::string, ReportedTotal> gathered_bytes;  // By module of the manifest, likewise.
   std::string session_key;  // Of the live session (RegisterResponse.session_key).
+  uint64_t registration = 0;  // The serial of its live session's answer (RegisterResponse.registration).
+  RegistrationClaim claim;    // What its holder proved, kept when it dies or leaves.
   // What the rank held when it resumed after a restart, until its group recovered;
   // its memory is charged to the daemon's buffers meanwhile.
   std::optional<v1::ResumeState> resume;

@@ -24,6 +24,7 @@ namespace shardcoord::coordinator {
   X(kRankDead, "rank_dead")                                       \
   X(kResumeUnverified, "resume_unverified")                       \
   X(kResumeRefused, "resume_refused")                             \
+  X(kRankSuperseded, "rank_superseded")                           \
   X(kPerLayerRequested, "per_layer_requested")                    \
   X(kGroupFormed, "group_formed")                                 \
   X(kGroupReformed, "group_reformed")                             \

@@ -54,6 +54,7 @@ class CoordinatorServer {
   const std::string& address() const { return address_; }
   // The HTTP listener's HOST:PORT (status page, /metrics, /healthz); empty when off.
   std::string http_address() const;
+  HttpServer* http_for_testing() const { return http_.get(); }
   int port() const { return port_; }
   CoordinatorCore& core() { return *core_; }
 

@@ -6,6 +6,7 @@
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/ssl.hpp>
 #include <boost/asio/strand.hpp>
+#include <boost/asio/thread_pool.hpp>
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
 #include <boost/beast/ssl.hpp>
@@ -135,6 +136,8 @@ class HttpServer::TlsContexts {
 struct HttpServer::Io {
   net::io_context context{kIoThreads};
   tcp::acceptor acceptor{net::make_strand(context)};
+  // The page and /metrics are made here, one at a time, never on the I/O threads.
+  net::thread_pool render{1};
   ~Io() {
     beast::error_code ignored;
     acceptor.close(ignored);
@@ -147,14 +150,20 @@ struct HttpServer::Io {
 template <class Stream>
 class HttpServer::Connection : public HttpServer::Waiting, public std::enable_shared_from_this<Connection<Stream>> {
  public:
-  Connection(HttpServer* server, tcp::socket socket, std::shared_ptr<ssl::context> ctx)
-      : server_(server), ctx_(std::move(ctx)), stream_(MakeStream(std::move(socket), ctx_.get())) {
+  Connection(HttpServer* server, tcp::socket socket, std::shared_ptr<ssl::context> ctx, std::string client)
+      : server_(server), ctx_(std::move(ctx)), stream_(MakeStream(std::move(socket), ctx_.get())),
+        client_(std::move(client)) {
     server_->open_.fetch_add(1);
+    server_->CountClient(client_, 1);
   }
-  ~Connection() override { server_->open_.fetch_sub(1); }
+  ~Connection() override {
+    server_->CountClient(client_, -1);
+    server_->open_.fetch_sub(1);
+  }
 
   bool awaiting_request() const override { return awaiting_.load(); }
   absl::Time accepted() const override { return accepted_; }
+  const std::string& client() const override { return client_; }
   void Evict() override {
     net::post(stream_.get_executor(), [self = this->shared_from_this()] {
       if (!self->awaiting_.load()) return;  // Its request came meanwhile: it is answered.
@@ -206,10 +215,32 @@ class HttpServer::Connection : public HttpServer::Waiting, public std::enable_sh
     }
     std::string target(req.target());
     const size_t question = target.find('?');
-    const std::string path = target.substr(0, question);
-    const std::string query = question == std::string::npos ? "" : target.substr(question + 1);
-    auto res = Response(req.version(), server_->Serve(path, std::string(req[http::field::authorization]), query));
-    if (req.method() == http::verb::head) {
+    std::string path = target.substr(0, question);
+    std::string query = question == std::string::npos ? "" : target.substr(question + 1);
+    std::string authorization(req[http::field::authorization]);
+    const bool head = req.method() == http::verb::head;
+    const unsigned version = req.version();
+    if (path != "/" && path != "/metrics") {  // /healthz, 404: answered here, at once.
+      return Answer(version, head, server_->Serve(path, authorization, query));
+    }
+    // A page: made on the render thread, so that however long it takes (or however many wait
+    // for it) the I/O threads go on answering /healthz. One whose client is cut by the time its
+    // turn comes is not made.
+    const absl::Time deadline = absl::Now() + absl::FromChrono(server_->request_timeout_);
+    net::post(server_->io_->render, [self = this->shared_from_this(), path = std::move(path),
+                                     query = std::move(query), authorization = std::move(authorization), head,
+                                     version, deadline] {
+      if (absl::Now() > deadline) return;
+      Reply reply = self->server_->Serve(path, authorization, query);
+      net::post(self->stream_.get_executor(), [self, head, version, reply = std::move(reply)]() mutable {
+        self->Answer(version, head, std::move(reply));
+      });
+    });
+  }
+
+  void Answer(unsigned version, bool head, Reply reply) {
+    auto res = Response(version, std::move(reply));
+    if (head) {
       const auto length = res.body().size();
       res.body().clear();
       res.content_length(length);
@@ -256,6 +287,7 @@ class HttpServer::Connection : public HttpServer::Waiting, public std::enable_sh
   beast::flat_buffer buffer_;  // Grows to the header limit at most (the parser stops there).
   http::request_parser<http::empty_body> parser_;
   http::response<http::string_body> response_;
+  const std::string client_;
   std::atomic<bool> awaiting_{true};  // No request header yet.
   const absl::Time accepted_ = absl::Now();
 };
@@ -273,22 +305,55 @@ void HttpServer::AddWaiting(std::weak_ptr<Waiting> c) {
   waiting_.push_back(std::move(c));
 }
 
-bool HttpServer::EvictOneWaiting() {
+bool HttpServer::EvictOneWaiting(const std::string* client) {
   // Only one that has had time to send its request (a TLS handshake included): a burst of new
   // connections does not push out clients that are about to speak; the newcomer is refused then.
   const absl::Time young = absl::Now() - kEvictableAge;
   absl::MutexLock lock(&waiting_mu_);
-  while (!waiting_.empty()) {
-    std::shared_ptr<Waiting> oldest = waiting_.front().lock();
-    if (oldest && oldest->awaiting_request() && oldest->accepted() > young) return false;
-    waiting_.pop_front();
-    if (oldest && oldest->awaiting_request()) {
-      oldest->Evict();
-      ++evicted_;
-      return true;
+  for (auto it = waiting_.begin(); it != waiting_.end();) {
+    std::shared_ptr<Waiting> c = it->lock();
+    if (!c || !c->awaiting_request()) {  // Gone or served: pruned on the way.
+      it = waiting_.erase(it);
+      continue;
     }
+    if (c->accepted() > young) return false;  // In accept order: the rest are younger still.
+    if (client != nullptr && c->client() != *client) {
+      ++it;
+      continue;
+    }
+    waiting_.erase(it);
+    c->Evict();
+    ++evicted_;
+    return true;
   }
   return false;
+}
+
+void HttpServer::RunOnRenderThreadForTesting(std::function<void()> f) { net::post(io_->render, std::move(f)); }
+
+bool HttpServer::AdmitClient(const std::string& client) {
+  {
+    absl::MutexLock lock(&waiting_mu_);
+    auto it = per_client_.find(client);
+    if (it == per_client_.end() || it->second < max_per_client_) return true;
+  }
+  return EvictOneWaiting(&client);
+}
+
+void HttpServer::CountClient(const std::string& client, int delta) {
+  absl::MutexLock lock(&waiting_mu_);
+  int& n = per_client_[client];
+  n += delta;
+  if (n <= 0) per_client_.erase(client);
+}
+
+void HttpServer::WarnRefused(const char* why) {
+  const int64_t refused = ++refused_;
+  const absl::Time now = absl::Now();
+  absl::MutexLock lock(&mu_);
+  if (now - last_refusal_log_ < absl::Seconds(10)) return;
+  last_refusal_log_ = now;
+  logging::Get("coordinator")->warn("http: a new connection refused: {}; refused {} so far", why, refused);
 }
 
 absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(CoordinatorCore* core,
@@ -298,6 +363,7 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(CoordinatorCore* c
   s->tokens_ = std::move(tokens);
   s->heartbeat_interval_ms_ = absl::ToInt64Milliseconds(options.heartbeat_interval);
   s->max_connections_ = options.http_max_connections;
+  s->max_per_client_ = options.http_max_connections_per_client;
   s->request_timeout_ = std::chrono::milliseconds(absl::ToInt64Milliseconds(options.http_request_timeout));
   if (options.tls.enabled()) {
     s->tls_ = std::make_unique<TlsContexts>(options.tls);
@@ -346,6 +412,10 @@ HttpServer::~HttpServer() {
   }
   if (io_) io_->context.stop();
   for (auto& t : threads_) t.join();
+  if (io_) {  // A render still running finishes; those queued are dropped.
+    io_->render.stop();
+    io_->render.join();
+  }
   if (sampler_.joinable()) sampler_.join();
   io_.reset();  // Closes the listener and destroys the connections still pending, closing their sockets.
 }
@@ -354,27 +424,29 @@ void HttpServer::Accept() {
   io_->acceptor.async_accept(net::make_strand(io_->context), [this](beast::error_code ec, tcp::socket socket) {
     if (ec == net::error::operation_aborted) return;
     if (!ec) {
-      // At the limit, the oldest connection that has sent no request yet makes room: idle or
-      // slow clients cannot keep /healthz from being answered (64 reopened idle connections did).
-      if (open_.load() >= max_connections_ && !EvictOneWaiting()) {
-        // Refused at once: the descriptor is freed now, not held until a deadline.
+      beast::error_code peer_ec;
+      const auto peer = socket.remote_endpoint(peer_ec);
+      std::string client = peer_ec ? std::string("?") : peer.address().to_string();
+      // At a limit, the oldest connection that has sent no request yet makes room (the
+      // client's own, at its limit): idle or slow clients cannot keep /healthz from being
+      // answered (64 reopened idle connections did). Refused at once otherwise: the
+      // descriptor is freed now, not held until a deadline.
+      const char* refused = nullptr;
+      if (!AdmitClient(client)) {
+        refused = "its address holds http_max_connections_per_client connections, each with its request read";
+      } else if (open_.load() >= max_connections_ && !EvictOneWaiting()) {
+        refused = "http_max_connections connections are open, each with its request read";
+      }
+      if (refused != nullptr) {
         beast::error_code ignored;
         socket.close(ignored);
-        const int64_t refused = ++refused_;
-        const absl::Time now = absl::Now();
-        absl::MutexLock lock(&mu_);
-        if (now - last_refusal_log_ >= absl::Seconds(10)) {
-          last_refusal_log_ = now;
-          logging::Get("coordinator")->warn(
-              "http: {} connections open, the limit (http_max_connections), every one of them with its request "
-              "read; refused {} so far",
-              max_connections_, refused);
-        }
+        WarnRefused(refused);
       } else if (tls_) {
-        std::make_shared<Connection<beast::ssl_stream<beast::tcp_stream>>>(this, std::move(socket), tls_->Current())
+        std::make_shared<Connection<beast::ssl_stream<beast::tcp_stream>>>(this, std::move(socket), tls_->Current(),
+                                                                           std::move(client))
             ->Start();
       } else {
-        std::make_shared<Connection<beast::tcp_stream>>(this, std::move(socket), nullptr)->Start();
+        std::make_shared<Connection<beast::tcp_stream>>(this, std::move(socket), nullptr, std::move(client))->Start();
       }
     } else {
       // EMFILE and the like: the gRPC listener's self-check owns the verdict on descriptors;

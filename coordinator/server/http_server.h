@@ -10,13 +10,19 @@
 // exchange (TLS handshake, request, response) within `http_request_timeout`; request line and
 // headers at most 16 KiB (431), no body (GET and HEAD only: 405); at most
 // `http_max_connections` open, further ones closed at once (a descriptor budget of its own, so
-// the HTTP side cannot exhaust the gRPC listener's descriptors).
+// the HTTP side cannot exhaust the gRPC listener's descriptors), at most
+// `http_max_connections_per_client` from one address; at either limit the oldest connection
+// still waiting for its request (of that address, for the second) makes room. The page and
+// /metrics are made on a render thread of their own, one at a time: the I/O threads answer
+// /healthz whatever the renders are doing (a 6 s /metrics once held it up behind it).
 #ifndef SHARDCOORD_COORDINATOR_SERVER_HTTP_SERVER_H_
 #define SHARDCOORD_COORDINATOR_SERVER_HTTP_SERVER_H_
 
 #include <atomic>
 #include <chrono>
 #include <deque>
+#include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -42,6 +48,8 @@ class HttpServer {
   HttpServer& operator=(const HttpServer&) = delete;
 
   const std::string& address() const { return address_; }
+  // Tests: runs `f` on the render thread, in turn with the pages (a render that takes long).
+  void RunOnRenderThreadForTesting(std::function<void()> f);
 
  private:
   struct Io;  // The Beast/Asio parts (http_server.cc).
@@ -54,12 +62,18 @@ class HttpServer {
     virtual ~Waiting() = default;
     virtual bool awaiting_request() const = 0;
     virtual absl::Time accepted() const = 0;
+    virtual const std::string& client() const = 0;  // The peer's address.
     virtual void Evict() = 0;  // Closes it (on its own strand).
   };
-  // At the connection limit: closes the oldest connection still waiting for its request, so
-  // that idle clients cannot keep /healthz (and every page) from being answered. False: none.
-  bool EvictOneWaiting();
+  // At the connection limit: closes the oldest connection still waiting for its request (of
+  // `client` only, when not null), so that idle clients cannot keep /healthz (and every page)
+  // from being answered. False: none.
+  bool EvictOneWaiting(const std::string* client = nullptr);
   void AddWaiting(std::weak_ptr<Waiting> c);
+  // Whether a new connection of `client` fits its per-client limit (making room if it can).
+  bool AdmitClient(const std::string& client);
+  void CountClient(const std::string& client, int delta);
+  void WarnRefused(const char* why);
   struct Reply {
     int status = 200;
     std::string content_type, body;
@@ -77,6 +91,7 @@ class HttpServer {
   Tokens tokens_ = Tokens::None();
   int64_t heartbeat_interval_ms_ = 500;
   int max_connections_ = 64;
+  int max_per_client_ = 16;
   std::chrono::milliseconds request_timeout_{5000};
   std::unique_ptr<TlsContexts> tls_;
   std::unique_ptr<Io> io_;
@@ -92,6 +107,7 @@ class HttpServer {
   // Connections in the order they were accepted, while they may still be waiting (pruned).
   absl::Mutex waiting_mu_;
   std::deque<std::weak_ptr<Waiting>> waiting_ ABSL_GUARDED_BY(waiting_mu_);
+  std::map<std::string, int> per_client_ ABSL_GUARDED_BY(waiting_mu_);  // Open connections by address.
   std::atomic<int64_t> evicted_{0};
 };
 

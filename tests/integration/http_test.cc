@@ -25,8 +25,10 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/synchronization/notification.h"
 #include "coordinator/ops/metrics.h"
 #include "coordinator/ops/status_page.h"
+#include "coordinator/server/http_server.h"
 #include "integration/inprocess_fixture.h"
 #include "shardcoord/v1/coordinator.grpc.pb.h"
 #include "support/certs.h"
@@ -378,6 +380,70 @@ TEST_F(HttpTest, IdleConnectionsAtTheLimitMakeRoomAndDescriptorsStayBounded) {
   // closed) on the server's side.
   EXPECT_LE(OpenDescriptors() - before, 64 + 4 + 4);
   for (int fd : idle) close(fd);
+}
+
+// The probe's 64 idle connections came from one address: at its own limit, a client's oldest
+// idle connection makes room for its next one, and other addresses keep theirs.
+TEST_F(HttpTest, OneClientAddressHoldsAtMostItsShareAndOthersKeepTheirs) {
+  coordinator::CoordinatorOptions o;
+  o.http_max_connections = 64;
+  o.http_max_connections_per_client = 4;
+  o.http_request_timeout = absl::Seconds(60);
+  StartWithHttp(o);
+  const int port = PortOf(server_->http_address());
+  std::vector<int> others;  // Another host's idle connections, held first.
+  for (int i = 0; i < 4; ++i) others.push_back(testing::ConnectLoopback(port, "127.0.0.3"));
+  for (int fd : others) ASSERT_GE(fd, 0) << "cannot connect from 127.0.0.3";
+  std::vector<int> flood;
+  for (int round = 0; round < 3; ++round) {  // Reopened as they are closed, past the 200 ms grace.
+    for (int i = 0; i < 20; ++i) flood.push_back(testing::ConnectLoopback(port, "127.0.0.2"));
+    absl::SleepFor(absl::Milliseconds(250));  // Age only: what is checked below waits on events.
+  }
+  for (int fd : flood) ASSERT_GE(fd, 0);
+  auto open_of = [](const std::vector<int>& fds) {
+    int n = 0;
+    for (int fd : fds) n += StillOpen(fd);
+    return n;
+  };
+  EXPECT_TRUE(testing::WaitUntil([&] { return open_of(flood) <= 4; }, absl::Seconds(10), absl::Milliseconds(20)))
+      << open_of(flood) << " of the flooding address's connections still open; its limit is 4";
+  EXPECT_EQ(open_of(others), 4) << "another address's connections were taken for the flood";
+  auto health = client_->Get("/healthz");
+  ASSERT_TRUE(health);
+  EXPECT_EQ(health->status, 200);
+  for (int fd : flood) close(fd);
+  for (int fd : others) close(fd);
+}
+
+// The page and /metrics are made on a thread of their own: a render that takes long (a 6 s
+// /metrics did) or many waiting for theirs do not hold /healthz up.
+TEST_F(HttpTest, HealthIsAnsweredWhileThePagesAreBeingMade) {
+  StartWithHttp();
+  absl::Notification release;
+  absl::Notification rendering;
+  server_->http_for_testing()->RunOnRenderThreadForTesting([&] {
+    rendering.Notify();
+    release.WaitForNotificationWithTimeout(absl::Seconds(30));  // Never forever, even if the test fails.
+  });
+  ASSERT_TRUE(rendering.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  const std::string addr = server_->http_address();
+  std::vector<std::thread> pages;
+  std::atomic<int> pages_ok{0};
+  for (int i = 0; i < 4; ++i) {
+    pages.emplace_back([&, i] {
+      httplib::Client c("127.0.0.1", PortOf(addr));
+      c.set_read_timeout(20, 0);
+      auto r = c.Get(i % 2 == 0 ? "/metrics" : "/");
+      if (r && r->status == 200) ++pages_ok;
+    });
+  }
+  auto health = client_->Get("/healthz");  // While every page waits for the render thread.
+  ASSERT_TRUE(health);
+  EXPECT_EQ(health->status, 200);
+  EXPECT_EQ(pages_ok.load(), 0) << "a page was made while the render thread was held";
+  release.Notify();
+  for (auto& t : pages) t.join();
+  EXPECT_EQ(pages_ok.load(), 4) << "the pages are made once the render thread is free";
 }
 
 // HTTPS serves the daemon's certificate and, like gRPC, takes a renewed one without a restart;

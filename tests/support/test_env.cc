@@ -73,9 +73,18 @@ bool ReplaceFile(const std::string& from, const std::string& to) {
   return chmod(tmp.c_str(), 0600) == 0 && std::rename(tmp.c_str(), to.c_str()) == 0;
 }
 
-int ConnectLoopback(int port) {
+int ConnectLoopback(int port, const char* from) {
   const int fd = socket(AF_INET, SOCK_STREAM, 0);
   if (fd < 0) return -1;
+  if (from != nullptr) {
+    sockaddr_in local{};
+    local.sin_family = AF_INET;
+    if (inet_pton(AF_INET, from, &local.sin_addr) != 1 ||
+        bind(fd, reinterpret_cast<sockaddr*>(&local), sizeof(local)) != 0) {
+      close(fd);
+      return -1;
+    }
+  }
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_port = htons(static_cast<uint16_t>(port));

@@ -55,7 +55,9 @@ std::string ReadFile(const std::string& path);
 bool ReplaceFile(const std::string& from, const std::string& to);
 
 // A plain TCP connection to 127.0.0.1:port (a raw client: idle, slow or flooding); -1 on failure.
-int ConnectLoopback(int port);
+// `from`: the loopback address the connection comes from (e.g. "127.0.0.2": another client
+// address on the same host); null: the kernel's choice.
+int ConnectLoopback(int port, const char* from = nullptr);
 
 }  // namespace shardcoord::testing
 

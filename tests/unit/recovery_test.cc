@@ -432,11 +432,18 @@ class KeyedRecoveryTest : public CoreRecoveryTest {
  protected:
   KeyedRecoveryTest() : CoreRecoveryTest(KeyedOptions()) {}
 
-  // What a rank registered with an earlier daemon of the same key holds.
-  v1::RegisterRequest Resume(int rank, bool with_credential) {
+  // What a rank registered with an earlier daemon of the same key holds: its registration
+  // `serial` (10 + rank unless said) of incarnation 900 in run kRun.
+  v1::RegisterRequest Resume(int rank, bool with_credential, uint64_t serial = 0) {
     v1::RegisterRequest r = CoreRecoveryTest::Resume(rank);
-    if (with_credential) r.mutable_resume()->set_credential(earlier_.ForRun("job", kRun).Credential("job", rank));
+    if (with_credential) Prove(r, earlier_, kRun, serial != 0 ? serial : 10 + rank);
     return r;
+  }
+  // Signs `r`'s resume as registration `serial` of incarnation 900 of `run`, with `auth`'s key.
+  static void Prove(v1::RegisterRequest& r, const ResumeAuthority& auth, const std::string& run, uint64_t serial) {
+    r.mutable_resume()->mutable_previous()->set_run_id(run);
+    r.mutable_resume()->mutable_previous()->set_registration(serial);
+    r.mutable_resume()->set_credential(auth.ForRun("job", run).Credential("job", r.rank(), 900, serial));
   }
 
   const ResumeAuthority earlier_{kResumeKey, true};  // The daemon before the restart.
@@ -450,9 +457,9 @@ TEST_F(KeyedRecoveryTest, AResumeWithoutItsRanksCredentialIsRefusedAndChangesNot
   EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << s;
   EXPECT_THAT(s.message(), HasSubstr("carries no valid resume credential"));
   // Another rank's credential does not do either.
-  forged.mutable_resume()->set_credential(earlier_.ForRun("job", kRun).Credential("job", 0));
+  forged.mutable_resume()->set_credential(earlier_.ForRun("job", kRun).Credential("job", 0, 900, 0));
   EXPECT_EQ(Register(forged).code(), absl::StatusCode::kPermissionDenied);
-  forged.mutable_resume()->set_credential(earlier_.ForRun("other-job", kRun).Credential("other-job", 1));
+  forged.mutable_resume()->set_credential(earlier_.ForRun("other-job", kRun).Credential("other-job", 1, 900, 0));
   EXPECT_EQ(Register(forged).code(), absl::StatusCode::kPermissionDenied);
   // Nothing started: the honest rank 1 registers as usual.
   v1::RegisterRequest honest = Resume(1, true);
@@ -501,8 +508,10 @@ TEST_F(KeyedRecoveryTest, AnHonestResumeWithSealedDecisionsIsTaken) {
   EXPECT_EQ(core_->Groups("job").groups(0).state(), v1::GROUP_STATE_RECOVERING);
   auto registered = sinks_[0]->Where([](const auto& m) { return m.has_registered(); });
   ASSERT_EQ(registered.size(), 1u);
-  EXPECT_EQ(registered[0].registered().resume_credential(), earlier_.ForRun("job", kRun).Credential("job", 0))
-      << "the same key gives the same credential after the restart";
+  const v1::RegisterResponse& answer = registered[0].registered();
+  EXPECT_GT(answer.registration(), 0u);
+  EXPECT_EQ(answer.resume_credential(), earlier_.ForRun("job", kRun).Credential("job", 0, 1000, answer.registration()))
+      << "a credential of this registration, in the same run's key";
   EXPECT_EQ(registered[0].registered().run_id(), kRun) << "the run goes on";
 }
 
@@ -557,7 +566,7 @@ TEST_F(KeyedRecoveryTest, ACredentialOfAnotherRunOfTheJobIdResumesNothing) {
   const ResumeAuthority thrown_away = earlier_.ForRun("job", old_run);
   v1::RegisterRequest attack = Resume(1, false);
   attack.mutable_resume()->mutable_previous()->set_run_id(old_run);
-  attack.mutable_resume()->set_credential(thrown_away.Credential("job", 1));
+  attack.mutable_resume()->set_credential(thrown_away.Credential("job", 1, 900, 0));
   v1::MicrobatchDecision held = Decision(0, 0, 0, v1::DECISION_PER_LAYER);
   held.set_seal(thrown_away.Seal("job", held));
   *attack.mutable_resume()->add_held() = held;
@@ -576,6 +585,73 @@ TEST_F(KeyedRecoveryTest, ACredentialOfAnotherRunOfTheJobIdResumesNothing) {
   // The honest rank 1 is not locked out, and the group recovers from the honest ranks only.
   ASSERT_TRUE(Register(Resume(1, true)).ok());
   EXPECT_NE(core_->Groups("job").groups(0).state(), v1::GROUP_STATE_FAILED);
+}
+
+// The probe of the gap left after run binding: a process that was rank 1 earlier in the same
+// run (its registration 5) resumes first after a restart. The rank's current process, which
+// holds its newest registration (11), takes the slot back; the older one is refused after that.
+TEST_F(KeyedRecoveryTest, ANewerRegistrationOfTheRankTakesItsSlotAndAnOlderOneResumesNothing) {
+  ASSERT_TRUE(Register(Resume(1, true, /*serial=*/5)).ok()) << "nothing tells it from the real rank yet";
+  std::shared_ptr<testing::RecordingSink> stale = sinks_[1];
+  const uint64_t stale_session = sessions_[1];
+  ASSERT_TRUE(Register(Resume(1, true, /*serial=*/11)).ok()) << "the newest registration is never locked out";
+  EXPECT_TRUE(stale->closed);
+  EXPECT_EQ(stale->close_status.code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(stale->close_status.message(), HasSubstr("superseded: a process proved a newer registration of rank 1"));
+  EXPECT_EQ(CountEvents(*core_, "rank_superseded"), 1);
+  // The stale process comes back: refused, evented, and the slot stays the real rank's.
+  absl::Status s = Register(Resume(1, true, /*serial=*/5));
+  EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << s;
+  EXPECT_THAT(s.message(), HasSubstr("an older registration of a rank resumes nothing"));
+  EXPECT_EQ(CountEvents(*core_, "resume_refused"), 1);
+  // The stale session's end changes nothing for the rank's live one.
+  core_->OnSessionClosed(stale_session, "stream lost");
+  ASSERT_TRUE(Register(Resume(0, true)).ok());
+  EXPECT_EQ(core_->Groups("job").groups(0).state(), v1::GROUP_STATE_HEALTHY);
+  EXPECT_EQ(core_->Ranks("job").ranks(1).state(), v1::RANK_STATE_LIVE);
+  EXPECT_FALSE(sinks_[1]->closed);
+}
+
+TEST_F(KeyedRecoveryTest, WhenTheRealRankComesFirstTheOlderRegistrationIsRefusedAtOnce) {
+  ASSERT_TRUE(Register(Resume(1, true, /*serial=*/11)).ok());
+  absl::Status s = Register(Resume(1, true, /*serial=*/5));
+  EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << s;
+  EXPECT_THAT(s.message(), HasSubstr("since held by registration 11 of incarnation 900"));
+  EXPECT_FALSE(sinks_[1]->closed);
+  EXPECT_EQ(CountEvents(*core_, "rank_superseded"), 0);
+  // Dead or alive: once the rank's newest process has been seen, an older one never resumes it.
+  core_->OnSessionClosed(sessions_[1], "stream lost");
+  EXPECT_EQ(Register(Resume(1, true, /*serial=*/5)).code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_TRUE(Register(Resume(1, true, /*serial=*/11)).ok()) << "the same process retrying its resume is taken";
+}
+
+TEST_F(KeyedRecoveryTest, AFreshRankInARecoveringGroupGivesWayToTheRanksVerifiedResume) {
+  // A holder of the job's token registers rank 1 afresh while the group waits for its members
+  // after the restart: it proves no registration, so the rank's own resume takes the slot.
+  ASSERT_TRUE(Register(Resume(0, true)).ok());
+  ASSERT_TRUE(Register(Request(1)).ok());
+  std::shared_ptr<testing::RecordingSink> squatter = sinks_[1];
+  ASSERT_TRUE(Register(Resume(1, true)).ok());
+  EXPECT_TRUE(squatter->closed);
+  EXPECT_EQ(CountEvents(*core_, "rank_superseded"), 1);
+  EXPECT_EQ(core_->Groups("job").groups(0).state(), v1::GROUP_STATE_HEALTHY);
+}
+
+TEST_F(KeyedRecoveryTest, ARankRegisteredAfreshByThisProcessIsNotTakenByAnyResume) {
+  // Outside recovery, a fresh registration answered by this process is newer than anything an
+  // earlier process answered: a resume of rank 1 is the duplicate it would be without one.
+  ASSERT_TRUE(Register(Request(0)).ok());
+  ASSERT_TRUE(Register(Request(1)).ok());
+  const uint64_t serial = sinks_[1]->Where([](const auto& m) { return m.has_registered(); })[0].registered().registration();
+  EXPECT_GT(serial, sinks_[0]->Where([](const auto& m) { return m.has_registered(); })[0].registered().registration())
+      << "every answer a new serial";
+  v1::RegisterRequest resume = Resume(1, false);
+  const std::string run = sinks_[1]->Where([](const auto& m) { return m.has_registered(); })[0].registered().run_id();
+  Prove(resume, earlier_, run, 1u << 30);
+  absl::Status s = Register(resume);
+  EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << s;
+  EXPECT_THAT(s.message(), HasSubstr("an older registration"));
+  EXPECT_FALSE(sinks_[1]->closed);
 }
 
 // With a state file, the daemon pins the current run of every live job (run_pins.h): after a
@@ -605,8 +681,7 @@ TEST_F(PinnedRecoveryTest, AfterARestartOnlyThePinnedRunResumesEvenIfAnEarlierRu
   ASSERT_TRUE(Register(Request(1)).ok());
   const std::string thrown_away = RunOf(1);
   ASSERT_TRUE(ResumeAuthority::IsRunId(thrown_away));
-  const std::string credential = sinks_[1]->Where([](const auto& m) { return m.has_registered(); })[0]
-                                     .registered().resume_credential();
+  const v1::RegisterResponse kept = sinks_[1]->Where([](const auto& m) { return m.has_registered(); })[0].registered();
   core_->OnGoodbye(sessions_[0], "done");
   core_->OnGoodbye(sessions_[1], "done");
   core_->Tick();
@@ -624,7 +699,8 @@ TEST_F(PinnedRecoveryTest, AfterARestartOnlyThePinnedRunResumesEvenIfAnEarlierRu
   Reset(WithStateFile(state_));
   v1::RegisterRequest attack = Resume(1, false);
   attack.mutable_resume()->mutable_previous()->set_run_id(thrown_away);
-  attack.mutable_resume()->set_credential(credential);
+  attack.mutable_resume()->mutable_previous()->set_registration(kept.registration());
+  attack.mutable_resume()->set_credential(kept.resume_credential());
   absl::Status s = Register(attack);
   EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << s;
   EXPECT_THAT(s.message(), HasSubstr("not the job's current run " + real));
@@ -635,7 +711,7 @@ TEST_F(PinnedRecoveryTest, AfterARestartOnlyThePinnedRunResumesEvenIfAnEarlierRu
   for (int rank = 0; rank < 2; ++rank) {
     v1::RegisterRequest honest = Resume(rank, false);
     honest.mutable_resume()->mutable_previous()->set_run_id(real);
-    honest.mutable_resume()->set_credential(earlier_.ForRun("job", real).Credential("job", rank));
+    Prove(honest, earlier_, real, 7);
     ASSERT_TRUE(Register(honest).ok()) << "rank " << rank;
   }
   EXPECT_EQ(RunOf(0), real);
@@ -674,7 +750,7 @@ TEST_F(PinnedRecoveryTest, AResumeIntoAnEndedJobOfItsRunContinuesThatRunAndNoOth
   const std::string other = "ffffffffffffffffffffffffffffffff";
   v1::RegisterRequest attack = Resume(1, false);
   attack.mutable_resume()->mutable_previous()->set_run_id(other);
-  attack.mutable_resume()->set_credential(earlier_.ForRun("job", other).Credential("job", 1));
+  attack.mutable_resume()->set_credential(earlier_.ForRun("job", other).Credential("job", 1, 900, 0));
   absl::Status s = Register(attack);
   EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << s;
   EXPECT_THAT(s.message(), HasSubstr("not the job's current run " + std::string(kRun)));

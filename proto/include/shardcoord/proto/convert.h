@@ -25,9 +25,10 @@ inline Decision FromProto(v1::Decision d) { return static_cast<Decision>(d); }
 inline DecisionReason FromProto(v1::DecisionReason r) { return static_cast<DecisionReason>(r); }
 
 // The revision of the wire this build speaks (RegisterRequest/RegisterResponse.wire_revision):
-// 2, every microbatch named by a MicrobatchKey. Peers of different revisions refuse each other
-// at registration.
-inline constexpr uint32_t kWireRevision = 2;
+// 2, every microbatch named by a MicrobatchKey; 3, a resume proving its run and registration
+// (RegisterResponse.run_id, .registration), without which a revision-2 resume is refused after
+// the restart anyway. Peers of different revisions refuse each other at registration.
+inline constexpr uint32_t kWireRevision = 3;
 // Why a peer that speaks wire revision `theirs` cannot talk to this build ("" when it can).
 std::string WireMismatch(uint32_t theirs, const std::string& peer);
 
