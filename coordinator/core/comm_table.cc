@@ -144,7 +144,7 @@ void CommTable::MaybeStartEpoch(CommHost& host, Comm& comm) {
     comm.behind.clear();
     ClearProgress(comm.name);
     for (int r : comm.ranks) comm.member_state[r] = CommMemberState::kAbsent;
-    host.Event("info", EventKind::kCommForming, -1,
+    host.Event(Severity::kInfo, EventKind::kCommForming, -1,
                absl::StrCat("communicator '", comm.name, "' epoch ", comm.epoch, " ranks ", RankList(comm.ranks)));
   }
   auto waiters = std::move(comm.join_waiters);
@@ -254,7 +254,7 @@ absl::Status CommTable::Report(CommHost& host, const CommReportCall& call) {
                                  [&](int r) { return c.member_state[r] == CommMemberState::kReady; });
     if (all && c.state == v1::COMM_STATE_FORMING) {
       c.state = v1::COMM_STATE_READY;
-      host.Event("info", EventKind::kCommReady, -1,
+      host.Event(Severity::kInfo, EventKind::kCommReady, -1,
                  absl::StrCat("communicator '", c.name, "' epoch ", c.epoch, " ready on ranks ", RankList(c.ranks)));
     }
     return absl::OkStatus();
@@ -293,7 +293,7 @@ void CommTable::Abort(CommHost& host, Comm& comm, const std::string& reason, con
   for (int r : comm.ranks) {
     if (std::find(lost.begin(), lost.end(), r) == lost.end()) host.Send(r, msg);
   }
-  host.Event(failure ? "error" : "info", failure ? EventKind::kCommAborted : EventKind::kCommClosed,
+  host.Event(failure ? Severity::kError : Severity::kInfo, failure ? EventKind::kCommAborted : EventKind::kCommClosed,
              lost.empty() ? -1 : lost.front(),
              absl::StrCat("communicator '", comm.name, "' epoch ", comm.epoch, failure ? " aborted: " : " closed: ",
                           reason));
@@ -339,7 +339,7 @@ void CommTable::OnRankLost(CommHost& host, int rank, bool clean, const std::stri
         comm.state = v1::COMM_STATE_CLOSED;
         ForgetStore(comm);
         comm.abort_reason = absl::StrCat("every member left (last: rank ", rank, ")");
-        host.Event("info", EventKind::kCommClosed, rank,
+        host.Event(Severity::kInfo, EventKind::kCommClosed, rank,
                    absl::StrCat("communicator '", comm.name, "' epoch ", comm.epoch, " closed: ", comm.abort_reason));
       }
     }
@@ -498,7 +498,7 @@ void CommTable::DetectBehind(CommHost& host, Comm& comm, absl::Time now) {
     }
   }
   if (behind != comm.behind) {
-    if (!behind.empty()) host.Event("warning", EventKind::kCommRankBehind, -1, behind);
+    if (!behind.empty()) host.Event(Severity::kWarning, EventKind::kCommRankBehind, -1, behind);
     comm.behind = behind;
   }
 }
@@ -532,7 +532,7 @@ void CommTable::MaybeFinishRecovery(CommHost& host, Comm& comm) {
   comm.state = v1::COMM_STATE_READY;
   for (int r : comm.ranks) comm.member_state[r] = CommMemberState::kReady;
   if (same) {
-    host.Event("info", EventKind::kCommRecovered, -1,
+    host.Event(Severity::kInfo, EventKind::kCommRecovered, -1,
                absl::StrCat("communicator '", comm.name, "' epoch ", comm.epoch, " kept: every member is back"));
     return;
   }

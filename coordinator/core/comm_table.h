@@ -56,7 +56,7 @@ class CommHost {
   // Queues `msg` for the rank (a live one; others are skipped).
   virtual void Send(int rank, const v1::CoordinatorMessage& msg) = 0;
   // An event of the job (rank -1: none in particular).
-  virtual void Event(const std::string& severity, EventKind kind, int rank, const std::string& message) = 0;
+  virtual void Event(Severity severity, EventKind kind, int rank, const std::string& message) = 0;
   // Runs `f` once the core's lock is released (completions of waiting calls).
   virtual void Defer(std::function<void()> f) = 0;
 };

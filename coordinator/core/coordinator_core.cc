@@ -47,14 +47,14 @@ CoordinatorCore::CoordinatorCore(CoordinatorOptions options, std::shared_ptr<con
 
 CoordinatorCore::~CoordinatorCore() = default;
 
-void CoordinatorCore::Event(const std::string& severity, EventKind kind,
+void CoordinatorCore::Event(Severity severity, EventKind kind,
                             const std::string& job, int rank, int group,
                             const std::string& message) {
-  journal_.Add(clock_->Now(), severity, EventKindName(kind), job, rank, group, message);
+  journal_.Add(clock_->Now(), SeverityName(severity), EventKindName(kind), job, rank, group, message);
   metrics_->CountEvent(kind);
-  const auto level = severity == "error"     ? spdlog::level::err
-                     : severity == "warning" ? spdlog::level::warn
-                                             : spdlog::level::info;
+  const auto level = severity == Severity::kError     ? spdlog::level::err
+                     : severity == Severity::kWarning ? spdlog::level::warn
+                                                      : spdlog::level::info;
   // Only what the event concerns: a daemon event has no job, a job's none of rank or group.
   std::string line = absl::StrCat("event=", EventKindName(kind));
   if (!job.empty()) absl::StrAppend(&line, " job=", job);
@@ -149,7 +149,7 @@ void CoordinatorCore::SinkSend(Member& m, const v1::CoordinatorMessage& msg) {
 
 void CoordinatorCore::RecordDaemonEvent(bool started, const std::string& detail) {
   CoreLock lock(&mu_);
-  Event("info", started ? EventKind::kDaemonStarted : EventKind::kDaemonStopped, "", -1, -1,
+  Event(Severity::kInfo, started ? EventKind::kDaemonStarted : EventKind::kDaemonStopped, "", -1, -1,
         absl::StrCat("shardcoord ", kVersion, " incarnation ", incarnation_, ": ", detail));
 }
 

@@ -308,7 +308,7 @@ class CoordinatorCore {
   RankSink::Backlog BacklogOf(const RankSink& sink) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Records an event in the journal; its log line is written after the mutex is released.
-  void Event(const std::string& severity, EventKind kind, const std::string& job,
+  void Event(Severity severity, EventKind kind, const std::string& job,
              int rank, int group, const std::string& message) ABSL_SHARED_LOCKS_REQUIRED(mu_);
 
   const CoordinatorOptions options_;

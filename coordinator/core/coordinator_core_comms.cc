@@ -25,7 +25,7 @@ class CoordinatorCore::JobHost final : public CommHost {
   void Send(int rank, const v1::CoordinatorMessage& msg) override ABSL_NO_THREAD_SAFETY_ANALYSIS {
     core_.SendTo(core_.OwnedMember(job_, rank), msg);
   }
-  void Event(const std::string& severity, EventKind kind, int rank, const std::string& message) override
+  void Event(Severity severity, EventKind kind, int rank, const std::string& message) override
       ABSL_NO_THREAD_SAFETY_ANALYSIS {
     core_.Event(severity, kind, job_.id, rank, -1, message);
   }

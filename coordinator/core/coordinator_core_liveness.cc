@@ -111,7 +111,7 @@ void CoordinatorCore::RemoveMember(Job& job, Member& m, Leaving how, const std::
   m.session_key.clear();
   m.state = clean ? v1::RANK_STATE_LEFT : v1::RANK_STATE_DEAD;
   m.dead_reason = reason;
-  Event(clean ? "info" : "error", clean ? EventKind::kRankLeft : EventKind::kRankDead, job.id, m.rank, group.index,
+  Event(clean ? Severity::kInfo : Severity::kError, clean ? EventKind::kRankLeft : EventKind::kRankDead, job.id, m.rank, group.index,
         full);
   if (how == Leaving::kDead) metrics_->ObserveDeathDetection(clock_->Now() - m.last_seen);
   MaybeEndJob(job);
@@ -213,7 +213,7 @@ void CoordinatorCore::Tick(absl::Time started) {
     RestartHeartbeatDeadlines(now - started);
   }
   for (const JobTable::Forgotten& f : jobs_.ForgetEnded(now, options_.limits.job_retention)) {
-    Event("info", EventKind::kJobEvicted, f.id, -1, -1, f.why);
+    Event(Severity::kInfo, EventKind::kJobEvicted, f.id, -1, -1, f.why);
   }
   ReclaimBuffers(now);  // Sets cut_reason: the members are removed in the loop below.
   for (auto& entry : jobs_) {
@@ -264,7 +264,7 @@ void CoordinatorCore::RestartHeartbeatDeadlines(absl::Duration gap) {
   const std::string what = absl::StrCat("the coordinator did not run for ", absl::ToInt64Milliseconds(gap),
                                         " ms (paused, starved or the clock jumped); heartbeat deadlines of ",
                                         extended, " live ranks restarted instead of declaring them dead");
-  Event("warning", EventKind::kCoordinatorPaused, "", -1, -1, what);
+  Event(Severity::kWarning, EventKind::kCoordinatorPaused, "", -1, -1, what);
 }
 
 void CoordinatorCore::Shutdown() {

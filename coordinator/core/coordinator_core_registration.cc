@@ -71,7 +71,7 @@ void CoordinatorCore::Seat(Job& job, const Registration& req, uint64_t session_i
     Apply(job, group, fx);
   }
   if (resuming && proven == nullptr) {
-    Event("warning", EventKind::kResumeUnverified, job.id, req.rank, group.index,
+    Event(Severity::kWarning, EventKind::kResumeUnverified, job.id, req.rank, group.index,
           "taken as sent: this coordinator has no resume key that outlived the last one (start it with --state-file "
           "or --token-file so that resumes are checked)");
   }
@@ -91,7 +91,7 @@ void CoordinatorCore::Supersede(Job& job, ShardGroup& group, Member& m, const Re
       req.resume->incarnation(), ", registration ", req.resume->previous().registration(),
       ") and resumed it; this session held an older one (incarnation ", m.claim.incarnation, ", registration ",
       m.claim.serial, "). Only the rank's newest process resumes it");
-  Event("warning", EventKind::kRankSuperseded, job.id, m.rank, group.index, why);
+  Event(Severity::kWarning, EventKind::kRankSuperseded, job.id, m.rank, group.index, why);
   if (group.state != v1::GROUP_STATE_RECOVERING) {
     RemoveMember(job, m, Leaving::kDead, why);  // Its group re-forms, as for a death.
     return;
@@ -135,7 +135,7 @@ absl::StatusOr<Job*> CoordinatorCore::FindOrAdmitJob(const Registration& req, co
   if (job == nullptr) {
     std::vector<JobTable::Forgotten> forgotten;
     absl::Status admitted = jobs_.Admit(req.job_id, req.world_size, options_.limits, &forgotten);
-    for (const JobTable::Forgotten& f : forgotten) Event("info", EventKind::kJobEvicted, f.id, -1, -1, f.why);
+    for (const JobTable::Forgotten& f : forgotten) Event(Severity::kInfo, EventKind::kJobEvicted, f.id, -1, -1, f.why);
     if (!admitted.ok()) return admitted;
   } else if (absl::Status s = CheckJobAccepts(*job, req, proven); !s.ok()) {
     return s;
@@ -172,7 +172,7 @@ absl::Status CoordinatorCore::CheckResumedRun(const Registration& req) {
 }
 
 absl::Status CoordinatorCore::RefuseResume(const Registration& req, absl::Status why) {
-  Event("warning", EventKind::kResumeRefused, req.job_id, req.rank, -1, std::string(why.message()));
+  Event(Severity::kWarning, EventKind::kResumeRefused, req.job_id, req.rank, -1, std::string(why.message()));
   return why;
 }
 
@@ -229,12 +229,12 @@ v1::CoordinatorMessage CoordinatorCore::Welcome(const Job& job, const ShardGroup
   msg.mutable_registered()->set_run_id(job.run);
   msg.mutable_registered()->set_registration(m.registration);
   const Policy policy = req.policy;
-  Event("info", rejoin ? EventKind::kRankRejoined : EventKind::kRankRegistered, job.id, req.rank, group.index,
+  Event(Severity::kInfo, rejoin ? EventKind::kRankRejoined : EventKind::kRankRegistered, job.id, req.rank, group.index,
         absl::StrCat("host=", req.host, " policy=", PolicyName(policy),
                      " fallback=", FallbackName(req.fallback), " modules=", req.modules.size(),
                      " lookahead=", req.lookahead));
   if (policy == Policy::kPerLayer) {
-    Event("warning", EventKind::kPerLayerRequested, job.id, req.rank, group.index, msg.registered().warnings(0));
+    Event(Severity::kWarning, EventKind::kPerLayerRequested, job.id, req.rank, group.index, msg.registered().warnings(0));
   }
   return msg;
 }
@@ -247,7 +247,7 @@ Job* CoordinatorCore::ReuseOrForgetEndedJob(const Registration& req) {
   // history (communicator epochs, events, counts), and each group takes the manifest and
   // policy of its first rank to register again.
   if (job->world_size != req.world_size || job->group_size != req.group_size) {
-    Event("info", EventKind::kJobReplaced, job->id, req.rank, -1,
+    Event(Severity::kInfo, EventKind::kJobReplaced, job->id, req.rank, -1,
           absl::StrCat("no rank was live: the job starts afresh with world_size ", req.world_size,
                        " and group_size ", req.group_size));
     jobs_.Erase(req.job_id);
@@ -266,7 +266,7 @@ Job* CoordinatorCore::ReuseOrForgetEndedJob(const Registration& req) {
     job->run_auth = std::make_unique<const ResumeAuthority>(resume_auth_.ForRun(job->id, job->run));
   }
   for (size_t i = 0; i < job->groups.size(); ++i) Owned(*job, static_cast<int>(i)).StartRerun(job->run_auth.get());
-  Event("info", EventKind::kJobRerun, job->id, req.rank, -1,
+  Event(Severity::kInfo, EventKind::kJobRerun, job->id, req.rank, -1,
         "every rank had left: the job runs again under the same id and sizes, its keys from the start");
   return job;
 }
@@ -311,7 +311,7 @@ Job& CoordinatorCore::CreateJob(const Registration& req, const std::string& run)
                           run, buffers_.get());
   job.started = clock_->Now();
   const bool no_modules = req.modules.empty();
-  Event(no_modules ? "warning" : "info", EventKind::kJobCreated, job.id, -1, -1,
+  Event(no_modules ? Severity::kWarning : Severity::kInfo, EventKind::kJobCreated, job.id, -1, -1,
         absl::StrCat("world_size=", job.world_size, " group_size=", job.group_size, " groups=", job.groups.size(),
                      " modules=", req.modules.size(),
                      no_modules ? " (no controlled module: nothing is coordinated; the ranks' manifest is empty)" : ""));

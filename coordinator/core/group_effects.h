@@ -33,7 +33,7 @@ struct GroupEffects {
     v1::CoordinatorMessage message;
   };
   struct Event {
-    const char* severity = "info";  // "info", "warning", "error".
+    Severity severity = Severity::kInfo;
     EventKind kind;
     int rank = -1;  // -1: the group's, not one rank's.
     std::string message;
@@ -49,7 +49,7 @@ struct GroupEffects {
 
   void Send(int member, v1::CoordinatorMessage msg) { messages.push_back({member, std::nullopt, std::move(msg)}); }
   void Decide(int member, v1::MicrobatchDecision d) { messages.push_back({member, std::move(d), {}}); }
-  void Record(const char* severity, EventKind kind, int rank, std::string message) {
+  void Record(Severity severity, EventKind kind, int rank, std::string message) {
     events.push_back({severity, kind, rank, std::move(message)});
   }
   bool empty() const {

@@ -219,7 +219,7 @@ void ShardGroup::Drain(absl::Time now, GroupEffects& fx) {
     fx.Decide(GroupEffects::kEveryMember, std::move(pd));
     Resolve(it);
     for (const auto& t : transitions) {
-      fx.Record("info", TransitionKind(t.what), -1, absl::StrCat("module '", t.module, "': ", t.detail));
+      fx.Record(Severity::kInfo, TransitionKind(t.what), -1, absl::StrCat("module '", t.module, "': ", t.detail));
     }
   }
 }
@@ -239,7 +239,7 @@ void ShardGroup::FailMicrobatch(const MicrobatchKey& key, const absl::Status& wh
   if (it == pending.end()) return;
   fx.Send(GroupEffects::kEveryMember, MicrobatchFailed(key, why));
   Resolve(it);
-  fx.Record("error", EventKind::kMicrobatchFailed, -1, std::string(why.message()));
+  fx.Record(Severity::kError, EventKind::kMicrobatchFailed, -1, std::string(why.message()));
 }
 
 void ShardGroup::ExpirePlans(absl::Time now, GroupEffects& fx) {
@@ -267,7 +267,7 @@ void ShardGroup::TakeHeartbeat(int idx, const HeartbeatReport& heartbeat, absl::
   m.decision_stalls.Take(heartbeat.decision_stalls);
   m.decision_stall_us.Take(heartbeat.decision_stall_us);
   if (std::string moved = TakeCosts(idx, heartbeat, now); !moved.empty()) {
-    fx.Record("info", EventKind::kGroupCostModel, m.rank,
+    fx.Record(Severity::kInfo, EventKind::kGroupCostModel, m.rank,
               absl::StrCat("cost model from the members' measures: ", moved));
   }
   if (heartbeat.memory.empty()) return;

@@ -39,7 +39,7 @@ void ShardGroup::UpdateState(GroupEffects& fx) {
     state = v1::GROUP_STATE_HEALTHY;
     formed = true;
     const int64_t min_budget = SetPromotionBudget();
-    fx.Record("info", EventKind::kGroupFormed, -1,
+    fx.Record(Severity::kInfo, EventKind::kGroupFormed, -1,
               absl::StrCat("ranks ", RankList(ranks), " policy=", PolicyName(engine->config().policy),
                            " fallback=", FallbackName(engine->config().fallback),
                            " min_memory_budget_bytes=", min_budget));
@@ -54,7 +54,7 @@ void ShardGroup::UpdateState(GroupEffects& fx) {
     }
     state = v1::GROUP_STATE_HEALTHY;
     formed = true;
-    fx.Record("info", EventKind::kGroupReformed, -1, absl::StrCat("epoch ", epoch, " ranks ", RankList(ranks)));
+    fx.Record(Severity::kInfo, EventKind::kGroupReformed, -1, absl::StrCat("epoch ", epoch, " ranks ", RankList(ranks)));
   }
 }
 
@@ -134,7 +134,7 @@ std::string ShardGroup::Fail(int idx, const std::string& full, GroupEffects& fx)
   pending.clear();
   UpdateState(fx);
   std::string reason = gf->reason();
-  fx.Record("error", EventKind::kGroupFailed, ranks[idx],
+  fx.Record(Severity::kError, EventKind::kGroupFailed, ranks[idx],
             absl::StrCat(reason, "; cancelled ", gf->cancelled_size(), " pending microbatches"));
   fx.Send(GroupEffects::kEveryMember, std::move(msg));
   return reason;
@@ -149,7 +149,7 @@ void ShardGroup::StartRecovery(absl::Time now, GroupEffects& fx) {
   const absl::Duration window = rules_.options->recovery_window;
   state = v1::GROUP_STATE_RECOVERING;
   recovery_deadline = now + window;
-  fx.Record("warning", EventKind::kGroupRecovering, -1,
+  fx.Record(Severity::kWarning, EventKind::kGroupRecovering, -1,
             absl::StrCat("a rank resumed after a coordinator restart: the group waits up to ",
                          absl::ToInt64Milliseconds(window), " ms for its members to report what they hold"));
 }
@@ -210,7 +210,7 @@ void ShardGroup::FinishRecovery(absl::Time now, GroupEffects& fx) {
                                                      "holds it any more)"))));
   }
   fx.recovered = true;
-  fx.Record("info", EventKind::kGroupRecovered, -1, Recovered(epoch, rec));
+  fx.Record(Severity::kInfo, EventKind::kGroupRecovered, -1, Recovered(epoch, rec));
   ReplayPlans(rec.undecided, now, fx);
   auto deferred = std::move(deferred_plans);
   deferred_plans.clear();
@@ -249,7 +249,7 @@ void ShardGroup::FailRecovery(const std::string& why, GroupEffects& fx) {
   pending.clear();
   deferred_plans.clear();
   fx.Send(GroupEffects::kEveryMember, GroupFailed(why));
-  fx.Record("error", EventKind::kGroupRecoveryFailed, -1, why);
+  fx.Record(Severity::kError, EventKind::kGroupRecoveryFailed, -1, why);
   // Every member is live: the group re-forms at once in a new epoch, keys start afresh.
   UpdateState(fx);
   fx.Send(GroupEffects::kEveryMember, Reformed(index, epoch, "after its recovery failed"));
@@ -283,7 +283,7 @@ std::vector<int> ShardGroup::ExpireRecovery(absl::Time now, std::string* why, st
   recovery_deadline = absl::InfiniteFuture();
   deferred_plans.clear();
   DropResumes();
-  fx.Record("error", EventKind::kRecoveryExpired, -1, *why);
+  fx.Record(Severity::kError, EventKind::kRecoveryExpired, -1, *why);
   for (int r : missing) {
     member(r).state = v1::RANK_STATE_DEAD;
     member(r).dead_reason = *each;

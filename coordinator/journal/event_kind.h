@@ -8,6 +8,12 @@
 
 namespace shardcoord::coordinator {
 
+// How much an event matters: its log level, and the journal's `severity` column.
+enum class Severity { kInfo, kWarning, kError };
+constexpr const char* SeverityName(Severity s) {
+  return s == Severity::kError ? "error" : s == Severity::kWarning ? "warning" : "info";
+}
+
 // X(enumerator, name as journaled): the one definition of every kind.
 #define SHARDCOORD_EVENT_KINDS(X)                                 \
   X(kDaemonStarted, "daemon_started")                             \

@@ -49,7 +49,7 @@ void DefCheckedOptions(py::class_<WorkerOptions>& cls) {
           "fallback",
           [](const WorkerOptions& o) { return o.fallback == Fallback::kUnspecified ? "" : FallbackName(o.fallback); },
           [](WorkerOptions& o, const std::string& name) { o.fallback = FallbackFromName(name); },
-          "root or replicate; \"\": the coordinator's default")
+          "root, replicate or padded; \"\": the coordinator's default")
       .def_property(
           "lookahead", [](const WorkerOptions& o) { return o.lookahead; },
           [](WorkerOptions& o, int v) {

@@ -831,6 +831,13 @@ TEST_F(InProcessTest, PlanAheadKeepsTheWindowFullAndReturnsDecisionsInOrder) {
   }
   auto after = a0.Next(kDecisionTimeout);
   EXPECT_EQ(after.status().code(), absl::StatusCode::kFailedPrecondition);
+  // A lookahead beyond the group's window (4), or below one, is refused as Python refuses it.
+  for (int bad : {5, -1}) {
+    PlanAhead wide(*w0, kTotal, plan_of, bad);
+    auto refused = wide.Next(kDecisionTimeout);
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_THAT(std::string(refused.status().message()), ::testing::HasSubstr("must be in 1..4"));
+  }
 }
 
 // ---------------------------------------------------------------------------------------

@@ -397,7 +397,7 @@ TEST_F(ShardGroupTest, AMicrobatchOneMemberNeverReportsFailsAfterThePlanTimeoutN
   EXPECT_EQ(f.code(), static_cast<int>(absl::StatusCode::kDeadlineExceeded));
   EXPECT_THAT(f.message(), HasSubstr("from ranks 3 (ranks 2 reported it)"));
   EXPECT_THAT(EventNames(fx), ElementsAre("microbatch_failed"));
-  EXPECT_STREQ(fx.events[0].severity, "error");
+  EXPECT_EQ(fx.events[0].severity, Severity::kError);
   EXPECT_EQ(fx.decided, 0);
   EXPECT_THAT(group_->pending, IsEmpty());
   EXPECT_EQ(group_->PendingOf(0), 0) << "rank 2's window is free again";
@@ -592,7 +592,7 @@ TEST_F(ShardGroupTest, ARecoveringGroupDefersPlansAndFailsTheMembersNotBackByIts
   EXPECT_EQ(group_->state, v1::GROUP_STATE_RECOVERING);
   EXPECT_EQ(group_->recovery_deadline, kT0 + options_.recovery_window);
   EXPECT_THAT(EventNames(started), ElementsAre("group_recovering"));
-  EXPECT_STREQ(started.events[0].severity, "warning");
+  EXPECT_EQ(started.events[0].severity, Severity::kWarning);
   EXPECT_THAT(started.messages, IsEmpty());
 
   GroupEffects deferred = TakePlans(0, {Plan(0, 0, 1), Plan(0, 1, 1)}, kT0 + absl::Seconds(1));

@@ -10,9 +10,15 @@ PlanAhead::PlanAhead(Worker& worker, int64_t total, PlanFn plan_of, int lookahea
     : worker_(worker),
       total_(total),
       plan_of_(std::move(plan_of)),
-      lookahead_(std::max(1, lookahead > 0 ? lookahead : worker.group().lookahead)) {}
+      lookahead_(lookahead != 0 ? lookahead : worker.group().lookahead) {}
 
 absl::StatusOr<MicrobatchDecision> PlanAhead::Next(absl::Duration timeout) {
+  // As Python's PlanAhead: more plans ahead than the window would be refused by the worker,
+  // fewer than one would report none; said at the first call (a constructor returns no error).
+  if (const int window = worker_.group().lookahead; lookahead_ < 1 || lookahead_ > window) {
+    return absl::InvalidArgumentError(absl::StrCat("PlanAhead: lookahead ", lookahead_, " must be in 1..", window,
+                                                   " (the group's lookahead window, as registered)"));
+  }
   if (done()) {
     return absl::FailedPreconditionError(
         absl::StrCat("PlanAhead: all ", total_, " microbatches were already returned"));

@@ -479,7 +479,7 @@ void Worker::Impl::WriterLoop() {
       // first).
       const bool measures = memory_dirty_ || CostsDue();
       if (heartbeat_due || measures || !ready_acks_.empty() || !outbox_.empty()) {
-        // Everything queued, in one message (DESIGN 9, "Messages").
+        // Everything queued, in one message (DESIGN 7, "Messages").
         auto* bundle = msg.mutable_bundle();
         if (heartbeat_due || measures) {
           FillHeartbeat(bundle->mutable_heartbeat());

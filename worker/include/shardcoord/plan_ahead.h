@@ -33,13 +33,14 @@ class SHARDCOORD_EXPORT PlanAhead {
   // The plan of the i-th microbatch (0 <= i < total), keys increasing with i.
   using PlanFn = std::function<MicrobatchPlan(int64_t index)>;
 
-  // `lookahead` 0 takes the group's (as registered).
+  // `lookahead` 0 takes the group's (as registered); another value must be in 1..the group's
+  // (Next says INVALID_ARGUMENT otherwise, as Python's PlanAhead does at construction).
   PlanAhead(Worker& worker, int64_t total, PlanFn plan_of, int lookahead = 0);
 
   // Reports the plans up to `lookahead` microbatches past the next one, then waits at most
   // `timeout` for the next microbatch's decision, and moves on. Errors: the worker's
-  // (ReportPlan's or GetDecision's, with the key in the message); FAILED_PRECONDITION
-  // after the last microbatch.
+  // (ReportPlan's or GetDecision's, with the key in the message); INVALID_ARGUMENT for a
+  // lookahead outside the group's window; FAILED_PRECONDITION after the last microbatch.
   absl::StatusOr<MicrobatchDecision> Next(absl::Duration timeout);
 
   bool done() const { return next_ >= total_; }
