@@ -114,13 +114,13 @@ void CoordinatorCore::Apply(Job& job, ShardGroup& group, GroupEffects& fx) {
       log->warn("{}", line);
     });
   }
-  fx = GroupEffects{};
+  fx.Clear();
 }
 
 void CoordinatorCore::Flush(ShardGroup& group) {
   for (Member& m : group.members) {
     if (m.outgoing.has_decisions() && m.outgoing.decisions().decisions_size() > 0) {
-      SinkSend(m, m.outgoing);
+      SinkSend(m, std::move(m.outgoing));
       m.outgoing.Clear();
     }
   }
@@ -130,17 +130,17 @@ void CoordinatorCore::SendTo(Member& m, const v1::CoordinatorMessage& msg) {
   if (m.state != v1::RANK_STATE_LIVE || !m.sink) return;
   // Decisions batched so far go first: the rank sees messages in the order produced.
   if (m.outgoing.has_decisions() && m.outgoing.decisions().decisions_size() > 0) {
-    SinkSend(m, m.outgoing);
+    SinkSend(m, std::move(m.outgoing));
     m.outgoing.Clear();
   }
   SinkSend(m, msg);
 }
 
-void CoordinatorCore::SinkSend(Member& m, const v1::CoordinatorMessage& msg) {
+void CoordinatorCore::SinkSend(Member& m, v1::CoordinatorMessage msg) {
   if (!m.sink || !m.cut_reason.empty()) return;
   // Refused: the rank is not reading. Tick fails it (not here: we may be deep inside a
   // group's state change); until then nothing more is queued for it.
-  if (absl::Status s = m.sink->Send(msg); !s.ok()) {
+  if (absl::Status s = m.sink->Send(std::move(msg)); !s.ok()) {
     m.cut_reason = std::string(s.message());
     return;
   }

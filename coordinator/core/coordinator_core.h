@@ -212,7 +212,7 @@ class CoordinatorCore {
   void Flush(ShardGroup& group) ABSL_SHARED_LOCKS_REQUIRED(mu_);
   void SendTo(Member& member, const v1::CoordinatorMessage& msg) ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Sends through the member's sink; a refused send sets Member::cut_reason.
-  void SinkSend(Member& member, const v1::CoordinatorMessage& msg) ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  void SinkSend(Member& member, v1::CoordinatorMessage msg) ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Register's steps (DESIGN 3, "Registration"; DESIGN 8 for the group it joins).
   // The checks that need no state, first: a malformed request changes nothing.
   absl::Status CheckRequestAlone(const Registration& req) const;

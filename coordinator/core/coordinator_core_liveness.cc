@@ -55,7 +55,7 @@ void CoordinatorCore::TakeHeartbeat(Job& job, ShardGroup& group, Member& m, cons
 }
 
 void CoordinatorCore::TakePlans(Job& job, ShardGroup& group, Member& m, const PlanBatchReport& batch) {
-  GroupEffects fx;
+  GroupEffects& fx = group.effects;  // Reused: Apply empties it, keeping its room.
   group.TakePlans(group.IndexOf(m.rank), batch, clock_->Now(), fx);
   Apply(job, group, fx);
 }
@@ -101,7 +101,7 @@ void CoordinatorCore::RemoveMember(Job& job, Member& m, Leaving how, const std::
   }
   if (m.sink) {
     if (m.outgoing.has_decisions()) {
-      SinkSend(m, m.outgoing);
+      SinkSend(m, std::move(m.outgoing));
       m.outgoing.Clear();
     }
     m.sink->Close(clean ? absl::OkStatus() : absl::AbortedError(full));

@@ -52,6 +52,16 @@ struct GroupEffects {
   void Record(Severity severity, EventKind kind, int rank, std::string message) {
     events.push_back({severity, kind, rank, std::move(message)});
   }
+  // Empties it for the next operation, keeping the vectors' room: the plan path reuses one per
+  // group (ShardGroup::effects), so a decision costs no allocation of this list.
+  void Clear() {
+    messages.clear();
+    events.clear();
+    warnings.clear();
+    decision_latencies.clear();
+    plans_accepted = decided = 0;
+    recovered = false;
+  }
   bool empty() const {
     return messages.empty() && events.empty() && warnings.empty() && decision_latencies.empty() &&
            plans_accepted == 0 && decided == 0 && !recovered;

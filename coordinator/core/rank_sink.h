@@ -17,7 +17,8 @@ class RankSink {
   // queue is over its bound or the daemon's buffers are full while the rank holds a large
   // share of them (it does not read its stream): the core then fails the rank with that
   // message.
-  virtual absl::Status Send(const v1::CoordinatorMessage& msg) = 0;
+  // Takes `msg` (moved in where the caller is done with it: no copy on the hot path).
+  virtual absl::Status Send(v1::CoordinatorMessage msg) = 0;
   // Starts writing what Send queued, if no write is in flight. The core calls it after
   // releasing its mutex, once per call that queued something for the rank: starting a
   // network write is the costly part of sending, and must not hold up every other rank.

@@ -43,6 +43,46 @@ void Field(std::string* out, const std::string& value) { absl::StrAppend(out, va
 
 }  // namespace
 
+struct ResumeAuthority::Pads {
+  EVP_MD_CTX* inner = EVP_MD_CTX_new();  // SHA-256 after (key ^ ipad).
+  EVP_MD_CTX* outer = EVP_MD_CTX_new();  // SHA-256 after (key ^ opad).
+  ~Pads() {
+    EVP_MD_CTX_free(inner);
+    EVP_MD_CTX_free(outer);
+  }
+};
+
+// HMAC's definition (RFC 2104), its pads hashed once; the same bytes as OpenSSL's HMAC().
+std::shared_ptr<const ResumeAuthority::Pads> ResumeAuthority::MakePads(const std::string& key) {
+  constexpr size_t kBlock = 64;  // SHA-256's.
+  unsigned char k[kBlock] = {};
+  if (key.size() > kBlock) {
+    SHA256(reinterpret_cast<const unsigned char*>(key.data()), key.size(), k);
+  } else {
+    std::memcpy(k, key.data(), key.size());
+  }
+  auto pads = std::make_shared<ResumeAuthority::Pads>();
+  unsigned char ipad[kBlock], opad[kBlock];
+  for (size_t i = 0; i < kBlock; ++i) {
+    ipad[i] = k[i] ^ 0x36;
+    opad[i] = k[i] ^ 0x5c;
+  }
+  if (pads->inner == nullptr || pads->outer == nullptr || EVP_DigestInit_ex(pads->inner, EVP_sha256(), nullptr) != 1 ||
+      EVP_DigestUpdate(pads->inner, ipad, kBlock) != 1 || EVP_DigestInit_ex(pads->outer, EVP_sha256(), nullptr) != 1 ||
+      EVP_DigestUpdate(pads->outer, opad, kBlock) != 1) {
+    std::abort();  // No SHA-256: nothing secure can be done.
+  }
+  OPENSSL_cleanse(k, kBlock);
+  OPENSSL_cleanse(ipad, kBlock);
+  OPENSSL_cleanse(opad, kBlock);
+  return pads;
+}
+
+ResumeAuthority::ResumeAuthority(std::string key, bool persistent)
+    : pads_(MakePads(key)), persistent_(persistent) {
+  OPENSSL_cleanse(key.data(), key.size());
+}
+
 ResumeAuthority ResumeAuthority::Ephemeral() { return ResumeAuthority(RandomBytes(kKeyBytes), false); }
 
 ResumeAuthority ResumeAuthority::ForRun(const std::string& job, const std::string& run) const {
@@ -59,10 +99,16 @@ bool ResumeAuthority::IsRunId(const std::string& run) {
 }
 
 std::string ResumeAuthority::Mac(const std::string& message) const {
-  unsigned char mac[EVP_MAX_MD_SIZE];
-  unsigned int len = 0;
-  HMAC(EVP_sha256(), key_.data(), static_cast<int>(key_.size()), reinterpret_cast<const unsigned char*>(message.data()),
-       message.size(), mac, &len);
+  unsigned char inner[EVP_MAX_MD_SIZE], mac[EVP_MAX_MD_SIZE];
+  unsigned int inner_len = 0, len = 0;
+  EVP_MD_CTX* ctx = EVP_MD_CTX_new();
+  if (ctx == nullptr || EVP_MD_CTX_copy_ex(ctx, pads_->inner) != 1 ||
+      EVP_DigestUpdate(ctx, message.data(), message.size()) != 1 || EVP_DigestFinal_ex(ctx, inner, &inner_len) != 1 ||
+      EVP_MD_CTX_copy_ex(ctx, pads_->outer) != 1 || EVP_DigestUpdate(ctx, inner, inner_len) != 1 ||
+      EVP_DigestFinal_ex(ctx, mac, &len) != 1) {
+    std::abort();  // As above: a MAC that cannot be made must not be skipped.
+  }
+  EVP_MD_CTX_free(ctx);
   return std::string(reinterpret_cast<const char*>(mac), kMacBytes);
 }
 

@@ -23,6 +23,7 @@
 #include <sys/stat.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -33,7 +34,7 @@ namespace shardcoord::coordinator {
 class ResumeAuthority {
  public:
   // `key`: at least 16 bytes; `persistent`: whether a restarted daemon has the same key.
-  ResumeAuthority(std::string key, bool persistent) : key_(std::move(key)), persistent_(persistent) {}
+  ResumeAuthority(std::string key, bool persistent);
   // A key of this process only (random).
   static ResumeAuthority Ephemeral();
 
@@ -57,8 +58,15 @@ class ResumeAuthority {
   bool CheckSeal(const std::string& job, const v1::MicrobatchDecision& d) const;
 
  private:
+  // HMAC-SHA256 of `message` under the key, truncated to 128 bits.
   std::string Mac(const std::string& message) const;
-  std::string key_;
+  // The key's two HMAC pads, each already hashed (a SHA-256 state after its 64-byte block),
+  // made once: a seal, on every decision, then costs copying those states and hashing the
+  // message, not OpenSSL's HMAC() setting up (and looking up the digest) per call. Shared
+  // between copies; read-only once made.
+  struct Pads;
+  static std::shared_ptr<const Pads> MakePads(const std::string& key);
+  std::shared_ptr<const Pads> pads_;
   bool persistent_;
 };
 

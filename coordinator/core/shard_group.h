@@ -194,6 +194,9 @@ class ShardGroup {
   std::vector<ModuleSpec> modules;
   absl::flat_hash_map<std::string, int> module_index;
   std::unique_ptr<DecisionEngine> engine;  // Owns the group's one seq, for every policy.
+  // The plan path's effects, reused from one batch to the next (CoordinatorCore::TakePlans):
+  // empty between operations, its vectors keeping their room.
+  GroupEffects effects;
   std::map<MicrobatchKey, PendingMicrobatch> pending;
   std::optional<MicrobatchKey> last_resolved;  // Decided or failed.
   std::optional<MicrobatchKey> last_decided;

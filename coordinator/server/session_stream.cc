@@ -76,7 +76,7 @@ class SessionSink final : public RankSink {
   // Queues only (the core calls it under its mutex); refuses once more than max_bytes are
   // queued, or the daemon's buffers are full and this rank holds more than a short queue:
   // the rank does not read.
-  absl::Status Send(const v1::CoordinatorMessage& msg) override;
+  absl::Status Send(v1::CoordinatorMessage msg) override;
   // Starts the write of what is queued (the core calls it after unlocking).
   void Kick() override {
     absl::MutexLock lock(&mu_);
@@ -347,7 +347,7 @@ void SessionCall::OnFirstMessage() {
   Read();
 }
 
-absl::Status SessionSink::Send(const v1::CoordinatorMessage& msg) {
+absl::Status SessionSink::Send(v1::CoordinatorMessage msg) {
   const size_t size = msg.ByteSizeLong();
   const int64_t cost = QueuedMessageCost(static_cast<int64_t>(size));
   absl::MutexLock lock(&mu_);
@@ -374,7 +374,7 @@ absl::Status SessionSink::Send(const v1::CoordinatorMessage& msg) {
           "its decisions"));
     }
   }
-  queue_.emplace_back(msg, size);
+  queue_.emplace_back(std::move(msg), size);
   queue_.back().first.set_incarnation(incarnation_);
   queued_bytes_ += static_cast<int64_t>(size);
   charged_ += cost;

@@ -43,7 +43,7 @@ class FakeClock final : public Clock {
 // Records what the core sends to one rank.
 class RecordingSink final : public RankSink {
  public:
-  absl::Status Send(const v1::CoordinatorMessage& msg) override {
+  absl::Status Send(v1::CoordinatorMessage msg) override {
     if (refuse) return absl::ResourceExhaustedError("not reading its session stream (test sink refuses)");
     messages.push_back(msg);
     return absl::OkStatus();

@@ -2,6 +2,8 @@
 // (coordinator/recovery.h) and CoordinatorCore rebuilding groups from resuming ranks, with
 // recording sinks and a fake clock.
 #include <gmock/gmock.h>
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
 #include <gtest/gtest.h>
 
 #include "coordinator/core/coordinator_core.h"
@@ -18,6 +20,8 @@
 
 #include "coordinator/core/resume_auth.h"
 #include "coordinator/core/run_pins.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
 #include "shardcoord/decide.h"
 #include "shardcoord/proto/convert.h"
 #include "support/core_fakes.h"
@@ -757,6 +761,27 @@ TEST_F(PinnedRecoveryTest, AResumeIntoAnEndedJobOfItsRunContinuesThatRunAndNoOth
   // ...the run's own does, and the run goes on.
   ASSERT_TRUE(Register(Resume(1, true)).ok());
   EXPECT_EQ(RunOf(1), kRun);
+}
+
+// The MAC is HMAC-SHA256 as RFC 2104 and OpenSSL's HMAC() make it (its pads are hashed once
+// per key, not per call): a daemon upgraded across that change still verifies what the one
+// before it sealed. Keys of 16, 32 and (hashed first) 100 bytes.
+TEST(ResumeAuthorityTest, TheCredentialIsStandardHmacSha256) {
+  for (size_t key_bytes : {16, 32, 100}) {
+    std::string key(key_bytes, '\0');
+    for (size_t i = 0; i < key.size(); ++i) key[i] = static_cast<char>(i * 7 + 1);
+    const ResumeAuthority auth(key, true);
+    std::string message = "shardcoord resume credential 2;";
+    for (const std::string& f : {std::string("job"), std::string("3"), std::string("900"), std::string("12")}) {
+      absl::StrAppend(&message, f.size(), ":", f, ";");
+    }
+    unsigned char mac[EVP_MAX_MD_SIZE];
+    unsigned int len = 0;
+    HMAC(EVP_sha256(), key.data(), static_cast<int>(key.size()), reinterpret_cast<const unsigned char*>(message.data()),
+         message.size(), mac, &len);
+    EXPECT_EQ(auth.Credential("job", 3, 900, 12), absl::BytesToHexString(std::string(reinterpret_cast<char*>(mac), 16)))
+        << key_bytes << "-byte key";
+  }
 }
 
 // The resume key file is checked as the TLS key is (issue 44, item 6): what another user, a link
