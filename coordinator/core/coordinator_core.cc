@@ -83,20 +83,27 @@ Member* CoordinatorCore::LiveMember(uint64_t session_id, Job** job) {
 void CoordinatorCore::Apply(Job& job, ShardGroup& group, GroupEffects& fx) {
   if (fx.empty()) return;  // Most heartbeats: no scan of the members.
   bool batched = false;
-  const auto deliver = [&](Member& m, const GroupEffects::Message& out) ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+  // `last`: no other member gets this decision, so it is moved, not copied (a decision to
+  // every member of a group of G costs G - 1 copies).
+  const auto deliver = [&](Member& m, GroupEffects::Message& out, bool last) ABSL_SHARED_LOCKS_REQUIRED(mu_) {
     if (!out.decision) {
       SendTo(m, out.message);
     } else if (m.live() && m.sink) {
-      *m.outgoing.mutable_decisions()->add_decisions() = *out.decision;
+      auto* to = m.outgoing.mutable_decisions()->add_decisions();
+      if (last) {
+        *to = std::move(*out.decision);
+      } else {
+        *to = *out.decision;
+      }
       batched = true;
     }
   };
-  for (const GroupEffects::Message& out : fx.messages) {
+  for (GroupEffects::Message& out : fx.messages) {
     if (out.member != GroupEffects::kEveryMember) {
-      deliver(group.members[out.member], out);
+      deliver(group.members[out.member], out, /*last=*/true);
       continue;
     }
-    for (Member& m : group.members) deliver(m, out);
+    for (size_t i = 0; i < group.members.size(); ++i) deliver(group.members[i], out, i + 1 == group.members.size());
   }
   if (batched) Flush(group);
   job.plans_received += fx.plans_accepted;
