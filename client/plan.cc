@@ -13,7 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "coordinator/core/decision_engine.h"
+#include "coordinator/engine/decision_engine.h"
 
 namespace shardcoord::client {
 

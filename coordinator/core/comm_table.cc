@@ -7,7 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "coordinator/core/invariant.h"
-#include "coordinator/core/text.h"
+#include "coordinator/engine/text.h"
 
 namespace shardcoord::coordinator {
 namespace {

@@ -14,7 +14,7 @@
 #include "coordinator/core/daemon_metrics.h"
 #include "coordinator/core/registration.h"
 #include "coordinator/core/secrets.h"
-#include "coordinator/core/text.h"
+#include "coordinator/engine/text.h"
 #include "shardcoord/decide.h"
 #include "shardcoord/internal/logging.h"
 #include "shardcoord/proto/convert.h"

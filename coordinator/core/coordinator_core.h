@@ -43,7 +43,7 @@
 #include "coordinator/core/clock.h"
 #include "coordinator/core/comm_table.h"
 #include "coordinator/core/core_mutex.h"
-#include "coordinator/core/decision_engine.h"
+#include "coordinator/engine/decision_engine.h"
 #include "coordinator/core/job_table.h"
 #include "coordinator/core/rank_sink.h"
 #include "coordinator/core/resume_auth.h"

@@ -7,7 +7,7 @@
 #include "coordinator/core/coordinator_core.h"
 #include "coordinator/core/daemon_metrics.h"
 #include "coordinator/core/secrets.h"
-#include "coordinator/core/text.h"
+#include "coordinator/engine/text.h"
 #include "shardcoord/decide.h"
 #include "shardcoord/proto/convert.h"
 #include "shardcoord/version.h"

@@ -6,7 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "coordinator/core/coordinator_core.h"
 #include "coordinator/core/daemon_metrics.h"
-#include "coordinator/core/text.h"
+#include "coordinator/engine/text.h"
 #include "shardcoord/decide.h"
 #include "shardcoord/internal/logging.h"
 #include "shardcoord/proto/convert.h"

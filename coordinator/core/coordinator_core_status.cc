@@ -3,7 +3,7 @@
 // own mutex in turn (communicators change only under the lock held exclusively).
 #include "absl/strings/str_cat.h"
 #include "coordinator/core/coordinator_core.h"
-#include "coordinator/core/text.h"
+#include "coordinator/engine/text.h"
 #include "shardcoord/proto/convert.h"
 #include "shardcoord/version.h"
 

@@ -6,7 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "coordinator/core/text.h"
+#include "coordinator/engine/text.h"
 #include "shardcoord/decide.h"
 #include "shardcoord/plan_check.h"
 #include "shardcoord/proto/convert.h"

@@ -14,7 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "coordinator/core/resume_auth.h"
-#include "coordinator/core/text.h"
+#include "coordinator/engine/text.h"
 
 namespace shardcoord::coordinator {
 namespace {

@@ -28,7 +28,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "coordinator/core/buffer_budget.h"
-#include "coordinator/core/decision_engine.h"
+#include "coordinator/engine/decision_engine.h"
 #include "coordinator/core/group_effects.h"
 #include "coordinator/core/registration.h"
 #include "coordinator/core/resume_auth.h"

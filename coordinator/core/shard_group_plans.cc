@@ -5,7 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "coordinator/core/invariant.h"
 #include "coordinator/core/shard_group.h"
-#include "coordinator/core/text.h"
+#include "coordinator/engine/text.h"
 #include "shardcoord/plan_check.h"
 #include "shardcoord/proto/convert.h"
 

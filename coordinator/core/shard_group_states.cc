@@ -8,9 +8,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "coordinator/core/invariant.h"
-#include "coordinator/core/recovery.h"
+#include "coordinator/engine/recovery.h"
 #include "coordinator/core/shard_group.h"
-#include "coordinator/core/text.h"
+#include "coordinator/engine/text.h"
 #include "shardcoord/proto/convert.h"
 
 namespace shardcoord::coordinator {

@@ -3,7 +3,7 @@
 // answers). Read-only; the caller holds the group.
 #include "absl/strings/str_cat.h"
 #include "coordinator/core/shard_group.h"
-#include "coordinator/core/text.h"
+#include "coordinator/engine/text.h"
 #include "shardcoord/proto/convert.h"
 #include "shardcoord/version.h"
 

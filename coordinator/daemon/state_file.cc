@@ -6,7 +6,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "coordinator/core/text.h"
+#include "coordinator/engine/text.h"
 #include "shardcoord/internal/logging.h"
 
 namespace shardcoord::coordinator {

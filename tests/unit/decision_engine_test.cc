@@ -1,7 +1,7 @@
 // Unit tests of the coordinator's DecisionEngine: sequence numbers and digests, the pure
 // rule per module, sticky replication after a divergence with fallback replicate, and
 // `auto` promotion / demotion (coordinator/options.h PromotionOptions).
-#include "coordinator/core/decision_engine.h"
+#include "coordinator/engine/decision_engine.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>

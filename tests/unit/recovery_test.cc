@@ -7,7 +7,7 @@
 #include <gtest/gtest.h>
 
 #include "coordinator/core/coordinator_core.h"
-#include "coordinator/core/recovery.h"
+#include "coordinator/engine/recovery.h"
 #include "coordinator/core/registration.h"
 #include "coordinator/daemon/state_file.h"
 #include "support/test_env.h"

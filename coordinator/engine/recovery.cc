@@ -1,9 +1,9 @@
-#include "coordinator/core/recovery.h"
+#include "coordinator/engine/recovery.h"
 
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
-#include "coordinator/core/text.h"
+#include "coordinator/engine/text.h"
 #include "shardcoord/proto/convert.h"
 
 namespace shardcoord::coordinator {

@@ -1,6 +1,6 @@
 // Text helpers for the coordinator's messages and logs.
-#ifndef SHARDCOORD_COORDINATOR_CORE_TEXT_H_
-#define SHARDCOORD_COORDINATOR_CORE_TEXT_H_
+#ifndef SHARDCOORD_COORDINATOR_ENGINE_TEXT_H_
+#define SHARDCOORD_COORDINATOR_ENGINE_TEXT_H_
 
 #include <cstdint>
 #include <string>
@@ -37,4 +37,4 @@ inline std::string NameList(const std::vector<std::string>& names) { return Name
 
 }  // namespace shardcoord::coordinator
 
-#endif  // SHARDCOORD_COORDINATOR_CORE_TEXT_H_
+#endif  // SHARDCOORD_COORDINATOR_ENGINE_TEXT_H_

@@ -18,8 +18,8 @@
 //   have paid for building it; demoted when it no longer would, or no longer fits.
 //
 // Not thread-safe: the owner (the coordinator's group state) serializes calls.
-#ifndef SHARDCOORD_COORDINATOR_CORE_DECISION_ENGINE_H_
-#define SHARDCOORD_COORDINATOR_CORE_DECISION_ENGINE_H_
+#ifndef SHARDCOORD_COORDINATOR_ENGINE_DECISION_ENGINE_H_
+#define SHARDCOORD_COORDINATOR_ENGINE_DECISION_ENGINE_H_
 
 #include <cstdint>
 #include <deque>
@@ -128,4 +128,4 @@ class DecisionEngine {
 
 }  // namespace shardcoord::coordinator
 
-#endif  // SHARDCOORD_COORDINATOR_CORE_DECISION_ENGINE_H_
+#endif  // SHARDCOORD_COORDINATOR_ENGINE_DECISION_ENGINE_H_

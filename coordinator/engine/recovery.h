@@ -6,8 +6,8 @@
 // group (it must never happen, and is detected); a key nobody holds is decided afresh, once
 // every member has reported (the caller's ordinary rule). `auto`'s sticky state is rebuilt
 // from the newest binding decision.
-#ifndef SHARDCOORD_COORDINATOR_CORE_RECOVERY_H_
-#define SHARDCOORD_COORDINATOR_CORE_RECOVERY_H_
+#ifndef SHARDCOORD_COORDINATOR_ENGINE_RECOVERY_H_
+#define SHARDCOORD_COORDINATOR_ENGINE_RECOVERY_H_
 
 #include <cstdint>
 #include <map>
@@ -51,4 +51,4 @@ GroupRecovery PlanGroupRecovery(int group, const std::vector<MemberResume>& memb
 
 }  // namespace shardcoord::coordinator
 
-#endif  // SHARDCOORD_COORDINATOR_CORE_RECOVERY_H_
+#endif  // SHARDCOORD_COORDINATOR_ENGINE_RECOVERY_H_

@@ -1,4 +1,4 @@
-#include "coordinator/core/decision_engine.h"
+#include "coordinator/engine/decision_engine.h"
 
 #include <algorithm>
 
