@@ -19,6 +19,8 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <functional>
 #include <fstream>
 #include <iostream>
 #include <limits>
@@ -163,9 +165,24 @@ int ColumnWidth(const Rows& rows, size_t min, Text text) {
   return static_cast<int>(min);
 }
 
+using shardcoord::CountOf;
+using shardcoord::Decision;
+using shardcoord::DecisionName;
+using shardcoord::kDecisions;
+
 void PrintCounts(const v1::DecisionCounts& c) {
-  std::cout << absl::StrFormat("  decisions: per_layer %d  skip %d  root %d  replicate %d  padded %d  (divergent %d)\n",
-                               c.per_layer(), c.skip(), c.root(), c.replicate(), c.padded(), c.divergent());
+  std::cout << "  decisions:";
+  for (Decision d : kDecisions) std::cout << "  " << DecisionName(d) << " " << CountOf(c, d);
+  std::cout << "  (divergent " << c.divergent() << ")\n";
+}
+
+// The kinds' columns (decisions.def), upper-case names, each at least 7 wide.
+std::string KindColumns(const std::function<std::string(Decision)>& cell) {
+  std::string out;
+  for (Decision d : kDecisions) {
+    absl::StrAppend(&out, absl::StrFormat(" %*s", std::max<int>(7, static_cast<int>(strlen(DecisionName(d)))), cell(d)));
+  }
+  return out;
 }
 
 int CmdStatus(Client& c, const std::string& job, bool json) {
@@ -246,18 +263,18 @@ int CmdGroups(Client& c, const std::string& job, bool json) {
     std::cout << ToJson(resp) << "\n";
     return kExitOk;
   }
-  std::cout << absl::StrFormat("%-10s %5s %-16s %-9s %5s %7s %7s %9s %7s %7s %9s %7s %9s  %s\n", "JOB",
-                               "GROUP", "RANKS", "STATE", "EPOCH", "SEQ", "PENDING", "PER_LAYER",
-                               "SKIP", "ROOT", "REPLICATE", "PADDED", "DIVERGENT", "REPLICATED / REASON");
+  std::cout << absl::StrFormat("%-10s %5s %-16s %-9s %5s %7s %7s", "JOB", "GROUP", "RANKS", "STATE", "EPOCH", "SEQ",
+                               "PENDING")
+            << KindColumns([](Decision d) { return absl::AsciiStrToUpper(DecisionName(d)); })
+            << absl::StrFormat(" %9s  %s\n", "DIVERGENT", "REPLICATED / REASON");
   for (const auto& g : resp.groups()) {
     std::string note = absl::StrJoin(g.promoted_modules(), ",");
     if (!g.failure_reason().empty()) note += (note.empty() ? "" : " / ") + g.failure_reason();
-    std::cout << absl::StrFormat("%-10s %5d %-16s %-9s %5d %7d %7d %9d %7d %7d %9d %7d %9d  %s\n", g.job_id(),
-                                 g.group(), absl::StrJoin(g.ranks(), ","),
-                                 shardcoord::StateName(g.state()), g.epoch(),
-                                 g.next_seq(), g.pending_microbatches(), g.counts().per_layer(),
-                                 g.counts().skip(), g.counts().root(), g.counts().replicate(),
-                                 g.counts().padded(), g.counts().divergent(), note);
+    std::cout << absl::StrFormat("%-10s %5d %-16s %-9s %5d %7d %7d", g.job_id(), g.group(),
+                                 absl::StrJoin(g.ranks(), ","), shardcoord::StateName(g.state()), g.epoch(),
+                                 g.next_seq(), g.pending_microbatches())
+              << KindColumns([&](Decision d) { return absl::StrCat(CountOf(g.counts(), d)); })
+              << absl::StrFormat(" %9d  %s\n", g.counts().divergent(), note);
   }
   return kExitOk;
 }

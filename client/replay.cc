@@ -40,6 +40,13 @@ struct RankRun {
   std::string failure;
 };
 
+// "per_layer=N skip=N ..." for every kind (decisions.def), from counts by name.
+std::string KindCounts(std::map<std::string, int64_t>& counts) {
+  std::vector<std::string> parts;
+  for (Decision d : kDecisions) parts.push_back(absl::StrCat(DecisionName(d), "=", counts[DecisionName(d)]));
+  return absl::StrJoin(parts, " ");
+}
+
 std::string DescribeModules(const MicrobatchDecision& d) {
   std::vector<std::string> parts;
   for (const auto& m : d.modules) parts.push_back(absl::StrCat(m.module, "=", DecisionName(m.decision)));
@@ -369,10 +376,8 @@ void PrintSummary(const Trace& trace, const ReplayOptions& o, const std::vector<
   for (const auto& run : runs) groups.insert(run.group);
   err << "shardctl replay: job '" << o.job_id << "': ranks " << absl::StrJoin(o.ranks, ",")
       << " in groups " << absl::StrJoin(groups, ",") << ", " << trace.keys.size()
-      << " microbatches, " << o.modules.size() << " modules; group decisions: per_layer="
-      << counts["per_layer"] << " skip=" << counts["skip"] << " root=" << counts["root"]
-      << " replicate=" << counts["replicate"] << " padded=" << counts["padded"] << " (divergent=" << counts["divergent"]
-      << "); "
+      << " microbatches, " << o.modules.size() << " modules; group decisions: " << KindCounts(counts)
+      << " (divergent=" << counts["divergent"] << "); "
       << (diverged           ? "RANKS DISAGREE"
           : failed_ranks > 0 ? absl::StrCat(failed_ranks, " of ", runs.size(),
                                             " ranks FAILED; the decisions the others received agree")
@@ -474,10 +479,11 @@ void AddPerRankLine(const std::string& line, VerifyState* state, std::ostream& e
   VerifyKey key = std::make_tuple(IntegerAt<int>(j, "group", true), IntegerAt<int64_t>(j, "step", true),
                                   IntegerAt<int32_t>(j, "microbatch", true), Printable(j.at("module").get<std::string>()));
   const std::string decision = j.at("decision").get<std::string>();
-  static const std::set<std::string> kDecisions = {"per_layer", "skip", "root", "replicate", "padded"};
-  if (kDecisions.count(decision) == 0) {
-    throw BadPerRankField(absl::StrCat("'decision' is '", Printable(decision, 64), "', not one of per_layer, skip, "
-                                       "root, replicate, padded"));
+  if (!ParseDecision(decision)) {
+    std::vector<std::string> kinds;
+    for (Decision d : kDecisions) kinds.push_back(DecisionName(d));
+    throw BadPerRankField(absl::StrCat("'decision' is '", Printable(decision, 64), "', not one of ",
+                                       absl::StrJoin(kinds, ", ")));
   }
   VerifyState::Seen s{decision, IntegerAt<uint64_t>(j, "seq"), IntegerAt<int>(j, "rank", true),
                       j.contains("calls") ? IntegerAt<int32_t>(j, "calls", true) : 0};
@@ -553,8 +559,7 @@ void PrintVerifySummary(const VerifyState& state, int64_t missing, bool complete
   std::map<std::string, int64_t> counts;
   for (const auto& [key, s] : state.seen) counts[s.decision]++;
   out << "verified " << state.seen.size() << " group decisions from ranks " << absl::StrJoin(state.ranks, ",")
-      << ": per_layer=" << counts["per_layer"] << " skip=" << counts["skip"]
-      << " root=" << counts["root"] << " replicate=" << counts["replicate"] << " padded=" << counts["padded"] << "; "
+      << ": " << KindCounts(counts) << "; "
       << (state.mismatches ? absl::StrCat(state.mismatches, " MISMATCHES")
           : missing && complete
               ? absl::StrCat(missing, " decisions MISSING from some rank's output")

@@ -175,21 +175,30 @@ Line JobLine(const v1::JobStatus& j) {
   return l;
 }
 
+// The group table's columns: its own, then a count per kind (decisions.def).
+std::vector<Column> GroupColumns() {
+  static const std::vector<std::string> kHeaders = [] {
+    std::vector<std::string> h;
+    for (Decision d : kDecisions) h.push_back(absl::AsciiStrToUpper(DecisionName(d)));
+    return h;
+  }();
+  std::vector<Column> cols = {{"GROUP", 6, false}, {"STATE", 10, false}, {"EPOCH", 6, true}, {"PENDING", 8, true}};
+  for (const std::string& h : kHeaders) cols.push_back({h.c_str(), std::max(6, static_cast<int>(h.size()) + 1), true});
+  return cols;
+}
+
 std::vector<Line> GroupRows(const WatchFrame& f, const std::string& job) {
   std::vector<std::vector<Cell>> rows;
   for (const auto& g : f.groups.groups()) {
     if (g.job_id() != job) continue;
     const std::string state = StateName(g.state());
     const auto& c = g.counts();
-    rows.push_back({{absl::StrCat(g.group())}, {state, StateColor(state)}, {absl::StrCat(g.epoch())},
-                    {absl::StrCat(g.pending_microbatches())}, {absl::StrCat(c.per_layer())},
-                    {absl::StrCat(c.skip())}, {absl::StrCat(c.root())}, {absl::StrCat(c.replicate())},
-                    {absl::StrCat(c.padded())}});
+    std::vector<Cell> row = {{absl::StrCat(g.group())}, {state, StateColor(state)}, {absl::StrCat(g.epoch())},
+                             {absl::StrCat(g.pending_microbatches())}};
+    for (Decision d : kDecisions) row.push_back({absl::StrCat(CountOf(c, d))});
+    rows.push_back(std::move(row));
   }
-  return Table({{"GROUP", 6, false}, {"STATE", 10, false}, {"EPOCH", 6, true}, {"PENDING", 8, true},
-                {"PER_LAYER", 10, true}, {"SKIP", 6, true}, {"ROOT", 6, true}, {"REPLICATE", 10, true},
-                {"PADDED", 7, true}},
-               std::move(rows), 2, true);
+  return Table(GroupColumns(), std::move(rows), 2, true);
 }
 
 // Sorted by state: what needs attention first.

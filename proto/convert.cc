@@ -1,5 +1,7 @@
 #include "shardcoord/proto/convert.h"
 
+#include <optional>
+
 #include <cctype>
 
 #include "absl/strings/str_cat.h"
@@ -8,8 +10,10 @@ namespace shardcoord {
 
 static_assert(static_cast<int>(Policy::kReplicate) == v1::POLICY_REPLICATE);
 static_assert(static_cast<int>(Fallback::kReplicate) == v1::FALLBACK_REPLICATE);
-static_assert(static_cast<int>(Decision::kReplicate) == v1::DECISION_REPLICATE);
-static_assert(static_cast<int>(Decision::kPadded) == v1::DECISION_PADDED);
+#define SHARDCOORD_DECISION(e, value, proto, name, colour) \
+  static_assert(static_cast<int>(Decision::e) == v1::proto, "decisions.def and shardcoord.v1.Decision disagree");
+#include "shardcoord/decisions.def"
+#undef SHARDCOORD_DECISION
 static_assert(static_cast<int>(Fallback::kPadded) == v1::FALLBACK_PADDED);
 static_assert(static_cast<int>(DecisionReason::kPromoted) == v1::REASON_PROMOTED);
 static_assert(static_cast<int>(DecisionReason::kCost) == v1::REASON_COST);
@@ -151,12 +155,50 @@ bool JobIsOver(const v1::JobStatus& j) {
   return j.ranks_live() == 0 && j.groups_recovering() == 0 && j.ranks_left() + j.ranks_dead() > 0;
 }
 
+namespace {
+
+// The frozen fields of DecisionCounts: the five kinds there were when by_kind came. Never
+// extended: a later kind is counted in by_kind only.
+std::optional<int64_t> FrozenCount(const v1::DecisionCounts& c, Decision d) {
+  switch (d) {
+    case Decision::kPerLayer: return c.per_layer();
+    case Decision::kSkip: return c.skip();
+    case Decision::kRoot: return c.root();
+    case Decision::kReplicate: return c.replicate();
+    case Decision::kPadded: return c.padded();
+    default: return std::nullopt;
+  }
+}
+
+void AddFrozen(Decision d, int64_t n, v1::DecisionCounts* c) {
+  switch (d) {
+    case Decision::kPerLayer: c->set_per_layer(c->per_layer() + n); break;
+    case Decision::kSkip: c->set_skip(c->skip() + n); break;
+    case Decision::kRoot: c->set_root(c->root() + n); break;
+    case Decision::kReplicate: c->set_replicate(c->replicate() + n); break;
+    case Decision::kPadded: c->set_padded(c->padded() + n); break;
+    default: break;
+  }
+}
+
+}  // namespace
+
+int64_t CountOf(const v1::DecisionCounts& c, Decision d) {
+  if (auto it = c.by_kind().find(DecisionName(d)); it != c.by_kind().end()) return it->second;
+  return FrozenCount(c, d).value_or(0);
+}
+
+void AddCount(Decision d, int64_t n, v1::DecisionCounts* c) {
+  (*c->mutable_by_kind())[DecisionName(d)] += n;
+  AddFrozen(d, n, c);
+}
+
+void FillKinds(v1::DecisionCounts* c) {
+  for (Decision d : kDecisions) (*c->mutable_by_kind())[DecisionName(d)] += 0;
+}
+
 void AddDecisionCounts(const v1::DecisionCounts& add, v1::DecisionCounts* sum) {
-  sum->set_per_layer(sum->per_layer() + add.per_layer());
-  sum->set_skip(sum->skip() + add.skip());
-  sum->set_root(sum->root() + add.root());
-  sum->set_replicate(sum->replicate() + add.replicate());
-  sum->set_padded(sum->padded() + add.padded());
+  for (Decision d : kDecisions) AddCount(d, CountOf(add, d), sum);
   sum->set_divergent(sum->divergent() + add.divergent());
 }
 

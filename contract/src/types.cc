@@ -27,14 +27,26 @@ const char* FallbackName(Fallback f) {
 
 const char* DecisionName(Decision d) {
   switch (d) {
-    case Decision::kPerLayer: return "per_layer";
-    case Decision::kSkip: return "skip";
-    case Decision::kRoot: return "root";
-    case Decision::kReplicate: return "replicate";
-    case Decision::kPadded: return "padded";
+#define SHARDCOORD_DECISION(e, value, proto, name, colour) \
+  case Decision::e:                                        \
+    return name;
+#include "shardcoord/decisions.def"
+#undef SHARDCOORD_DECISION
     case Decision::kUnspecified: break;
   }
   return "unspecified";
+}
+
+const char* DecisionColour(Decision d) {
+  switch (d) {
+#define SHARDCOORD_DECISION(e, value, proto, name, colour) \
+  case Decision::e:                                        \
+    return colour;
+#include "shardcoord/decisions.def"
+#undef SHARDCOORD_DECISION
+    case Decision::kUnspecified: break;
+  }
+  return "#000";
 }
 
 const char* DecisionReasonName(DecisionReason r) {

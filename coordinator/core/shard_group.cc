@@ -10,22 +10,18 @@
 #include "shardcoord/proto/convert.h"
 
 namespace shardcoord::coordinator {
-namespace {
 
-
-void CountDecision(const v1::ModuleDecision& md, v1::DecisionCounts* c) {
-  switch (md.decision()) {
-    case v1::DECISION_PER_LAYER: c->set_per_layer(c->per_layer() + 1); break;
-    case v1::DECISION_SKIP: c->set_skip(c->skip() + 1); break;
-    case v1::DECISION_ROOT: c->set_root(c->root() + 1); break;
-    case v1::DECISION_REPLICATE: c->set_replicate(c->replicate() + 1); break;
-    case v1::DECISION_PADDED: c->set_padded(c->padded() + 1); break;
-    default: break;
-  }
-  if (md.reason() == v1::REASON_DIVERGENT) c->set_divergent(c->divergent() + 1);
+void DecisionTally::Count(const v1::ModuleDecision& md) {
+  if (const size_t i = DecisionIndex(FromProto(md.decision())); i < kNumDecisions) by_kind[i]++;
+  if (md.reason() == v1::REASON_DIVERGENT) divergent++;
 }
 
-}  // namespace
+v1::DecisionCounts DecisionTally::ToProto() const {
+  v1::DecisionCounts out;
+  for (size_t i = 0; i < kNumDecisions; ++i) AddCount(kDecisions[i], by_kind[i], &out);
+  out.set_divergent(divergent);
+  return out;
+}
 
 ShardGroup::ShardGroup(int index, int first_rank, int size, GroupRules rules) : index(index), rules_(std::move(rules)) {
   ranks.reserve(size);
@@ -292,7 +288,7 @@ void ShardGroup::Resolve(std::map<MicrobatchKey, PendingMicrobatch>::iterator it
 }
 
 void ShardGroup::RecordDecision(const v1::MicrobatchDecision& d, int keep) {
-  for (const auto& md : d.modules()) CountDecision(md, &module_counts[md.module()]);
+  for (const auto& md : d.modules()) module_counts[md.module()].Count(md);
   last_decided = KeyOf(d);
   history.push_back(d);
   while (static_cast<int>(history.size()) > keep) history.pop_front();

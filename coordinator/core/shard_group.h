@@ -12,6 +12,7 @@
 #ifndef SHARDCOORD_COORDINATOR_CORE_SHARD_GROUP_H_
 #define SHARDCOORD_COORDINATOR_CORE_SHARD_GROUP_H_
 
+#include <array>
 #include <cstdint>
 #include <deque>
 #include <map>
@@ -120,6 +121,16 @@ struct Member {
   }
 };
 
+// One module's decisions by kind (in decisions.def order) and how many of them were for
+// divergent calls: counted on the plan path as array slots, made a DecisionCounts only when
+// an operator asks.
+struct DecisionTally {
+  std::array<int64_t, kNumDecisions> by_kind{};
+  int64_t divergent = 0;
+  void Count(const v1::ModuleDecision& md);
+  v1::DecisionCounts ToProto() const;
+};
+
 // A microbatch some members reported and the group has not resolved yet.
 struct PendingMicrobatch {
   std::vector<std::vector<int32_t>> calls;  // [module][member index]
@@ -205,7 +216,7 @@ class ShardGroup {
   std::deque<v1::MicrobatchDecision> history;
   // Decisions given, by module (every module of the manifest, from the first registration);
   // the group's totals are their sum.
-  std::map<std::string, v1::DecisionCounts> module_counts;
+  std::map<std::string, DecisionTally> module_counts;
   std::string failure_reason;
   // Whole at least once since the job (re)started in this process: a later FORMING -> HEALTHY
   // is a re-form in a new epoch.

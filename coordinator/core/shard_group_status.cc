@@ -53,7 +53,8 @@ void ShardGroup::CountInto(v1::JobStatus* js) const {
     case v1::GROUP_STATE_RECOVERING: js->set_groups_recovering(js->groups_recovering() + 1); break;
     default: js->set_groups_forming(js->groups_forming() + 1); break;
   }
-  for (const auto& [module, counts] : module_counts) AddDecisionCounts(counts, js->mutable_counts());
+  for (const auto& [module, counts] : module_counts) AddDecisionCounts(counts.ToProto(), js->mutable_counts());
+  FillKinds(js->mutable_counts());
   if (has_reference && js->modules_size() == 0) {
     // A status line, not the manifest: a job may control a thousand modules.
     for (size_t i = 0; i < modules.size() && i < kNamesInMessages; ++i) js->add_modules(modules[i].name);
@@ -70,10 +71,12 @@ void ShardGroup::Describe(v1::GroupStatus* gs) const {
   gs->set_state(state);
   gs->set_epoch(epoch);
   gs->set_pending_microbatches(static_cast<int32_t>(pending.size()));
-  for (const auto& [module, c] : module_counts) {
-    (*gs->mutable_module_counts())[module] = c;
+  for (const auto& [module, tally] : module_counts) {
+    v1::DecisionCounts& c = (*gs->mutable_module_counts())[module];
+    c = tally.ToProto();
     AddDecisionCounts(c, gs->mutable_counts());
   }
+  FillKinds(gs->mutable_counts());
   gs->set_failure_reason(failure_reason);
   if (engine) {
     gs->set_next_seq(engine->next_seq());

@@ -144,13 +144,11 @@ std::set<std::string> DetailedJobs(const v1::StatusResponse& status, int max) {
 
 void ModuleCounts(Families& f, const std::string& job, const std::string& module, const v1::DecisionCounts& c) {
   const Labels base = {{"job_id", job}, {"module", module}};
-  for (const auto& [kind, n] : std::vector<std::pair<const char*, int64_t>>{
-           {"per_layer", c.per_layer()}, {"skip", c.skip()}, {"root", c.root()}, {"replicate", c.replicate()},
-           {"padded", c.padded()}}) {
+  for (Decision kind : kDecisions) {  // Every kind of decisions.def, zero included.
     Labels l = base;
-    l.push_back({"decision", kind});
+    l.push_back({"decision", DecisionName(kind)});
     f.Counter("shardcoord_module_decisions_total", "Module decisions given, by module and kind, summed over the "
-              "job's groups", std::move(l), static_cast<double>(n));
+              "job's groups", std::move(l), static_cast<double>(CountOf(c, kind)));
   }
   f.Counter("shardcoord_divergent_decisions_total", "Module decisions made because a group's plans diverged",
             base, static_cast<double>(c.divergent()));

@@ -44,19 +44,9 @@ std::string Header(const v1::StatusResponse& s, int refresh) {
 
 std::string Chart(const std::deque<DecisionSample>& h) {
   const int w = 600, ht = 120;
-  struct Kind {
-    const char* name;
-    const char* color;
-    int64_t DecisionSample::*count;
-  };
-  const Kind kinds[] = {{"per_layer", "#2b7", &DecisionSample::per_layer},
-                        {"skip", "#999", &DecisionSample::skip},
-                        {"root", "#36c", &DecisionSample::root},
-                        {"replicate", "#c63", &DecisionSample::replicate},
-                        {"padded", "#96c", &DecisionSample::padded}};
   int64_t top = 1;
   for (const auto& p : h) {
-    for (const Kind& kind : kinds) top = std::max(top, p.*kind.count);
+    for (int64_t v : p.by_kind) top = std::max(top, v);
   }
   const double t0 = h.empty() ? 0 : h.front().unix_ms;
   const double span = h.empty() ? 1 : std::max<double>(1, h.back().unix_ms - t0);
@@ -64,16 +54,17 @@ std::string Chart(const std::deque<DecisionSample>& h) {
       "<svg class=chart id=decisions-chart width=%d height=%d role=img aria-label='module decisions over time'>"
       "<rect width=%d height=%d fill=#fafafa stroke=#ddd />",
       w + 110, ht + 20, w, ht);
-  for (size_t k = 0; k < std::size(kinds); ++k) {
+  for (size_t k = 0; k < kNumDecisions; ++k) {  // A series per kind (decisions.def).
+    const char* colour = DecisionColour(kDecisions[k]);
     std::vector<std::string> pts;
     for (const auto& p : h) {
-      const int64_t v = p.*kinds[k].count;
+      const int64_t v = p.by_kind[k];
       pts.push_back(absl::StrFormat("%.1f,%.1f", (p.unix_ms - t0) / span * w, ht - double(v) / top * (ht - 4)));
     }
-    out += absl::StrFormat("<polyline fill=none stroke='%s' stroke-width=2 points='%s'/>", kinds[k].color,
+    out += absl::StrFormat("<polyline fill=none stroke='%s' stroke-width=2 points='%s'/>", colour,
                            absl::StrJoin(pts, " "));
-    out += absl::StrFormat("<text x=%d y=%d fill='%s'>%s</text>", w + 8, 14 + 16 * int(k), kinds[k].color,
-                           kinds[k].name);
+    out += absl::StrFormat("<text x=%d y=%d fill='%s'>%s</text>", w + 8, 14 + 16 * int(k), colour,
+                           DecisionName(kDecisions[k]));
   }
   return absl::StrCat(out, absl::StrFormat("<text x=4 y=14>%d</text><text x=4 y=%d>0</text></svg>", top, ht - 4),
                       "<p class=muted>module decisions given, all jobs, cumulative</p>");
@@ -92,9 +83,9 @@ std::string ShortRanks(const google::protobuf::RepeatedField<int32_t>& ranks) {
 }
 
 std::string GroupTable(const std::string& job, const v1::ListGroupsResponse& groups) {
-  std::string out =
-      "<table class=groups><tr><th>group<th>ranks<th>state<th>epoch<th>pending<th>per_layer<th>skip<th>root"
-      "<th>replicate<th>padded<th>divergent<th>why failed</tr>";
+  std::string out = "<table class=groups><tr><th>group<th>ranks<th>state<th>epoch<th>pending";
+  for (Decision d : kDecisions) absl::StrAppend(&out, "<th>", DecisionName(d));
+  out += "<th>divergent<th>why failed</tr>";
   // At most kPageRows groups a job, the failed ones first.
   std::vector<const v1::GroupStatus*> rows, others;
   for (const auto& g : groups.groups()) {
@@ -108,10 +99,9 @@ std::string GroupTable(const std::string& job, const v1::ListGroupsResponse& gro
     const auto& c = g.counts();
     out += absl::StrCat("<tr class='group ", state == "failed" ? "failed" : "", "' data-group=", g.group(), ">",
                         Cell(std::to_string(g.group())), Cell(ShortRanks(g.ranks())), Cell(state),
-                        Cell(std::to_string(g.epoch())), Cell(std::to_string(g.pending_microbatches())),
-                        Cell(std::to_string(c.per_layer())), Cell(std::to_string(c.skip())),
-                        Cell(std::to_string(c.root())), Cell(std::to_string(c.replicate())),
-                        Cell(std::to_string(c.padded())), Cell(std::to_string(c.divergent())), Cell(g.failure_reason()), "</tr>");
+                        Cell(std::to_string(g.epoch())), Cell(std::to_string(g.pending_microbatches())));
+    for (Decision d : kDecisions) out += Cell(std::to_string(CountOf(c, d)));
+    out += absl::StrCat(Cell(std::to_string(c.divergent())), Cell(g.failure_reason()), "</tr>");
   }
   out += "</table>";
   if (rows.size() > shown) {

@@ -6,18 +6,20 @@
 #define SHARDCOORD_COORDINATOR_OPS_STATUS_PAGE_H_
 
 #include <cstdint>
+#include <array>
 #include <deque>
 #include <string>
 #include <vector>
 
 #include "coordinator/ops/metrics.h"
+#include "shardcoord/types.h"
 
 namespace shardcoord::coordinator {
 
 // Module decisions of every job, summed, at one time (the chart's points).
 struct DecisionSample {
   int64_t unix_ms = 0;
-  int64_t per_layer = 0, skip = 0, root = 0, replicate = 0, padded = 0;
+  std::array<int64_t, kNumDecisions> by_kind{};  // In decisions.def order (kDecisions).
 };
 
 struct PageInput {

@@ -19,6 +19,7 @@
 #include "absl/strings/str_split.h"
 #include "coordinator/ops/metrics.h"
 #include "shardcoord/plan_check.h"
+#include "shardcoord/proto/convert.h"
 #include "shardcoord/internal/logging.h"
 
 namespace shardcoord::coordinator {
@@ -51,11 +52,7 @@ DecisionSample Totals(const v1::ListGroupsResponse& groups) {
   DecisionSample p;
   p.unix_ms = absl::ToUnixMillis(absl::Now());
   for (const auto& g : groups.groups()) {
-    p.per_layer += g.counts().per_layer();
-    p.skip += g.counts().skip();
-    p.root += g.counts().root();
-    p.replicate += g.counts().replicate();
-    p.padded += g.counts().padded();
+    for (size_t k = 0; k < kNumDecisions; ++k) p.by_kind[k] += CountOf(g.counts(), kDecisions[k]);
   }
   return p;
 }

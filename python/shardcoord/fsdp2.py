@@ -110,7 +110,7 @@ from torch import nn
 
 from .errors import FailedPrecondition, InvalidArgument
 # Whether a module's output takes part in backward; one module's entry of a decision; padded's plan.
-from .torch._executor import _decision_of, _PadChain, _padded_plan, _requires_grad
+from .torch._placement import PadChain, decision_of, padded_plan, requires_grad
 
 if TYPE_CHECKING:  # pragma: no cover - the binding's types, looked up on first use (worker.py)
     from .integration import Session
@@ -147,7 +147,7 @@ class _Controlled:
         self.planned: Optional[int] = None  # Root, released early: this rank's planned calls.
         self.calls_done = 0  # Calls of the module in this microbatch.
         self.released = False  # Root: released after the last planned call; a further call would hang.
-        self.chain: Optional[_PadChain] = None  # The control's pad chain (set by Fsdp2Control).
+        self.chain: Optional[PadChain] = None  # The control's pad chain (set by Fsdp2Control).
 
     def pad(self, passes: int) -> None:
         """Padded: ``passes`` pad passes, each an ``unshard()`` and ``reshard()`` of every layer
@@ -216,7 +216,7 @@ class _Controlled:
         self.calls_done += 1
         if self.calls_done < self.planned:
             return
-        if torch.is_grad_enabled() and _requires_grad(output):
+        if torch.is_grad_enabled() and requires_grad(output):
             _warn_once(f"shardcoord.fsdp2: the output of '{self.name}' requires grad, so its backward needs the "
                        f"gathered weights: root keeps them until end_microbatch (run a frozen module under "
                        f"torch.no_grad(), with inputs that need no grad, to release it after its forward)")
@@ -245,7 +245,7 @@ class Fsdp2Control:
         self._in_microbatch = False
         self.root_release = root_release
         # Padded modules' passes, in manifest order, from the model's forward pre-hook on.
-        self._chain = _PadChain(list(controlled), lambda name, passes: controlled[name].pad(passes), who="fsdp2: ",
+        self._chain = PadChain(list(controlled), lambda name, passes: controlled[name].pad(passes), who="fsdp2: ",
                                 unstarted="the model's forward never ran")
         for c in controlled.values():
             c.chain = self._chain
@@ -275,7 +275,7 @@ class Fsdp2Control:
             raise FailedPrecondition("begin_microbatch called twice; call end_microbatch after each backward")
         chosen = self._chosen(decision)
         planned = self._planned(calls)
-        padded = _padded_plan(chosen, planned if calls is not None else None)
+        padded = padded_plan(chosen, planned if calls is not None else None)
         for name, c in self._controlled.items():
             c.decision = chosen[name][0]
             if c.decision != "replicate" and c.replica is not None:
@@ -302,7 +302,7 @@ class Fsdp2Control:
             if md is None:
                 raise InvalidArgument(f"the decision names no module '{name}'; the manifest registered with the "
                                       f"coordinator must be the one given to fsdp2.shard")
-            chosen[name] = _decision_of(name, md)
+            chosen[name] = decision_of(name, md)
         return chosen
 
     def _planned(self, calls: Optional[Mapping[str, int]]) -> Dict[str, int]:

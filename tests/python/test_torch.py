@@ -78,6 +78,23 @@ def nbytes(*shapes):
 
 # -- manifest
 
+def test_the_placement_kinds_are_the_native_tables_and_both_executors_share_one_home():
+    """decisions.def is the one list of kinds: Python's (shardcoord.torch._placement) is the same,
+    and the plain executor and shardcoord.fsdp2 use that module's rules, not copies."""
+    from shardcoord._native import native
+    from shardcoord.torch import _executor, _placement
+    import shardcoord.fsdp2 as fsdp2
+
+    assert set(_placement.DECISIONS) == set(native().DECISIONS), (_placement.DECISIONS, native().DECISIONS)
+    assert set(_placement.PER_LAYER_HOOKS) <= set(_placement.DECISIONS)
+    for name in ("PadChain", "decision_of", "padded_plan", "requires_grad"):
+        assert getattr(_executor, name) is getattr(_placement, name), name
+        assert getattr(fsdp2, name) is getattr(_placement, name), name
+    assert _placement.decision_of("m", ("padded", 3)) == ("padded", 3)
+    with pytest.raises(shardcoord.InvalidArgument, match="unknown decision 'sideways'"):
+        _placement.decision_of("m", "sideways")
+
+
 def test_manifest_names_units_and_bytes_and_excludes_a_trainable_projector():
     specs = sct.manifest(Vlm())
     assert [s.name for s in specs] == ["audio_tower", "embed_vision", "model.visual"]

@@ -3,6 +3,7 @@
 // explicit `now`, and asserts on the group's state and on the GroupEffects it returns
 // (messages per member index or kEveryMember, decisions, events, warnings, counters).
 #include "coordinator/core/shard_group.h"
+#include "shardcoord/proto/convert.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -223,9 +224,24 @@ TEST_F(ShardGroupTest, AUniformMicrobatchIsDecidedPerLayerForEveryMemberOnceBoth
   EXPECT_THAT(group_->pending, IsEmpty());
   ASSERT_TRUE(group_->last_decided.has_value());
   EXPECT_EQ(*group_->last_decided, (MicrobatchKey{0, 0}));
-  EXPECT_EQ(group_->module_counts["vision_tower"].per_layer(), 1);
-  EXPECT_EQ(group_->module_counts["audio_tower"].skip(), 1);
+  EXPECT_EQ(group_->module_counts["vision_tower"].ToProto().per_layer(), 1);
+  EXPECT_EQ(group_->module_counts["audio_tower"].ToProto().skip(), 1);
   EXPECT_THAT(group_->history, SizeIs(1));
+  // Counts by kind: every kind of decisions.def by name, zero included, beside the frozen fields.
+  v1::GroupStatus gs;
+  group_->Describe(&gs);
+  ASSERT_EQ(gs.counts().by_kind_size(), static_cast<int>(kNumDecisions));
+  for (Decision kind : kDecisions) {
+    EXPECT_EQ(gs.counts().by_kind().at(DecisionName(kind)), kind == Decision::kPerLayer || kind == Decision::kSkip)
+        << DecisionName(kind);
+  }
+  EXPECT_EQ(gs.counts().per_layer(), 1);
+  EXPECT_EQ(CountOf(gs.counts(), Decision::kSkip), 1);
+  // What an older daemon answers (the frozen fields only) is read the same way.
+  v1::DecisionCounts older;
+  older.set_padded(7);
+  EXPECT_EQ(CountOf(older, Decision::kPadded), 7);
+  EXPECT_EQ(CountOf(older, Decision::kRoot), 0);
 }
 
 TEST_F(ShardGroupTest, ADivergentMicrobatchFallsBackToRootForEveryMember) {
@@ -246,8 +262,8 @@ TEST_F(ShardGroupTest, ADivergentMicrobatchFallsBackToRootForEveryMember) {
   EXPECT_TRUE(auth_.CheckSeal(kJob, d));
   EXPECT_EQ(second.decided, 1);
   EXPECT_THAT(second.decision_latencies, ElementsAre(absl::Seconds(2)));
-  EXPECT_EQ(group_->module_counts["vision_tower"].root(), 1);
-  EXPECT_EQ(group_->module_counts["vision_tower"].divergent(), 1);
+  EXPECT_EQ(group_->module_counts["vision_tower"].ToProto().root(), 1);
+  EXPECT_EQ(group_->module_counts["vision_tower"].ToProto().divergent(), 1);
 }
 
 TEST_F(ShardGroupTest, DecisionsComeInKeyOrderWithConsecutiveSeqs) {
@@ -369,7 +385,7 @@ TEST_F(ShardGroupTest, UnderPolicyRootEachMemberGetsTheSameDecisionAsSoonAsItRep
   EXPECT_THAT(group_->pending, IsEmpty());
   ASSERT_TRUE(group_->last_resolved.has_value());
   EXPECT_EQ(*group_->last_resolved, (MicrobatchKey{0, 0}));
-  EXPECT_EQ(group_->module_counts["vision_tower"].root(), 1);
+  EXPECT_EQ(group_->module_counts["vision_tower"].ToProto().root(), 1);
 }
 
 // ---------------------------------------------------------------------------------------

@@ -21,10 +21,13 @@ namespace shardcoord {
 enum class Policy : int { kUnspecified = 0, kAuto = 1, kPerLayer = 2, kRoot = 3, kReplicate = 4 };
 // Values match shardcoord.v1.Fallback.
 enum class Fallback : int { kUnspecified = 0, kRoot = 1, kReplicate = 2, kPadded = 3 };
-// Values match shardcoord.v1.Decision.
-// kPadded: per_layer with every rank making ModuleDecision::calls passes (gather-only ones on
-// the ranks that call the module less often): safe for divergent calls at per_layer's peak.
-enum class Decision : int { kUnspecified = 0, kPerLayer = 1, kSkip = 2, kRoot = 3, kReplicate = 4, kPadded = 5 };
+// Values match shardcoord.v1.Decision; the kinds are the rows of decisions.def.
+enum class Decision : int {
+  kUnspecified = 0,
+#define SHARDCOORD_DECISION(e, value, proto, name, colour) e = value,
+#include "shardcoord/decisions.def"
+#undef SHARDCOORD_DECISION
+};
 // Values match shardcoord.v1.DecisionReason.
 enum class DecisionReason : int {
   kUnspecified = 0,
@@ -41,8 +44,20 @@ enum class DecisionReason : int {
 // parsing, flags, settings and reports go through.
 inline constexpr Policy kPolicies[] = {Policy::kAuto, Policy::kPerLayer, Policy::kRoot, Policy::kReplicate};
 inline constexpr Fallback kFallbacks[] = {Fallback::kRoot, Fallback::kReplicate, Fallback::kPadded};
-inline constexpr Decision kDecisions[] = {Decision::kPerLayer, Decision::kSkip, Decision::kRoot, Decision::kReplicate,
-                                          Decision::kPadded};
+inline constexpr Decision kDecisions[] = {
+#define SHARDCOORD_DECISION(e, value, proto, name, colour) Decision::e,
+#include "shardcoord/decisions.def"
+#undef SHARDCOORD_DECISION
+};
+inline constexpr size_t kNumDecisions = sizeof(kDecisions) / sizeof(kDecisions[0]);
+// The position of `d` in kDecisions (kNumDecisions for kUnspecified or a value no row has):
+// an index for arrays of counts by kind.
+constexpr size_t DecisionIndex(Decision d) {
+  for (size_t i = 0; i < kNumDecisions; ++i) {
+    if (kDecisions[i] == d) return i;
+  }
+  return kNumDecisions;
+}
 
 // Lower-case names used in flags, config files, JSON and logs: "auto", "per_layer",
 // "root", "replicate", "skip", "padded".
@@ -50,6 +65,8 @@ SHARDCOORD_EXPORT const char* PolicyName(Policy p);
 SHARDCOORD_EXPORT const char* FallbackName(Fallback f);
 SHARDCOORD_EXPORT const char* DecisionName(Decision d);
 SHARDCOORD_EXPORT const char* DecisionReasonName(DecisionReason r);
+// The chart colour of a kind (decisions.def), for the status page.
+SHARDCOORD_EXPORT const char* DecisionColour(Decision d);
 // Parse the names above; std::nullopt for anything else (callers report the error).
 SHARDCOORD_EXPORT std::optional<Policy> ParsePolicy(std::string_view name);
 SHARDCOORD_EXPORT std::optional<Fallback> ParseFallback(std::string_view name);

@@ -84,6 +84,12 @@ inline bool KnownDecision(int value) {
 
 // Adds every count of `add` to `sum` (decisions by kind, divergent ones).
 void AddDecisionCounts(const v1::DecisionCounts& add, v1::DecisionCounts* sum);
+// The count of kind `d` in `c`: from `by_kind`, else (a daemon older than it) the frozen field.
+int64_t CountOf(const v1::DecisionCounts& c, Decision d);
+// Adds `n` to the count of kind `d` (by_kind, and the frozen field where the kind has one).
+void AddCount(Decision d, int64_t n, v1::DecisionCounts* c);
+// Every kind present in `by_kind`, at zero if it had none: what the daemon answers.
+void FillKinds(v1::DecisionCounts* c);
 
 }  // namespace shardcoord
 
