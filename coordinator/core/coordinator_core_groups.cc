@@ -17,14 +17,13 @@ namespace shardcoord::coordinator {
 void CoordinatorCore::SetLive(Job& job, Member& m, uint64_t session_id, std::shared_ptr<RankSink> sink,
                               const Registration& req) {
   if (m.session != 0) jobs_.ForgetSession(m.session);
-  m.state = v1::RANK_STATE_LIVE;
+  Owned(job, m.group).MemberLive(m.rank);
   m.session = session_id;
   m.sink = std::move(sink);
   m.host = req.host;
   m.pid = req.pid;
   m.last_seen = clock_->Now();
   m.last_planned.reset();
-  m.dead_reason.clear();
   m.resume.reset();  // A resume is held only from ResumeMember on (which sets it after this).
   m.resume_charge = BufferCharge();
   m.registrations++;

@@ -109,8 +109,7 @@ void CoordinatorCore::RemoveMember(Job& job, Member& m, Leaving how, const std::
   m.sink.reset();
   jobs_.ForgetSession(m.session);
   m.session_key.clear();
-  m.state = clean ? v1::RANK_STATE_LEFT : v1::RANK_STATE_DEAD;
-  m.dead_reason = reason;
+  group.MemberGone(m.rank, clean, reason);
   Event(clean ? Severity::kInfo : Severity::kError, clean ? EventKind::kRankLeft : EventKind::kRankDead, job.id, m.rank, group.index,
         full);
   if (how == Leaving::kDead) metrics_->ObserveDeathDetection(clock_->Now() - m.last_seen);

@@ -239,6 +239,10 @@ class ShardGroup {
   const Member& member(int rank) const { return members[IndexOf(rank)]; }
   Census Count() const;
   int size() const { return static_cast<int>(ranks.size()); }
+  // A rank's life state has one writer, the group: these two for the core (a rank registered,
+  // or left or died), and the group's own rules (recovery expiry, a rerun).
+  void MemberLive(int rank);
+  void MemberGone(int rank, bool clean, const std::string& reason);
 
   // Plans member `idx` reported that are not resolved yet: computed, never cached.
   int PendingOf(int idx) const;

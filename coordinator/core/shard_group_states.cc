@@ -291,6 +291,18 @@ std::vector<int> ShardGroup::ExpireRecovery(absl::Time now, std::string* why, st
   return missing;
 }
 
+void ShardGroup::MemberLive(int rank) {
+  Member& m = member(rank);
+  m.state = v1::RANK_STATE_LIVE;
+  m.dead_reason.clear();
+}
+
+void ShardGroup::MemberGone(int rank, bool clean, const std::string& reason) {
+  Member& m = member(rank);
+  m.state = clean ? v1::RANK_STATE_LEFT : v1::RANK_STATE_DEAD;
+  m.dead_reason = reason;
+}
+
 void ShardGroup::StartRerun(const ResumeAuthority* run_auth) {
   rules_.auth = run_auth;
   has_reference = false;
