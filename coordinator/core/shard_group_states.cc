@@ -304,6 +304,10 @@ void ShardGroup::MemberGone(int rank, bool clean, const std::string& reason) {
 }
 
 void ShardGroup::StartRerun(const ResumeAuthority* run_auth) {
+  // A new run: what its members' holders proved belongs to the ended run (RegistrationClaim).
+  if (run_auth != rules_.auth) {
+    for (Member& m : members) m.claim = RegistrationClaim{};
+  }
   rules_.auth = run_auth;
   has_reference = false;
   formed = false;  // A rerun forms its groups afresh.
