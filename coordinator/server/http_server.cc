@@ -330,7 +330,7 @@ void HttpServer::RunOnRenderThreadForTesting(std::function<void()> f) { net::pos
 
 bool HttpServer::AdmitClient(const std::string& client) {
   {
-    absl::MutexLock lock(&waiting_mu_);
+    absl::MutexLock lock(&clients_mu_);
     auto it = per_client_.find(client);
     if (it == per_client_.end() || it->second < max_per_client_) return true;
   }
@@ -338,7 +338,7 @@ bool HttpServer::AdmitClient(const std::string& client) {
 }
 
 void HttpServer::CountClient(const std::string& client, int delta) {
-  absl::MutexLock lock(&waiting_mu_);
+  absl::MutexLock lock(&clients_mu_);
   int& n = per_client_[client];
   n += delta;
   if (n <= 0) per_client_.erase(client);

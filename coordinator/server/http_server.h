@@ -107,7 +107,10 @@ class HttpServer {
   // Connections in the order they were accepted, while they may still be waiting (pruned).
   absl::Mutex waiting_mu_;
   std::deque<std::weak_ptr<Waiting>> waiting_ ABSL_GUARDED_BY(waiting_mu_);
-  std::map<std::string, int> per_client_ ABSL_GUARDED_BY(waiting_mu_);  // Open connections by address.
+  // Open connections by address. A mutex of its own: a connection's destructor counts itself
+  // out, and the last reference to one can go while waiting_mu_ is held (EvictOneWaiting).
+  absl::Mutex clients_mu_ ABSL_ACQUIRED_AFTER(waiting_mu_);
+  std::map<std::string, int> per_client_ ABSL_GUARDED_BY(clients_mu_);
   std::atomic<int64_t> evicted_{0};
 };
 
