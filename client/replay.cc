@@ -480,10 +480,8 @@ void AddPerRankLine(const std::string& line, VerifyState* state, std::ostream& e
                                   IntegerAt<int32_t>(j, "microbatch", true), Printable(j.at("module").get<std::string>()));
   const std::string decision = j.at("decision").get<std::string>();
   if (!ParseDecision(decision)) {
-    std::vector<std::string> kinds;
-    for (Decision d : kDecisions) kinds.push_back(DecisionName(d));
     throw BadPerRankField(absl::StrCat("'decision' is '", Printable(decision, 64), "', not one of ",
-                                       absl::StrJoin(kinds, ", ")));
+                                       absl::StrJoin(DecisionNames(), ", ")));
   }
   VerifyState::Seen s{decision, IntegerAt<uint64_t>(j, "seq"), IntegerAt<int>(j, "rank", true),
                       j.contains("calls") ? IntegerAt<int32_t>(j, "calls", true) : 0};

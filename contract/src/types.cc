@@ -25,28 +25,36 @@ const char* FallbackName(Fallback f) {
   return "unspecified";
 }
 
-const char* DecisionName(Decision d) {
-  switch (d) {
-#define SHARDCOORD_DECISION(e, value, proto, name, colour) \
-  case Decision::e:                                        \
-    return name;
+namespace {
+
+// The rows of decisions.def, in kDecisions order: what each kind is called and drawn in.
+struct DecisionRow {
+  Decision kind;
+  const char* name;
+  const char* colour;
+};
+constexpr DecisionRow kDecisionRows[] = {
+#define SHARDCOORD_DECISION(e, value, proto, name, colour) {Decision::e, name, colour},
 #include "shardcoord/decisions.def"
 #undef SHARDCOORD_DECISION
-    case Decision::kUnspecified: break;
-  }
-  return "unspecified";
+};
+
+// Its row; null for kUnspecified or a value no row has.
+const DecisionRow* RowOf(Decision d) {
+  const size_t i = DecisionIndex(d);
+  return i < kNumDecisions ? &kDecisionRows[i] : nullptr;
+}
+
+}  // namespace
+
+const char* DecisionName(Decision d) {
+  const DecisionRow* row = RowOf(d);
+  return row != nullptr ? row->name : "unspecified";
 }
 
 const char* DecisionColour(Decision d) {
-  switch (d) {
-#define SHARDCOORD_DECISION(e, value, proto, name, colour) \
-  case Decision::e:                                        \
-    return colour;
-#include "shardcoord/decisions.def"
-#undef SHARDCOORD_DECISION
-    case Decision::kUnspecified: break;
-  }
-  return "#000";
+  const DecisionRow* row = RowOf(d);
+  return row != nullptr ? row->colour : "#000";
 }
 
 const char* DecisionReasonName(DecisionReason r) {
@@ -93,6 +101,12 @@ std::vector<std::string> PolicyNames() {
 std::vector<std::string> FallbackNames() {
   std::vector<std::string> names;
   for (Fallback f : kFallbacks) names.push_back(FallbackName(f));
+  return names;
+}
+
+std::vector<std::string> DecisionNames() {
+  std::vector<std::string> names;
+  for (Decision d : kDecisions) names.push_back(DecisionName(d));
   return names;
 }
 

@@ -220,11 +220,8 @@ PYBIND11_MODULE(_shardcoord, m) {
   using namespace shardcoord::python;
   m.doc() = "Native part of the shardcoord package; use `import shardcoord`.";
   m.attr("__version__") = shardcoord::kVersion;
-  {  // The placement kinds (decisions.def), in its order: shardcoord.torch._placement checks its own against them.
-    py::tuple kinds(shardcoord::kNumDecisions);
-    for (size_t i = 0; i < shardcoord::kNumDecisions; ++i) kinds[i] = shardcoord::DecisionName(shardcoord::kDecisions[i]);
-    m.attr("DECISIONS") = kinds;
-  }
+  // The placement kinds (decisions.def), in its order: shardcoord.torch._placement checks its own against them.
+  m.attr("DECISIONS") = py::tuple(py::cast(shardcoord::DecisionNames()));
   BindManifest(m);
   BindOptions(m);
   BindAnswers(m);

@@ -4,6 +4,7 @@
 #ifndef SHARDCOORD_TYPES_H_
 #define SHARDCOORD_TYPES_H_
 
+#include <cstddef>
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -71,9 +72,11 @@ SHARDCOORD_EXPORT const char* DecisionColour(Decision d);
 SHARDCOORD_EXPORT std::optional<Policy> ParsePolicy(std::string_view name);
 SHARDCOORD_EXPORT std::optional<Fallback> ParseFallback(std::string_view name);
 SHARDCOORD_EXPORT std::optional<Decision> ParseDecision(std::string_view name);
-// The names of kPolicies and kFallbacks (a flag's or setting's choices).
+// The names of kPolicies, kFallbacks and kDecisions (a flag's or setting's choices, a list in
+// a message).
 SHARDCOORD_EXPORT std::vector<std::string> PolicyNames();
 SHARDCOORD_EXPORT std::vector<std::string> FallbackNames();
+SHARDCOORD_EXPORT std::vector<std::string> DecisionNames();
 
 // Identifies a microbatch. Keys are totally ordered; each rank reports them in strictly
 // increasing order.
