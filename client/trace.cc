@@ -166,6 +166,7 @@ absl::StatusOr<ModuleSpec> ParseModule(const json& m, const std::string& where) 
   spec.param_bytes = *bytes;
   try {
     spec.outside_inner_root = m.value("outside_inner_root", false);
+    spec.trainable = m.value("trainable", false);
     if (m.contains("units")) {
       for (const json& u : m["units"]) {
         if (!u.is_object() || !u.contains("name") || !u["name"].is_string()) {

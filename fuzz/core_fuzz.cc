@@ -148,6 +148,7 @@ class Script {
       m->set_param_bytes(in_.ConsumeIntegralInRange<int64_t>(-1, 1 << 20));
       if (in_.ConsumeBool()) m->add_units()->set_name("layers.0");
       m->set_outside_inner_root(in_.ConsumeBool());
+      m->set_trainable(in_.ConsumeBool());
     }
     r.set_policy(static_cast<v1::Policy>(in_.ConsumeIntegralInRange<int>(0, 5)));
     r.set_fallback(static_cast<v1::Fallback>(in_.ConsumeIntegralInRange<int>(0, 3)));

@@ -39,6 +39,7 @@ void ToProto(const ModuleSpec& m, v1::ModuleSpec* out) {
   out->set_name(m.name);
   out->set_param_bytes(m.param_bytes);
   out->set_outside_inner_root(m.outside_inner_root);
+  out->set_trainable(m.trainable);
   for (const auto& u : m.units) {
     auto* pu = out->add_units();
     pu->set_name(u.name);
@@ -51,6 +52,7 @@ ModuleSpec FromProto(const v1::ModuleSpec& m) {
   out.name = m.name();
   out.param_bytes = m.param_bytes();
   out.outside_inner_root = m.outside_inner_root();
+  out.trainable = m.trainable();
   for (const auto& u : m.units()) out.units.push_back({u.name(), u.param_bytes()});
   return out;
 }

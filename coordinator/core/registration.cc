@@ -191,12 +191,24 @@ absl::Status CheckRootIsPossible(const Registration& req) {
   const bool uses_root = policy == Policy::kRoot ||
                          ((policy == Policy::kAuto || policy == Policy::kPerLayer) &&
                           req.fallback == Fallback::kRoot);
-  if (!uses_root || req.wrap_outer_model) return absl::OkStatus();
+  if (req.wrap_outer_model) return absl::OkStatus();
+  // A trainable module is decided root wherever replicate or padded would be (DecisionEngine).
   std::vector<std::string> outside;
+  bool trainable = false;
   for (const ModuleSpec& m : req.modules) {
-    if (m.outside_inner_root) outside.push_back(m.name);
+    if (m.outside_inner_root && (uses_root || m.trainable)) {
+      outside.push_back(m.name);
+      trainable = trainable || !uses_root;
+    }
   }
   if (outside.empty()) return absl::OkStatus();
+  if (trainable) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "register: root is impossible for rank ", req.rank, ": wrap_outer_model is false and modules [",
+        NameList(outside), "] lie outside the inner FSDP root, so no always-run unit can own them, and a "
+        "trainable module is decided root when its ranks diverge (replicate and padded are not safe for it). "
+        "Ways out: enable wrap_outer_model, or freeze the module"));
+  }
   return absl::InvalidArgumentError(absl::StrCat(
       "register: ", policy == Policy::kRoot ? "policy root" : "fallback root", " is impossible for rank ",
       req.rank, ": wrap_outer_model is false and modules [", NameList(outside),
@@ -257,6 +269,11 @@ std::string DescribeManifestDifference(const Registration& a, int rank_a,
     if (ma.outside_inner_root != mb.outside_inner_root) {
       return absl::StrCat("module '", ma.name, "': outside_inner_root differs between rank ",
                           rank_b, " and rank ", rank_a);
+    }
+    if (ma.trainable != mb.trainable) {
+      return absl::StrCat("module '", ma.name, "' is ", mb.trainable ? "trainable" : "frozen", " on rank ", rank_b,
+                          " but ", ma.trainable ? "trainable" : "frozen", " on rank ", rank_a,
+                          " (freeze it, or opt it in as trainable, on every rank alike)");
     }
     if (ma.units.size() != mb.units.size()) {
       return absl::StrCat("module '", ma.name, "': ", mb.units.size(), " layer units on rank ",

@@ -190,6 +190,7 @@ EventKind TransitionKind(const std::string& what) {
   return what == "promoted"      ? EventKind::kModulePromoted
          : what == "demoted"     ? EventKind::kModuleDemoted
          : what == "cost_choice" ? EventKind::kModuleCostChoice
+         : what == "trainable_root" ? EventKind::kModuleTrainableRoot
                                  : EventKind::kModuleStickyReplicate;
 }
 

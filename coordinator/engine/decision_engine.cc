@@ -30,7 +30,8 @@ ModuleDecision DecisionEngine::DecideModule(size_t m, const std::vector<int32_t>
                                             std::vector<EngineTransition>* transitions) {
   const ModuleSpec& spec = config_.modules[m];
   ModuleState& st = state_[m];
-  const RuleOutcome rule = ApplyContract(config_.policy, config_.fallback, calls);
+  RuleOutcome rule = ApplyContract(config_.policy, config_.fallback, calls);
+  if (spec.trainable) rule = ForTrainable(m, rule, key, transitions);
   const bool divergent = rule.reason == DecisionReason::kDivergent;
   const bool by_cost = config_.policy == Policy::kAuto && config_.promotion.by_cost && CostKnown(m);
 
@@ -39,7 +40,7 @@ ModuleDecision DecisionEngine::DecideModule(size_t m, const std::vector<int32_t>
     md = {spec.name, Decision::kReplicate, DecisionReason::kStickyReplicate};
   } else if (st.promoted) {
     md = {spec.name, Decision::kReplicate, DecisionReason::kPromoted};
-  } else if (divergent && config_.fallback == Fallback::kReplicate) {
+  } else if (divergent && config_.fallback == Fallback::kReplicate && !spec.trainable) {
     // This microbatch already gets `replicate` (reason divergent); later ones stay.
     st.sticky_replicate = true;
     if (transitions) {
@@ -66,8 +67,23 @@ CostInputs DecisionEngine::CostInputsOf(size_t m) const {
   in.group_size = config_.group_size;
   in.budget_bytes = config_.min_memory_budget_bytes;
   in.replica_resident = state_[m].promoted || state_[m].sticky_replicate;
-  in.can_pad = config_.fallback == Fallback::kPadded;
+  in.can_pad = config_.fallback == Fallback::kPadded && !config_.modules[m].trainable;
   return in;
+}
+
+RuleOutcome DecisionEngine::ForTrainable(size_t m, RuleOutcome rule, const MicrobatchKey& key,
+                                         std::vector<EngineTransition>* transitions) {
+  if (rule.decision != Decision::kReplicate && rule.decision != Decision::kPadded) return rule;
+  ModuleState& st = state_[m];
+  if (!st.trainable_said && transitions) {
+    st.trainable_said = true;
+    transitions->push_back({config_.modules[m].name, "trainable_root",
+                            absl::StrCat("root instead of ", DecisionName(rule.decision), " from ", key.ToString(),
+                                         " on (said once): the module has trainable parameters, so its backward "
+                                         "issues collectives too, and only skip, per_layer and root give every "
+                                         "rank the same ones")});
+  }
+  return {Decision::kRoot, rule.reason, 0};
 }
 
 void DecisionEngine::ChooseByCostInto(size_t m, const std::vector<int32_t>& calls, const RuleOutcome& rule,
@@ -106,7 +122,9 @@ void DecisionEngine::UpdatePromotionByCost(size_t m, const std::vector<int32_t>&
   }
   const double build = in.cost.gather_seconds;  // Making a replica gathers the module once.
   const double kEpsilon = 1e-9;                  // Sums of measured seconds: no exact equality.
-  const bool fits = config_.min_memory_budget_bytes > 0 && spec.param_bytes <= config_.min_memory_budget_bytes;
+  // A trainable module is never replicated (its replica would be stale after each optimizer step).
+  const bool fits = config_.min_memory_budget_bytes > 0 && spec.param_bytes <= config_.min_memory_budget_bytes &&
+                    !spec.trainable;
   const bool full = static_cast<int>(st.recent_savings.size()) == config_.promotion.window;
   // The numbers that decided, formatted only for a transition (not on every decision).
   auto window = [&] {
@@ -158,7 +176,7 @@ void DecisionEngine::UpdatePromotion(const ModuleSpec& spec, ModuleState& st, De
     st.recent_gathers.pop_front();
   }
 
-  const bool can_promote = config_.policy == Policy::kAuto && !st.sticky_replicate &&
+  const bool can_promote = config_.policy == Policy::kAuto && !st.sticky_replicate && !spec.trainable &&
                            config_.min_memory_budget_bytes > 0 &&
                            spec.param_bytes <= config_.min_memory_budget_bytes;
   if (can_promote && !st.promoted && st.gathers_in_window >= promo.promote_threshold) {
@@ -192,8 +210,10 @@ MicrobatchDecision DecisionEngine::DecideStatic(const MicrobatchKey& key, int64_
   d.seq = next_seq_++;
   d.epoch = epoch;
   static const std::vector<int32_t> kNoCalls;
-  for (const ModuleSpec& spec : config_.modules) {
+  for (size_t m = 0; m < config_.modules.size(); ++m) {
+    const ModuleSpec& spec = config_.modules[m];
     RuleOutcome rule = ApplyContract(config_.policy, config_.fallback, kNoCalls);
+    if (spec.trainable) rule = ForTrainable(m, rule, key, nullptr);
     d.modules.push_back({spec.name, rule.decision, rule.reason});
   }
   d.digest = DecisionDigest(d);

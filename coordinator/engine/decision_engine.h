@@ -17,6 +17,11 @@
 //   fit), and a replica when the time it saved over the last `window` microbatches would
 //   have paid for building it; demoted when it no longer would, or no longer fits.
 //
+// A trainable module (ModuleSpec::trainable) is decided skip, per_layer or root only: where the
+// policy, the fallback, promotion or cost would choose replicate or padded, it gets root (the
+// first time said in a "trainable_root" transition). Its backward issues collectives too, and
+// only those three give every rank the same ones (DESIGN 10, "Towers that train").
+//
 // Not thread-safe: the owner (the coordinator's group state) serializes calls.
 #ifndef SHARDCOORD_COORDINATOR_ENGINE_DECISION_ENGINE_H_
 #define SHARDCOORD_COORDINATOR_ENGINE_DECISION_ENGINE_H_
@@ -100,6 +105,7 @@ class DecisionEngine {
     // Cost mode: the overrides (rule's decision, chosen, over budget) said in an event since
     // the model last changed; each is said once, so alternating shapes do not flood the journal.
     std::set<std::tuple<Decision, Decision, bool>> announced;
+    bool trainable_said = false;  // The first root instead of replicate / padded was said.
   };
 
   CostInputs CostInputsOf(size_t m) const;
@@ -107,6 +113,9 @@ class DecisionEngine {
   // One module's decision, and the sticky state a divergence with fallback replicate sets.
   ModuleDecision DecideModule(size_t m, const std::vector<int32_t>& calls, const MicrobatchKey& key,
                               std::vector<EngineTransition>* transitions);
+  // A trainable module's outcome: root instead of replicate or padded.
+  RuleOutcome ForTrainable(size_t m, RuleOutcome rule, const MicrobatchKey& key,
+                           std::vector<EngineTransition>* transitions);
   // Cost mode: the cheapest safe placement that fits instead of the rule's, with a
   // "cost_choice" transition the first time each kind of override happens under a model.
   void ChooseByCostInto(size_t m, const std::vector<int32_t>& calls, const RuleOutcome& rule,

@@ -44,6 +44,7 @@ constexpr const char* SeverityName(Severity s) {
   X(kModuleDemoted, "module_demoted")                             \
   X(kModuleStickyReplicate, "module_sticky_replicate")            \
   X(kModuleCostChoice, "module_cost_choice")                      \
+  X(kModuleTrainableRoot, "module_trainable_root")                \
   X(kGroupCostModel, "group_cost_model")                          \
   X(kCommForming, "comm_forming")                                 \
   X(kCommReady, "comm_ready")                                     \

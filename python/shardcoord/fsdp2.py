@@ -85,6 +85,33 @@ What each decision does, so that every rank of the shard group issues the same c
 A controlled module without a layer list (one unit, "" in the manifest) is not wrapped on its own:
 it stays in the root unit, which every rank gathers in every forward - safe under every decision.
 
+Towers that train (``ModuleSpec.trainable``: ``manifest(model, trainable=...)``, or ``trainable=`` in
+the integrations' options; the whole tower trainable, or LoRA adapters on a frozen one). Their
+backward issues collectives too, so the coordinator decides them ``skip``, ``per_layer`` or ``root``
+only (``padded`` and ``replicate`` are refused here, should an older coordinator send them); the
+rule is that every rank of the group issues the same all-gathers and reduce-scatters in forward
+and backward (DESIGN 10, "Towers that train"):
+
+- the layer units are unsharded in backward (the weights are needed there) and are recorded in
+  FSDP's forward order, for its backward prefetch, only under ``per_layer``;
+- ``per_layer``: every rank makes the same calls, so FSDP's own collectives match: a backward
+  all-gather and a reduce-scatter per unit and call;
+- ``root``: the units are gathered before the forward (as for a frozen tower) and kept through the
+  backward, which then gathers nothing; their gradients are accumulated, not reduced, during the
+  backward (FSDP would reduce-scatter after each call, in each rank's own order, or not at all on a
+  rank that did not call the tower), and ``end_microbatch`` reduce-scatters each unit once, in
+  manifest order, on every rank, zeros where the rank did not run it;
+- ``skip``: nothing runs; gradients accumulated earlier (without sync) are not reduced by FSDP's
+  end-of-backward callback on the ranks that hold them, but by ``end_microbatch`` on every rank;
+- gradient accumulation: the framework's ``set_requires_gradient_sync(False)`` (accelerate's
+  ``no_sync``) is honoured: ``end_microbatch`` reduces when the units sync, and then every unit some
+  rank may hold gradients of since the last reduction (a ``root`` microbatch, or ``per_layer`` ones
+  without sync), once. All of it follows from the decisions, which are the same on every rank.
+
+This reaches into FSDP2's parameter groups (``post_backward``, ``reduce_grads``, the unsharded
+gradients; not public API, checked with torch 2.11): where a torch lacks them, ``shard`` refuses a
+trainable module, naming what is missing.
+
 Trainable parameters that only media batches use (LLaVA-NeXT's ``image_newline``, a trainable
 projector kept in the root unit) get a gradient on the ranks whose microbatch had media and none on
 the others. FSDP2 reduce-scatters only the parameters that have a gradient, so under ``root`` or
@@ -134,11 +161,17 @@ ROOT_RELEASES = ("after_forward", "end_of_microbatch")
 class _Controlled:
     """One controlled module with a layer list: its FSDP units and its replica."""
 
-    def __init__(self, name: str, module: nn.Module, units: List[nn.Module], has_rest: bool):
+    def __init__(self, name: str, module: nn.Module, units: List[nn.Module], has_rest: bool,
+                 trainable: bool = False):
         self.name = name
         self.module = module
         self.units = units
         self.has_rest = has_rest  # Parameters outside the layer units, in the root unit.
+        self.trainable = trainable  # Some parameters train: its backward issues collectives too.
+        self.groups: list = []  # Trainable: the units' FSDP parameter groups, in manifest order.
+        self.active = False  # Inside begin_microbatch ... end_microbatch.
+        self.dirty = False  # Trainable: some rank may hold gradients of it not reduce-scattered yet.
+        self.reducing = False  # Trainable: reduce_pending() is reducing (the groups reduce as FSDP would).
         self.rest_owner: Optional[nn.Module] = None  # The FSDP unit holding them (attach() finds it).
         self.template = copy.deepcopy(module).to("meta")  # Structure for the replica; no memory.
         self.replica: Optional[nn.Module] = None
@@ -217,6 +250,9 @@ class _Controlled:
         if self.calls_done < self.planned:
             return
         if torch.is_grad_enabled() and requires_grad(output):
+            if self.trainable:  # Its backward needs the gathered weights: kept until end_microbatch.
+                self.planned = None
+                return
             _warn_once(f"shardcoord.fsdp2: the output of '{self.name}' requires grad, so its backward needs the "
                        f"gathered weights: root keeps them until end_microbatch (run a frozen module under "
                        f"torch.no_grad(), with inputs that need no grad, to release it after its forward)")
@@ -229,6 +265,76 @@ class _Controlled:
         """Releases what root holds."""
         self.release_root()
         self.planned, self.calls_done, self.released = None, 0, False
+        self.active = False
+
+    def defer_reduce(self, unit: nn.Module) -> None:
+        """Trainable: the unit's gradients are reduce-scattered as FSDP does it (after each call's
+        backward) only under ``per_layer``, where every rank makes the same calls. Under ``root`` and
+        ``skip`` they are accumulated instead, and :meth:`settle` reduce-scatters them at the end of
+        the microbatch, on every rank alike (see the module's documentation)."""
+        group = _param_group(unit)
+        needed = ("post_backward", "reduce_grads", "reshard_after_backward", "fsdp_params", "finalize_backward",
+                  "comm_ctx", "_training_state", "_record_post_forward")
+        if group is None or not all(hasattr(group, a) for a in needed):
+            raise FailedPrecondition(
+                f"fsdp2: trainable module '{self.name}': this torch {torch.__version__} has FSDP2 parameter groups "
+                f"without {', '.join(needed)}, which shardcoord uses to give every rank the same reduce-scatters "
+                f"(checked with torch 2.11); freeze the module, or leave it out of trainable=")
+        original, record = group.post_backward, group._record_post_forward
+
+        def post_backward(*args, _group=group):
+            if self.reducing or not self.active or self.decision == "per_layer":
+                return original(*args)
+            saved = _group.reduce_grads, _group.reshard_after_backward
+            _group.reduce_grads = False  # Accumulate; settle() reduces on every rank alike.
+            _group.reshard_after_backward = saved[1] and not self.root_gathered  # Root: held to the end.
+            try:
+                return original(*args)
+            finally:
+                _group.reduce_grads, _group.reshard_after_backward = saved
+
+        group.post_backward = post_backward
+        # Backward prefetch follows the recorded forward order: recorded only where every rank ran
+        # the same calls (per_layer); under root the units are gathered already.
+        group._record_post_forward = lambda: record() if self.active and self.decision == "per_layer" else None
+        self.groups.append(group)
+
+    def settle(self) -> None:
+        """Trainable, after the microbatch's backward: when the framework syncs gradients in it (the
+        units' ``reduce_grads``, as ``set_requires_gradient_sync`` left it) and some rank may hold
+        gradients not yet reduced (a ``root`` microbatch, or ``per_layer`` ones accumulated without
+        sync), one reduce-scatter per unit, in manifest order, on every rank; a rank that did not run
+        a unit contributes zeros. The same decisions on every rank give the same calls here."""
+        if not self.trainable or not self.groups:
+            return
+        syncing = bool(self.groups[0].reduce_grads)
+        if self.decision == "per_layer":
+            self.dirty = not syncing  # Syncing: FSDP reduced every unit after its backward, on every rank.
+        elif self.decision == "root":
+            self.dirty = True
+        if syncing and self.dirty:
+            self.reduce_pending()
+            self.dirty = False
+
+    def reduce_pending(self) -> None:
+        """One reduce-scatter of each unit's accumulated gradients (zeros where this rank has none)."""
+        for group in self.groups:
+            _zero_missing_grads(group)
+            saved = group.reduce_grads, group.reshard_after_backward
+            group.reduce_grads, group.reshard_after_backward = True, True
+            self.reducing = True
+            try:
+                group.post_backward()
+            finally:
+                self.reducing = False
+                group.reduce_grads, group.reshard_after_backward = saved
+                group._training_state = type(group._training_state).IDLE
+            group.finalize_backward()  # The optimizer's stream waits for the reduced gradients.
+        state = self.groups[-1].comm_ctx.reduce_scatter_state if self.groups else None
+        if state is not None:
+            if state.event is not None:
+                self.groups[-1].device_handle.current_stream().wait_event(state.event)
+            self.groups[-1].comm_ctx.reduce_scatter_state = None
 
 
 class Fsdp2Control:
@@ -276,7 +382,16 @@ class Fsdp2Control:
         chosen = self._chosen(decision)
         planned = self._planned(calls)
         padded = padded_plan(chosen, planned if calls is not None else None)
+        unsafe = [f"'{name}' ({chosen[name][0]})" for name, c in self._controlled.items()
+                  if c.trainable and chosen[name][0] in ("padded", "replicate")]
+        if unsafe:
+            raise FailedPrecondition(
+                f"fsdp2: trainable module(s) {', '.join(unsafe)} decided padded or replicate: their backward would "
+                f"issue other collectives on the ranks that call them less (a hang), so a coordinator decides a "
+                f"trainable module skip, per_layer or root only. This one predates trainable modules (its wire "
+                f"drops ModuleSpec.trainable): run the shardcoordd of this package's version")
         for name, c in self._controlled.items():
+            c.active = True
             c.decision = chosen[name][0]
             if c.decision != "replicate" and c.replica is not None:
                 c.replica = None  # Back to sharded: free the copy.
@@ -324,8 +439,12 @@ class Fsdp2Control:
         forward never ran, or the chain stopped at a module called less than planned)."""
         wrong = self._chain.wrong()
         self._chain.begin({})
-        for c in self._controlled.values():
-            c.end()
+        try:
+            for c in self._controlled.values():  # Manifest order: the same reduce-scatters on every rank.
+                c.settle()
+        finally:
+            for c in self._controlled.values():
+                c.end()
         self._in_microbatch = False
         if wrong:
             raise FailedPrecondition(
@@ -489,7 +608,8 @@ def shard_towers(model: nn.Module, manifest: Iterable[ModuleSpec], mesh=None, **
         if not units:
             left_in_root.append(spec.name)
             continue
-        c = _Controlled(spec.name, module, units, any(u.name == "" for u in spec.units))
+        c = _Controlled(spec.name, module, units, any(u.name == "" for u in spec.units),
+                        bool(getattr(spec, "trainable", False)))
         for unit in units:
             # A controlled unit reshards after each forward whatever the caller asked for the
             # others: per_layer and padded count one all-gather per unit per call (a unit kept
@@ -497,8 +617,11 @@ def shard_towers(model: nn.Module, manifest: Iterable[ModuleSpec], mesh=None, **
             # ranks that call more, where padded's passes gather every time); root and
             # replicate set their own behaviour per microbatch.
             fully_shard(unit, **kwargs)
-            unit.set_unshard_in_backward(False)
-            _keep_out_of_backward_order(unit)
+            if c.trainable:
+                c.defer_reduce(unit)
+            else:
+                unit.set_unshard_in_backward(False)
+                _keep_out_of_backward_order(unit)
         for unit, following in zip(units, units[1:]):
             # per_layer: gather the next unit while this one computes (FSDP2 prefetches only in
             # backward by default, and a frozen tower has no backward): every rank runs the
@@ -672,6 +795,29 @@ def _fill_missing_grads(model: nn.Module) -> None:
             return _original(*args)
 
         group.post_backward = post_backward
+
+
+def _param_group(unit: nn.Module):
+    """The FSDP2 parameter group of a unit made by ``fully_shard`` (None: none, or another torch)."""
+    state = getattr(unit, "_get_fsdp_state", None)
+    return getattr(state(), "_fsdp_param_group", None) if state is not None else None
+
+
+def _zero_missing_grads(group) -> None:
+    """Before reduce_pending() reduces a unit: a zero gradient for each trainable parameter this rank
+    has none for (it did not run the unit since the last reduce-scatter), in the dtype the others
+    hold (FSDP2's reduce-scatter takes one dtype per unit), so every rank reduces the same tensors."""
+    for fp in group.fsdp_params:
+        param = getattr(fp, "_unsharded_param", None)
+        if param is None or not param.requires_grad:
+            continue
+        fp.accumulate_unsharded_grad_if_needed()
+        if param.grad is None and fp.unsharded_accumulated_grad is None:
+            param.grad = torch.zeros_like(param)
+    if any(getattr(fp, "unsharded_accumulated_grad", None) is not None for fp in group.fsdp_params):
+        for fp in group.fsdp_params:
+            if hasattr(fp, "_unsharded_param"):
+                fp.to_accumulated_grad_if_needed()
 
 
 def _route_forward(c: _Controlled) -> None:

@@ -294,16 +294,20 @@ def _fully_frozen(module: Any) -> bool:
 
 
 def plan_fn(model_or_family: Any, *, extra_towers: Sequence[str] = (),
-            extra_projectors: Sequence[str] = ()) -> Callable[[Any], Dict[str, int]]:
+            extra_projectors: Sequence[str] = (), trainable: Any = False) -> Callable[[Any], Dict[str, int]]:
     """A plan function for :class:`shardcoord.torch.PlanAhead`: ``batch -> {module path: calls}``.
 
     Given a model, the module paths are resolved and the controlled ones (contract names, all
-    parameters frozen) chosen once, now: freeze before calling it, as before ``manifest(model)``.
+    parameters frozen, or opted in by ``trainable`` as in ``manifest(model, trainable=...)``) chosen
+    once, now: freeze before calling it, as before ``manifest(model)``.
     Given a family name, the canonical paths of every tower and projector it calls (filtered by the
     contract's names and the extras). InvalidArgument for an unknown family, or a model whose tower is
     not where its family keeps it."""
+    from .torch._manifest import opted_in, trainable_names
+
     family = _family(model_or_family)
     extra_towers, extra_projectors = tuple(extra_towers), tuple(extra_projectors)
+    opt_in = trainable_names(trainable)
     if isinstance(model_or_family, str):
         keep = {path: path for path, _ in _calls(family, None)
                 if _controlled_name(path, extra_towers, extra_projectors)}
@@ -320,7 +324,8 @@ def plan_fn(model_or_family: Any, *, extra_towers: Sequence[str] = (),
                         f"'{canonical}' (nor one ending in '{canonical.split('.', 1)[-1]}'): a transformers version "
                         f"whose layout shardcoord.hf does not know; write the plan function by hand")
                 continue
-            if _controlled_name(path, extra_towers, extra_projectors) and _fully_frozen(modules[path]):
+            if _controlled_name(path, extra_towers, extra_projectors) and (_fully_frozen(modules[path]) or
+                                                                           opted_in(path, opt_in)):
                 keep[canonical] = path
 
     def plan(batch: Any) -> Dict[str, int]:

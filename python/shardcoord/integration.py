@@ -59,10 +59,11 @@ def default_job_id(prefix: str = "job") -> str:
 
 
 def controlled_manifest(model: Any, *, extra_towers: Sequence[str] = (), extra_projectors: Sequence[str] = (),
-                        layer_lists: Optional[Mapping[str, Any]] = None, who: str = "shardcoord") -> List[ModuleSpec]:
+                        layer_lists: Optional[Mapping[str, Any]] = None, trainable: Any = False,
+                        who: str = "shardcoord") -> List[ModuleSpec]:
     """``shardcoord.torch.manifest(model)``, refused (FailedPrecondition) when it controls nothing,
-    naming the towers and projectors it saw with trainable parameters (freeze them) and the frozen
-    modules with other names (name them in ``extra_towers``)."""
+    naming the towers and projectors it saw with trainable parameters (freeze them, or opt them in
+    with ``trainable``) and the frozen modules with other names (name them in ``extra_towers``)."""
     import warnings
 
     from .torch import manifest
@@ -70,22 +71,25 @@ def controlled_manifest(model: Any, *, extra_towers: Sequence[str] = (), extra_p
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # Said below, as an error.
-        specs = manifest(model, layer_lists=layer_lists, extra_towers=extra_towers, extra_projectors=extra_projectors)
+        specs = manifest(model, layer_lists=layer_lists, extra_towers=extra_towers, extra_projectors=extra_projectors,
+                         trainable=trainable)
     if specs:
         return specs
     modules = dict(model.named_modules())
-    trainable = []
+    unfrozen = []
     for path, kind, frozen in candidates(modules, extra_towers, extra_projectors):
         if not frozen:
             params = list(modules[path].parameters())
-            trainable.append(f"{kind} '{path}' ({sum(p.requires_grad for p in params)} of {len(params)} parameters "
-                             f"trainable)")
+            unfrozen.append(f"{kind} '{path}' ({sum(p.requires_grad for p in params)} of {len(params)} parameters "
+                            f"trainable)")
     frozen = [f"'{p}'" for p, _ in _frozen_roots(model, [])[:8]]
+    last = unfrozen[0].split("'")[1].rsplit(".", 1)[-1] if unfrozen else "visual"
     raise FailedPrecondition(
         f"{who}: nothing to control in {type(model).__name__}: shardcoord decides for fully frozen towers and "
-        f"projectors. Seen with trainable parameters: {'; '.join(trainable) or 'none'} (freeze them: "
-        f"module.requires_grad_(False), before the trainer is built); fully frozen modules with other names: "
-        f"{', '.join(frozen) or 'none'} (name them with extra_towers=[...]). Without a controlled module, run "
+        f"projectors, and for trainable ones opted in. Seen with trainable parameters: {'; '.join(unfrozen) or 'none'} "
+        f"(opt them in: trainable=['{last}'] in the options, or trainable=True for every tower and projector; or "
+        f"freeze them: module.requires_grad_(False), before the trainer is built); fully frozen modules with other "
+        f"names: {', '.join(frozen) or 'none'} (name them with extra_towers=[...]). Without a controlled module, run "
         f"without shardcoord")
 
 
@@ -276,7 +280,9 @@ class Options:
     - ``policy`` / ``fallback``: as ``shardcoord.Worker`` (default the coordinator's, ``auto`` / ``root``).
     - ``plan_fn``: ``batch -> {module: calls}`` (default ``shardcoord.hf.plan_fn(model)`` for the
       families it knows; required for other models).
-    - ``extra_towers``, ``extra_projectors``, ``layer_lists``: as ``shardcoord.torch.manifest``.
+    - ``extra_towers``, ``extra_projectors``, ``layer_lists``, ``trainable``: as
+      ``shardcoord.torch.manifest`` (``trainable``: towers with trainable parameters, or adapters, to
+      control too: True, or their names; FSDP2 only).
     - ``lookahead``: the plans a rank may have undecided (default: enough for one step's microbatches).
     - ``timeout``: seconds a microbatch waits for its decision; ``root_release``,
       ``fill_missing_grads``: as ``shardcoord.fsdp2.shard``; ``worker``: further ``shardcoord.Worker``
@@ -291,6 +297,7 @@ class Options:
     extra_towers: Sequence[str] = ()
     extra_projectors: Sequence[str] = ()
     layer_lists: Optional[Mapping[str, Any]] = None
+    trainable: Any = False
     lookahead: int = 0
     timeout: float = 60.0
     root_release: str = "after_forward"
@@ -333,7 +340,7 @@ class Session:
 
         o = self.options
         self.specs = controlled_manifest(model, extra_towers=o.extra_towers, extra_projectors=o.extra_projectors,
-                                         layer_lists=o.layer_lists, who=self.who)
+                                         layer_lists=o.layer_lists, trainable=o.trainable, who=self.who)
         self.plan_fn = o.plan_fn if o.plan_fn is not None else self._default_plan_fn(model)
         lookahead = o.lookahead or max(4, per_step)
         extra = dict(o.worker)
@@ -353,7 +360,8 @@ class Session:
 
         o = self.options
         try:
-            return hf.plan_fn(model, extra_towers=o.extra_towers, extra_projectors=o.extra_projectors)
+            return hf.plan_fn(model, extra_towers=o.extra_towers, extra_projectors=o.extra_projectors,
+                              trainable=o.trainable)
         except InvalidArgument as e:
             raise InvalidArgument(f"{self.who}: {e}; give it as plan_fn=") from None
 

@@ -19,7 +19,7 @@ py::tuple Units(const ModuleSpec& s) {
 py::tuple UnitFields(const LayerUnit& u) { return py::make_tuple(u.name, u.param_bytes); }
 
 py::tuple SpecFields(const ModuleSpec& s) {
-  return py::make_tuple(s.name, s.param_bytes, Units(s), s.outside_inner_root);
+  return py::make_tuple(s.name, s.param_bytes, Units(s), s.outside_inner_root, s.trainable);
 }
 
 }  // namespace
@@ -35,19 +35,23 @@ void BindManifest(py::module_& m) {
   DefValue<LayerUnit>(unit, {"name", "param_bytes"}, UnitFields, /*hashable=*/true);
 
   py::class_<ModuleSpec> spec(m, "ModuleSpec",
-                              "A controlled (fully frozen multimodal) module, as registered with the coordinator; "
-                              "``units`` is a tuple of LayerUnit.");
-  spec.def(py::init([](std::string name, int64_t param_bytes, const py::iterable& units, bool outside_inner_root) {
+                              "A controlled multimodal module, as registered with the coordinator; ``units`` is a "
+                              "tuple of LayerUnit; ``trainable``: some of its parameters train (opted in: only skip, "
+                              "per_layer and root are decided for it).");
+  spec.def(py::init([](std::string name, int64_t param_bytes, const py::iterable& units, bool outside_inner_root,
+                       bool trainable) {
              return ModuleSpec{std::move(name), param_bytes, ListOf<LayerUnit>(units, "units", "LayerUnit"),
-                               outside_inner_root};
+                               outside_inner_root, trainable};
            }),
            py::arg("name"), py::arg("param_bytes"), py::arg("units") = py::tuple(),
-           py::arg("outside_inner_root") = false)
+           py::arg("outside_inner_root") = false, py::arg("trainable") = false)
       .def_readonly("name", &ModuleSpec::name)
       .def_readonly("param_bytes", &ModuleSpec::param_bytes)
       .def_property_readonly("units", Units)
-      .def_readonly("outside_inner_root", &ModuleSpec::outside_inner_root);
-  DefValue<ModuleSpec>(spec, {"name", "param_bytes", "units", "outside_inner_root"}, SpecFields, /*hashable=*/true);
+      .def_readonly("outside_inner_root", &ModuleSpec::outside_inner_root)
+      .def_readonly("trainable", &ModuleSpec::trainable);
+  DefValue<ModuleSpec>(spec, {"name", "param_bytes", "units", "outside_inner_root", "trainable"}, SpecFields,
+                       /*hashable=*/true);
 }
 
 }  // namespace shardcoord::python

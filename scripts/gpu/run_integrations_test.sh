@@ -6,7 +6,9 @@
 # configs) with shardcoord, its unsharded reference and the stock per-layer run (expected to hang),
 # and (--examples) examples/python/hf_trainer_vlm.py and lightning_vlm.py with and without their
 # lines marked "# shardcoord". RANKS (default 2) processes share the one GPU over Gloo.
-# Output: ${OUT:-/tmp}/integrations_test.log and hf_trainer_check.json. Exit 0 when all passed.
+# CHECK=trainable_tower_check.py runs that check instead (towers that train: Qwen2.5-VL with its tower
+# trainable, LLaVA with LoRA on its tower), with CHECK_ARGS (default for it: none).
+# Output: ${OUT:-/tmp}/integrations_test.log and the check's JSON. Exit 0 when all passed.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 out=${OUT:-/tmp}
@@ -25,7 +27,9 @@ for _ in $(seq 100); do [[ -s $daemon_dir/addr ]] && break; sleep 0.1; done
 export SHARDCOORD_ADDR=$(cat "$daemon_dir/addr")
 echo "== shardcoordd at $SHARDCOORD_ADDR"
 rc=0
-timeout 560 "$py" "$root/scripts/gpu/hf_trainer_check.py" --ranks "${RANKS:-2}" --steps "${STEPS:-8}" ${CHECK_ARGS:---examples} || rc=1
+check=${CHECK:-hf_trainer_check.py}
+[[ $check == hf_trainer_check.py ]] && default_args=--examples || default_args=
+timeout 560 "$py" "$root/scripts/gpu/$check" --ranks "${RANKS:-2}" --steps "${STEPS:-8}" ${CHECK_ARGS-$default_args} || rc=1
 "$root/.gpu/bin/shardctl" --coordinator "$SHARDCOORD_ADDR" status 2>&1 | head -40
 echo "== run_integrations_test: $([[ $rc == 0 ]] && echo 'all passed' || echo FAILED)"
 exit $rc

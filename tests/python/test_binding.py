@@ -305,7 +305,7 @@ def test_the_manifest_and_decisions_are_values():
     assert len({spec, copy.deepcopy(spec), MODULES[1]}) == 2
     assert pickle.loads(pickle.dumps(MODULES)) == MODULES
     assert repr(MODULES[1]) == ("ModuleSpec(name='model.audio_tower', param_bytes=1024, units=(), "
-                                "outside_inner_root=False)")
+                                "outside_inner_root=False, trainable=False)")
     with pytest.raises(AttributeError):
         spec.name = "model.audio"
     with pytest.raises(shardcoord.InvalidArgument, match="units must be shardcoord.LayerUnit, got tuple"):

@@ -3,6 +3,7 @@ PlanAhead against a real shardcoordd, and the Executor on a Gloo group of one (g
 the two-rank checks are in test_trainer.py)."""
 
 import copy
+import functools
 import select
 import subprocess
 import sys
@@ -968,3 +969,161 @@ def test_fsdp2_refuses_calls_out_of_the_chains_order(monkeypatch):
     ctl.end_microbatch()
     assert [u for u in log if u != "root"] == ["audio_tower.blocks.0", "audio_tower.blocks.1",
                                                "vision_tower.blocks.0", "vision_tower.blocks.1"]
+
+
+# -- fsdp2 with a trainable tower, over stand-in FSDP2 parameter groups (torch 1.13 has no FSDP2;
+#    the real check is scripts/gpu/trainable_tower_check.py). The stand-in reduce-scatters a
+#    unit's gradients in post_backward when reduce_grads is set, as FSDP2 does, and logs it: every
+#    rank of a group must log the same reduce-scatters, whatever it called.
+
+class _FakeParamGroup:
+    """What shardcoord.fsdp2 uses of FSDP2's FSDPParamGroup for a trainable unit."""
+
+    def __init__(self, name, unit, fake, log):
+        import enum
+        from types import SimpleNamespace
+
+        self.name, self.log, self._fake = name, log, fake
+        self.states = enum.Enum("TrainingState", "IDLE POST_BACKWARD")
+        self.fsdp_params = [SimpleNamespace(_unsharded_param=p, sharded_param=p, unsharded_accumulated_grad=None,
+                                            accumulate_unsharded_grad_if_needed=lambda: None,
+                                            to_accumulated_grad_if_needed=lambda: None) for p in unit.parameters()]
+        self.reduce_grads, self.reshard_after_backward = True, True
+        self._training_state = self.states.IDLE
+        self.comm_ctx = SimpleNamespace(reduce_scatter_state=None)
+        self.recorded = 0
+        unit._get_fsdp_state = lambda: SimpleNamespace(_fsdp_param_group=self)
+
+    @property
+    def is_unsharded(self):
+        return self._fake.unsharded
+
+    def _record_post_forward(self):
+        self.recorded += 1
+
+    def post_backward(self, *unused):
+        self._training_state = self.states.POST_BACKWARD
+        if not self.reduce_grads:
+            return  # Accumulated: the gradients stay on the parameters.
+        held = [fp._unsharded_param for fp in self.fsdp_params if fp._unsharded_param.grad is not None]
+        for p in held:
+            p.grad = None
+        if held:
+            self.log.append(f"reduce_scatter {self.name}")
+        if self.reshard_after_backward:
+            self._fake.reshard()
+
+    def finalize_backward(self):
+        pass
+
+
+class _TrainableVlm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.visual = Tower(sizes=((4, 4), (4, 4), (4, 4)))  # Trainable.
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, images):
+        x = torch.zeros(1, 4)
+        for image in images:
+            x = x + self.visual(image)
+        return self.head(x)
+
+
+def _fsdp2_trainable_rank(monkeypatch):
+    """The trainable tower sharded by fsdp2.shard over the stand-ins: (model, control, step), where
+    step(calls, decision, sync) runs one microbatch as FSDP2 would (its autograd post-backward per
+    call of a unit, in reverse, then its final callback on every unit not yet reduced) and returns
+    the reduce-scatters logged."""
+    from shardcoord import fsdp2
+
+    log, wrapped, groups, ran = [], set(), {}, []
+
+    def forward_ran(name, *unused):  # FSDP2's post-forward: the forward order recorded.
+        ran.append(name)
+        groups[name]._record_post_forward()
+
+    def fake_fully_shard(m, **kw):
+        name = "root" if m is model else names[id(m)]
+        fake = _FakeFsdp(m, name, [])
+        wrapped.add(id(m))
+        if m is not model:
+            groups[name] = _FakeParamGroup(name, m, fake, log)
+            m.register_forward_hook(functools.partial(forward_ran, name))
+
+    monkeypatch.setattr(fsdp2, "fully_shard", fake_fully_shard)
+    monkeypatch.setattr(fsdp2, "_is_fsdp", lambda m: id(m) in wrapped)
+    model = _TrainableVlm()
+    names = {id(m): n for n, m in model.named_modules()}
+    specs = sct.manifest(model, trainable=["visual"])
+    assert [(s.name, s.trainable) for s in specs] == [("visual", True)]
+    ctl = fsdp2.shard(model, specs)
+
+    def step(calls, decision, sync=True):
+        del log[:], ran[:]
+        for g in groups.values():
+            g.reduce_grads = sync  # What set_requires_gradient_sync (accelerate's no_sync) sets.
+        ctl.begin_microbatch({"visual": decision}, calls={"visual": calls})
+        model([torch.ones(1, 4)] * calls).sum().backward()
+        for name in reversed(ran):  # FSDP2's post-backward hook, per call of a unit.
+            groups[name].post_backward()
+        for g in groups.values():  # Its final callback.
+            if g._training_state != g.states.POST_BACKWARD:
+                g.post_backward()
+            g._training_state = g.states.IDLE
+        ctl.end_microbatch()
+        return list(log)
+
+    return model, ctl, step, groups
+
+
+def test_fsdp2_trainable_tower_reduce_scatters_alike_on_every_rank(monkeypatch):
+    units = [f"reduce_scatter visual.blocks.{i}" for i in range(3)]
+    # root: one rank calls the tower twice, the other not at all; both reduce each unit once, in
+    # manifest order, after the backward (the one that did not call it with zeros).
+    _, _, busy, _ = _fsdp2_trainable_rank(monkeypatch)
+    _, _, idle, _ = _fsdp2_trainable_rank(monkeypatch)
+    assert busy(2, "root") == idle(0, "root") == units
+    # per_layer: every rank calls it alike, and FSDP reduces each unit after its backward.
+    assert busy(1, "per_layer") == idle(1, "per_layer") == list(reversed(units))
+    # skip with nothing pending: nothing.
+    assert busy(0, "skip") == idle(0, "skip") == []
+    # Accumulation: a root microbatch without sync, then a skip that syncs: the busy rank's
+    # pending gradients are reduced with the idle rank's zeros, at the end of the syncing one.
+    assert busy(1, "root", sync=False) == idle(0, "root", sync=False) == []
+    assert busy(0, "skip") == idle(0, "skip") == units
+    # per_layer without sync, then skip with sync: the same.
+    assert busy(1, "per_layer", sync=False) == idle(1, "per_layer", sync=False) == []
+    assert busy(0, "skip") == idle(0, "skip") == units
+
+
+def test_fsdp2_trainable_tower_records_its_forward_only_under_per_layer(monkeypatch):
+    _, _, step, groups = _fsdp2_trainable_rank(monkeypatch)
+    step(1, "root")
+    assert [g.recorded for g in groups.values()] == [0, 0, 0], "no backward prefetch under root"
+    step(1, "per_layer")
+    assert [g.recorded for g in groups.values()] == [1, 1, 1]
+
+
+def test_fsdp2_trainable_tower_refuses_padded_and_replicate(monkeypatch):
+    _, ctl, _, _ = _fsdp2_trainable_rank(monkeypatch)
+    for decision in (("padded", 2), "replicate"):
+        with pytest.raises(shardcoord.FailedPrecondition, match=r"trainable module\(s\) 'visual' \((padded|replicate)\)"):
+            ctl.begin_microbatch({"visual": decision}, calls={"visual": 1})
+
+
+def test_manifest_opts_trainable_towers_in_by_name_and_refuses_unknown_names():
+    model = _TrainableVlm()
+    with pytest.warns(RuntimeWarning, match=r"opt them in with trainable=True or trainable=\['visual'\]"):
+        assert sct.manifest(model) == []
+    assert [s.trainable for s in sct.manifest(model, trainable=True)] == [True]
+    with pytest.raises(shardcoord.InvalidArgument, match=r"trainable names 'vision', which the model has no tower"):
+        sct.manifest(model, trainable=["vision"])
+    model.visual.requires_grad_(False)
+    assert [s.trainable for s in sct.manifest(model, trainable=True)] == [False], "frozen stays frozen"
+
+
+def test_the_plain_executor_refuses_a_trainable_tower():
+    model = _TrainableVlm()
+    with pytest.raises(shardcoord.FailedPrecondition, match=r"module 'visual' is trainable .* shardcoord.fsdp2"):
+        sct.Executor(model, sct.manifest(model, trainable=True), rank_in_group=0, group_size=1)

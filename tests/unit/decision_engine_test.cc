@@ -6,6 +6,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -565,6 +566,67 @@ TEST(DecisionEngineCostTest, PerLayerPolicyIgnoresCosts) {
   c.policy = Policy::kPerLayer;
   DecisionEngine engine(c);
   ExpectModule(engine.Decide({0, 0}, 0, {{2, 2}}), 0, "vision_tower", Decision::kPerLayer, DecisionReason::kUniform);
+}
+
+// ---- Trainable modules (DESIGN 10, "Towers that train"): skip, per_layer and root only.
+
+TEST(DecisionEngineTrainableTest, FallbackPaddedOrReplicateGivesRootSaidOnceAndHoldsNoState) {
+  for (Fallback fallback : {Fallback::kPadded, Fallback::kReplicate}) {
+    EngineConfig c = MakeConfig(Policy::kPerLayer, fallback);
+    c.modules[0].trainable = true;  // vision_tower trains; audio_tower stays frozen.
+    DecisionEngine engine(c);
+    std::vector<EngineTransition> t;
+    MicrobatchDecision d0 = engine.Decide({0, 0}, 0, {{2, 1}, {1, 0}}, &t);
+    ExpectModule(d0, 0, "vision_tower", Decision::kRoot, DecisionReason::kDivergent);
+    EXPECT_EQ(d0.modules[0].calls, 0);
+    const Decision frozen = fallback == Fallback::kPadded ? Decision::kPadded : Decision::kReplicate;
+    ExpectModule(d0, 1, "audio_tower", frozen, DecisionReason::kDivergent);
+    ASSERT_FALSE(t.empty());
+    EXPECT_EQ(t[0].module, "vision_tower");
+    EXPECT_EQ(t[0].what, "trainable_root");
+    EXPECT_THAT(t[0].detail, HasSubstr(std::string("root instead of ") + DecisionName(frozen)));
+    // Uniform and all-skip microbatches keep the contract's rule: no sticky replica for the trainable one.
+    ExpectModule(engine.Decide({0, 1}, 0, {{1, 1}, {0, 0}}, &t), 0, "vision_tower", Decision::kPerLayer,
+                 DecisionReason::kUniform);
+    ExpectModule(engine.Decide({0, 2}, 0, {{0, 0}, {0, 0}}, &t), 0, "vision_tower", Decision::kSkip,
+                 DecisionReason::kAllSkip);
+    ExpectModule(engine.Decide({0, 3}, 0, {{0, 3}, {0, 0}}, &t), 0, "vision_tower", Decision::kRoot,
+                 DecisionReason::kDivergent);
+    const std::vector<std::string> whats = Whats(t);
+    EXPECT_EQ(std::count(whats.begin(), whats.end(), "trainable_root"), 1) << FallbackName(fallback);
+    const std::vector<std::string> replicated = engine.ReplicatedModules();
+    EXPECT_EQ(std::count(replicated.begin(), replicated.end(), "vision_tower"), 0);
+  }
+}
+
+TEST(DecisionEngineTrainableTest, NeverPromotedByCountingOrByCost) {
+  EngineConfig c = PromotionConfig();
+  c.modules[0].trainable = true;
+  DecisionEngine engine(c);
+  std::vector<EngineTransition> t;
+  for (int i = 0; i < 8; ++i) {
+    ExpectModule(engine.Decide({i, 0}, 0, kDivergent1, &t), 0, "vision_tower", Decision::kRoot,
+                 DecisionReason::kDivergent);
+  }
+  EXPECT_THAT(t, IsEmpty());  // The frozen module of PromotionConfigs's tests is promoted at the second.
+  EngineConfig by_cost = CostConfig(/*budget=*/1 << 20);
+  by_cost.modules[0].trainable = true;
+  DecisionEngine costed(by_cost);
+  for (int i = 0; i < 8; ++i) {
+    const MicrobatchDecision d = costed.Decide({i, 0}, 0, {{1, 1}}, &t);
+    EXPECT_NE(d.modules[0].decision, Decision::kReplicate) << "microbatch " << i;
+  }
+  EXPECT_THAT(Whats(t), Not(::testing::Contains("promoted")));
+  EXPECT_THAT(costed.ReplicatedModules(), IsEmpty());
+}
+
+TEST(DecisionEngineTrainableTest, StaticReplicateIsRootForATrainableModule) {
+  EngineConfig c = MakeConfig(Policy::kReplicate, Fallback::kRoot);
+  c.modules[1].trainable = true;
+  DecisionEngine engine(c);
+  MicrobatchDecision d = engine.DecideStatic({0, 0}, 0);
+  ExpectModule(d, 0, "vision_tower", Decision::kReplicate, DecisionReason::kStaticPolicy);
+  ExpectModule(d, 1, "audio_tower", Decision::kRoot, DecisionReason::kStaticPolicy);
 }
 
 }  // namespace

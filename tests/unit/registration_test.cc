@@ -230,6 +230,18 @@ TEST(RegistrationTest, DefaultsComeFromTheCoordinatorAndRootNeedsAnOwner) {
   EXPECT_THAT(s.message(), HasSubstr("[visual]"));
   outside.set_fallback(v1::FALLBACK_REPLICATE);
   EXPECT_TRUE(shardcoord::coordinator::CheckRootIsPossible(FromWire(outside)).ok()) << "no root involved";
+  outside.mutable_modules(0)->set_trainable(true);  // Decided root where replicate would be.
+  s = shardcoord::coordinator::CheckRootIsPossible(FromWire(outside));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("a trainable module is decided root"));
+}
+
+TEST(RegistrationTest, RanksMustAgreeWhetherAModuleTrains) {
+  const shardcoord::coordinator::Registration a = FromWire(Request(0));
+  v1::RegisterRequest trains = Request(1);
+  trains.mutable_modules(0)->set_trainable(true);
+  const std::string diff = shardcoord::coordinator::DescribeManifestDifference(a, 0, FromWire(trains), 1);
+  EXPECT_THAT(diff, HasSubstr("module 'visual' is trainable on rank 1 but frozen on rank 0"));
 }
 
 }  // namespace

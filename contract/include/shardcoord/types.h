@@ -103,12 +103,17 @@ struct LayerUnit {
   int64_t param_bytes = 0;
 };
 
-// A controlled (fully frozen multimodal) module. The manifest is the list of these.
+// A controlled multimodal module (a fully frozen tower or projector, or one the user opted in
+// with trainable parameters). The manifest is the list of these.
 struct ModuleSpec {
   std::string name;
   int64_t param_bytes = 0;
   std::vector<LayerUnit> units;
   bool outside_inner_root = false;
+  // Some of its parameters train (the whole tower, or adapters on a frozen one): its backward
+  // issues collectives too, so only skip, per_layer and root are safe for it (DESIGN 10,
+  // "Towers that train"); the engine decides root where replicate or padded would be chosen.
+  bool trainable = false;
 };
 
 // What a rank will run in one microbatch: module name -> number of calls.

@@ -116,7 +116,7 @@ def _checked_units(spec: ModuleSpec, module: Any) -> List[_UnitParams]:
     trainable = [n for n, p in module.named_parameters() if p.requires_grad]
     if trainable:
         raise InvalidArgument(f"module '{spec.name}' has trainable parameters {_names(trainable)}: only fully frozen "
-                              f"modules are controlled")
+                              f"modules are controlled here (a tower that trains: shardcoord.fsdp2, with trainable=)")
     for unit in units:
         if unit.params:
             first = unit.params[0][1]
@@ -138,6 +138,11 @@ def _checked_manifest(model: Any, manifest: Sequence[ModuleSpec]) -> List[Tuple[
             raise InvalidArgument(f"manifest entries must be shardcoord.ModuleSpec, got {type(spec).__name__}")
         if not spec.name or spec.name not in by_path:
             raise InvalidArgument(f"manifest module '{spec.name}' is not in the model")
+        if spec.trainable:
+            raise FailedPrecondition(
+                f"module '{spec.name}' is trainable (ModuleSpec.trainable): this executor gathers a module for its "
+                f"forward only, and a trainable one needs its weights and matching reduce-scatters in backward too. "
+                f"Shard it with shardcoord.fsdp2 (FSDP2), or freeze it")
         checked.append((spec, _checked_units(spec, by_path[spec.name])))
     return checked
 

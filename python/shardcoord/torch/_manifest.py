@@ -1,5 +1,5 @@
-"""The manifest from a ``torch.nn.Module``: its controlled (fully frozen) towers and projectors,
-by the contract's classifier, each with its units (the entries of its layer lists, and the rest
+"""The manifest from a ``torch.nn.Module``: its controlled towers and projectors (fully frozen ones,
+and the trainable ones the user opts in), by the contract's classifier, each with its units (the entries of its layer lists, and the rest
 unit "" for every parameter outside them). The executor takes a module's units apart the same way
 (_UnitParams, _rest_of)."""
 
@@ -131,6 +131,41 @@ def _frozen_roots(model: Any, controlled: Sequence[str]) -> List[Tuple[str, int]
     return sorted(out, key=lambda item: -item[1])
 
 
+Trainable = Union[bool, str, Sequence[str]]
+
+
+def trainable_names(trainable: Trainable) -> Union[bool, Tuple[str, ...]]:
+    """``trainable`` as given to :func:`manifest`: True / False, or the names opted in (a path such as
+    ``"model.visual"``, or its last components, ``"visual"``)."""
+    if isinstance(trainable, bool):
+        return trainable
+    names = (trainable,) if isinstance(trainable, str) else tuple(trainable)
+    bad = [n for n in names if not isinstance(n, str) or not n]
+    if bad:
+        raise InvalidArgument(f"trainable must be True, False or module names (paths such as 'model.visual', or their "
+                              f"last components such as 'visual'), got {trainable!r}")
+    return names
+
+
+def opted_in(path: str, trainable: Union[bool, Tuple[str, ...]]) -> bool:
+    """Whether the module at ``path`` is opted in as trainable by ``trainable`` (:func:`trainable_names`)."""
+    if isinstance(trainable, bool):
+        return trainable
+    return any(path == t or path.endswith("." + t) for t in trainable)
+
+
+def _check_opted_in(classified: Sequence[Tuple[str, str, bool]], trainable: Union[bool, Tuple[str, ...]]) -> None:
+    """InvalidArgument for a name in ``trainable`` that is no tower or projector of the model."""
+    if isinstance(trainable, bool):
+        return
+    paths = [path for path, _, _ in classified]
+    unknown = [t for t in trainable if not any(path == t or path.endswith("." + t) for path in paths)]
+    if unknown:
+        raise InvalidArgument(f"trainable names {_names(unknown)}, which the model has no tower or projector of "
+                              f"(its towers and projectors: {_names(paths) or 'none'}); a module with another name "
+                              f"is named with extra_towers=[...] or extra_projectors=[...] too")
+
+
 def candidates(modules: Mapping[str, Any], extra_towers: Sequence[str] = (),
                extra_projectors: Sequence[str] = ()) -> List[Tuple[str, str, bool]]:
     """The contract's classification of ``modules`` (``dict(model.named_modules())``): (path, "tower"
@@ -145,9 +180,17 @@ def candidates(modules: Mapping[str, Any], extra_towers: Sequence[str] = (),
 
 
 def manifest(model: "_torch_t.nn.Module", layer_lists: Optional[Mapping[str, Union[str, Sequence[str]]]] = None,
-             extra_towers: Sequence[str] = (), extra_projectors: Sequence[str] = ()) -> List[ModuleSpec]:
+             extra_towers: Sequence[str] = (), extra_projectors: Sequence[str] = (),
+             trainable: Trainable = False) -> List[ModuleSpec]:
     """The controlled modules of ``model`` (fully frozen towers and projectors, by the contract's
-    classifier), with their parameter bytes and units, in path order.
+    classifier, and the trainable ones opted in), with their parameter bytes and units, in path order.
+
+    ``trainable``: towers and projectors with trainable parameters (the whole tower, or LoRA adapters
+    on a frozen one) are controlled too when opted in: True for all of them, or their names (paths,
+    or last components: ``["visual"]``). Their ``ModuleSpec.trainable`` is set, and the coordinator
+    decides them skip, per_layer or root only (DESIGN 10, "Towers that train"); ``shardcoord.fsdp2``
+    carries that out in forward and backward. Not opted in, they keep plain FSDP sharding (no
+    decisions), as before.
 
     A module's units are the entries of its layer lists (``layer_lists[path]``: a dotted attribute
     path or several; otherwise every ModuleList named like :data:`DEFAULT_LAYER_LISTS`, e.g.
@@ -167,20 +210,24 @@ def manifest(model: "_torch_t.nn.Module", layer_lists: Optional[Mapping[str, Uni
     if unknown:
         raise InvalidArgument(f"layer_lists names modules the model does not have: {_names(unknown)}")
     classified = candidates(modules, extra_towers, extra_projectors)
+    opt_in = trainable_names(trainable)
+    _check_opted_in(classified, opt_in)
     specs = []
     for path, _kind, fully_frozen in classified:
-        if not fully_frozen:
-            continue  # A trainable tower or projector keeps normal FSDP sharding: no decisions.
+        if not fully_frozen and not opted_in(path, opt_in):
+            continue  # A trainable tower or projector not opted in keeps normal FSDP sharding: no decisions.
         module = modules[path]
         units = _units(path, module, _layer_lists(module, path, layer_lists.get(path)))
         specs.append(ModuleSpec(path, _param_bytes(module.parameters()),
-                                tuple(LayerUnit(u.name, _param_bytes(p for _, p in u.params)) for u in units)))
+                                tuple(LayerUnit(u.name, _param_bytes(p for _, p in u.params)) for u in units),
+                                trainable=not fully_frozen))
     if not specs:
         frozen = _frozen_roots(model, [])
         seen = ", ".join(f"'{p}' ({b / 2**20:.1f} MiB)" for p, b in frozen[:8]) or "none"
-        trainable = [f"'{path}'" for path, _kind, fully_frozen in classified if not fully_frozen]
-        also = (f"; seen with trainable parameters (not controlled: freeze them with requires_grad_(False)): "
-                f"{', '.join(trainable[:8])}") if trainable else ""
+        unfrozen = [f"'{path}'" for path, _kind, fully_frozen in classified if not fully_frozen]
+        also = (f"; seen with trainable parameters (not controlled: freeze them with requires_grad_(False), or opt "
+                f"them in with trainable=True or trainable=['{unfrozen[0][1:-1].rsplit('.', 1)[-1]}']): "
+                f"{', '.join(unfrozen[:8])}") if unfrozen else ""
         warnings.warn(f"shardcoord.torch.manifest: no controlled module in {type(model).__name__}: none of its fully "
                       f"frozen modules has a tower or projector name (frozen modules seen: {seen}){also}; pass their "
                       f"last name component as extra_towers=[...] or extra_projectors=[...], e.g. "
