@@ -104,6 +104,47 @@ def narrow_wrap_names(accelerator: Any, model: Any) -> None:
     plugin.transformer_cls_names_to_wrap = kept
 
 
+class OptimizerHold:
+    """The parameters that phase one replaced (a trainable tower's layers, now FSDP units' sharded
+    parameters) held out of the optimizers across ``accelerator.prepare``, then put back as the
+    sharded ones. accelerate switches an optimizer's parameters to the sharded ones it made by a map
+    from the model's parameters at ``prepare`` (``fsdp2_switch_optimizer_parameters``); the optimizer
+    still held the tower's unsharded ones, which that map lacks: seen on the GPU machine (accelerate
+    1.15), "A parameter in the optimizer couldn't be switched to its sharded version". A frozen tower
+    is not in the optimizer, so nothing is held for it.
+
+    Make it before phase one; :meth:`take` after it, :meth:`put_back` with the prepared model."""
+
+    def __init__(self, model: Any, objects: tuple):
+        import torch
+
+        self._names = {id(p): n for n, p in model.named_parameters()}
+        self._model = model
+        self._optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
+        self._held: list = []  # (optimizer, group index, position, parameter name)
+
+    def take(self) -> None:
+        now = {id(p) for p in self._model.parameters()}
+        for opt in self._optimizers:
+            for gi, group in enumerate(opt.param_groups):
+                kept = []
+                for pos, p in enumerate(group["params"]):
+                    if id(p) in self._names and id(p) not in now:
+                        self._held.append((opt, gi, pos, self._names[id(p)]))
+                    else:
+                        kept.append(p)
+                group["params"] = kept
+
+    def put_back(self, prepared: Any) -> None:
+        params = dict(getattr(prepared, "_orig_mod", prepared).named_parameters())
+        for opt, gi, pos, name in sorted(self._held, key=lambda h: (id(h[0]), h[1], h[2])):
+            if name not in params:
+                raise FailedPrecondition(f"shardcoord: parameter '{name}' of a trainable tower is not in the prepared "
+                                         f"model, so the optimizer cannot be given its sharded version")
+            opt.param_groups[gi]["params"].insert(pos, params[name])
+        self._held = []
+
+
 def fsdp2_phase_one(accelerator: Any, session: Session, model: Any, per_step: int) -> None:
     """Phase one under accelerate's FSDP2 plugin: the wrap classes resolved while the blocks keep their
     names, the towers sharded on the plugin's mesh with its policies, the names accelerate looks up
@@ -165,17 +206,22 @@ class _Hook:
 
     def prepare(self, original: Any, *args: Any, **kwargs: Any) -> Any:
         model = self._model_in(args)
+        hold = None
         if model is not None and not self.session.started:
             self.kind = _distributed_kind(self.trainer.accelerator)
             accum = max(1, int(getattr(self.trainer.args, "gradient_accumulation_steps", 1)))
             if self.kind == "fsdp2":
+                hold = OptimizerHold(model, args)
                 fsdp2_phase_one(self.trainer.accelerator, self.session, model, accum)
+                hold.take()
             else:
                 self.session.shard_plain(model, per_step=accum)
         out = original(*args, **kwargs)
         if model is not None and self.kind == "fsdp2":
             # accelerate returns a list for several objects (a tuple in some versions), the object for one.
             prepared = out[args.index(model)] if isinstance(out, (tuple, list)) else out
+            if hold is not None:
+                hold.put_back(prepared)
             self.session.attach(prepared)
         return out
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from ._hf_trainer import _distributed_kind, fsdp2_phase_one, fsdp2_settings
+from ._hf_trainer import OptimizerHold, _distributed_kind, fsdp2_phase_one, fsdp2_settings
 from .errors import InvalidArgument
 from .integration import Options, Session
 
@@ -52,11 +52,14 @@ def prepare(accelerator: Any, model: Any, *objects: Any, options: Optional[Optio
         raise InvalidArgument(f"shardcoord.accelerate.prepare: the first object must be the model (a torch.nn.Module), "
                               f"got {type(model).__name__}")
     per_step = per_step or max(1, int(getattr(accelerator, "gradient_accumulation_steps", 1)))
+    hold = OptimizerHold(model, objects)  # A trainable tower's parameters, replaced by phase one.
     session = shard_towers(accelerator, model, options, per_step, **kwargs)
     try:
+        hold.take()
         out = accelerator.prepare(model, *objects)
         # accelerate returns a list for several objects (a tuple in some versions), the object for one.
         out = tuple(out) if objects and isinstance(out, (tuple, list)) else (out,)
+        hold.put_back(out[0])
         if session.towers is not None:
             session.attach(out[0])
     except BaseException as e:

@@ -513,3 +513,22 @@ def test_patch_keeps_the_trainers_class_and_gives_live_decision_counts():
     assert dict(trainer.shardcoord_decisions) == {}, "nothing decided before training"
     trainer._shardcoord.session.microbatches = type("M", (), {"decisions": {"per_layer": 2}})()
     assert dict(trainer.shardcoord_decisions) == {"per_layer": 2}, "read live"
+
+
+def test_a_trainable_towers_parameters_sit_out_the_frameworks_optimizer_switch():
+    """Phase one replaces a trainable tower's layer parameters (fully_shard); accelerate's prepare then
+    maps only the parameters it finds in the model. They are held out of the optimizer across it and
+    put back, as the prepared model's, where they were."""
+    from shardcoord._hf_trainer import OptimizerHold
+
+    model = _Vlm()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    first = list(model.parameters())
+    hold = OptimizerHold(model, ("not an optimizer", opt))
+    block = model.visual.blocks[0]
+    block.weight = nn.Parameter(block.weight.detach().clone())  # What fully_shard does to a unit.
+    hold.take()
+    assert all(p is not first[0] for p in opt.param_groups[0]["params"])
+    assert len(opt.param_groups[0]["params"]) == len(first) - 1
+    hold.put_back(model)
+    assert [id(p) for p in opt.param_groups[0]["params"]] == [id(p) for p in [block.weight] + first[1:]]
