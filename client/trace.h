@@ -5,7 +5,8 @@
 // of a trace gives it, or none does.
 // and manifests: {"modules":[{"name":"vision_tower","param_bytes":1024,
 //                              "units":[{"name":"layers.0","param_bytes":512}],
-//                              "outside_inner_root":false}]}
+//                              "outside_inner_root":false,"trainable":false}]}
+// ("trainable", optional: the module trains, so it is decided skip, per_layer or root only).
 #ifndef SHARDCOORD_CLIENT_TRACE_H_
 #define SHARDCOORD_CLIENT_TRACE_H_
 

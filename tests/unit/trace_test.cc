@@ -202,7 +202,7 @@ TEST(ParseManifestTest, ValidWithUnitsAndOutsideInnerRoot) {
   const std::string text = R"({"modules":[
     {"name":"vision_tower","param_bytes":1024,
      "units":[{"name":"layers.0","param_bytes":512},{"name":"layers.1","param_bytes":512}],
-     "outside_inner_root":true},
+     "outside_inner_root":true,"trainable":true},
     {"name":"audio_tower"}
   ]})";
   absl::StatusOr<std::vector<ModuleSpec>> m = ParseManifest(text, "m.json");
@@ -213,6 +213,7 @@ TEST(ParseManifestTest, ValidWithUnitsAndOutsideInnerRoot) {
   EXPECT_EQ(v.name, "vision_tower");
   EXPECT_EQ(v.param_bytes, 1024);
   EXPECT_TRUE(v.outside_inner_root);
+  EXPECT_TRUE(v.trainable);
   ASSERT_EQ(v.units.size(), 2u);
   EXPECT_EQ(v.units[0].name, "layers.0");
   EXPECT_EQ(v.units[0].param_bytes, 512);
@@ -224,6 +225,7 @@ TEST(ParseManifestTest, ValidWithUnitsAndOutsideInnerRoot) {
   EXPECT_EQ(a.name, "audio_tower");
   EXPECT_EQ(a.param_bytes, 0);
   EXPECT_FALSE(a.outside_inner_root);
+  EXPECT_FALSE(a.trainable);
   EXPECT_THAT(a.units, IsEmpty());
 }
 
