@@ -88,6 +88,18 @@ def test_only_controlled_modules_are_named():
     assert hf.plan_fn(idefics, extra_projectors=("connector",)).modules == ("model.connector", "model.vision_model")
 
 
+def test_trainable_towers_opted_in_are_planned_as_the_manifest_controls_them():
+    model = L.FAMILIES["llava"]()  # Nothing frozen: the tower and the projector train.
+    batch = L.make_batch("llava", "image")
+    assert hf.plan_fn(model, trainable=["vision_tower"]).modules == ("model.vision_tower",)
+    assert hf.plan_fn(model, trainable=True)(batch) == {"model.vision_tower": 1, "model.multi_modal_projector": 1}
+    specs = sct.manifest(model, trainable=True, layer_lists={"model.multi_modal_projector": ""})
+    assert sorted((s.name, s.trainable) for s in specs) == [("model.multi_modal_projector", True),
+                                                            ("model.vision_tower", True)]
+    with pytest.raises(shardcoord.InvalidArgument, match=r"trainable must be True, False or module names"):
+        hf.plan_fn(model, trainable=[3])
+
+
 def test_plan_names_are_the_manifests_modules():
     # A plan naming a module the manifest lacks is rejected by the coordinator ("unknown module").
     for name in L.FAMILIES:
