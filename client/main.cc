@@ -202,8 +202,11 @@ int CmdStatus(Client& c, const std::string& job, bool json) {
                                                      resp.recovering_groups())
                                    : "");
   for (const auto& j : resp.jobs()) {
-    std::cout << absl::StrFormat("job %s  world %d  group size %d  modules [%s]%s\n", j.job_id(), j.world_size(),
+    std::cout << absl::StrFormat("job %s  world %d  group size %d  modules [%s]%s%s\n", j.job_id(), j.world_size(),
                                  j.group_size(), absl::StrJoin(j.modules(), ", "),
+                                 j.trainable_modules().empty()
+                                     ? ""
+                                     : absl::StrCat("  trainable [", absl::StrJoin(j.trainable_modules(), ", "), "]"),
                                  j.modules().empty() ? "  (none: nothing is coordinated)" : "");
     std::cout << absl::StrFormat("  ranks: %d live, %d dead, %d left, %d unregistered\n",
                                  j.ranks_live(), j.ranks_dead(), j.ranks_left(), j.ranks_unregistered());

@@ -61,6 +61,9 @@ void ShardGroup::CountInto(v1::JobStatus* js) const {
     if (modules.size() > kNamesInMessages) {
       js->add_modules(absl::StrCat("... (", modules.size() - kNamesInMessages, " more)"));
     }
+    for (size_t i = 0; i < modules.size() && i < kNamesInMessages; ++i) {
+      if (modules[i].trainable) js->add_trainable_modules(modules[i].name);
+    }
   }
 }
 

@@ -274,6 +274,27 @@ TEST_F(CoreTest, GroupGetsOneIdenticalDecisionPerMicrobatch) {
   EXPECT_EQ(d0[1].modules(0).reason(), v1::REASON_DIVERGENT);
 }
 
+TEST_F(CoreTest, ATrainableModuleIsDecidedRootWhereTheFallbackWouldReplicateAndSaysSo) {
+  for (int r = 0; r < 2; ++r) {
+    v1::RegisterRequest req = Request(r, 2, 2);
+    req.set_fallback(v1::FALLBACK_REPLICATE);
+    req.mutable_modules(0)->set_trainable(true);  // vision_tower trains; audio_tower is frozen.
+    ASSERT_TRUE(Register(req).ok());
+  }
+  Plan(0, 0, 0, 1, 1);
+  Plan(1, 0, 0, 0, 0);
+  const auto d = sinks_[0]->Decisions();
+  ASSERT_EQ(d.size(), 1u);
+  EXPECT_EQ(d[0].modules(0).decision(), v1::DECISION_ROOT);
+  EXPECT_EQ(d[0].modules(1).decision(), v1::DECISION_REPLICATE);
+  int said = 0;
+  for (const auto& e : core_->Events("job", 0, 100)) said += e.kind() == "module_trainable_root";
+  EXPECT_EQ(said, 1);
+  const v1::StatusResponse st = core_->Status("job");
+  ASSERT_EQ(st.jobs_size(), 1);
+  EXPECT_THAT(st.jobs(0).trainable_modules(), ::testing::ElementsAre("vision_tower"));
+}
+
 class StaticPolicyTest : public CoreTest, public ::testing::WithParamInterface<v1::Policy> {};
 
 TEST_F(CoreTest, StaticPolicyNeverWaitsForTheGroup) {

@@ -326,8 +326,12 @@ void Worker::Impl::Close(absl::Duration timeout, const std::string& reason, bool
     }
     ctx_->TryCancel();  // Also ends a resume in progress (it checks closing_ too).
   }
-  if (writer_.joinable()) writer_.join();
+  // The reader first: a resume it finished while this Close waited starts a new writer
+  // (StartWriterLocked, on the reader's thread), so writer_ is only settled once the reader has
+  // ended. Joining the writer first read writer_ while the reader could assign it, and could leave
+  // the new writer joinable at destruction ("terminate called without an active exception").
   if (reader_.joinable()) reader_.join();
+  if (writer_.joinable()) writer_.join();
 }
 
 bool HasNcclBackend() {
