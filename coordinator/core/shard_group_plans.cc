@@ -178,12 +178,6 @@ void ShardGroup::Given(const v1::MicrobatchDecision& d, GroupEffects& fx) {
   RecordDecision(d, rules_.options->decision_history);
 }
 
-void ShardGroup::DecideStatic(const MicrobatchKey& key, absl::Time now, GroupEffects& fx) {
-  v1::MicrobatchDecision pd = Sealed(engine->DecideStatic(key, epoch), now);
-  Given(pd, fx);
-  pending.at(key).decided = std::move(pd);
-}
-
 namespace {
 
 EventKind TransitionKind(const std::string& what) {
@@ -195,6 +189,16 @@ EventKind TransitionKind(const std::string& what) {
 }
 
 }  // namespace
+
+void ShardGroup::DecideStatic(const MicrobatchKey& key, absl::Time now, GroupEffects& fx) {
+  std::vector<EngineTransition> transitions;
+  v1::MicrobatchDecision pd = Sealed(engine->DecideStatic(key, epoch, &transitions), now);
+  Given(pd, fx);
+  pending.at(key).decided = std::move(pd);
+  for (const auto& t : transitions) {
+    fx.Record(Severity::kInfo, TransitionKind(t.what), -1, absl::StrCat("module '", t.module, "': ", t.detail));
+  }
+}
 
 void ShardGroup::Drain(absl::Time now, GroupEffects& fx) {
   if (state != v1::GROUP_STATE_HEALTHY) return;  // Forming: not everyone can plan yet.

@@ -203,7 +203,8 @@ void DecisionEngine::UpdatePromotion(const ModuleSpec& spec, ModuleState& st, De
   }
 }
 
-MicrobatchDecision DecisionEngine::DecideStatic(const MicrobatchKey& key, int64_t epoch) {
+MicrobatchDecision DecisionEngine::DecideStatic(const MicrobatchKey& key, int64_t epoch,
+                                                std::vector<EngineTransition>* transitions) {
   MicrobatchDecision d;
   d.group = config_.group;
   d.key = key;
@@ -213,7 +214,7 @@ MicrobatchDecision DecisionEngine::DecideStatic(const MicrobatchKey& key, int64_
   for (size_t m = 0; m < config_.modules.size(); ++m) {
     const ModuleSpec& spec = config_.modules[m];
     RuleOutcome rule = ApplyContract(config_.policy, config_.fallback, kNoCalls);
-    if (spec.trainable) rule = ForTrainable(m, rule, key, nullptr);
+    if (spec.trainable) rule = ForTrainable(m, rule, key, transitions);
     d.modules.push_back({spec.name, rule.decision, rule.reason});
   }
   d.digest = DecisionDigest(d);

@@ -79,7 +79,9 @@ class DecisionEngine {
   // The decision for a static policy (root / replicate), which needs no plans: made once
   // per key, when the first rank of the group reports it, so that every rank gets the same.
   // Takes the next seq, like Decide: one sequence for every policy, going on across epochs.
-  MicrobatchDecision DecideStatic(const MicrobatchKey& key, int64_t epoch);
+  // A trainable module under policy `replicate` gets root, said once in `transitions`.
+  MicrobatchDecision DecideStatic(const MicrobatchKey& key, int64_t epoch,
+                                  std::vector<EngineTransition>* transitions = nullptr);
 
   uint64_t next_seq() const { return next_seq_; }
   // The smallest memory budget of the group's members, once known (promotion needs it).

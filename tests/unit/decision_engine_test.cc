@@ -624,9 +624,12 @@ TEST(DecisionEngineTrainableTest, StaticReplicateIsRootForATrainableModule) {
   EngineConfig c = MakeConfig(Policy::kReplicate, Fallback::kRoot);
   c.modules[1].trainable = true;
   DecisionEngine engine(c);
-  MicrobatchDecision d = engine.DecideStatic({0, 0}, 0);
+  std::vector<EngineTransition> t;
+  MicrobatchDecision d = engine.DecideStatic({0, 0}, 0, &t);
   ExpectModule(d, 0, "vision_tower", Decision::kReplicate, DecisionReason::kStaticPolicy);
   ExpectModule(d, 1, "audio_tower", Decision::kRoot, DecisionReason::kStaticPolicy);
+  ExpectModule(engine.DecideStatic({0, 1}, 0, &t), 1, "audio_tower", Decision::kRoot, DecisionReason::kStaticPolicy);
+  EXPECT_THAT(Whats(t), ElementsAre("trainable_root"));  // Said once.
 }
 
 }  // namespace
