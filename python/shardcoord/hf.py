@@ -2,7 +2,8 @@
 models.
 
 A plan says how often the model's forward will call each controlled module (fully frozen, or opted
-in as trainable) in a microbatch; a wrong count is a collective one rank issues and another does not (an NCCL hang).
+in as trainable) in a microbatch; a wrong count is a collective one rank issues and another does
+not (an NCCL hang).
 For the families below this module reads the count off the batch the HF processor made, with the
 rule the model's own forward applies (the same tests: ``is not None``, ``size(0) > 0``, ...)::
 
