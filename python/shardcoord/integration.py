@@ -265,7 +265,8 @@ def plain_executor(model: Any, specs: Sequence[ModuleSpec], worker: Worker) -> A
     ignored = list(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
     for spec in specs:
         prefix = spec.name + "."
-        ignored += [prefix + n for n, _ in model.get_submodule(spec.name).named_parameters()]
+        # The sharded (frozen) ones only: a trainable tower's adapters stay DDP's to reduce.
+        ignored += [prefix + n for n, p in model.get_submodule(spec.name).named_parameters() if not p.requires_grad]
     model._ddp_params_and_buffers_to_ignore = ignored
     return executor
 

@@ -1123,7 +1123,14 @@ def test_manifest_opts_trainable_towers_in_by_name_and_refuses_unknown_names():
     assert [s.trainable for s in sct.manifest(model, trainable=True)] == [False], "frozen stays frozen"
 
 
-def test_the_plain_executor_refuses_a_trainable_tower():
+def test_the_plain_executor_takes_a_trainable_tower_opted_in_and_refuses_padded_and_replicate_for_it():
     model = _TrainableVlm()
-    with pytest.raises(shardcoord.FailedPrecondition, match=r"module 'visual' is trainable .* shardcoord.fsdp2"):
-        sct.Executor(model, sct.manifest(model, trainable=True), rank_in_group=0, group_size=1)
+    with pytest.raises(shardcoord.InvalidArgument, match=r"only fully frozen modules are controlled, and those opted "
+                                                         r"in as trainable"):
+        sct.Executor(model, [shardcoord.ModuleSpec("visual", 0, (shardcoord.LayerUnit("", 0),))],
+                     rank_in_group=0, group_size=1)
+    ex = sct.Executor(model, sct.manifest(model, trainable=True), rank_in_group=0, group_size=1)
+    assert model.visual.blocks[0].weight.numel() == 16, "trainable parameters are not sharded"
+    for decision in (("padded", 2), "replicate"):
+        with pytest.raises(shardcoord.FailedPrecondition, match=r"trainable module\(s\) 'visual'"):
+            ex.begin_microbatch({"visual": decision}, calls={"visual": 1})

@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 VLM_TRAIN = ROOT / "examples" / "python" / "vlm_train.py"
 EXECUTOR_RANKS = Path(__file__).resolve().parent / "executor_ranks.py"
 PADDED_RANKS = Path(__file__).resolve().parent / "padded_ranks.py"
+ADAPTER_RANKS = Path(__file__).resolve().parent / "adapter_ranks.py"
 RUN_DEADLINE = 120  # Seconds for one training run (a few seconds normally).
 _jobs = itertools.count()
 
@@ -118,6 +119,28 @@ def test_executor_two_ranks_gathers_bitwise(tmp_path):
         out, err = (tmp_path / f"exec-{r}.out").read_text(), (tmp_path / f"exec-{r}.err").read_text()
         assert codes[r] == 0, f"rank {r} exited {codes[r]}: {err}"
         assert f"ok rank {r} gathered 608 peak 228" in out
+
+
+def test_a_tower_with_adapters_on_a_frozen_base_trains_like_the_unsharded_model(tmp_path):
+    """tests/python/adapter_ranks.py: two Gloo ranks, a tower whose frozen layers carry trainable
+    adapters, sharded by the plain executor (the frozen weights only) and opted in as trainable;
+    calls equal, divergent and none (per_layer, root, skip): after every microbatch the mean
+    gradients and, after a step, the parameters equal the unsharded model's on both ranks' batches,
+    and both ranks made the same all-gathers (each unit once a microbatch, kept for the backward)."""
+    procs = []
+    try:
+        for r in range(2):
+            procs.append(start(tmp_path, f"adapter-{r}", [sys.executable, str(ADAPTER_RANKS),
+                                                          f"file://{tmp_path}/adapter.store", str(r), "2"]))
+        deadline = time.monotonic() + 90
+        codes = [wait_code(p, deadline) for p in procs]
+    finally:
+        stop_all(procs)
+    for r in range(2):
+        out, err = (tmp_path / f"adapter-{r}.out").read_text(), (tmp_path / f"adapter-{r}.err").read_text()
+        assert codes[r] == 0, f"rank {r} exited {codes[r]} (-1: hung): {err}"
+        result = json.loads(next(l for l in out.splitlines() if l.startswith("result "))[len("result "):])
+        assert result["worst_grad_diff"] <= 1e-6, result
 
 
 def test_padded_with_divergent_calls_issues_the_same_all_gathers_on_every_rank(tmp_path):

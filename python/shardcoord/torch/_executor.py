@@ -114,9 +114,12 @@ def _checked_units(spec: ModuleSpec, module: Any) -> List[_UnitParams]:
     by_name = {u.name: u for u in layers}
     units = [by_name[n] if n else _UnitParams("", module, rest) for n in names]
     trainable = [n for n, p in module.named_parameters() if p.requires_grad]
-    if trainable:
+    if trainable and not spec.trainable:
         raise InvalidArgument(f"module '{spec.name}' has trainable parameters {_names(trainable)}: only fully frozen "
-                              f"modules are controlled here (a tower that trains: shardcoord.fsdp2, with trainable=)")
+                              f"modules are controlled, and those opted in as trainable (manifest(model, "
+                              f"trainable=...) sets ModuleSpec.trainable)")
+    if spec.trainable:  # Adapters on a frozen base: only the frozen parameters are sharded.
+        units = [_UnitParams(u.name, u.module, [(n, p) for n, p in u.params if not p.requires_grad]) for u in units]
     for unit in units:
         if unit.params:
             first = unit.params[0][1]
@@ -138,11 +141,6 @@ def _checked_manifest(model: Any, manifest: Sequence[ModuleSpec]) -> List[Tuple[
             raise InvalidArgument(f"manifest entries must be shardcoord.ModuleSpec, got {type(spec).__name__}")
         if not spec.name or spec.name not in by_path:
             raise InvalidArgument(f"manifest module '{spec.name}' is not in the model")
-        if spec.trainable:
-            raise FailedPrecondition(
-                f"module '{spec.name}' is trainable (ModuleSpec.trainable): this executor gathers a module for its "
-                f"forward only, and a trainable one needs its weights and matching reduce-scatters in backward too. "
-                f"Shard it with shardcoord.fsdp2 (FSDP2), or freeze it")
         checked.append((spec, _checked_units(spec, by_path[spec.name])))
     return checked
 
@@ -365,9 +363,11 @@ class Executor:
     def _after(self, mod: _Module, unit: _Unit, _module: Any, _inputs: Any, output: Any) -> None:
         if mod.decision not in PER_LAYER_HOOKS:
             return
-        self._release(mod, unit)
         import torch
 
+        if mod.spec.trainable and torch.is_grad_enabled() and requires_grad(output):
+            return  # Its backward needs the frozen weights: kept until end_microbatch (every rank alike).
+        self._release(mod, unit)
         if torch.is_grad_enabled() and requires_grad(output):
             raise FailedPrecondition(
                 f"unit '{unit.name}' of '{mod.spec.name}' produced an output that requires grad, so backward would "
@@ -391,6 +391,13 @@ class Executor:
             raise FailedPrecondition("begin_microbatch called twice: call end_microbatch after each microbatch's "
                                      "backward")
         chosen = self._chosen(decision)
+        unsafe = [f"'{name}' ({chosen[name][0]})" for name, mod in self._modules.items()
+                  if mod.spec.trainable and chosen[name][0] in ("padded", "replicate")]
+        if unsafe:
+            raise FailedPrecondition(
+                f"trainable module(s) {', '.join(unsafe)} decided padded or replicate: a coordinator decides a "
+                f"trainable module skip, per_layer or root only (its backward needs what the forward gathered); this "
+                f"one predates trainable modules: run the shardcoordd of this package's version")
         planned = padded_plan(chosen, calls)  # Everything checked before any module changes.
         for name, mod in self._modules.items():
             mod.decision = chosen[name][0]
