@@ -117,6 +117,8 @@ def main():
             assert torch.allclose(p.grad, q_grad, atol=1e-6, rtol=1e-5), (mb, name, p.grad, q_grad)
         opt.step()
         ref_opt.step()
+    for (name, p), (_, q) in zip(trainable(model), trainable(ref)):
+        assert torch.equal(p, q), (name, p, q)  # After six steps.
     seen = [None] * world
     dist.all_gather_object(seen, gathers)
     assert seen[0] == seen[1], f"the ranks made different all-gathers per microbatch: {seen}"
