@@ -283,7 +283,8 @@ class Options:
       families it knows; required for other models).
     - ``extra_towers``, ``extra_projectors``, ``layer_lists``, ``trainable``: as
       ``shardcoord.torch.manifest`` (``trainable``: towers with trainable parameters, or adapters, to
-      control too: True, or their names; FSDP2 only).
+      control too: True, or their names; under FSDP2, and adapters on a frozen base under the plain
+      executor).
     - ``lookahead``: the plans a rank may have undecided (default: enough for one step's microbatches).
     - ``timeout``: seconds a microbatch waits for its decision; ``root_release``,
       ``fill_missing_grads``: as ``shardcoord.fsdp2.shard``; ``worker``: further ``shardcoord.Worker``
