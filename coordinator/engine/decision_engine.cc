@@ -10,15 +10,20 @@ namespace shardcoord::coordinator {
 DecisionEngine::DecisionEngine(EngineConfig config)
     : config_(std::move(config)), state_(config_.modules.size()) {}
 
-MicrobatchDecision DecisionEngine::Decide(const MicrobatchKey& key, int64_t epoch,
-                                          const std::vector<std::vector<int32_t>>& calls,
-                                          std::vector<EngineTransition>* transitions) {
+MicrobatchDecision DecisionEngine::NextDecision(const MicrobatchKey& key, int64_t epoch) {
   MicrobatchDecision d;
   d.group = config_.group;
   d.key = key;
   d.seq = next_seq_++;
   d.epoch = epoch;
   d.modules.reserve(config_.modules.size());
+  return d;
+}
+
+MicrobatchDecision DecisionEngine::Decide(const MicrobatchKey& key, int64_t epoch,
+                                          const std::vector<std::vector<int32_t>>& calls,
+                                          std::vector<EngineTransition>* transitions) {
+  MicrobatchDecision d = NextDecision(key, epoch);
   for (size_t m = 0; m < config_.modules.size(); ++m) {
     d.modules.push_back(DecideModule(m, calls[m], key, transitions));
   }
@@ -205,11 +210,7 @@ void DecisionEngine::UpdatePromotion(const ModuleSpec& spec, ModuleState& st, De
 
 MicrobatchDecision DecisionEngine::DecideStatic(const MicrobatchKey& key, int64_t epoch,
                                                 std::vector<EngineTransition>* transitions) {
-  MicrobatchDecision d;
-  d.group = config_.group;
-  d.key = key;
-  d.seq = next_seq_++;
-  d.epoch = epoch;
+  MicrobatchDecision d = NextDecision(key, epoch);
   static const std::vector<int32_t> kNoCalls;
   for (size_t m = 0; m < config_.modules.size(); ++m) {
     const ModuleSpec& spec = config_.modules[m];

@@ -110,6 +110,8 @@ class DecisionEngine {
     bool trainable_said = false;  // The first root instead of replicate / padded was said.
   };
 
+  // An empty decision for the group's next seq (Decide and DecideStatic fill its modules).
+  MicrobatchDecision NextDecision(const MicrobatchKey& key, int64_t epoch);
   CostInputs CostInputsOf(size_t m) const;
   bool CostKnown(size_t m) const { return m < config_.costs.size() && config_.costs[m].Known(); }
   // One module's decision, and the sticky state a divergence with fallback replicate sets.

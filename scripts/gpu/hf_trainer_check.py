@@ -185,19 +185,24 @@ def prefixed(out: Path, name: str, prefix: str) -> str:
     return found[-1][len(prefix):].strip() if found else ""
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--family", action="append", choices=sorted(MIXES))
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options every GPU check of this kind takes (this one and trainable_tower_check.py)."""
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--timeout", type=float, default=240, help="seconds for a run that must complete")
     parser.add_argument("--hang-timeout", type=float, default=90, help="seconds before a stock run counts as hung")
     parser.add_argument("--rtol", type=float, default=1e-4)
+    parser.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--family", action="append", choices=sorted(MIXES))
+    add_run_arguments(parser)
     parser.add_argument("--examples", action="store_true",
                         help="also run examples/python/hf_trainer_vlm.py and lightning_vlm.py, with and without "
                              "their lines marked '# shardcoord'")
     parser.add_argument("--rank-of", nargs=2, metavar=("FAMILY", "MODE"))
-    parser.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     args = parser.parse_args()
     out = Path(args.out)
     if args.rank_of:

@@ -209,16 +209,11 @@ def worst(a: list, b: list) -> float:
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
 
 
-def results(out: Path, case: str, mode: str, ranks: int) -> list:
-    return [json.loads(line[7:]) for r in range(ranks) for line in base.log_lines(out, f"{case}-{mode}", r)
-            if line.startswith("RESULT ")]
-
-
 def check_case(case: str, codes: dict, out: Path, args) -> tuple:
     """(row, failures) of one case."""
     failures = []
     ok = [0] * args.ranks
-    sc, ref = results(out, case, "shardcoord", args.ranks), results(out, case, args.reference, args.ranks)
+    sc, ref = base.results(out, case, "shardcoord", args.ranks), base.results(out, case, args.reference, args.ranks)
     row = {"case": case, "ranks": args.ranks, "reference": args.reference,
            **{f"exit_{m.replace('-fsdp', '')}": c for (k, m), c in codes.items() if k == case},
            "stock_tail": base.tail(out, case, "stock", 0)}
@@ -242,7 +237,7 @@ def check_case(case: str, codes: dict, out: Path, args) -> tuple:
     if codes[(case, "stock")] == ok:
         failures.append(f"{case}: the stock run (per-layer tower, mixed media) completed: nothing shown")
     if (case, "dummy") in codes:
-        dummy = results(out, case, "dummy", args.ranks)
+        dummy = base.results(out, case, "dummy", args.ranks)
         if codes[(case, "dummy")] != ok or len(dummy) != args.ranks:
             failures.append(f"{case}: dummy run exited {codes[(case, 'dummy')]}: {base.tail(out, case, 'dummy', 0)}")
         else:
@@ -255,18 +250,13 @@ def check_case(case: str, codes: dict, out: Path, args) -> tuple:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--case", action="append", choices=sorted(CASES))
-    parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--timeout", type=float, default=240, help="seconds for a run that must complete")
-    parser.add_argument("--hang-timeout", type=float, default=90, help="seconds before a stock run counts as hung")
-    parser.add_argument("--rtol", type=float, default=1e-4)
+    base.add_run_arguments(parser)
     parser.add_argument("--reference", choices=("reference", "reference-fsdp"), default="reference",
                         help="reference: DDP (unsharded); reference-fsdp: FSDP2 with the tower in the root unit")
     parser.add_argument("--dummy", action="store_true",
                         help="also the dummy-forward workaround for LLaVA (hung at its second step on the GPU "
-                             "machine, not diagnosed: docs/GPU.md)")
+                             "machine; the likely cause is in docs/GPU.md)")
     parser.add_argument("--rank-of", nargs=2, metavar=("CASE", "MODE"))
-    parser.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     args = parser.parse_args()
     out = Path(args.out)
     if args.rank_of:

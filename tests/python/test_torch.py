@@ -1017,17 +1017,10 @@ class _FakeParamGroup:
         pass
 
 
-class _TrainableVlm(nn.Module):
+class _TrainableVlm(_PaddedVlm):
     def __init__(self):
         super().__init__()
-        self.visual = Tower(sizes=((4, 4), (4, 4), (4, 4)))  # Trainable.
-        self.head = nn.Linear(4, 2)
-
-    def forward(self, images):
-        x = torch.zeros(1, 4)
-        for image in images:
-            x = x + self.visual(image)
-        return self.head(x)
+        self.visual.requires_grad_(True)
 
 
 def _fsdp2_trainable_rank(monkeypatch):

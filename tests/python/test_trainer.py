@@ -105,19 +105,33 @@ def expect_healthy(run: List[RankResult]):
         assert res.params_hash == run[0].params_hash, "ranks disagree on the trained parameters"
 
 
-def test_executor_two_ranks_gathers_bitwise(tmp_path):
+def two_ranks(tmp_path, name: str, script: Path, seconds: float) -> List[str]:
+    """Runs ``script INIT_METHOD RANK 2`` as two Gloo ranks (a deadline of ``seconds``); asserts both
+    exit 0 and returns each rank's output."""
     procs = []
     try:
         for r in range(2):
-            procs.append(start(tmp_path, f"exec-{r}", [sys.executable, str(EXECUTOR_RANKS),
-                                                       f"file://{tmp_path}/exec.store", str(r), "2"]))
-        deadline = time.monotonic() + 60
+            procs.append(start(tmp_path, f"{name}-{r}", [sys.executable, str(script),
+                                                         f"file://{tmp_path}/{name}.store", str(r), "2"]))
+        deadline = time.monotonic() + seconds
         codes = [wait_code(p, deadline) for p in procs]
     finally:
         stop_all(procs)
+    outs = []
     for r in range(2):
-        out, err = (tmp_path / f"exec-{r}.out").read_text(), (tmp_path / f"exec-{r}.err").read_text()
-        assert codes[r] == 0, f"rank {r} exited {codes[r]}: {err}"
+        out, err = (tmp_path / f"{name}-{r}.out").read_text(), (tmp_path / f"{name}-{r}.err").read_text()
+        assert codes[r] == 0, f"rank {r} exited {codes[r]} (-1: hung): {err}"
+        outs.append(out)
+    return outs
+
+
+def result_of(out: str) -> dict:
+    """The ``result JSON`` line a rank program prints."""
+    return json.loads(next(l for l in out.splitlines() if l.startswith("result "))[len("result "):])
+
+
+def test_executor_two_ranks_gathers_bitwise(tmp_path):
+    for r, out in enumerate(two_ranks(tmp_path, "exec", EXECUTOR_RANKS, 60)):
         assert f"ok rank {r} gathered 608 peak 228" in out
 
 
@@ -127,19 +141,8 @@ def test_a_tower_with_adapters_on_a_frozen_base_trains_like_the_unsharded_model(
     calls equal, divergent and none (per_layer, root, skip): after every microbatch the mean
     gradients and, after a step, the parameters equal the unsharded model's on both ranks' batches,
     and both ranks made the same all-gathers (each unit once a microbatch, kept for the backward)."""
-    procs = []
-    try:
-        for r in range(2):
-            procs.append(start(tmp_path, f"adapter-{r}", [sys.executable, str(ADAPTER_RANKS),
-                                                          f"file://{tmp_path}/adapter.store", str(r), "2"]))
-        deadline = time.monotonic() + 90
-        codes = [wait_code(p, deadline) for p in procs]
-    finally:
-        stop_all(procs)
-    for r in range(2):
-        out, err = (tmp_path / f"adapter-{r}.out").read_text(), (tmp_path / f"adapter-{r}.err").read_text()
-        assert codes[r] == 0, f"rank {r} exited {codes[r]} (-1: hung): {err}"
-        result = json.loads(next(l for l in out.splitlines() if l.startswith("result "))[len("result "):])
+    for out in two_ranks(tmp_path, "adapter", ADAPTER_RANKS, 90):
+        result = result_of(out)
         assert result["worst_grad_diff"] <= 1e-6, result
 
 
@@ -152,20 +155,7 @@ def test_padded_with_divergent_calls_issues_the_same_all_gathers_on_every_rank(t
     Then two padded towers in one microbatch (the pad chain): one rank calls the first and pads the
     second, the other the reverse, one calls both and the other neither: the same all-gathers on
     both ranks, the first tower's passes before the second's, outputs bitwise the unsharded ones."""
-    procs = []
-    try:
-        for r in range(2):
-            procs.append(start(tmp_path, f"padded-{r}", [sys.executable, str(PADDED_RANKS),
-                                                         f"file://{tmp_path}/padded.store", str(r), "2"]))
-        deadline = time.monotonic() + 90
-        codes = [wait_code(p, deadline) for p in procs]
-    finally:
-        stop_all(procs)
-    results = []
-    for r in range(2):
-        out, err = (tmp_path / f"padded-{r}.out").read_text(), (tmp_path / f"padded-{r}.err").read_text()
-        assert codes[r] == 0, f"rank {r} exited {codes[r]} (-1: hung): {err}"
-        results.append(json.loads(next(l for l in out.splitlines() if l.startswith("result "))[len("result "):]))
+    results = [result_of(out) for out in two_ranks(tmp_path, "padded", PADDED_RANKS, 90)]
     rest, layers, projector = 144, [96, 80, 64], 48  # Full bytes of each unit (padded to 2 ranks).
     one_pass = [rest] + layers
     passes = [2, 3, 2, 2, 0, 2]  # K per microbatch of padded_ranks.CALLS (per_layer: 2, skip: 0).
