@@ -698,6 +698,8 @@ def attach(towers: Towers, root: Optional[nn.Module] = None, fill_missing_grads:
         c.rest_owner = _owner_of_rest(c, root, modules) if c.has_rest else None
     if fill_missing_grads:
         _fill_missing_grads(root)
+    if any(c.trainable for c in towers.controlled.values()):
+        _inputs_need_grad(root)
     ctl = Fsdp2Control(towers.controlled, towers.left_in_root, root, root_release)
     # Padded's pad passes: registered after fully_shard, so it runs after FSDP's own pre-forward
     # hook (registered with prepend=True), once the root unit is gathered, as on a calling rank.
@@ -795,6 +797,30 @@ def _fill_missing_grads(model: nn.Module) -> None:
             return _original(*args)
 
         group.post_backward = post_backward
+
+
+def _inputs_need_grad(root: nn.Module) -> None:
+    """With a trainable tower or projector, the decoder's input needs grad on the ranks whose batch had
+    media (their features join the embeddings) and not on the others (frozen embeddings): FSDP2 then
+    reduce-scatters the first decoder unit from its autograd hook on the first and from its
+    end-of-backward callback on the others, where it comes after the root unit's reduce-scatter (a
+    mismatch whenever the root unit holds trainable parameters, such as a projector). The input
+    embeddings' output is made to need grad on every rank, as transformers' own
+    ``enable_input_require_grads`` does for adapters with checkpointing (no parameter's gradient
+    changes)."""
+    embeddings = getattr(root, "get_input_embeddings", None)
+    module = embeddings() if callable(embeddings) else None
+    if not isinstance(module, nn.Module):
+        _warn_once("shardcoord.fsdp2: a trainable tower, and the model has no get_input_embeddings(): where the "
+                   "decoder's input needs grad on the ranks with media only, FSDP2 reduces its first unit at other "
+                   "points on the ranks without (a hang when the root unit has trainable parameters)")
+        return
+
+    def need_grad(_module, _args, output):
+        if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and not output.requires_grad:
+            output.requires_grad_(True)
+
+    module.register_forward_hook(need_grad)
 
 
 def _param_group(unit: nn.Module):

@@ -58,7 +58,14 @@ TOWER = {"qwen2_5_vl": "visual", "llava": "vision_tower"}  # Last name component
 TOWER_LAYER = {"qwen2_5_vl": "Qwen2_5_VLVisionBlock", "llava": "CLIPEncoderLayer"}
 
 
-def build(case: str):
+# --tower-size: the LLaVA case's CLIP tower at the size of a real one (ViT-L/14's width, depth and
+# heads, about 300 M parameters; the images stay 16 x 16, so activations stay small): peaks and
+# gathered bytes then show the weights' share.
+TOWER_SIZES = {"tiny": {}, "vit-l": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
+                                        num_attention_heads=16)}
+
+
+def build(case: str, tower_size: str = "tiny"):
     """The model of ``case``: its tower trainable (Qwen) or with LoRA on it (LLaVA), the rest as in the
     drop-in check."""
     import torch
@@ -69,7 +76,10 @@ def build(case: str):
     family = CASES[case]
     cls_name, make_config, _, _ = calls.FAMILIES[family]
     torch.manual_seed(0)
-    model = getattr(tf, cls_name)(make_config(tf))
+    config = make_config(tf)
+    for key, value in TOWER_SIZES[tower_size].items():
+        setattr(config.vision_config, key, value)
+    model = getattr(tf, cls_name)(config)
     if case == "llava-lora":
         import peft
 
@@ -77,7 +87,9 @@ def build(case: str):
         # peft's usual attention targets, in the decoder and the tower alike (LoRA on the tower alone
         # leaves the decoder frozen, so its backward runs only on the ranks whose batch had an image:
         # the decoder's FSDP units then differ between ranks, outside any tower; docs/GPU.md).
-        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+        # The projector trains too (peft's modules_to_save, as LLaVA recipes do): it stays in the root unit.
+        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                 modules_to_save=["multi_modal_projector"])
         model = peft.get_peft_model(model, config)  # Freezes everything but the adapters.
     return model
 
@@ -117,8 +129,9 @@ def touch_every_trainable(model, family: str):
 
 
 def dummy_forward(model, family: str):
-    """The workaround: a rank whose batch has no image runs the tower on one dummy image first (before
-    the decoder, where the other ranks run it), and 0 x its output joins the loss."""
+    """The workaround: a rank whose batch has no image runs the tower on one dummy image where the
+    other ranks run it on theirs (LLaVA's forward: right after the input embeddings, inside the root
+    unit's forward), and 0 x its features join the embeddings, as real features do."""
     import torch
 
     import hf_calls_check as calls
@@ -126,35 +139,57 @@ def dummy_forward(model, family: str):
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     size = inner.config.vision_config.image_size
     original = model.forward
+    text_only = []
 
     def forward(*args, **kwargs):
-        dummy = None
-        if kwargs.get("pixel_values") is None:  # As LLaVA's forward runs the tower (its feature layer, projector).
-            image = torch.zeros(1, 3, size, size, device=inner.device, dtype=inner.dtype)
-            dummy = calls.pooled(inner.model.get_image_features(pixel_values=image))
-            dummy = torch.cat(list(dummy)) if isinstance(dummy, (list, tuple)) else dummy
-        out = original(*args, **kwargs)
-        if dummy is not None:
-            out.loss = out.loss + 0.0 * dummy.sum()
-        return out
+        text_only.append(kwargs.get("pixel_values") is None)
+        if os.environ.get("TRACE_FSDP"):
+            print(f"TRACE forward text_only={text_only[-1]}", flush=True)
+        return original(*args, **kwargs)
 
+    def merge(_module, _args, embeds):
+        if not (text_only and text_only.pop()):
+            return None
+        image = torch.zeros(1, 3, size, size, device=embeds.device, dtype=inner.dtype)
+        dummy = calls.pooled(inner.model.get_image_features(pixel_values=image))
+        dummy = torch.cat(list(dummy)) if isinstance(dummy, (list, tuple)) else dummy
+        return embeds + 0.0 * dummy.sum()
+
+    inner.get_input_embeddings().register_forward_hook(merge)
     model.forward = forward
 
 
-def rank_main(case: str, mode: str, steps: int, out: Path) -> None:
+def trace_fsdp() -> None:
+    """TRACE_FSDP=1: each FSDP2 unit's unshard and post-backward, printed in the order this rank
+    issues them (a hung run's two logs then show where the ranks' collectives part)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group
+
+    for name in ("unshard", "post_backward"):
+        original = getattr(group.FSDPParamGroup, name)
+
+        def traced(self, *args, _name=name, _original=original, **kwargs):
+            print(f"TRACE {_name} {getattr(self, '_module_fqn', '?') or '<root>'} {getattr(getattr(self, '_training_state', None), 'name', '?')}", flush=True)
+            return _original(self, *args, **kwargs)
+
+        setattr(group.FSDPParamGroup, name, traced)
+
+
+def rank_main(case: str, mode: str, steps: int, out: Path, tower_size: str = "tiny") -> None:
     import torch
     import transformers as tf
 
     import hf_calls_check as calls
 
     family = CASES[case]
-    model = build(case)
+    model = build(case, tower_size)
     _, _, make_batch, _ = calls.FAMILIES[family]
     rng = random.Random(1)
     mix = base.MIXES[family]
     kinds = rng.choices(list(mix), weights=list(mix.values()), k=64)
     torch.manual_seed(1)
     data = [make_batch(kind, model) for kind in kinds]
+    if os.environ.get("TRACE_FSDP"):
+        trace_fsdp()
     if os.environ.get("DUMP_AFTER"):  # A hung rank prints where it waits before the driver kills it.
         import faulthandler
         faulthandler.dump_traceback_later(float(os.environ["DUMP_AFTER"]), exit=False)
@@ -256,21 +291,24 @@ def main() -> int:
     parser.add_argument("--dummy", action="store_true",
                         help="also the dummy-forward workaround for LLaVA (hung at its second step on the GPU "
                              "machine; the likely cause is in docs/GPU.md)")
+    parser.add_argument("--tower-size", choices=sorted(TOWER_SIZES), default="tiny",
+                        help="the LLaVA tower's size: tiny (the drop-in check's), or vit-l (a real tower's width and depth)")
     parser.add_argument("--rank-of", nargs=2, metavar=("CASE", "MODE"))
     args = parser.parse_args()
     out = Path(args.out)
     if args.rank_of:
-        rank_main(*args.rank_of, args.steps, out)
+        rank_main(*args.rank_of, args.steps, out, args.tower_size)
         return 0
     cases = args.case or sorted(CASES)
     env = dict(os.environ)
     runs = {}
     for case in cases:  # Every run at once (one GPU, 16 cores: they are small); the stock runs are expected to hang.
         for mode in ("shardcoord", args.reference, "stock") + (("dummy",) if case == "llava-lora" and args.dummy else ()):
-            argv = [__file__, "--rank-of", case, mode, "--steps", str(args.steps), "--out", str(out)]
+            argv = [__file__, "--rank-of", case, mode, "--steps", str(args.steps), "--out", str(out),
+                    "--tower-size", args.tower_size]
             limit = args.hang_timeout if mode == "stock" else args.timeout
             runs[(case, mode)] = base.launch(f"{case}-{mode}", argv, args.ranks, out,
-                                             dict(env, DUMP_AFTER=str(max(5.0, limit - 8))))
+                                             dict(env, DUMP_AFTER=str(max(5.0, limit - 30))))
     start = time.monotonic()
     codes = {key: base.finish(procs, start + (args.hang_timeout if key[1] == "stock" else args.timeout))
              for key, procs in runs.items()}

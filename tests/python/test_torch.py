@@ -1021,6 +1021,10 @@ class _TrainableVlm(_PaddedVlm):
     def __init__(self):
         super().__init__()
         self.visual.requires_grad_(True)
+        self.embed_tokens = nn.Embedding(8, 4).requires_grad_(False)  # Frozen input embeddings.
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
 
 
 def _fsdp2_trainable_rank(monkeypatch):
@@ -1096,6 +1100,20 @@ def test_fsdp2_trainable_tower_records_its_forward_only_under_per_layer(monkeypa
     assert [g.recorded for g in groups.values()] == [0, 0, 0], "no backward prefetch under root"
     step(1, "per_layer")
     assert [g.recorded for g in groups.values()] == [1, 1, 1]
+
+
+def test_fsdp2_trainable_tower_makes_the_decoder_input_need_grad_on_every_rank(monkeypatch):
+    # With frozen embeddings the decoder's input would need grad only where media joined it, and
+    # FSDP2 would reduce the first decoder unit at another point on the other ranks.
+    model, _, _, _ = _fsdp2_trainable_rank(monkeypatch)
+    ids = torch.tensor([[1, 2]])
+    out = model.get_input_embeddings()(ids)
+    assert out.requires_grad and out.grad_fn is None, "a leaf that needs grad: no parameter's gradient changes"
+    with torch.no_grad():
+        assert not model.get_input_embeddings()(ids).requires_grad
+    # A frozen tower: the embeddings are left as they are.
+    frozen, _, _ = _fsdp2_rank(monkeypatch, model_class=lambda: _TrainableVlm().requires_grad_(False))
+    assert not frozen.get_input_embeddings()(ids).requires_grad
 
 
 def test_fsdp2_trainable_tower_refuses_padded_and_replicate(monkeypatch):
