@@ -5,10 +5,13 @@
 //   vlm_trainer --coordinator ADDR --job J --rank R --world-size W --group-size G
 //               [--policy auto|per_layer|root|replicate] [--fallback root|replicate|padded]
 //               [--media mixed|all|none|rank0] [--image-fraction F] [--skew S]
-//               [--steps N] [--accum K] [--no-shard]
+//               [--steps N] [--accum K] [--tower-adapters R] [--no-shard]
 //
 // Model: vision_tower (frozen; a layer list of Linear+GELU), multi_modal_projector (frozen),
-// text_embed, text_layers and head (trainable). Every rank starts from the same weights
+// text_embed, text_layers and head (trainable). --tower-adapters R puts LoRA adapters of rank R
+// on the tower's layers (trainable; the tower is opted in as a trainable module, so only its
+// frozen base is sharded, and it runs under autograd) and trains the projector (left to the
+// trainer, as LLaVA recipes do). Every rank starts from the same weights
 // (same seed). Each step runs K accumulated microbatches; the data loader knows which carry
 // images and reports plans `--lookahead` microbatches ahead; gradients of the trainable part
 // are averaged over the world with an all-reduce; plain SGD.
@@ -43,31 +46,53 @@ constexpr int kTextIn = 12, kHidden = 24, kClasses = 5, kBatch = 4;
 
 // Laid out like a Hugging Face tower: a patch embedding before the layer list and a norm after
 // it, both outside the list (the manifest's rest unit ""), then the layers.
+// One layer of the tower: a Linear, and with adapters (rank > 0) a LoRA pair beside it, as peft
+// makes: base(x) + b(a(x)), b starting at zero.
+struct VisionLayerImpl : torch::nn::Module {
+  torch::nn::Linear base{nullptr}, lora_a{nullptr}, lora_b{nullptr};
+  explicit VisionLayerImpl(int rank) {
+    base = register_module("base", torch::nn::Linear(kVisionDim, kVisionDim));
+    if (rank == 0) return;
+    lora_a = register_module("lora_a", torch::nn::Linear(torch::nn::LinearOptions(kVisionDim, rank).bias(false)));
+    lora_b = register_module("lora_b", torch::nn::Linear(torch::nn::LinearOptions(rank, kVisionDim).bias(false)));
+    torch::NoGradGuard init;
+    lora_b->weight.zero_();
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    torch::Tensor y = base(x);
+    return lora_a ? y + lora_b(lora_a(x)) : y;
+  }
+};
+TORCH_MODULE(VisionLayer);
+
 struct VisionTowerImpl : torch::nn::Module {
   torch::nn::Linear patch_embed{nullptr};
   torch::nn::ModuleList layers;
   torch::nn::LayerNorm post_layernorm{nullptr};
-  VisionTowerImpl() {
+  explicit VisionTowerImpl(int adapter_rank) {
     patch_embed = register_module("patch_embed", torch::nn::Linear(kImageIn, kVisionDim));
     layers = register_module("layers", torch::nn::ModuleList());
-    for (int i = 0; i < kVisionLayers; ++i) layers->push_back(torch::nn::Linear(kVisionDim, kVisionDim));
+    for (int i = 0; i < kVisionLayers; ++i) layers->push_back(VisionLayer(adapter_rank));
     post_layernorm = register_module("post_layernorm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({kVisionDim})));
   }
 };
 TORCH_MODULE(VisionTower);
 
 struct VlmImpl : torch::nn::Module {
-  VisionTower vision_tower;
+  VisionTower vision_tower{nullptr};
   torch::nn::Linear multi_modal_projector{nullptr}, text_embed{nullptr}, head{nullptr};
   torch::nn::ModuleList text_layers;
-  VlmImpl() {
-    vision_tower = register_module("vision_tower", VisionTower());
+  explicit VlmImpl(int adapter_rank) {
+    vision_tower = register_module("vision_tower", VisionTower(adapter_rank));
     multi_modal_projector = register_module("multi_modal_projector", torch::nn::Linear(kVisionDim, kHidden));
     text_embed = register_module("text_embed", torch::nn::Linear(kTextIn, kHidden));
     text_layers = register_module("text_layers", torch::nn::ModuleList());
     for (int i = 0; i < 2; ++i) text_layers->push_back(torch::nn::Linear(kHidden, kHidden));
     head = register_module("head", torch::nn::Linear(kHidden, kClasses));
-    for (auto& p : vision_tower->parameters()) p.set_requires_grad(false);
+    for (auto& item : vision_tower->named_parameters()) {  // The base frozen; adapters train.
+      if (item.key().find(".lora_") == std::string::npos) item.value().set_requires_grad(false);
+    }
+    if (adapter_rank > 0) return;  // With adapters the projector trains too.
     for (auto& p : multi_modal_projector->parameters()) p.set_requires_grad(false);
   }
 };
@@ -129,7 +154,7 @@ void Fail(const std::string& what, const absl::Status& s) {
 // The command line.
 struct TrainerOptions {
   std::string address, job = "vlm", policy = "auto", fallback = "root", media = "mixed";
-  int rank = 0, world = 2, group_size = 2, steps = 5, accum = 2, lookahead = 4, seed = 7;
+  int rank = 0, world = 2, group_size = 2, steps = 5, accum = 2, lookahead = 4, seed = 7, adapter_rank = 0;
   double image_fraction = 0.5, skew = 0.0, lr = 0.05;
   bool no_shard = false;
   int interval_ms = 0;
@@ -159,6 +184,9 @@ void AddFlags(CLI::App& app, TrainerOptions* o) {
   app.add_option("--device", o->device_name, "cpu (Gloo) or cuda (NCCL; GPU rank % device count)")
       ->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--interval-ms", o->interval_ms, "pause after each step (demos: to watch live status)");
+  app.add_option("--tower-adapters", o->adapter_rank,
+                 "LoRA adapters of this rank on the tower's layers, trained (0: none, the tower frozen)")
+      ->check(CLI::Range(0, kVisionDim));
   app.add_flag("--no-shard", o->no_shard, "reference run: frozen parameters whole on every rank");
   app.add_option("--reconnect-window-ms", o->reconnect_window_ms,
                  "after losing the coordinator, how long to reconnect and resume before failing (0: fail at once)");
@@ -224,34 +252,37 @@ void Check(const absl::Status& s, const std::string& what) {
   if (!s.ok()) Fail(what, s);
 }
 
-// The frozen part's output: the vision tower (its rest unit, patch embedding and norm, around
-// the layers), then the projector, each gathered and released by the executor when there is
-// one, all without autograd (frozen modules need no backward collectives).
-torch::Tensor FrozenFeatures(Vlm& model, shardcoord::torchx::FrozenShardExecutor* exec, const torch::Tensor& image) {
-  torch::NoGradGuard frozen;
-  if (exec) Check(exec->BeginModule("vision_tower"), "gather");
-  torch::Tensor v = model->vision_tower->patch_embed(image);
-  for (int u = 0; u < kVisionLayers; ++u) {
-    const int unit = exec ? exec->UnitIndex("vision_tower", "layers." + std::to_string(u)) : u;
-    if (exec) Check(exec->BeforeUnit("vision_tower", unit), "gather");
-    v = torch::gelu(model->vision_tower->layers[u]->as<torch::nn::Linear>()->forward(v));
-    if (exec) Check(exec->AfterUnit("vision_tower", unit), "release");
-  }
-  v = model->vision_tower->post_layernorm(v);
-  if (exec) {
-    Check(exec->EndModule("vision_tower"), "release");
-    Check(exec->BeginModule("multi_modal_projector"), "gather");
-  }
-  torch::Tensor p = model->multi_modal_projector(v.mean(1));
-  if (exec) Check(exec->EndModule("multi_modal_projector"), "release");
-  return p;
-}
-
-// x plus the frozen part's output. The sum is made with autograd on, so the trainable layers
+// The image features: the vision tower (its rest unit, patch embedding and norm, around the
+// layers), then the projector, each gathered and released by the executor where it controls
+// them. A frozen tower runs without autograd (frozen modules need no backward collectives); one
+// with adapters under it, and the executor keeps its frozen base gathered for the backward
+// (EndBackward releases it). The sum with x is made with autograd on, so the trainable layers
 // before it still learn from microbatches with images.
-torch::Tensor AddFrozen(Vlm& model, shardcoord::torchx::FrozenShardExecutor* exec, const torch::Tensor& image,
-                        const torch::Tensor& x) {
-  return x + FrozenFeatures(model, exec, image);
+torch::Tensor AddImageFeatures(Vlm& model, shardcoord::torchx::FrozenShardExecutor* exec, const torch::Tensor& image,
+                               const torch::Tensor& x, bool adapters) {
+  torch::Tensor v;
+  {
+    torch::AutoGradMode grad(adapters);
+    if (exec) Check(exec->BeginModule("vision_tower"), "gather");
+    v = model->vision_tower->patch_embed(image);
+    for (int u = 0; u < kVisionLayers; ++u) {
+      const int unit = exec ? exec->UnitIndex("vision_tower", "layers." + std::to_string(u)) : u;
+      if (exec) Check(exec->BeforeUnit("vision_tower", unit), "gather");
+      v = torch::gelu(model->vision_tower->layers[u]->as<VisionLayer>()->forward(v));
+      if (exec) Check(exec->AfterUnit("vision_tower", unit, v), "release");
+    }
+    v = model->vision_tower->post_layernorm(v);
+    if (exec) Check(exec->EndModule("vision_tower", v), "release");
+  }
+  if (adapters) return x + model->multi_modal_projector(v.mean(1));  // Trained, not controlled.
+  torch::Tensor p;
+  {
+    torch::NoGradGuard frozen;
+    if (exec) Check(exec->BeginModule("multi_modal_projector"), "gather");
+    p = model->multi_modal_projector(v.mean(1));
+    if (exec) Check(exec->EndModule("multi_modal_projector", p), "release");
+  }
+  return x + p;
 }
 
 // The training loop's state across steps.
@@ -268,6 +299,7 @@ struct Trainer {
   Session& session;
   torch::Device device;
   std::vector<torch::Tensor> trainable;
+  std::vector<std::string> controlled;  // The manifest's modules, planned every microbatch.
   std::map<std::string, int64_t> decided;
   int64_t fallbacks = 0;
 
@@ -292,11 +324,12 @@ double RunMicrobatch(Trainer& t, const shardcoord::MicrobatchDecision& d, const 
   // This rank's planned calls (what PlanAhead reported): a padded module pads up to the group's.
   if (exec) Check(exec->BeginMicrobatch(d, calls), "begin microbatch");
   torch::Tensor x = torch::relu(t.model->text_embed(batch.text));
-  if (batch.images) x = AddFrozen(t.model, exec, batch.image, x);
+  if (batch.images) x = AddImageFeatures(t.model, exec, batch.image, x, t.o.adapter_rank > 0);
   for (const auto& layer : *t.model->text_layers) x = torch::relu(layer->as<torch::nn::Linear>()->forward(x));
   torch::Tensor loss = torch::nn::functional::cross_entropy(t.model->head(x), batch.target) / t.o.accum;
   if (exec) Check(exec->EndForward(), "end forward");
   loss.backward();
+  if (exec) Check(exec->EndBackward(), "end backward");
   return loss.item<double>();
 }
 
@@ -322,8 +355,9 @@ void Train(Trainer& t) {
   const TrainerOptions& o = t.o;
   shardcoord::PlanAhead ahead(*t.session.worker, o.steps * o.accum, [&](int64_t i) {
     const int calls = t.HasImagesAt(static_cast<int>(i)) ? 1 : 0;
-    return shardcoord::MicrobatchPlan{shardcoord::MicrobatchKey{i / o.accum, static_cast<int32_t>(i % o.accum)},
-                                      {{"vision_tower", calls}, {"multi_modal_projector", calls}}};
+    shardcoord::MicrobatchPlan plan{shardcoord::MicrobatchKey{i / o.accum, static_cast<int32_t>(i % o.accum)}, {}};
+    for (const auto& module : t.controlled) plan.calls[module] = calls;
+    return plan;
   }, o.lookahead);
   for (int step = 0; step < o.steps; ++step) {
     for (auto& p : t.trainable) {
@@ -374,16 +408,22 @@ int main(int argc, char** argv) {
   const int gpu = cuda ? o.rank % static_cast<int>(torch::cuda::device_count()) : 0;
   const torch::Device device = cuda ? torch::Device(torch::kCUDA, gpu) : torch::Device(torch::kCPU);
   torch::manual_seed(1234);  // Identical initial weights on every rank.
-  Vlm model;
+  Vlm model(o.adapter_rank);
   model->to(device);
   // In the order the forward calls the modules (the tower, then the projector), which is the
-  // order a padded decision's gather-only passes follow.
-  auto manifest = shardcoord::torchx::BuildManifest(*model);
+  // order a padded decision's gather-only passes follow. With adapters the tower is controlled
+  // as a trainable module, and the trained projector is not controlled.
+  shardcoord::torchx::ManifestOptions manifest_options;
+  if (o.adapter_rank > 0) manifest_options.trainable = {"vision_tower"};
+  auto built = shardcoord::torchx::BuildManifest(*model, manifest_options);
+  if (!built.ok()) Fail("manifest", built.status());
+  std::vector<shardcoord::ModuleSpec> manifest = *std::move(built);
   std::stable_sort(manifest.begin(), manifest.end(), [](const auto& a, const auto& b) {
     return a.name == "vision_tower" && b.name != "vision_tower";
   });
   Session session = Connect(o, model, manifest, cuda, gpu);
   Trainer trainer(o, model, session, device);
+  for (const auto& spec : manifest) trainer.controlled.push_back(spec.name);
   Train(trainer);
   PrintSummary(trainer);
   session.worker->Close();

@@ -265,6 +265,40 @@ TEST_F(TrainerTest, EveryPolicyComputesExactlyWhatTheUnshardedModelDoes) {
   }
 }
 
+// Towers that train (DESIGN 10) in the LibTorch executor: LoRA adapters on the frozen tower,
+// opted in as a trainable module (only the base is sharded; the projector trains). Mixed media
+// give per_layer, skip and divergent microbatches; for a trainable module the coordinator
+// decides root where padded or replicate was asked. Losses and every trained parameter
+// (adapters included) are bitwise those of the unsharded model.
+TEST_F(TrainerTest, TowerAdaptersTrainExactlyAsTheUnshardedModel) {
+  struct Case {
+    std::string policy, media;
+    std::vector<std::string> extra;
+    std::string decided;  // A decision every rank must have made.
+  };
+  const std::vector<std::string> adapters = {"--tower-adapters", "4", "--image-fraction", "0.6"};
+  std::vector<std::string> padded = adapters;
+  padded.insert(padded.end(), {"--fallback", "padded"});
+  for (const Case& c : std::vector<Case>{{"per_layer", "all", adapters, "per_layer"},
+                                         {"per_layer", "mixed", padded, "root"},
+                                         {"replicate", "mixed", adapters, "root"}}) {
+    SCOPED_TRACE(c.policy + " " + c.media);
+    std::vector<std::string> unsharded = c.extra;
+    unsharded.push_back("--no-shard");
+    auto reference = Train(c.policy, c.media, unsharded);
+    ExpectHealthy(reference);
+    auto run = Train(c.policy, c.media, c.extra);
+    ExpectHealthy(run);
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_EQ(run[r].losses, reference[r].losses) << "rank " << r;
+      EXPECT_EQ(Field(run[r].summary, "padded"), 0) << run[r].summary;
+      EXPECT_EQ(Field(run[r].summary, "replicate"), 0) << run[r].summary;
+      EXPECT_GT(Field(run[r].summary, c.decided), 0) << run[r].summary;
+    }
+    EXPECT_EQ(run[0].params_hash, reference[0].params_hash);
+  }
+}
+
 // Log lines at warning level or above ("<time> W ..." or "<time> E ...").
 std::vector<std::string> Warnings(const std::string& log) {
   std::vector<std::string> out;

@@ -66,7 +66,7 @@ TORCH_MODULE(Model);
 TEST(BuildManifestTest, FollowsTheClassificationRules) {
   torch::manual_seed(0);
   Model model;
-  auto manifest = BuildManifest(*model);
+  auto manifest = *BuildManifest(*model);
   ASSERT_EQ(manifest.size(), 2u);
   EXPECT_EQ(manifest[0].name, "audio_tower");  // picked; its vision_model child is not
   ASSERT_EQ(manifest[0].units.size(), 1u);     // no layer list: one whole-module unit
@@ -80,7 +80,7 @@ TEST(BuildManifestTest, FollowsTheClassificationRules) {
 
   ManifestOptions extra;
   extra.classify.extra_projector_names = {"my_adapter"};
-  auto with_extra = BuildManifest(*model, extra);
+  auto with_extra = *BuildManifest(*model, extra);
   ASSERT_EQ(with_extra.size(), 3u);
   EXPECT_EQ(with_extra[1].name, "my_adapter");
 }
@@ -88,7 +88,7 @@ TEST(BuildManifestTest, FollowsTheClassificationRules) {
 TEST(FrozenShardExecutorTest, MaterializesExactlyAndReleasesPerDecision) {
   torch::manual_seed(0);
   Model model;
-  auto manifest = BuildManifest(*model);
+  auto manifest = *BuildManifest(*model);
   std::vector<torch::Tensor> original;
   for (auto& p : model->vision_tower->parameters()) original.push_back(p.detach().clone());
   auto comm = std::make_shared<LoopbackCommunicator>();
@@ -174,7 +174,7 @@ TEST(FrozenShardExecutorTest, ARestUnitIsGatheredAroundTheLayersOfItsModule) {
   HfModel model;
   ManifestOptions options;
   options.layer_list = "encoder.layers";
-  auto manifest = BuildManifest(*model, options);
+  auto manifest = *BuildManifest(*model, options);
   ASSERT_EQ(manifest.size(), 1u);
   const int64_t rest_bytes = ((4 * 3 + 3) + (3 + 3)) * 4, layer_bytes = (3 * 3 + 3) * 4;
   ASSERT_EQ(manifest[0].units.size(), 3u);
@@ -226,7 +226,7 @@ TEST(FrozenShardExecutorTest, ARestUnitIsGatheredAroundTheLayersOfItsModule) {
 
   // A manifest without the rest unit is refused, naming a parameter it leaves out.
   HfModel other;
-  auto partial = BuildManifest(*other, options);
+  auto partial = *BuildManifest(*other, options);
   partial[0].units.erase(partial[0].units.begin());
   auto refused = FrozenShardExecutor::Create(*other, partial, std::make_shared<LoopbackCommunicator>());
   ASSERT_FALSE(refused.ok());
@@ -241,7 +241,7 @@ TEST(FrozenShardExecutorTest, PaddedPassesGatherInForwardOrderAtPerLayersPeak) {
   HfModel model;
   ManifestOptions options;
   options.layer_list = "encoder.layers";
-  auto manifest = BuildManifest(*model, options);
+  auto manifest = *BuildManifest(*model, options);
   const int64_t rest_bytes = ((4 * 3 + 3) + (3 + 3)) * 4, layer_bytes = (3 * 3 + 3) * 4;
   auto comm = std::make_shared<LoopbackCommunicator>();
   auto ex = FrozenShardExecutor::Create(*model, manifest, comm);
@@ -305,7 +305,7 @@ TEST(FrozenShardExecutorTest, PaddedPassesGatherInForwardOrderAtPerLayersPeak) {
 TEST(FrozenShardExecutorTest, PaddedModulesAreAChainInManifestOrder) {
   torch::manual_seed(0);
   Model model;
-  auto manifest = BuildManifest(*model);  // audio_tower (one unit of 6), vision_tower (15 and 12).
+  auto manifest = *BuildManifest(*model);  // audio_tower (one unit of 6), vision_tower (15 and 12).
   auto comm = std::make_shared<LoopbackCommunicator>();
   auto ex = FrozenShardExecutor::Create(*model, manifest, comm);
   ASSERT_TRUE(ex.ok()) << ex.status();
@@ -344,9 +344,178 @@ TEST(FrozenShardExecutorTest, PaddedModulesAreAChainInManifestOrder) {
   EXPECT_EQ(comm->gathers, 5);
 }
 
+// A tower with LoRA adapters on a frozen base (as peft makes): base(x) + b(a(x)) per layer, a
+// frozen patch embedding and norm around them.
+struct AdaptedLayerImpl : torch::nn::Module {
+  torch::nn::Linear base{nullptr}, lora_a{nullptr}, lora_b{nullptr};
+  AdaptedLayerImpl() {
+    base = register_module("base", torch::nn::Linear(3, 3));
+    lora_a = register_module("lora_a", torch::nn::Linear(torch::nn::LinearOptions(3, 2).bias(false)));
+    lora_b = register_module("lora_b", torch::nn::Linear(torch::nn::LinearOptions(2, 3).bias(false)));
+    base->weight.set_requires_grad(false);
+    base->bias.set_requires_grad(false);
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return base(x) + lora_b(lora_a(x)); }
+};
+TORCH_MODULE(AdaptedLayer);
+
+struct AdaptedTowerImpl : torch::nn::Module {
+  torch::nn::Linear patch_embed{nullptr};
+  torch::nn::ModuleList layers;
+  torch::nn::LayerNorm post_layernorm{nullptr};
+  AdaptedTowerImpl() {
+    patch_embed = register_module("patch_embed", torch::nn::Linear(4, 3));
+    layers = register_module("layers", torch::nn::ModuleList(AdaptedLayer(), AdaptedLayer()));
+    post_layernorm = register_module("post_layernorm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({3})));
+    for (auto& p : patch_embed->parameters()) p.set_requires_grad(false);
+    for (auto& p : post_layernorm->parameters()) p.set_requires_grad(false);
+  }
+};
+TORCH_MODULE(AdaptedTower);
+
+struct AdaptedModelImpl : torch::nn::Module {
+  AdaptedTower vision_tower;
+  torch::nn::Linear head{nullptr};
+  AdaptedModelImpl() {
+    vision_tower = register_module("vision_tower", AdaptedTower());
+    head = register_module("head", torch::nn::Linear(3, 2));
+  }
+};
+TORCH_MODULE(AdaptedModel);
+
+// One forward and backward of `model` on `x`, through the executor's hooks when there is one.
+torch::Tensor AdaptedLoss(AdaptedModel& model, FrozenShardExecutor* ex, const torch::Tensor& x) {
+  auto check = [](const absl::Status& s) { EXPECT_TRUE(s.ok()) << s; };
+  if (ex) check(ex->BeginModule("vision_tower"));
+  torch::Tensor v = model->vision_tower->patch_embed(x);
+  for (int i = 0; i < 2; ++i) {
+    const int unit = ex ? ex->UnitIndex("vision_tower", "layers." + std::to_string(i)) : 0;
+    if (ex) check(ex->BeforeUnit("vision_tower", unit));
+    v = torch::gelu(model->vision_tower->layers[i]->as<AdaptedLayer>()->forward(v));
+    if (ex) check(ex->AfterUnit("vision_tower", unit, v));
+  }
+  v = model->vision_tower->post_layernorm(v);
+  if (ex) check(ex->EndModule("vision_tower", v));
+  return model->head(v).pow(2).mean();
+}
+
+TEST(FrozenShardExecutorTest, AdaptersOnAFrozenTowerTrainAsUnshardedUnderEveryDecision) {
+  torch::manual_seed(0);
+  AdaptedModel model, reference;
+  {
+    torch::NoGradGuard copy;  // The same weights, and a first adapter that is not zero.
+    for (auto& p : model->vision_tower->layers[0]->as<AdaptedLayer>()->lora_b->parameters()) p.normal_();
+    for (size_t i = 0; i < model->parameters().size(); ++i) reference->parameters()[i].copy_(model->parameters()[i]);
+  }
+
+  // Not opted in: a tower with trainable parameters is left out, as before.
+  EXPECT_TRUE(BuildManifest(*model)->empty());
+  ManifestOptions unknown;
+  unknown.trainable = {"audio_tower"};
+  auto refused = BuildManifest(*model, unknown);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(refused.status().message(), HasSubstr("'audio_tower' is no tower or projector of the model"));
+  ManifestOptions options;
+  options.trainable = {"vision_tower"};
+  auto manifest = *BuildManifest(*model, options);
+  ASSERT_EQ(manifest.size(), 1u);
+  EXPECT_TRUE(manifest[0].trainable);
+  ASSERT_EQ(manifest[0].units.size(), 3u);  // The rest unit, then the two layers (adapters counted).
+  EXPECT_EQ(manifest[0].units[1].param_bytes, (3 * 3 + 3 + 3 * 2 + 2 * 3) * 4);
+
+  // A spec that is not trainable refuses the adapters, saying how to opt in.
+  auto frozen_spec = manifest;
+  frozen_spec[0].trainable = false;
+  auto not_opted = FrozenShardExecutor::Create(*model, frozen_spec, std::make_shared<LoopbackCommunicator>());
+  ASSERT_FALSE(not_opted.ok());
+  EXPECT_THAT(not_opted.status().message(), HasSubstr("ManifestOptions::trainable"));
+  EXPECT_EQ(model->vision_tower->patch_embed->weight.numel(), 4 * 3) << "a refused manifest leaves the model whole";
+
+  auto comm = std::make_shared<LoopbackCommunicator>();
+  auto ex = FrozenShardExecutor::Create(*model, manifest, comm);
+  ASSERT_TRUE(ex.ok()) << ex.status();
+  auto* layer0 = model->vision_tower->layers[0]->as<AdaptedLayer>();
+  EXPECT_EQ(layer0->base->weight.numel(), 0) << "the frozen base is sharded";
+  EXPECT_EQ(layer0->lora_a->weight.numel(), 3 * 2) << "the adapters stay whole";
+
+  torch::AutoGradMode grad(true);
+  MicrobatchDecision d;
+  d.modules = {{"vision_tower", Decision::kPerLayer, DecisionReason::kUniform}};
+  for (Decision decision : {Decision::kPerLayer, Decision::kRoot}) {
+    SCOPED_TRACE(DecisionName(decision));
+    d.modules[0].decision = decision;
+    model->zero_grad();
+    reference->zero_grad();
+    const torch::Tensor x = torch::randn({5, 4});
+    const int gathers = comm->gathers;
+    ASSERT_TRUE((*ex)->BeginMicrobatch(d).ok());
+    torch::Tensor loss = AdaptedLoss(model, ex->get(), x);
+    ASSERT_TRUE((*ex)->EndForward().ok());
+    // The backward needs the frozen base: kept gathered (every unit gathered once), then released.
+    EXPECT_EQ(layer0->base->weight.numel(), 3 * 3);
+    EXPECT_EQ(comm->gathers, gathers + 3);
+    loss.backward();
+    ASSERT_TRUE((*ex)->EndBackward().ok());
+    EXPECT_EQ(layer0->base->weight.numel(), 0);
+    AdaptedLoss(reference, nullptr, x).backward();
+    EXPECT_TRUE(torch::equal(loss, AdaptedLoss(reference, nullptr, x)));
+    auto got = model->parameters(), want = reference->parameters();
+    for (size_t i = 0; i < got.size(); ++i) {
+      EXPECT_EQ(got[i].grad().defined(), want[i].grad().defined()) << i;
+      if (want[i].grad().defined()) EXPECT_TRUE(torch::equal(got[i].grad(), want[i].grad())) << i;
+    }
+  }
+  // Under autograd, per_layer holds the whole tower for the backward, as root does.
+  EXPECT_EQ((*ex)->bytes().at("vision_tower").peak, 2 * (*ex)->bytes().at("vision_tower").shard);
+
+  // Without autograd (evaluation), per_layer releases each unit after its forward.
+  {
+    torch::NoGradGuard eval;
+    d.modules[0].decision = Decision::kPerLayer;
+    ASSERT_TRUE((*ex)->BeginMicrobatch(d).ok());
+    ASSERT_TRUE((*ex)->BeginModule("vision_tower").ok());
+    ASSERT_TRUE((*ex)->BeforeUnit("vision_tower", 1).ok());
+    EXPECT_EQ(layer0->base->weight.numel(), 3 * 3);
+    ASSERT_TRUE((*ex)->AfterUnit("vision_tower", 1, torch::ones({1})).ok());
+    EXPECT_EQ(layer0->base->weight.numel(), 0);
+  }
+
+  // padded and replicate (an older coordinator's) are refused before anything is gathered.
+  for (Decision unsafe : {Decision::kPadded, Decision::kReplicate}) {
+    d.modules[0] = {"vision_tower", unsafe, DecisionReason::kDivergent, /*calls=*/1};
+    const int gathers = comm->gathers;
+    absl::Status s = (*ex)->BeginMicrobatch(d, {{"vision_tower", 1}});
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_THAT(s.message(), HasSubstr("trainable module 'vision_tower' is decided `" +
+                                       std::string(DecisionName(unsafe)) + "`"));
+    EXPECT_EQ(comm->gathers, gathers);
+  }
+}
+
+// A frozen module whose output needs grad under per_layer: backward would need the weights the
+// release drops, so it is refused, naming the unit.
+TEST(FrozenShardExecutorTest, AFrozenUnitWhoseOutputNeedsGradIsRefused) {
+  HfModel model;
+  ManifestOptions options;
+  options.layer_list = "encoder.layers";
+  auto ex = FrozenShardExecutor::Create(*model, *BuildManifest(*model, options), std::make_shared<LoopbackCommunicator>());
+  ASSERT_TRUE(ex.ok()) << ex.status();
+  MicrobatchDecision d;
+  d.modules = {{"vision_tower", Decision::kPerLayer, DecisionReason::kUniform}};
+  ASSERT_TRUE((*ex)->BeginMicrobatch(d).ok());
+  ASSERT_TRUE((*ex)->BeginModule("vision_tower").ok());
+  ASSERT_TRUE((*ex)->BeforeUnit("vision_tower", 1).ok());
+  torch::AutoGradMode grad(true);
+  absl::Status s = (*ex)->AfterUnit("vision_tower", 1, torch::ones({2}, torch::requires_grad()));
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(s.message(), HasSubstr("unit 'encoder.layers.0' of 'vision_tower' produced an output that requires grad"));
+  EXPECT_EQ(model->vision_tower->encoder->layers[0]->as<torch::nn::Linear>()->weight.numel(), 0) << "released";
+}
+
 TEST(FrozenShardExecutorTest, RejectsWhatItCannotShard) {
   Model model;
-  auto manifest = BuildManifest(*model);
+  auto manifest = *BuildManifest(*model);
   manifest.push_back({"no_such_module", 0, {}, false});
   auto ex = FrozenShardExecutor::Create(*model, manifest, std::make_shared<LoopbackCommunicator>());
   ASSERT_FALSE(ex.ok());

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <set>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 
 namespace shardcoord::torchx {
@@ -69,7 +70,16 @@ absl::StatusOr<DataType> ToDataType(const torch::Tensor& t) {
 
 }  // namespace
 
-std::vector<ModuleSpec> BuildManifest(torch::nn::Module& model, const ManifestOptions& options) {
+// Whether the candidate at `path` is opted in as trainable: by `all_trainable`, its path or its
+// last components ("vision_tower" for "model.vision_tower").
+bool OptedIn(const std::string& path, const ManifestOptions& options) {
+  if (options.all_trainable) return true;
+  return std::any_of(options.trainable.begin(), options.trainable.end(), [&](const std::string& t) {
+    return path == t || absl::EndsWith(path, absl::StrCat(".", t));
+  });
+}
+
+absl::StatusOr<std::vector<ModuleSpec>> BuildManifest(torch::nn::Module& model, const ManifestOptions& options) {
   std::vector<ModuleNode> nodes;
   auto modules = ModulesByPath(model);
   for (const auto& [path, m] : modules) {
@@ -81,13 +91,24 @@ std::vector<ModuleSpec> BuildManifest(torch::nn::Module& model, const ManifestOp
     }
     nodes.push_back(std::move(n));
   }
+  const std::vector<ClassifiedModule> classified = ClassifyModules(nodes, options.classify);
+  for (const auto& t : options.trainable) {
+    ManifestOptions one;
+    one.trainable = {t};
+    if (std::none_of(classified.begin(), classified.end(), [&](const auto& c) { return OptedIn(c.path, one); })) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "trainable name '", t, "' is no tower or projector of the model: give a path or last component of "
+          "one (the tower and projector names, or ManifestOptions::classify's extra names)"));
+    }
+  }
   std::vector<ModuleSpec> out;
-  for (const auto& c : ClassifyModules(nodes, options.classify)) {
-    if (!c.fully_frozen) continue;
+  for (const auto& c : classified) {
+    if (!c.fully_frozen && !OptedIn(c.path, options)) continue;  // Left to the trainer: no decisions.
     const ModulePtr& m = modules.at(c.path);
     ModuleSpec spec;
     spec.name = c.path;
     spec.param_bytes = ParamBytes(*m);
+    spec.trainable = !c.fully_frozen;
     // The rest unit "" first (what no layer holds; the whole module without layers), then the layers.
     const auto layers = LayerUnits(m, options.layer_list);
     std::vector<torch::Tensor> rest;
@@ -99,65 +120,40 @@ std::vector<ModuleSpec> BuildManifest(torch::nn::Module& model, const ManifestOp
   return out;
 }
 
-absl::StatusOr<FrozenShardExecutor::Unit> FrozenShardExecutor::ShardUnit(const std::string& module,
-                                                                         const std::string& unit_name,
-                                                                         const std::vector<torch::Tensor>& params) {
-  const int64_t g = group_->size();
-  const int64_t me = group_->rank();
-  Unit u;
-  u.name = unit_name;
-  std::vector<torch::Tensor> flat;
-  int64_t offset = 0;
-  torch::Tensor first;
-  for (auto p : params) {
+namespace {
+
+// The parameters of one unit that the executor shards, in order.
+struct UnitParams {
+  std::string name;
+  std::vector<torch::Tensor> params;
+};
+
+// The frozen parameters of one unit, checked: none trainable unless the module is (its trainable
+// ones then stay whole), one supported dtype and one device.
+absl::StatusOr<UnitParams> CheckUnit(const ModuleSpec& spec, const std::string& unit_name,
+                                     const std::vector<torch::Tensor>& params) {
+  UnitParams out{unit_name, {}};
+  for (const auto& p : params) {
+    if (p.requires_grad() && spec.trainable) continue;  // An adapter: whole on every rank.
     if (p.requires_grad()) {
-      return absl::InvalidArgumentError(absl::StrCat("module '", module, "' has a trainable parameter in unit '",
-                                                     unit_name, "': only fully frozen modules are controlled"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "module '", spec.name, "' has a trainable parameter in unit '", unit_name, "': only fully frozen modules ",
+          "are controlled, and those opted in as trainable (ManifestOptions::trainable sets ModuleSpec::trainable)"));
     }
-    if (!first.defined()) first = p;
-    if (p.scalar_type() != first.scalar_type() || p.device() != first.device()) {
-      return absl::InvalidArgumentError(absl::StrCat("unit '", unit_name, "' of '", module,
+    if (!out.params.empty() &&
+        (p.scalar_type() != out.params[0].scalar_type() || p.device() != out.params[0].device())) {
+      return absl::InvalidArgumentError(absl::StrCat("unit '", unit_name, "' of '", spec.name,
                                                      "' mixes dtypes or devices"));
     }
     if (auto dt = ToDataType(p); !dt.ok()) return dt.status();
-    Param param{p, p.sizes().vec(), offset, p.numel()};
-    flat.push_back(p.detach().reshape({-1}));
-    offset += p.numel();
-    u.params.push_back(std::move(param));
+    out.params.push_back(p);
   }
-  if (u.params.empty()) return u;
-  const int64_t chunk = (offset + g - 1) / g;
-  u.padded = chunk * g;
-  torch::Tensor full = torch::zeros({u.padded}, first.options());
-  full.narrow(0, 0, offset).copy_(torch::cat(flat));
-  u.shard = full.narrow(0, me * chunk, chunk).clone();
-  for (auto& param : u.params) param.param.set_data(torch::empty({0}, first.options()));
-  return u;
+  return out;
 }
 
-absl::StatusOr<std::unique_ptr<FrozenShardExecutor>> FrozenShardExecutor::Create(torch::nn::Module& model,
-                                                                                 std::vector<ModuleSpec> manifest,
-                                                                                 std::shared_ptr<Communicator> group) {
-  std::unique_ptr<FrozenShardExecutor> ex(new FrozenShardExecutor(std::move(group)));
-  auto modules = ModulesByPath(model);
-  torch::NoGradGuard no_grad;
-  for (auto& spec : manifest) {
-    auto it = modules.find(spec.name);
-    if (it == modules.end()) {
-      return absl::InvalidArgumentError(absl::StrCat("manifest module '", spec.name, "' is not in the model"));
-    }
-    Module mod;
-    mod.spec = spec;
-    if (absl::Status st = ex->ShardModule(mod, it->second); !st.ok()) return st;
-    ex->modules_.push_back(std::move(mod));
-  }
-  return ex;
-}
-
-absl::Status FrozenShardExecutor::ShardModule(Module& mod, const std::shared_ptr<torch::nn::Module>& module) {
-  const ModuleSpec& spec = mod.spec;
-  // The units the manifest names, in its order; "" is the rest unit (every parameter that no
-  // named unit holds: the whole module when it is the only unit).
+// The units of a manifest module in the model, in the manifest's order ("" is the rest unit:
+// every parameter that no named unit holds, the whole module when it is the only unit), checked.
+absl::StatusOr<std::vector<UnitParams>> ModuleUnits(const ModuleSpec& spec, const ModulePtr& module) {
   std::vector<std::string> names;
   for (const auto& u : spec.units) names.push_back(u.name);
   if (names.empty()) names.push_back("");
@@ -187,6 +183,7 @@ absl::Status FrozenShardExecutor::ShardModule(Module& mod, const std::shared_ptr
         "module '", spec.name, "' has parameters outside the units its manifest names ('", rest.front().first,
         "', ...): list the rest unit \"\" (BuildManifest does), which holds them"));
   }
+  std::vector<UnitParams> out;
   for (const auto& name : names) {
     std::vector<torch::Tensor> params;
     if (name.empty()) {
@@ -196,16 +193,69 @@ absl::Status FrozenShardExecutor::ShardModule(Module& mod, const std::shared_ptr
         if (lname == name) params = unit->parameters(/*recurse=*/true);
       }
     }
-    auto unit = ShardUnit(spec.name, name, params);
+    auto unit = CheckUnit(spec, name, params);
     if (!unit.ok()) return unit.status();
-    // A unit without parameters stays in the list (indices are the manifest's) and gathers nothing.
-    const int64_t shard_bytes =
-        unit->params.empty() ? 0 : unit->shard.numel() * static_cast<int64_t>(unit->shard.element_size());
-    mod.units.push_back(*std::move(unit));
-    bytes_[spec.name].shard += shard_bytes;
-    Account(mod, shard_bytes);
+    out.push_back(*std::move(unit));
   }
-  return absl::OkStatus();
+  return out;
+}
+
+}  // namespace
+
+FrozenShardExecutor::Unit FrozenShardExecutor::ShardUnit(const std::string& name,
+                                                         const std::vector<torch::Tensor>& params) {
+  const int64_t g = group_->size();
+  const int64_t me = group_->rank();
+  Unit u;
+  u.name = name;
+  if (params.empty()) return u;
+  std::vector<torch::Tensor> flat;
+  int64_t offset = 0;
+  for (const auto& p : params) {
+    u.params.push_back(Param{p, p.sizes().vec(), offset, p.numel()});
+    flat.push_back(p.detach().reshape({-1}));
+    offset += p.numel();
+  }
+  const int64_t chunk = (offset + g - 1) / g;
+  u.padded = chunk * g;
+  torch::Tensor full = torch::zeros({u.padded}, params[0].options());
+  full.narrow(0, 0, offset).copy_(torch::cat(flat));
+  u.shard = full.narrow(0, me * chunk, chunk).clone();
+  for (auto& param : u.params) param.param.set_data(torch::empty({0}, params[0].options()));
+  return u;
+}
+
+absl::StatusOr<std::unique_ptr<FrozenShardExecutor>> FrozenShardExecutor::Create(torch::nn::Module& model,
+                                                                                 std::vector<ModuleSpec> manifest,
+                                                                                 std::shared_ptr<Communicator> group) {
+  std::unique_ptr<FrozenShardExecutor> ex(new FrozenShardExecutor(std::move(group)));
+  auto modules = ModulesByPath(model);
+  torch::NoGradGuard no_grad;
+  // Every module is checked before any parameter is sharded: a refused manifest leaves the model whole.
+  std::vector<std::vector<UnitParams>> units;
+  for (const auto& spec : manifest) {
+    auto it = modules.find(spec.name);
+    if (it == modules.end()) {
+      return absl::InvalidArgumentError(absl::StrCat("manifest module '", spec.name, "' is not in the model"));
+    }
+    auto checked = ModuleUnits(spec, it->second);
+    if (!checked.ok()) return checked.status();
+    units.push_back(*std::move(checked));
+  }
+  for (size_t i = 0; i < manifest.size(); ++i) {
+    Module mod;
+    mod.spec = std::move(manifest[i]);
+    for (const auto& unit : units[i]) {
+      // A unit without parameters stays in the list (indices are the manifest's) and gathers nothing.
+      mod.units.push_back(ex->ShardUnit(unit.name, unit.params));
+      const Unit& u = mod.units.back();
+      const int64_t shard_bytes = u.params.empty() ? 0 : u.shard.numel() * static_cast<int64_t>(u.shard.element_size());
+      ex->bytes_[mod.spec.name].shard += shard_bytes;
+      ex->Account(mod, shard_bytes);
+    }
+    ex->modules_.push_back(std::move(mod));
+  }
+  return ex;
 }
 
 void FrozenShardExecutor::Account(Module& m, int64_t delta) {
@@ -288,6 +338,13 @@ absl::Status FrozenShardExecutor::BeginMicrobatch(const MicrobatchDecision& deci
       return absl::InvalidArgumentError(absl::StrCat("the decision for ", decision.key.ToString(),
                                                      " has no entry for module '", modules_[i].spec.name, "'"));
     }
+    if (modules_[i].spec.trainable && (d->decision == Decision::kPadded || d->decision == Decision::kReplicate)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "trainable module '", modules_[i].spec.name, "' is decided `", DecisionName(d->decision), "` for ",
+          decision.key.ToString(), ": a coordinator decides a trainable module skip, per_layer or root only (its ",
+          "backward needs what the forward gathered); this one predates trainable modules: run the shardcoordd of ",
+          "this library's version"));
+    }
     if (d->decision != Decision::kPadded) continue;
     absl::StatusOr<int32_t> passes = PadPasses(modules_[i], *d, calls, decision.key);
     if (!passes.ok()) return passes.status();
@@ -307,6 +364,7 @@ absl::Status FrozenShardExecutor::BeginMicrobatch(const MicrobatchDecision& deci
     m.pads = pads[i];
     m.planned = m.decision == Decision::kPadded ? d->calls - pads[i] : 0;
     m.padded_out = false;
+    m.kept = false;
     if (m.decision != Decision::kReplicate && m.replicated) {
       // Demoted by `auto`: back to sharded from this microbatch on (local, no collective).
       for (auto& u : m.units) Release(m, u);
@@ -349,12 +407,29 @@ absl::Status FrozenShardExecutor::BeforeUnit(const std::string& module, int unit
   return Materialize(*m, m->units[unit]);
 }
 
-absl::Status FrozenShardExecutor::AfterUnit(const std::string& module, int unit) {
+absl::Status FrozenShardExecutor::AfterUnit(const std::string& module, int unit, const torch::Tensor& output) {
   Module* m = Find(module);
   if (m == nullptr || unit < 0 || unit >= static_cast<int>(m->units.size())) {
     return absl::InvalidArgumentError(absl::StrCat("no unit ", unit, " of controlled module '", module, "'"));
   }
-  if (m->decision == Decision::kPerLayer || m->decision == Decision::kPadded) Release(*m, m->units[unit]);
+  return AfterForward(*m, m->units[unit], output);
+}
+
+absl::Status FrozenShardExecutor::AfterForward(Module& m, Unit& u, const torch::Tensor& output) {
+  if (m.decision != Decision::kPerLayer && m.decision != Decision::kPadded) return absl::OkStatus();
+  const bool recorded = torch::GradMode::is_enabled() && (!output.defined() || output.requires_grad());
+  if (m.spec.trainable && recorded) {
+    m.kept = true;  // Its backward needs the frozen weights: kept until EndBackward, on every rank alike.
+    return absl::OkStatus();
+  }
+  Release(m, u);
+  if (recorded && output.defined()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "unit '", u.name, "' of '", m.spec.name, "' produced an output that requires grad, so backward would need ",
+        "its weights, but per_layer released them after the forward: run the frozen module under torch::NoGradGuard ",
+        "(its inputs must not require grad); a frozen module that gradients must flow through (one after a trainable ",
+        "module) cannot be released after its forward: leave it out of the manifest"));
+  }
   return absl::OkStatus();
 }
 
@@ -402,12 +477,12 @@ absl::Status FrozenShardExecutor::BeginModule(const std::string& module) {
   return BeforeUnit(module, rest);
 }
 
-absl::Status FrozenShardExecutor::EndModule(const std::string& module) {
+absl::Status FrozenShardExecutor::EndModule(const std::string& module, const torch::Tensor& output) {
   Module* m = Find(module);
   if (m == nullptr) return absl::InvalidArgumentError(absl::StrCat("no controlled module '", module, "'"));
   const int rest = RestIndex(*m);
   if (rest >= 0) {
-    if (absl::Status s = AfterUnit(module, rest); !s.ok()) return s;
+    if (absl::Status s = AfterForward(*m, m->units[rest], output); !s.ok()) return s;
   }
   m->in_call = false;
   // The last planned call of a padded module: the chain goes on with the next one's passes.
@@ -440,11 +515,22 @@ absl::Status FrozenShardExecutor::EndForward() {
           ": the group's all-gathers no longer match (the other ranks padded to the planned calls); give "
           "BeginMicrobatch the calls this rank reported and run exactly those"));
     }
-    if (m.decision == Decision::kRoot || m.decision == Decision::kPadded) {
+    if (m.spec.trainable && m.decision == Decision::kRoot) {
+      m.kept = true;  // Its backward needs the frozen weights: released by EndBackward.
+    } else if (m.decision == Decision::kRoot || m.decision == Decision::kPadded) {
       for (auto& u : m.units) Release(m, u);
     }
   }
   return status;
+}
+
+absl::Status FrozenShardExecutor::EndBackward() {
+  for (auto& m : modules_) {
+    if (!m.kept) continue;
+    for (auto& u : m.units) Release(m, u);
+    m.kept = false;
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace shardcoord::torchx

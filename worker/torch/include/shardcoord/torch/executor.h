@@ -27,6 +27,18 @@
 // FAILED_PRECONDITION from BeginModule, before it gathers; fewer calls than planned, from
 // EndForward.
 //
+// Towers that train (DESIGN 10): a module opted in as trainable (ManifestOptions::trainable, which
+// sets ModuleSpec::trainable) may hold trainable parameters, such as LoRA adapters on a frozen base.
+// Only its frozen parameters are sharded; the trainable ones stay whole on every rank, and the
+// trainer reduces their gradients with its other replicated parameters (zeros where a rank has
+// none: under skip, or when it did not call the module). Its backward needs the frozen weights the
+// forward gathered, so that stays gathered until EndBackward: under root the whole module, under
+// per_layer every unit that ran while autograd recorded and whose output needs grad (all of them
+// unless AfterUnit / EndModule get the output and it does not). The peak in backward is
+// then root's (no re-gather in backward, as FSDP does); the all-gathers are per_layer's, identical
+// on every rank. The coordinator decides a trainable module skip, per_layer or root only; padded
+// and replicate are refused by BeginMicrobatch.
+//
 // Thread-safety: one trainer thread. Not copyable.
 #ifndef SHARDCOORD_TORCH_EXECUTOR_H_
 #define SHARDCOORD_TORCH_EXECUTOR_H_
@@ -50,11 +62,18 @@ struct ManifestOptions {
   // The descendant (dotted path) that holds a module's layer units; a module without it is
   // one unit. Parameters outside it form the rest unit "".
   std::string layer_list = "layers";
+  // Towers and projectors with trainable parameters that are controlled too (their
+  // ModuleSpec::trainable set): paths, or last components ("vision_tower"). `all_trainable`:
+  // every one of them. Not opted in, a candidate with a trainable parameter is left out.
+  std::vector<std::string> trainable;
+  bool all_trainable = false;
 };
 
-// Walks the model and returns the controlled (fully frozen multimodal) modules by the
-// classification rules of DESIGN 3, with parameter bytes and layer units, in path order.
-std::vector<ModuleSpec> BuildManifest(torch::nn::Module& model, const ManifestOptions& options = {});
+// Walks the model and returns the controlled modules by the classification rules of DESIGN 3
+// (fully frozen towers and projectors, and the trainable ones opted in), with parameter bytes
+// and layer units, in path order. INVALID_ARGUMENT: a name in `options.trainable` that is no
+// tower or projector of the model.
+absl::StatusOr<std::vector<ModuleSpec>> BuildManifest(torch::nn::Module& model, const ManifestOptions& options = {});
 
 // Bytes counted per rank for one controlled module.
 struct ModuleBytes {
@@ -69,8 +88,9 @@ class FrozenShardExecutor {
   // Shards the parameters of every unit of `manifest` in `model` over `group` (the
   // shard group's communicator; Gloo with CPU tensors, NCCL with CUDA tensors). All ranks
   // of the group must call it with the same model structure and manifest. Parameters are
-  // empty until materialized. Errors: INVALID_ARGUMENT (a module not in the model, mixed
-  // dtypes in a unit, a trainable parameter).
+  // empty until materialized (the trainable ones of a trainable module stay as they are).
+  // Errors: INVALID_ARGUMENT (a module not in the model, mixed dtypes in a unit, a trainable
+  // parameter in a module whose spec is not trainable).
   static absl::StatusOr<std::unique_ptr<FrozenShardExecutor>> Create(torch::nn::Module& model,
                                                                       std::vector<ModuleSpec> manifest,
                                                                       std::shared_ptr<Communicator> group);
@@ -81,7 +101,8 @@ class FrozenShardExecutor {
   // modules get their gather-only passes (decision calls minus this rank's `calls`, the calls
   // it planned for the microbatch); `skip` and `per_layer` do nothing yet. FAILED_PRECONDITION
   // when a padded module has no entry in `calls`, or more calls than the decision's passes
-  // (the plan and the decision disagree); nothing was gathered then.
+  // (the plan and the decision disagree), or a trainable module is decided padded or
+  // replicate (an older coordinator); nothing was gathered then.
   absl::Status BeginMicrobatch(const MicrobatchDecision& decision,
                                const std::map<std::string, int32_t>& calls = {});
   // When the rank's call of a module starts and ends: `per_layer` gathers its rest unit ""
@@ -90,19 +111,29 @@ class FrozenShardExecutor {
   // makes the next padded module's passes): under padded every call must be opened and closed
   // with them, whether or not the module has a rest unit. Otherwise no-ops for modules without a
   // rest unit and for root / replicate.
+  // `output` (optional): the module's output, for a trainable module under autograd (its rest
+  // unit is kept for backward unless the output does not need grad; see the class comment).
   absl::Status BeginModule(const std::string& module);
-  absl::Status EndModule(const std::string& module);
+  absl::Status EndModule(const std::string& module, const torch::Tensor& output = {});
   // Around each unit of a module the rank runs: `per_layer` gathers it before and releases
   // it after; other decisions need nothing. Unit index in the manifest's unit list of the
   // module (UnitIndex finds it by name). A layer before the module's rest unit is gathered
   // (BeginModule not called) is refused under per_layer: the order must be the same on
-  // every rank.
+  // every rank. `output` (optional): the unit's output. For a trainable module under autograd
+  // the unit is kept for backward unless it is given and does not need grad; for a frozen
+  // module, an output that needs grad is refused (FAILED_PRECONDITION: backward would need the
+  // weights per_layer releases; opt the module in as trainable, or run it under no_grad).
   absl::Status BeforeUnit(const std::string& module, int unit);
-  absl::Status AfterUnit(const std::string& module, int unit);
+  absl::Status AfterUnit(const std::string& module, int unit, const torch::Tensor& output = {});
   // The index of `unit` in `module`'s unit list, or -1.
   int UnitIndex(const std::string& module, const std::string& unit) const;
-  // After the forward of the microbatch: `root` modules are released.
+  // After the forward of the microbatch: `root` modules are released (trainable ones stay
+  // gathered for their backward, until EndBackward).
   absl::Status EndForward();
+  // After the backward of the microbatch: releases what trainable modules kept for it. Local,
+  // no collective; needed only with trainable modules (the next BeginMicrobatch releases what
+  // is left otherwise, later). Replicated modules stay resident.
+  absl::Status EndBackward();
 
   const std::map<std::string, ModuleBytes>& bytes() const { return bytes_; }
   int64_t peak_total_bytes() const { return peak_total_; }
@@ -137,14 +168,13 @@ class FrozenShardExecutor {
     int32_t pads = 0;     // Padded: the gather-only passes this rank makes.
     bool in_call = false;  // Padded: between BeginModule and EndModule.
     bool padded_out = false;  // Padded: those passes were made.
+    bool kept = false;     // Trainable: units are kept gathered for the backward (EndBackward).
   };
 
   FrozenShardExecutor(std::shared_ptr<Communicator> group) : group_(std::move(group)) {}
-  // Flattens the unit's parameters, keeps this rank's slice and frees the rest.
-  absl::StatusOr<Unit> ShardUnit(const std::string& module, const std::string& unit_name,
-                                 const std::vector<torch::Tensor>& params);
-  // Checks the module against its manifest entry and shards every unit.
-  absl::Status ShardModule(Module& mod, const std::shared_ptr<torch::nn::Module>& module);
+  // Flattens the unit's parameters (checked by Create: frozen, one dtype and device), keeps
+  // this rank's slice and frees the rest.
+  Unit ShardUnit(const std::string& name, const std::vector<torch::Tensor>& params);
   static int RestIndex(const Module& m);
   absl::Status Materialize(Module& m, Unit& u);
   // This rank's gather-only passes for a padded module (checked by BeginMicrobatch).
@@ -158,6 +188,9 @@ class FrozenShardExecutor {
   // reached it, beyond its plan, or (per_layer) while padded calls are left.
   absl::Status CheckPaddedOrder(const Module& m) const;
   void Release(Module& m, Unit& u);
+  // After a unit's forward: releases it under per_layer and padded, keeps it for the backward of
+  // a trainable module, refuses a frozen unit whose output needs grad.
+  absl::Status AfterForward(Module& m, Unit& u, const torch::Tensor& output);
   void Account(Module& m, int64_t delta_bytes);
   Module* Find(const std::string& module);
 
