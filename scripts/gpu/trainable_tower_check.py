@@ -130,8 +130,11 @@ def touch_every_trainable(model, family: str):
 
 def dummy_forward(model, family: str):
     """The workaround: a rank whose batch has no image runs the tower on one dummy image where the
-    other ranks run it on theirs (LLaVA's forward: right after the input embeddings, inside the root
-    unit's forward), and 0 x its features join the embeddings, as real features do."""
+    other ranks run it on theirs (LLaVA's forward: after the input embeddings, before the decoder),
+    and 0 x its features join the decoder's input, as real features do. It runs in a pre-hook of the
+    language model, not in a hook of the embeddings: accelerate makes the embeddings an FSDP unit, and
+    the tower run inside its forward would put the tower's units before it in FSDP2's post-forward
+    order, which its backward prefetch follows (a hang: docs/GPU.md)."""
     import torch
 
     import hf_calls_check as calls
@@ -147,15 +150,18 @@ def dummy_forward(model, family: str):
             print(f"TRACE forward text_only={text_only[-1]}", flush=True)
         return original(*args, **kwargs)
 
-    def merge(_module, _args, embeds):
+    def merge(_module, args, kwargs):
         if not (text_only and text_only.pop()):
             return None
+        embeds = kwargs.get("inputs_embeds")
+        if embeds is None:
+            raise RuntimeError("dummy_forward: the language model was called without inputs_embeds=")
         image = torch.zeros(1, 3, size, size, device=embeds.device, dtype=inner.dtype)
         dummy = calls.pooled(inner.model.get_image_features(pixel_values=image))
         dummy = torch.cat(list(dummy)) if isinstance(dummy, (list, tuple)) else dummy
-        return embeds + 0.0 * dummy.sum()
+        return args, dict(kwargs, inputs_embeds=embeds + 0.0 * dummy.sum())
 
-    inner.get_input_embeddings().register_forward_hook(merge)
+    inner.model.language_model.register_forward_pre_hook(merge, with_kwargs=True)
     model.forward = forward
 
 
@@ -289,8 +295,7 @@ def main() -> int:
     parser.add_argument("--reference", choices=("reference", "reference-fsdp"), default="reference",
                         help="reference: DDP (unsharded); reference-fsdp: FSDP2 with the tower in the root unit")
     parser.add_argument("--dummy", action="store_true",
-                        help="also the dummy-forward workaround for LLaVA (hung at its second step on the GPU "
-                             "machine; the likely cause is in docs/GPU.md)")
+                        help="also the dummy-forward workaround for LLaVA (time and peak against shardcoord's)")
     parser.add_argument("--tower-size", choices=sorted(TOWER_SIZES), default="tiny",
                         help="the LLaVA tower's size: tiny (the drop-in check's), or vit-l (a real tower's width and depth)")
     parser.add_argument("--rank-of", nargs=2, metavar=("CASE", "MODE"))
