@@ -5,7 +5,7 @@
 For every mix of docs/MIXES.md, samples per microbatch S and arrangement (none: draw order;
 spread: shardcoord.sampler.arrange_step per rank and step; group_by_modality: LLaVA's sampler
 order for the whole job), scripts/make_trace.py writes a trace (the same seed, so the same samples
-in every arrangement), and `shardctl replay` plays it through an embedded coordinator, policy
+in every arrangement), and `shardctl replay` plays it through a shardcoordd of its own, policy
 per_layer with fallback root, for every group size G. Counted: the group decisions (one per
 group, microbatch and controlled module) that are per_layer, skip and the fallback (root). The
 contract's rule applied in Python to the trace must give the same counts (checked: a mismatch

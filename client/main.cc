@@ -549,6 +549,9 @@ void AddReplayJobOptions(CLI::App* replay, ReplayFlags* f) {
   replay->add_option("--reconnect-window-ms", f->reconnect_window_ms,
                      "after losing the coordinator, how long each rank reconnects and resumes before failing (0: fail at once)")
       ->check(CLI::NonNegativeNumber);
+  replay->add_option("--daemon", f->ro.daemon,
+                     "without --coordinator: the shardcoordd to start for the replay (default: $SHARDCOORDD, the one "
+                     "beside shardctl, or on PATH)");
   replay->add_option("--connect-timeout-ms", f->connect_timeout_ms, "deadline to reach the coordinator and register")
       ->check(CLI::Range(1, kMaxTimeoutMs));
   replay->add_option("--policy", f->policy, "auto, per_layer, root or replicate (default: the coordinator's)")
@@ -747,7 +750,7 @@ bool ReadReplayCosts(const std::string& path, std::vector<shardcoord::ModuleCost
 std::optional<shardcoord::client::ReplayOptions> ReplayOptionsFrom(const ReplayFlags& f, const std::string& address,
                                                                    const shardcoord::TlsFiles& tls) {
   shardcoord::client::ReplayOptions ro = f.ro;
-  ro.coordinator = address;  // Empty: embedded coordinator.
+  ro.coordinator = address;  // Empty: a shardcoordd started for the replay.
   if (!f.policy.empty()) ro.policy = *shardcoord::ParsePolicy(f.policy);
   if (!f.fallback.empty()) ro.fallback = *shardcoord::ParseFallback(f.fallback);
   ro.wrap_outer_model = !f.no_outer;
@@ -861,7 +864,7 @@ int Run(const Commands& c, CliOptions& o) {
   }
   if (c.plan->parsed()) return CmdPlan(o.plan);
   if (c.replay->parsed() && std::getenv(shardcoord::logging::kLevelEnv) == nullptr) {
-    // The embedded coordinator and the simulated workers log only problems by default.
+    // The simulated workers log only problems by default (the replay's own shardcoordd logs to a file).
     shardcoord::logging::SetLevel("warn");
   }
   // Every command from here on talks to a coordinator (verify and plan, which do not, returned).

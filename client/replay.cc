@@ -23,7 +23,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "json_values.h"
-#include "coordinator/server/coordinator_server.h"
+#include "daemon_process.h"
 #include "shardcoord/plan_ahead.h"
 #include "shardcoord/plan_check.h"
 #include "shardcoord/worker.h"
@@ -242,21 +242,22 @@ bool ResolveRanks(int world_size, ReplayOptions* o, std::ostream& err) {
   return true;
 }
 
-// The coordinator the ranks play against: o.coordinator, or an embedded one on
-// 127.0.0.1:0 when that is empty. False (and one line on `err`) when it cannot start.
-bool StartCoordinator(const ReplayOptions& o, std::ostream& err,
-                      std::unique_ptr<coordinator::CoordinatorServer>* embedded, std::string* address) {
+// The coordinator the ranks play against: o.coordinator, or a shardcoordd started for the
+// replay on 127.0.0.1:0 when that is empty (stopped when `daemon` goes). False (and one line on
+// `err`) when it cannot start.
+bool StartCoordinator(const ReplayOptions& o, std::ostream& err, std::unique_ptr<DaemonProcess>* daemon,
+                      std::string* address) {
   *address = o.coordinator;
   if (!address->empty()) return true;
-  coordinator::CoordinatorOptions co;
-  co.listen_address = "127.0.0.1:0";
-  auto server = coordinator::CoordinatorServer::Start(co);
-  if (!server.ok()) {
-    err << "shardctl replay: cannot start the embedded coordinator: " << server.status().message() << "\n";
+  absl::StatusOr<std::string> binary = FindDaemon(o.daemon);
+  absl::StatusOr<std::unique_ptr<DaemonProcess>> started =
+      binary.ok() ? DaemonProcess::Start(*binary, o.connect_timeout) : binary.status();
+  if (!started.ok()) {
+    err << "shardctl replay: " << started.status().message() << "\n";
     return false;
   }
-  *embedded = std::move(*server);
-  *address = (*embedded)->address();
+  *daemon = std::move(*started);
+  *address = (*daemon)->address();
   return true;
 }
 
@@ -407,16 +408,16 @@ int RunReplay(const Trace& trace, ReplayOptions o, std::ostream& out, std::ostre
       !ResolveRanks(world.size, &o, err)) {
     return kReplayBadInput;
   }
-  std::unique_ptr<coordinator::CoordinatorServer> embedded;
+  std::unique_ptr<DaemonProcess> daemon;
   std::string address;
-  if (!StartCoordinator(o, err, &embedded, &address)) return kReplayRankFailed;
+  if (!StartCoordinator(o, err, &daemon, &address)) return kReplayRankFailed;
   std::vector<RankRun> runs(o.ranks.size());
   for (size_t i = 0; i < o.ranks.size(); ++i) {
     runs[i].rank = o.ranks[i];
     runs[i].group = o.ranks[i] / world.group_size;
   }
   const std::optional<ThreadFailure> failure = PlayRanks(trace, o, address, world, &runs);
-  if (embedded) embedded->Shutdown();
+  daemon.reset();
   if (failure) {
     err << "shardctl replay: cannot start the thread of rank " << o.ranks[failure->started] << " ("
         << failure->started << " of " << o.ranks.size() << " started): " << failure->error.message()

@@ -1,5 +1,5 @@
-// `shardctl replay`: plays simulated ranks from a trace through a real coordinator (an
-// embedded one, or a running shardcoordd), each rank through the real worker library,
+// `shardctl replay`: plays simulated ranks from a trace through a real coordinator (a shardcoordd
+// it starts for the replay, or a running one), each rank through the real worker library,
 // and checks that every rank of a group received the identical decisions.
 #ifndef SHARDCOORD_CLIENT_REPLAY_H_
 #define SHARDCOORD_CLIENT_REPLAY_H_
@@ -16,7 +16,8 @@
 namespace shardcoord::client {
 
 struct ReplayOptions {
-  std::string coordinator;  // Empty: start an embedded coordinator on 127.0.0.1:0.
+  std::string coordinator;  // Empty: start a shardcoordd for the replay on 127.0.0.1:0 (daemon_process.h).
+  std::string daemon;       // That shardcoordd's path (empty: FindDaemon's search).
   std::string job_id = "replay";
   int world_size = 0;       // 0: highest rank in the trace + 1.
   int group_size = 0;       // 0: world_size (one group).

@@ -7,6 +7,7 @@
 #include <tuple>
 
 #include <signal.h>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <fstream>
@@ -341,6 +342,47 @@ TEST(ShardctlCliTest, AnUnknownCommandIsNamedWithTheCommands) {
   auto help = RunCommand(Shardctl({"--help"}), kCommandTimeout);
   EXPECT_EQ(help.exit_code, 0);
   EXPECT_THAT(help.out, HasSubstr("replay"));
+}
+
+// Without --coordinator the replay starts a shardcoordd of its own, as a child process: the
+// daemon's own settings in the environment do not reach it, and one that cannot start is named
+// with the reason, never waited on.
+TEST(ShardctlCliTest, ReplayStartsADaemonOfItsOwnAndSaysWhyWhenItCannot) {
+  TempDir dir;
+  const std::string trace = dir.File("t.jsonl");
+  std::ofstream(trace) << "{\"rank\":0,\"step\":0,\"microbatch\":0,\"calls\":{\"m\":1}}\n"
+                       << "{\"rank\":1,\"step\":0,\"microbatch\":0,\"calls\":{\"m\":1}}\n";
+  // An operator's daemon setting that would stop any shardcoordd from listening: not passed on.
+  auto r = RunCommand(Shardctl({"replay", trace, "--daemon", SHARDCOORDD_PATH}), kCommandTimeout,
+                      {"SHARDCOORD_DAEMON_LISTEN=not-an-address", "SHARDCOORD_DAEMON_MAX_WORLD_SIZE=1"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("\"decision\":\"per_layer\""));
+  // Found without --daemon too ($SHARDCOORDD).
+  auto found = RunCommand(Shardctl({"replay", trace}), kCommandTimeout, {std::string("SHARDCOORDD=") + SHARDCOORDD_PATH});
+  EXPECT_EQ(found.exit_code, 0) << found.err;
+
+  auto missing = RunCommand(Shardctl({"replay", trace, "--daemon", dir.File("none")}), kCommandTimeout);
+  EXPECT_EQ(missing.exit_code, 1);
+  EXPECT_THAT(missing.err, HasSubstr("--daemon " + dir.File("none") + " is not an executable file"));
+  auto bad_env = RunCommand(Shardctl({"replay", trace}), kCommandTimeout, {"SHARDCOORDD=" + dir.File("none")});
+  EXPECT_THAT(bad_env.err, HasSubstr("$SHARDCOORDD (" + dir.File("none") + ") is not an executable file"));
+  // A daemon that exits at once: its exit code and its log's last lines, at once.
+  const std::string failing = dir.File("failing.sh");
+  std::ofstream(failing) << "#!/bin/sh\necho 'cannot listen: port taken' >&2\nexit 2\n";
+  ::chmod(failing.c_str(), 0700);
+  const absl::Time start = absl::Now();
+  auto exited = RunCommand(Shardctl({"replay", trace, "--daemon", failing}), kCommandTimeout);
+  EXPECT_EQ(exited.exit_code, 1);
+  EXPECT_THAT(exited.err, AllOf(HasSubstr("exited with 2 before serving"), HasSubstr("cannot listen: port taken")));
+  EXPECT_LT(absl::Now() - start, testing::kLoadSlack);
+  // One that never serves: bounded by --connect-timeout-ms.
+  const std::string silent = dir.File("silent.sh");
+  std::ofstream(silent) << "#!/bin/sh\nexec sleep 60\n";
+  ::chmod(silent.c_str(), 0700);
+  auto hung = RunCommand(Shardctl({"replay", trace, "--daemon", silent, "--connect-timeout-ms", "1000"}),
+                         kCommandTimeout);
+  EXPECT_EQ(hung.exit_code, 1);
+  EXPECT_THAT(hung.err, HasSubstr("did not serve within 1s"));
 }
 
 TEST(ShardctlCliTest, ReplayRefusesMoreRanksThanOneProcessCanRun) {

@@ -1,0 +1,174 @@
+#include "daemon_process.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+
+extern char** environ;
+
+namespace shardcoord::client {
+namespace {
+
+bool Executable(const std::string& path) {
+  struct stat st;
+  return !path.empty() && ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode) && ::access(path.c_str(), X_OK) == 0;
+}
+
+// The folder of this program, from /proc/self/exe ("" when unknown).
+std::string OwnFolder() {
+  std::vector<char> buf(4096);
+  const ssize_t n = ::readlink("/proc/self/exe", buf.data(), buf.size() - 1);
+  if (n <= 0) return "";
+  std::string path(buf.data(), static_cast<size_t>(n));
+  const size_t slash = path.rfind('/');
+  return slash == std::string::npos ? "" : path.substr(0, slash);
+}
+
+// The daemon's own settings in the environment: SHARDCOORD_DAEMON_*, and the names from before
+// that scheme (shardcoordd's kRenamedEnv).
+bool DaemonSetting(absl::string_view entry) {
+  return absl::StartsWith(entry, "SHARDCOORD_DAEMON_") || absl::StartsWith(entry, "SHARDCOORDD_") ||
+         absl::StartsWith(entry, "SHARDCOORD_LISTEN=") || absl::StartsWith(entry, "SHARDCOORD_HTTP_LISTEN=");
+}
+
+std::string ReadAll(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+}  // namespace
+
+absl::StatusOr<std::string> FindDaemon(const std::string& given) {
+  if (!given.empty()) {
+    if (Executable(given)) return given;
+    return absl::NotFoundError(absl::StrCat("--daemon ", given, " is not an executable file"));
+  }
+  if (const char* env = std::getenv("SHARDCOORDD"); env != nullptr && *env != '\0') {
+    if (Executable(env)) return std::string(env);
+    return absl::NotFoundError(absl::StrCat("$SHARDCOORDD (", env, ") is not an executable file"));
+  }
+  const std::string own = OwnFolder();
+  // Beside this program (installed), or in a CMake build tree (client/ and coordinator/).
+  for (const std::string& candidate : {own + "/shardcoordd", own + "/../coordinator/shardcoordd"}) {
+    if (!own.empty() && Executable(candidate)) return candidate;
+  }
+  const char* path = std::getenv("PATH");
+  for (absl::string_view dir : absl::StrSplit(path != nullptr ? path : "", ':', absl::SkipEmpty())) {
+    const std::string candidate = absl::StrCat(dir, "/shardcoordd");
+    if (Executable(candidate)) return candidate;
+  }
+  return absl::NotFoundError(absl::StrCat(
+      "no shardcoordd to start for the replay (looked beside this program in '", own, "', and on PATH): install it "
+      "with shardctl, pass its path with --daemon or $SHARDCOORDD, or give a running one with --coordinator"));
+}
+
+absl::StatusOr<std::unique_ptr<DaemonProcess>> DaemonProcess::Start(const std::string& binary,
+                                                                   absl::Duration deadline) {
+  char dir_template[] = "/tmp/shardctl-replay-XXXXXX";
+  if (::mkdtemp(dir_template) == nullptr) {
+    return absl::UnavailableError(absl::StrCat("cannot make a temporary folder in /tmp for the replay's shardcoordd: ",
+                                               std::strerror(errno)));
+  }
+  const std::string dir = dir_template;
+  const std::string log = dir + "/shardcoordd.log", addr = dir + "/address";
+  // Everything the child needs is made before fork: between fork and exec only async-signal-safe calls.
+  std::vector<std::string> args = {binary, "--listen", "127.0.0.1:0", "--address-file", addr};
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  std::vector<char*> envp;
+  for (char** e = environ; *e != nullptr; ++e) {
+    if (!DaemonSetting(*e)) envp.push_back(*e);
+  }
+  envp.push_back(nullptr);
+  const pid_t parent = ::getpid();
+  const pid_t pid = ::fork();
+  if (pid < 0) {
+    ::rmdir(dir.c_str());
+    return absl::UnavailableError(absl::StrCat("cannot start shardcoordd for the replay: fork: ", std::strerror(errno)));
+  }
+  if (pid == 0) {
+    ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+    if (::getppid() != parent) ::_exit(127);  // The parent is already gone.
+    const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    const int null = ::open("/dev/null", O_RDONLY);
+    if (fd >= 0) {
+      ::dup2(fd, STDOUT_FILENO);
+      ::dup2(fd, STDERR_FILENO);
+    }
+    if (null >= 0) ::dup2(null, STDIN_FILENO);
+    ::execve(binary.c_str(), argv.data(), envp.data());
+    ::_exit(127);
+  }
+  std::unique_ptr<DaemonProcess> d(new DaemonProcess(pid, dir));
+  const absl::Time until = absl::Now() + deadline;
+  while (absl::Now() < until) {
+    std::string address(absl::StripAsciiWhitespace(ReadAll(addr)));
+    if (!address.empty()) {
+      d->address_ = address;
+      return d;
+    }
+    int status = 0;
+    if (::waitpid(pid, &status, WNOHANG) == pid) {
+      d->pid_ = -1;
+      return absl::UnavailableError(absl::StrCat("the replay's shardcoordd (", binary, ") exited with ",
+                                                 WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status),
+                                                 " before serving: ", d->LogTail()));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return absl::UnavailableError(absl::StrCat("the replay's shardcoordd (", binary, ") did not serve within ",
+                                             absl::FormatDuration(deadline), ": ", d->LogTail()));
+}
+
+std::string DaemonProcess::LogTail() const {
+  std::vector<std::string> lines = absl::StrSplit(ReadAll(dir_ + "/shardcoordd.log"), '\n', absl::SkipEmpty());
+  if (lines.empty()) return "(its log is empty)";
+  if (lines.size() > 5) lines.erase(lines.begin(), lines.end() - 5);
+  std::string out;
+  for (const auto& line : lines) absl::StrAppend(&out, out.empty() ? "" : " | ", line);
+  return out;
+}
+
+bool DaemonProcess::Reap(absl::Duration deadline) {
+  const absl::Time until = absl::Now() + deadline;
+  do {
+    int status = 0;
+    const pid_t r = ::waitpid(pid_, &status, WNOHANG);
+    if (r == pid_ || (r < 0 && errno == ECHILD)) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  } while (absl::Now() < until);
+  return false;
+}
+
+DaemonProcess::~DaemonProcess() {
+  if (pid_ > 0) {
+    ::kill(pid_, SIGTERM);
+    if (!Reap(absl::Seconds(5))) {
+      ::kill(pid_, SIGKILL);
+      ::waitpid(pid_, nullptr, 0);
+    }
+  }
+  for (const char* name : {"/address", "/address.tmp", "/shardcoordd.log"}) ::unlink((dir_ + name).c_str());
+  ::rmdir(dir_.c_str());
+}
+
+}  // namespace shardcoord::client
