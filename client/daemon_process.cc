@@ -82,10 +82,12 @@ absl::StatusOr<std::string> FindDaemon(const std::string& given) {
 
 absl::StatusOr<std::unique_ptr<DaemonProcess>> DaemonProcess::Start(const std::string& binary,
                                                                    absl::Duration deadline) {
-  char dir_template[] = "/tmp/shardctl-replay-XXXXXX";
-  if (::mkdtemp(dir_template) == nullptr) {
-    return absl::UnavailableError(absl::StrCat("cannot make a temporary folder in /tmp for the replay's shardcoordd: ",
-                                               std::strerror(errno)));
+  const char* tmp = std::getenv("TMPDIR");
+  std::string dir_template = absl::StrCat(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp", "/shardctl-replay-XXXXXX");
+  if (::mkdtemp(dir_template.data()) == nullptr) {
+    return absl::UnavailableError(absl::StrCat("cannot make a temporary folder (", dir_template,
+                                               ") for the replay's shardcoordd: ", std::strerror(errno),
+                                               "; set TMPDIR to a writable folder"));
   }
   const std::string dir = dir_template;
   const std::string log = dir + "/shardcoordd.log", addr = dir + "/address";
