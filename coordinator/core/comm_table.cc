@@ -155,7 +155,7 @@ void CommTable::MaybeStartEpoch(CommHost& host, Comm& comm) {
   }
 }
 
-void CommTable::Join(CommHost& host, const CommJoinCall& call, JoinDone done) {
+void CommTable::Join(CommHost& host, const CoreMutex& /*held*/, const CommJoinCall& call, JoinDone done) {
   auto comm = Resolve(call.caller.rank, call.name, call.ranks);
   if (!comm.ok()) {
     Complete(host, done, absl::StatusOr<CommMembership>(comm.status()));
@@ -165,7 +165,7 @@ void CommTable::Join(CommHost& host, const CommJoinCall& call, JoinDone done) {
   MaybeStartEpoch(host, **comm);
 }
 
-absl::Status CommTable::Set(CommHost& host, StoreSetCall call) {
+absl::Status CommTable::Set(CommHost& host, const CoreMutex& /*held*/, StoreSetCall call) {
   auto comm = Resolve(call.caller.rank, call.name, {});
   if (!comm.ok()) return comm.status();
   Comm& c = **comm;
@@ -228,7 +228,7 @@ std::vector<std::string> CommTable::Values(const Comm& comm, const std::vector<s
   return values;
 }
 
-void CommTable::Get(CommHost& host, StoreGetCall call, GetDone done) {
+void CommTable::Get(CommHost& host, const CoreMutex& /*held*/, StoreGetCall call, GetDone done) {
   auto comm = Resolve(call.caller.rank, call.name, {});
   absl::Status s = comm.ok() ? CheckEpoch(**comm, call.epoch) : comm.status();
   if (!s.ok()) {
@@ -243,7 +243,7 @@ void CommTable::Get(CommHost& host, StoreGetCall call, GetDone done) {
   c.get_waiters.push_back({c.epoch, std::move(call.keys), host.Now() + WaitFor(call.timeout), std::move(done)});
 }
 
-absl::Status CommTable::Report(CommHost& host, const CommReportCall& call) {
+absl::Status CommTable::Report(CommHost& host, const CoreMutex& /*held*/, const CommReportCall& call) {
   auto comm = Resolve(call.caller.rank, call.name, {});
   if (!comm.ok()) return comm.status();
   Comm& c = **comm;
@@ -300,7 +300,7 @@ void CommTable::Abort(CommHost& host, Comm& comm, const std::string& reason, con
   MaybeFinishAbort(host, comm);
 }
 
-void CommTable::AckAbort(CommHost& host, const CommAbortAck& ack, int rank) {
+void CommTable::AckAbort(CommHost& host, const CoreMutex& /*held*/, const CommAbortAck& ack, int rank) {
   auto it = comms_.find(ack.name);
   if (it == comms_.end()) return;
   Comm& comm = it->second;
@@ -324,7 +324,7 @@ void CommTable::MaybeFinishAbort(CommHost& host, Comm& comm) {
   MaybeStartEpoch(host, comm);
 }
 
-void CommTable::OnRankLost(CommHost& host, int rank, bool clean, const std::string& reason) {
+void CommTable::OnRankLost(CommHost& host, const CoreMutex& /*held*/, int rank, bool clean, const std::string& reason) {
   for (auto& [name, comm] : comms_) {
     if (!std::binary_search(comm.ranks.begin(), comm.ranks.end(), rank)) continue;
     comm.member_state[rank] = clean ? CommMemberState::kLeft : CommMemberState::kDead;
@@ -347,7 +347,7 @@ void CommTable::OnRankLost(CommHost& host, int rank, bool clean, const std::stri
   }
 }
 
-void CommTable::OnRankBack(CommHost& host, int rank) {
+void CommTable::OnRankBack(CommHost& host, const CoreMutex& /*held*/, int rank) {
   for (auto& [name, comm] : comms_) {
     const bool member = std::binary_search(comm.ranks.begin(), comm.ranks.end(), rank);
     if (member && comm.member_state[rank] == CommMemberState::kLeft &&
@@ -380,7 +380,7 @@ std::string CommTable::MissingRanks(const CommHost& host, const std::vector<int>
   return absl::StrCat("not every member is live: ", absl::StrJoin(parts, "; "));
 }
 
-void CommTable::Tick(CommHost& host, absl::Time now) {
+void CommTable::Tick(CommHost& host, const CoreMutex& /*held*/, absl::Time now) {
   for (auto& [name, comm] : comms_) {
     ExpireWaiters(host, comm, now);
     DetectBehind(host, comm, now);
@@ -427,7 +427,7 @@ void CommTable::ExpireWaiters(CommHost& host, Comm& comm, absl::Time now) {
   comm.get_waiters = std::move(keep_get);
 }
 
-void CommTable::FailAllWaiters(CommHost& host, const absl::Status& why) {
+void CommTable::FailAllWaiters(CommHost& host, const CoreMutex& /*held*/, const absl::Status& why) {
   for (auto& [name, comm] : comms_) {
     for (auto& w : comm.join_waiters) Complete(host, w.done, absl::StatusOr<CommMembership>(why));
     for (auto& w : comm.get_waiters) Complete(host, w.done, absl::StatusOr<std::vector<std::string>>(why));
@@ -503,7 +503,7 @@ void CommTable::DetectBehind(CommHost& host, Comm& comm, absl::Time now) {
   }
 }
 
-void CommTable::Resume(CommHost& host, int rank, const v1::ResumeState& state) {
+void CommTable::Resume(CommHost& host, const CoreMutex& /*held*/, int rank, const v1::ResumeState& state) {
   for (const auto& ce : state.comms()) {
     auto members = Members(ce.name(), std::vector<int>(ce.ranks().begin(), ce.ranks().end()));
     if (!members.ok() || !std::binary_search(members->begin(), members->end(), rank)) continue;

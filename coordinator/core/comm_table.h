@@ -23,6 +23,7 @@
 #include "absl/time/time.h"
 #include "coordinator/core/buffer_budget.h"
 #include "coordinator/core/comm_call.h"
+#include "coordinator/core/core_mutex.h"
 #include "coordinator/core/worker_report.h"
 #include "coordinator/journal/event_kind.h"
 #include "coordinator/settings/options.h"
@@ -72,21 +73,29 @@ class CommTable {
   CommTable(std::string job_id, int world_size, int group_size, const CoordinatorLimits& limits,
             absl::Duration behind_threshold, BufferBudget* buffers = nullptr);
 
+  // Every mutator below takes `held`, the lock its caller holds exclusively over the table (the
+  // core's, CoordinatorCore::mu_): the compiler checks each call for it (LevelDB's LogAndApply
+  // style). `host` answers for the job's members under that same lock.
+  //
   // The RPCs, for `rank`, which the caller checked is live and the caller's session (DESIGN 13).
   // Errors as CoordinatorCore's CommJoin etc. say; waiting calls complete through `done`
   // exactly once, through CommHost::Defer.
-  void Join(CommHost& host, const CommJoinCall& call, JoinDone done);
+  void Join(CommHost& host, const CoreMutex& held, const CommJoinCall& call, JoinDone done)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(held);
   // By value: the store keeps the call's value, a waiter its keys.
-  absl::Status Set(CommHost& host, StoreSetCall call);
-  void Get(CommHost& host, StoreGetCall call, GetDone done);
-  absl::Status Report(CommHost& host, const CommReportCall& call);
+  absl::Status Set(CommHost& host, const CoreMutex& held, StoreSetCall call) ABSL_EXCLUSIVE_LOCKS_REQUIRED(held);
+  void Get(CommHost& host, const CoreMutex& held, StoreGetCall call, GetDone done) ABSL_EXCLUSIVE_LOCKS_REQUIRED(held);
+  absl::Status Report(CommHost& host, const CoreMutex& held, const CommReportCall& call)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(held);
   // The rank acknowledged the abort of an epoch (on its session stream).
-  void AckAbort(CommHost& host, const CommAbortAck& ack, int rank);
+  void AckAbort(CommHost& host, const CoreMutex& held, const CommAbortAck& ack, int rank)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(held);
 
   // Liveness: a rank died (`clean` false: every live epoch it belongs to is aborted) or left
   // (nobody is aborted; an epoch whose members are all gone is closed); a rank is live again.
-  void OnRankLost(CommHost& host, int rank, bool clean, const std::string& reason);
-  void OnRankBack(CommHost& host, int rank);
+  void OnRankLost(CommHost& host, const CoreMutex& held, int rank, bool clean, const std::string& reason)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(held);
+  void OnRankBack(CommHost& host, const CoreMutex& held, int rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(held);
 
   // The collective progress of the rank's open communicators, from its heartbeat. Takes the
   // table's own mutex: a heartbeat records it holding the core's lock shared only.
@@ -94,12 +103,14 @@ class CommTable {
       ABSL_LOCKS_EXCLUDED(progress_mu_);
   // The tick: waiters past their deadline fail; members that keep others waiting in a
   // collective are named (CommStatus.behind).
-  void Tick(CommHost& host, absl::Time now);
+  void Tick(CommHost& host, const CoreMutex& held, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(held);
   // Every waiting call fails with `why` (shutdown).
-  void FailAllWaiters(CommHost& host, const absl::Status& why);
+  void FailAllWaiters(CommHost& host, const CoreMutex& held, const absl::Status& why)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(held);
 
   // After a coordinator restart: the epochs `rank` held when it resumed (DESIGN 12).
-  void Resume(CommHost& host, int rank, const v1::ResumeState& state);
+  void Resume(CommHost& host, const CoreMutex& held, int rank, const v1::ResumeState& state)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(held);
 
   // For the status queries.
   void Fill(v1::ListCommsResponse* out) const ABSL_LOCKS_EXCLUDED(progress_mu_);

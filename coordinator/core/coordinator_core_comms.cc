@@ -11,25 +11,30 @@
 namespace shardcoord::coordinator {
 
 // The core as its communicators see it: one job's members, sends, events and completions.
-// Made only by a holder of mu_ exclusive, and used before it is released.
+// Made only under mu_ exclusive (its constructor requires it) and used before that is released:
+// the CommTable call it is passed to requires the same lock (`held`), and each of its answers
+// requires it too, so the compiler checks each body. The one step it cannot follow is the call
+// through CommHost's interface, from a CommTable method that holds the lock by its requirement.
 class CoordinatorCore::JobHost final : public CommHost {
  public:
-  JobHost(CoordinatorCore& core, Job& job) : core_(core), job_(job) {}
+  JobHost(CoordinatorCore& core, Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(core.mu_) : core_(core), job_(job) {}
   absl::Time Now() const override { return core_.clock_->Now(); }
-  v1::RankState StateOf(int rank) const override ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  v1::RankState StateOf(int rank) const override ABSL_EXCLUSIVE_LOCKS_REQUIRED(core_.mu_) {
     return core_.OwnedMember(job_, rank).state;
   }
-  std::string DeadReasonOf(int rank) const override ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  std::string DeadReasonOf(int rank) const override ABSL_EXCLUSIVE_LOCKS_REQUIRED(core_.mu_) {
     return core_.OwnedMember(job_, rank).dead_reason;
   }
-  void Send(int rank, const v1::CoordinatorMessage& msg) override ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  void Send(int rank, const v1::CoordinatorMessage& msg) override ABSL_EXCLUSIVE_LOCKS_REQUIRED(core_.mu_) {
     core_.SendTo(core_.OwnedMember(job_, rank), msg);
   }
   void Event(Severity severity, EventKind kind, int rank, const std::string& message) override
-      ABSL_NO_THREAD_SAFETY_ANALYSIS {
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(core_.mu_) {
     core_.Event(severity, kind, job_.id, rank, -1, message);
   }
-  void Defer(std::function<void()> f) override ABSL_NO_THREAD_SAFETY_ANALYSIS { core_.mu_.Defer(std::move(f)); }
+  void Defer(std::function<void()> f) override ABSL_EXCLUSIVE_LOCKS_REQUIRED(core_.mu_) {
+    core_.mu_.Defer(std::move(f));
+  }
 
  private:
   CoordinatorCore& core_;
@@ -66,7 +71,7 @@ void CoordinatorCore::CommJoin(const CommJoinCall& call, JoinDone done) {
     return;
   }
   JobHost host(*this, **job);
-  (*job)->comms->Join(host, call, std::move(done));
+  (*job)->comms->Join(host, mu_, call, std::move(done));
 }
 
 absl::Status CoordinatorCore::StoreSet(StoreSetCall call) {
@@ -74,7 +79,7 @@ absl::Status CoordinatorCore::StoreSet(StoreSetCall call) {
   absl::StatusOr<Job*> job = CommCaller(call.caller);
   if (!job.ok()) return job.status();
   JobHost host(*this, **job);
-  return (*job)->comms->Set(host, std::move(call));
+  return (*job)->comms->Set(host, mu_, std::move(call));
 }
 
 void CoordinatorCore::StoreGet(StoreGetCall call, GetDone done) {
@@ -87,7 +92,7 @@ void CoordinatorCore::StoreGet(StoreGetCall call, GetDone done) {
     return;
   }
   JobHost host(*this, **job);
-  (*job)->comms->Get(host, std::move(call), std::move(done));
+  (*job)->comms->Get(host, mu_, std::move(call), std::move(done));
 }
 
 absl::Status CoordinatorCore::CommReport(const CommReportCall& call) {
@@ -95,39 +100,39 @@ absl::Status CoordinatorCore::CommReport(const CommReportCall& call) {
   absl::StatusOr<Job*> job = CommCaller(call.caller);
   if (!job.ok()) return job.status();
   JobHost host(*this, **job);
-  return (*job)->comms->Report(host, call);
+  return (*job)->comms->Report(host, mu_, call);
 }
 
 void CoordinatorCore::TakeCommAborted(Job& job, Member& m, const CommAbortAck& ack) {
   m.last_seen = clock_->Now();
   JobHost host(*this, job);
-  job.comms->AckAbort(host, ack, m.rank);
+  job.comms->AckAbort(host, mu_, ack, m.rank);
 }
 
 void CoordinatorCore::OnMemberLost(Job& job, int rank, bool clean, const std::string& reason) {
   JobHost host(*this, job);
-  job.comms->OnRankLost(host, rank, clean, reason);
+  job.comms->OnRankLost(host, mu_, rank, clean, reason);
 }
 
 void CoordinatorCore::OnMemberBack(Job& job, int rank) {
   JobHost host(*this, job);
-  job.comms->OnRankBack(host, rank);
+  job.comms->OnRankBack(host, mu_, rank);
 }
 
 void CoordinatorCore::TickComms(Job& job, absl::Time now) {
   JobHost host(*this, job);
-  job.comms->Tick(host, now);
+  job.comms->Tick(host, mu_, now);
 }
 
 void CoordinatorCore::ResumeComms(Job& job, int rank, const v1::ResumeState& state) {
   JobHost host(*this, job);
-  job.comms->Resume(host, rank, state);
+  job.comms->Resume(host, mu_, rank, state);
 }
 
 void CoordinatorCore::FailAllCommWaiters(const absl::Status& why) {
   for (auto& [id, job] : jobs_) {
     JobHost host(*this, *job);
-    job->comms->FailAllWaiters(host, why);
+    job->comms->FailAllWaiters(host, mu_, why);
   }
 }
 

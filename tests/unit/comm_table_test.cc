@@ -73,7 +73,7 @@ class CommTableTest : public ::testing::Test {
     call.caller = {"job", rank, "key"};
     call.name = name;
     call.timeout = timeout;
-    table_.Join(host_, call, [slot](absl::StatusOr<CommMembership> m) { *slot = std::move(m); });
+    JoinCall(call, [slot](absl::StatusOr<CommMembership> m) { *slot = std::move(m); });
     host_.Unlock();
     return slot;
   }
@@ -83,7 +83,38 @@ class CommTableTest : public ::testing::Test {
     call.name = name;
     call.epoch = epoch;
     call.kind = CommReportKind::kReady;
-    return table_.Report(host_, call);
+    CoreLock lock(&held_);
+    return table_.Report(host_, held_, call);
+  }
+  // The table's mutators, each under the lock it requires (the core's, here a mutex of the
+  // test's), as the core calls them.
+  void JoinCall(const CommJoinCall& call, CommTable::JoinDone done) {
+    CoreLock lock(&held_);
+    table_.Join(host_, held_, call, std::move(done));
+  }
+  absl::Status Set(const StoreSetCall& call) {
+    CoreLock lock(&held_);
+    return table_.Set(host_, held_, call);
+  }
+  void Get(const StoreGetCall& call, CommTable::GetDone done) {
+    CoreLock lock(&held_);
+    table_.Get(host_, held_, call, std::move(done));
+  }
+  void OnRankLost(int rank, const std::string& reason) {
+    CoreLock lock(&held_);
+    table_.OnRankLost(host_, held_, rank, /*clean=*/false, reason);
+  }
+  void OnRankBack(int rank) {
+    CoreLock lock(&held_);
+    table_.OnRankBack(host_, held_, rank);
+  }
+  void AckAbort(const CommAbortAck& ack, int rank) {
+    CoreLock lock(&held_);
+    table_.AckAbort(host_, held_, ack, rank);
+  }
+  void Tick() {
+    CoreLock lock(&held_);
+    table_.Tick(host_, held_, host_.now);
   }
   v1::CommStatus StatusOf(const std::string& name) const {
     v1::ListCommsResponse out;
@@ -95,6 +126,7 @@ class CommTableTest : public ::testing::Test {
     return {};
   }
 
+  CoreMutex held_;
   BufferBudget budget_{1 << 20};
   FakeCommHost host_;
   CommTable table_;
@@ -106,7 +138,7 @@ TEST_F(CommTableTest, AnEpochFormsOnceEveryMemberIsLiveAndIsReadyWhenEveryMember
   auto* a0 = Join(0, "group/0");
   EXPECT_FALSE(a0->has_value()) << "rank 1 is not live: rank 0 waits";
   host_.states[1] = v1::RANK_STATE_LIVE;
-  table_.OnRankBack(host_, 1);
+  OnRankBack(1);
   host_.Unlock();
   ASSERT_TRUE(a0->has_value());
   ASSERT_TRUE((*a0)->ok()) << (*a0)->status();
@@ -129,7 +161,7 @@ TEST_F(CommTableTest, ADeathAbortsTheEpochForTheOthersAndTheNextFormsWhenTheRepl
   Join(1, "group/0");
   ASSERT_TRUE(Ready(0, "group/0", 1).ok() && Ready(1, "group/0", 1).ok());
   host_.states[1] = v1::RANK_STATE_DEAD;
-  table_.OnRankLost(host_, 1, /*clean=*/false, "rank 1 declared dead: killed");
+  OnRankLost(1, "rank 1 declared dead: killed");
   host_.Unlock();
   // The survivor is told, the dead rank is not; the epoch waits for no ack from the dead.
   ASSERT_EQ(host_.sent[0].size(), 1u);
@@ -138,14 +170,14 @@ TEST_F(CommTableTest, ADeathAbortsTheEpochForTheOthersAndTheNextFormsWhenTheRepl
   EXPECT_TRUE(host_.sent[1].empty());
   EXPECT_EQ(host_.Count(EventKind::kCommAborted), 1);
   EXPECT_EQ(StatusOf("group/0").state(), v1::COMM_STATE_ABORTING) << "rank 0 has not acknowledged";
-  table_.AckAbort(host_, CommAbortAck{"group/0", 1}, 0);
+  AckAbort(CommAbortAck{"group/0", 1}, 0);
   EXPECT_EQ(StatusOf("group/0").state(), v1::COMM_STATE_ABORTED);
   // Rank 0 joins again: it waits for the replacement of rank 1, then both get epoch 2, told why
   // epoch 1 ended.
   auto* again = Join(0, "group/0");
   EXPECT_FALSE(again->has_value());
   host_.states[1] = v1::RANK_STATE_LIVE;
-  table_.OnRankBack(host_, 1);
+  OnRankBack(1);
   host_.Unlock();
   ASSERT_TRUE(again->has_value() && (*again)->ok());
   EXPECT_EQ((**again)->epoch, 2);
@@ -157,11 +189,11 @@ TEST_F(CommTableTest, AJoinWaitsUntilItsDeadlineAndNamesWhoIsMissingAndWhy) {
   auto* a = Join(0, "group/0", absl::Seconds(3));
   EXPECT_FALSE(a->has_value());
   host_.now += absl::Seconds(2);
-  table_.Tick(host_, host_.now);
+  Tick();
   host_.Unlock();
   EXPECT_FALSE(a->has_value()) << "before its deadline";
   host_.now += absl::Seconds(2);
-  table_.Tick(host_, host_.now);
+  Tick();
   host_.Unlock();
   ASSERT_TRUE(a->has_value());
   EXPECT_EQ((*a)->status().code(), absl::StatusCode::kDeadlineExceeded);
@@ -177,22 +209,22 @@ TEST_F(CommTableTest, TheStoreIsChargedToTheDaemonsBudgetUntilItsEpochEnds) {
   set.epoch = 1;
   set.key = "nccl-id";
   set.value = std::string(4096, 'x');
-  ASSERT_TRUE(table_.Set(host_, set).ok());
+  ASSERT_TRUE(Set(set).ok());
   EXPECT_GE(budget_.used(), 4096);
-  EXPECT_EQ(table_.Set(host_, set).code(), absl::StatusCode::kAlreadyExists) << "each key once per epoch";
+  EXPECT_EQ(Set(set).code(), absl::StatusCode::kAlreadyExists) << "each key once per epoch";
   StoreGetCall get;
   get.caller = {"job", 1, "key"};
   get.name = "group/0";
   get.epoch = 1;
   get.keys = {"nccl-id"};
   std::optional<absl::StatusOr<std::vector<std::string>>> got;
-  table_.Get(host_, get, [&](absl::StatusOr<std::vector<std::string>> v) { got = std::move(v); });
+  Get(get, [&](absl::StatusOr<std::vector<std::string>> v) { got = std::move(v); });
   host_.Unlock();
   ASSERT_TRUE(got.has_value() && got->ok());
   EXPECT_EQ((**got)[0].size(), 4096u);
   host_.states[1] = v1::RANK_STATE_DEAD;
-  table_.OnRankLost(host_, 1, /*clean=*/false, "killed");
-  table_.AckAbort(host_, CommAbortAck{"group/0", 1}, 0);
+  OnRankLost(1, "killed");
+  AckAbort(CommAbortAck{"group/0", 1}, 0);
   host_.Unlock();
   EXPECT_EQ(budget_.used(), 0) << "the aborted epoch's store gave its bytes back";
 }
@@ -203,10 +235,10 @@ TEST_F(CommTableTest, ACustomCommunicatorMustNameItsCallerAndKeepItsMembers) {
   call.name = "pair";
   call.ranks = {0, 3};
   std::optional<absl::StatusOr<CommMembership>> first, other;
-  table_.Join(host_, call, [&](absl::StatusOr<CommMembership> m) { first = std::move(m); });
+  JoinCall(call, [&](absl::StatusOr<CommMembership> m) { first = std::move(m); });
   call.caller.rank = 3;
   call.ranks = {1, 3};
-  table_.Join(host_, call, [&](absl::StatusOr<CommMembership> m) { other = std::move(m); });
+  JoinCall(call, [&](absl::StatusOr<CommMembership> m) { other = std::move(m); });
   host_.Unlock();
   ASSERT_TRUE(first.has_value() && first->ok()) << first->status();
   ASSERT_TRUE(other.has_value());
