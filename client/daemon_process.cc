@@ -47,6 +47,23 @@ bool DaemonSetting(absl::string_view entry) {
          absl::StartsWith(entry, "SHARDCOORD_LISTEN=") || absl::StartsWith(entry, "SHARDCOORD_HTTP_LISTEN=");
 }
 
+// "<what><errno>\n" on `fd`, between fork and exec (async-signal-safe: no allocation, no locale).
+void WriteErrno(int fd, const char* what, int error) {
+  char buf[96];
+  size_t n = 0;
+  for (const char* p = what; *p != '\0' && n < sizeof(buf) - 12; ++p) buf[n++] = *p;
+  char digits[12];
+  size_t k = 0;
+  unsigned value = error < 0 ? 0u : static_cast<unsigned>(error);
+  do {
+    digits[k++] = static_cast<char>('0' + value % 10);
+    value /= 10;
+  } while (value != 0 && k < sizeof(digits));
+  while (k > 0) buf[n++] = digits[--k];
+  buf[n++] = '\n';
+  [[maybe_unused]] const ssize_t written = ::write(fd, buf, n);
+}
+
 std::string ReadAll(const std::string& path) {
   std::ifstream in(path);
   std::stringstream s;
@@ -112,12 +129,13 @@ absl::StatusOr<std::unique_ptr<DaemonProcess>> DaemonProcess::Start(const std::s
     if (::getppid() != parent) ::_exit(127);  // The parent is already gone.
     const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
     const int null = ::open("/dev/null", O_RDONLY);
-    if (fd >= 0) {
-      ::dup2(fd, STDOUT_FILENO);
-      ::dup2(fd, STDERR_FILENO);
-    }
-    if (null >= 0) ::dup2(null, STDIN_FILENO);
+    if (fd < 0 || null < 0) ::_exit(126);  // Never onto shardctl's own output.
+    ::dup2(fd, STDOUT_FILENO);
+    ::dup2(fd, STDERR_FILENO);
+    ::dup2(null, STDIN_FILENO);
+    ::close_range(3, ~0U, 0);  // Nothing else of shardctl's (its --output file, its sockets).
     ::execve(binary.c_str(), argv.data(), envp.data());
+    WriteErrno(STDERR_FILENO, "cannot execute it: errno ", errno);
     ::_exit(127);
   }
   std::unique_ptr<DaemonProcess> d(new DaemonProcess(pid, dir));
@@ -129,7 +147,13 @@ absl::StatusOr<std::unique_ptr<DaemonProcess>> DaemonProcess::Start(const std::s
       return d;
     }
     int status = 0;
-    if (::waitpid(pid, &status, WNOHANG) == pid) {
+    const pid_t waited = ::waitpid(pid, &status, WNOHANG);
+    if (waited < 0 && errno == ECHILD) {  // SIGCHLD ignored: reaped already, its status lost.
+      d->pid_ = -1;
+      return absl::UnavailableError(absl::StrCat("the replay's shardcoordd (", binary, ") exited before serving: ",
+                                                 d->LogTail()));
+    }
+    if (waited == pid) {
       d->pid_ = -1;
       return absl::UnavailableError(absl::StrCat("the replay's shardcoordd (", binary, ") exited with ",
                                                  WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status),

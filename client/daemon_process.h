@@ -2,7 +2,9 @@
 // against a daemon of its own. It runs as a child process (the operator CLI does not link the
 // daemon's core), on 127.0.0.1:0, with its log in a private temporary folder, its environment
 // cleared of the daemon's own settings (an operator's SHARDCOORD_DAEMON_* must not move it onto a
-// shared port or state file), and it dies with this process (PR_SET_PDEATHSIG).
+// shared port or state file), and it dies with this process (PR_SET_PDEATHSIG, which Linux ties
+// to the thread that started it: start it from the thread that outlives the replay, the main one).
+// A shardctl killed by SIGKILL leaves the temporary folder behind (/tmp/shardctl-replay-*).
 #ifndef SHARDCOORD_CLIENT_DAEMON_PROCESS_H_
 #define SHARDCOORD_CLIENT_DAEMON_PROCESS_H_
 

@@ -142,17 +142,21 @@ def dummy_forward(model, family: str):
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     size = inner.config.vision_config.image_size
     original = model.forward
-    text_only = []
+    text_only = [False]  # This forward's batch has no image (reset after every forward, raised or not).
 
     def forward(*args, **kwargs):
-        text_only.append(kwargs.get("pixel_values") is None)
+        text_only[0] = kwargs.get("pixel_values") is None
         if os.environ.get("TRACE_FSDP"):
-            print(f"TRACE forward text_only={text_only[-1]}", flush=True)
-        return original(*args, **kwargs)
+            print(f"TRACE forward text_only={text_only[0]}", flush=True)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            text_only[0] = False
 
     def merge(_module, args, kwargs):
-        if not (text_only and text_only.pop()):
+        if not text_only[0]:
             return None
+        text_only[0] = False
         embeds = kwargs.get("inputs_embeds")
         if embeds is None:
             raise RuntimeError("dummy_forward: the language model was called without inputs_embeds=")

@@ -186,7 +186,7 @@ TEST(ShardctlCliTest, VerifyRefusesNegativesEscapesDevicesAndOutputsThatShareNot
 }
 
 TEST(ShardctlCliTest, BothProgramsSayTheirVersion) {
-  for (const std::string program : {std::string(SHARDCTL_PATH), std::string(SHARDCOORDD_PATH)}) {
+  for (const std::string& program : {std::string(SHARDCTL_PATH), std::string(SHARDCOORDD_PATH)}) {
     auto r = RunCommand({program, "--version"}, kCommandTimeout);
     EXPECT_EQ(r.exit_code, 0) << program << ": " << r.err;
     EXPECT_THAT(r.out, ::testing::MatchesRegex("(shardctl|shardcoordd) [0-9]+\\.[0-9]+\\.[0-9]+\n")) << r.out;
@@ -357,14 +357,21 @@ TEST(ShardctlCliTest, ReplayStartsADaemonOfItsOwnAndSaysWhyWhenItCannot) {
                       {"SHARDCOORD_DAEMON_LISTEN=not-an-address", "SHARDCOORD_DAEMON_MAX_WORLD_SIZE=1"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_THAT(r.out, HasSubstr("\"decision\":\"per_layer\""));
-  // Found without --daemon too ($SHARDCOORDD).
-  auto found = RunCommand(Shardctl({"replay", trace}), kCommandTimeout, {std::string("SHARDCOORDD=") + SHARDCOORDD_PATH});
+  // Found without --daemon too: $SHARDCOORDD (a wrapper that says it ran, so the build tree's
+  // daemon beside shardctl cannot pass for it).
+  ::unsetenv("SHARDCOORDD");  // The test's own environment must not decide which one is found.
+  const std::string wrapper = dir.File("wrapper.sh"), marker = dir.File("wrapper-ran");
+  std::ofstream(wrapper) << "#!/bin/sh\ntouch '" << marker << "'\nexec '" << SHARDCOORDD_PATH << "' \"$@\"\n";
+  ::chmod(wrapper.c_str(), 0700);
+  auto found = RunCommand(Shardctl({"replay", trace}), kCommandTimeout, {"SHARDCOORDD=" + wrapper});
   EXPECT_EQ(found.exit_code, 0) << found.err;
+  EXPECT_TRUE(std::ifstream(marker).good()) << "$SHARDCOORDD was not the daemon started";
 
   auto missing = RunCommand(Shardctl({"replay", trace, "--daemon", dir.File("none")}), kCommandTimeout);
   EXPECT_EQ(missing.exit_code, 1);
   EXPECT_THAT(missing.err, HasSubstr("--daemon " + dir.File("none") + " is not an executable file"));
   auto bad_env = RunCommand(Shardctl({"replay", trace}), kCommandTimeout, {"SHARDCOORDD=" + dir.File("none")});
+  EXPECT_EQ(bad_env.exit_code, 1);
   EXPECT_THAT(bad_env.err, HasSubstr("$SHARDCOORDD (" + dir.File("none") + ") is not an executable file"));
   // A daemon that exits at once: its exit code and its log's last lines, at once.
   const std::string failing = dir.File("failing.sh");
@@ -383,6 +390,13 @@ TEST(ShardctlCliTest, ReplayStartsADaemonOfItsOwnAndSaysWhyWhenItCannot) {
                          kCommandTimeout);
   EXPECT_EQ(hung.exit_code, 1);
   EXPECT_THAT(hung.err, HasSubstr("did not serve within 1s"));
+  // A file that cannot be executed: exec's errno in the message.
+  const std::string text = dir.File("text.txt");
+  std::ofstream(text) << "not a program\n";
+  ::chmod(text.c_str(), 0700);
+  auto noexec = RunCommand(Shardctl({"replay", trace, "--daemon", text}), kCommandTimeout);
+  EXPECT_EQ(noexec.exit_code, 1);
+  EXPECT_THAT(noexec.err, AllOf(HasSubstr("exited with 127"), HasSubstr("cannot execute it: errno 8")));
 }
 
 TEST(ShardctlCliTest, ReplayRefusesMoreRanksThanOneProcessCanRun) {

@@ -463,7 +463,9 @@ TEST(FrozenShardExecutorTest, AdaptersOnAFrozenTowerTrainAsUnshardedUnderEveryDe
     auto got = model->parameters(), want = reference->parameters();
     for (size_t i = 0; i < got.size(); ++i) {
       EXPECT_EQ(got[i].grad().defined(), want[i].grad().defined()) << i;
-      if (want[i].grad().defined()) EXPECT_TRUE(torch::equal(got[i].grad(), want[i].grad())) << i;
+      if (want[i].grad().defined()) {
+        EXPECT_TRUE(torch::equal(got[i].grad(), want[i].grad())) << i;
+      }
     }
   }
   // Under autograd, per_layer holds the whole tower for the backward, as root does.
@@ -480,6 +482,16 @@ TEST(FrozenShardExecutorTest, AdaptersOnAFrozenTowerTrainAsUnshardedUnderEveryDe
     ASSERT_TRUE((*ex)->AfterUnit("vision_tower", 1, torch::ones({1})).ok());
     EXPECT_EQ(layer0->base->weight.numel(), 0);
   }
+
+  // Under autograd, a unit whose output was given and needs no grad (before the first adapter)
+  // is released after its forward, as a frozen one.
+  d.modules[0].decision = Decision::kPerLayer;
+  ASSERT_TRUE((*ex)->BeginMicrobatch(d).ok());
+  ASSERT_TRUE((*ex)->BeginModule("vision_tower").ok());
+  ASSERT_TRUE((*ex)->BeforeUnit("vision_tower", 1).ok());
+  ASSERT_TRUE((*ex)->AfterUnit("vision_tower", 1, torch::ones({1})).ok());
+  EXPECT_EQ(layer0->base->weight.numel(), 0);
+  ASSERT_TRUE((*ex)->EndBackward().ok());
 
   // padded and replicate (an older coordinator's) are refused before anything is gathered.
   for (Decision unsafe : {Decision::kPadded, Decision::kReplicate}) {
@@ -511,6 +523,13 @@ TEST(FrozenShardExecutorTest, AFrozenUnitWhoseOutputNeedsGradIsRefused) {
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(s.message(), HasSubstr("unit 'encoder.layers.0' of 'vision_tower' produced an output that requires grad"));
   EXPECT_EQ(model->vision_tower->encoder->layers[0]->as<torch::nn::Linear>()->weight.numel(), 0) << "released";
+  // The same under root, where EndForward would release the weights before the backward: the
+  // model does not work or fail by the microbatch's decision.
+  d.modules[0].decision = Decision::kRoot;
+  ASSERT_TRUE((*ex)->BeginMicrobatch(d).ok());
+  absl::Status root = (*ex)->EndModule("vision_tower", torch::ones({2}, torch::requires_grad()));
+  EXPECT_EQ(root.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(root.message(), HasSubstr("the rest unit of 'vision_tower' produced an output that requires grad"));
 }
 
 TEST(FrozenShardExecutorTest, RejectsWhatItCannotShard) {

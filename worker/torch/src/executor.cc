@@ -72,7 +72,7 @@ absl::StatusOr<DataType> ToDataType(const torch::Tensor& t) {
 
 // Whether the candidate at `path` is opted in as trainable: by `all_trainable`, its path or its
 // last components ("vision_tower" for "model.vision_tower").
-bool OptedIn(const std::string& path, const ManifestOptions& options) {
+static bool OptedIn(const std::string& path, const ManifestOptions& options) {
   if (options.all_trainable) return true;
   return std::any_of(options.trainable.begin(), options.trainable.end(), [&](const std::string& t) {
     return path == t || absl::EndsWith(path, absl::StrCat(".", t));
@@ -103,8 +103,9 @@ absl::StatusOr<std::vector<ModuleSpec>> BuildManifest(torch::nn::Module& model, 
   }
   std::vector<ModuleSpec> out;
   for (const auto& c : classified) {
-    if (!c.fully_frozen && !OptedIn(c.path, options)) continue;  // Left to the trainer: no decisions.
     const ModulePtr& m = modules.at(c.path);
+    // Left to the trainer (no decisions): a trainable candidate not opted in, or one without parameters.
+    if (!c.fully_frozen && (!OptedIn(c.path, options) || m->parameters().empty())) continue;
     ModuleSpec spec;
     spec.name = c.path;
     spec.param_bytes = ParamBytes(*m);
@@ -415,22 +416,30 @@ absl::Status FrozenShardExecutor::AfterUnit(const std::string& module, int unit,
   return AfterForward(*m, m->units[unit], output);
 }
 
+absl::Status FrozenShardExecutor::CheckFrozenOutput(const Module& m, const std::string& what,
+                                                    const torch::Tensor& output) const {
+  if (m.spec.trainable || !output.defined() || !torch::GradMode::is_enabled() || !output.requires_grad()) {
+    return absl::OkStatus();
+  }
+  return absl::FailedPreconditionError(absl::StrCat(
+      what, " of '", m.spec.name, "' produced an output that requires grad, so backward would need its weights, but ",
+      "the executor releases a frozen module's weights after its forward (per_layer, padded) or at EndForward ",
+      "(root): run the frozen module under torch::NoGradGuard (its inputs must not require grad); a frozen module ",
+      "that gradients must flow through (one after a trainable module) cannot be controlled: leave it out of the ",
+      "manifest"));
+}
+
 absl::Status FrozenShardExecutor::AfterForward(Module& m, Unit& u, const torch::Tensor& output) {
-  if (m.decision != Decision::kPerLayer && m.decision != Decision::kPadded) return absl::OkStatus();
-  const bool recorded = torch::GradMode::is_enabled() && (!output.defined() || output.requires_grad());
-  if (m.spec.trainable && recorded) {
+  // Refused under every decision alike, so that a model does not work or fail by the microbatch's.
+  absl::Status frozen =
+      CheckFrozenOutput(m, u.name.empty() ? std::string("the rest unit") : absl::StrCat("unit '", u.name, "'"), output);
+  if (m.decision != Decision::kPerLayer && m.decision != Decision::kPadded) return frozen;
+  if (m.spec.trainable && torch::GradMode::is_enabled() && (!output.defined() || output.requires_grad())) {
     m.kept = true;  // Its backward needs the frozen weights: kept until EndBackward, on every rank alike.
     return absl::OkStatus();
   }
   Release(m, u);
-  if (recorded && output.defined()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "unit '", u.name, "' of '", m.spec.name, "' produced an output that requires grad, so backward would need ",
-        "its weights, but per_layer released them after the forward: run the frozen module under torch::NoGradGuard ",
-        "(its inputs must not require grad); a frozen module that gradients must flow through (one after a trainable ",
-        "module) cannot be released after its forward: leave it out of the manifest"));
-  }
-  return absl::OkStatus();
+  return frozen;
 }
 
 absl::Status FrozenShardExecutor::AdvancePads() {
@@ -481,12 +490,14 @@ absl::Status FrozenShardExecutor::EndModule(const std::string& module, const tor
   Module* m = Find(module);
   if (m == nullptr) return absl::InvalidArgumentError(absl::StrCat("no controlled module '", module, "'"));
   const int rest = RestIndex(*m);
-  if (rest >= 0) {
-    if (absl::Status s = AfterForward(*m, m->units[rest], output); !s.ok()) return s;
-  }
+  const absl::Status status =
+      rest >= 0 ? AfterForward(*m, m->units[rest], output) : CheckFrozenOutput(*m, "the module", output);
   m->in_call = false;
-  // The last planned call of a padded module: the chain goes on with the next one's passes.
-  return m->decision == Decision::kPadded && m->done == m->planned ? AdvancePads() : absl::OkStatus();
+  // The last planned call of a padded module: the chain goes on with the next one's passes (even
+  // after a refusal above, so that this rank's all-gathers still pair with the group's).
+  const absl::Status next =
+      m->decision == Decision::kPadded && m->done == m->planned ? AdvancePads() : absl::OkStatus();
+  return status.ok() ? next : status;
 }
 
 int FrozenShardExecutor::RestIndex(const Module& m) {

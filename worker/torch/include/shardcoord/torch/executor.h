@@ -121,8 +121,8 @@ class FrozenShardExecutor {
   // (BeginModule not called) is refused under per_layer: the order must be the same on
   // every rank. `output` (optional): the unit's output. For a trainable module under autograd
   // the unit is kept for backward unless it is given and does not need grad; for a frozen
-  // module, an output that needs grad is refused (FAILED_PRECONDITION: backward would need the
-  // weights per_layer releases; opt the module in as trainable, or run it under no_grad).
+  // module, an output that needs grad is refused under every decision (FAILED_PRECONDITION:
+  // backward would need the weights the executor releases; run it under no_grad).
   absl::Status BeforeUnit(const std::string& module, int unit);
   absl::Status AfterUnit(const std::string& module, int unit, const torch::Tensor& output = {});
   // The index of `unit` in `module`'s unit list, or -1.
@@ -191,6 +191,9 @@ class FrozenShardExecutor {
   // After a unit's forward: releases it under per_layer and padded, keeps it for the backward of
   // a trainable module, refuses a frozen unit whose output needs grad.
   absl::Status AfterForward(Module& m, Unit& u, const torch::Tensor& output);
+  // FAILED_PRECONDITION when a frozen (not trainable) module's `output` needs grad under
+  // autograd, naming `what` (a unit, or the module).
+  absl::Status CheckFrozenOutput(const Module& m, const std::string& what, const torch::Tensor& output) const;
   void Account(Module& m, int64_t delta_bytes);
   Module* Find(const std::string& module);
 
