@@ -97,6 +97,28 @@ absl::StatusOr<std::string> FindDaemon(const std::string& given) {
       "with shardctl, pass its path with --daemon or $SHARDCOORDD, or give a running one with --coordinator"));
 }
 
+namespace {
+
+// The child, between fork and exec (async-signal-safe calls only): dies with its parent, its
+// output into `log`, nothing else of shardctl's open, then the daemon.
+[[noreturn]] void ExecDaemon(pid_t parent, const char* log, const char* binary, char* const argv[],
+                             char* const envp[]) {
+  ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+  if (::getppid() != parent) ::_exit(127);  // The parent is already gone.
+  const int fd = ::open(log, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+  const int null = ::open("/dev/null", O_RDONLY);
+  if (fd < 0 || null < 0) ::_exit(126);  // Never onto shardctl's own output.
+  ::dup2(fd, STDOUT_FILENO);
+  ::dup2(fd, STDERR_FILENO);
+  ::dup2(null, STDIN_FILENO);
+  ::close_range(3, ~0U, 0);  // Nothing else of shardctl's (its --output file, its sockets).
+  ::execve(binary, argv, envp);
+  WriteErrno(STDERR_FILENO, "cannot execute it: errno ", errno);
+  ::_exit(127);
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<DaemonProcess>> DaemonProcess::Start(const std::string& binary,
                                                                    absl::Duration deadline) {
   const char* tmp = std::getenv("TMPDIR");
@@ -124,45 +146,37 @@ absl::StatusOr<std::unique_ptr<DaemonProcess>> DaemonProcess::Start(const std::s
     ::rmdir(dir.c_str());
     return absl::UnavailableError(absl::StrCat("cannot start shardcoordd for the replay: fork: ", std::strerror(errno)));
   }
-  if (pid == 0) {
-    ::prctl(PR_SET_PDEATHSIG, SIGTERM);
-    if (::getppid() != parent) ::_exit(127);  // The parent is already gone.
-    const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
-    const int null = ::open("/dev/null", O_RDONLY);
-    if (fd < 0 || null < 0) ::_exit(126);  // Never onto shardctl's own output.
-    ::dup2(fd, STDOUT_FILENO);
-    ::dup2(fd, STDERR_FILENO);
-    ::dup2(null, STDIN_FILENO);
-    ::close_range(3, ~0U, 0);  // Nothing else of shardctl's (its --output file, its sockets).
-    ::execve(binary.c_str(), argv.data(), envp.data());
-    WriteErrno(STDERR_FILENO, "cannot execute it: errno ", errno);
-    ::_exit(127);
-  }
+  if (pid == 0) ExecDaemon(parent, log.c_str(), binary.c_str(), argv.data(), envp.data());
   std::unique_ptr<DaemonProcess> d(new DaemonProcess(pid, dir));
+  if (absl::Status s = d->AwaitServing(binary, deadline); !s.ok()) return s;
+  return d;
+}
+
+absl::Status DaemonProcess::AwaitServing(const std::string& binary, absl::Duration deadline) {
   const absl::Time until = absl::Now() + deadline;
   while (absl::Now() < until) {
-    std::string address(absl::StripAsciiWhitespace(ReadAll(addr)));
+    std::string address(absl::StripAsciiWhitespace(ReadAll(dir_ + "/address")));
     if (!address.empty()) {
-      d->address_ = address;
-      return d;
+      address_ = address;
+      return absl::OkStatus();
     }
     int status = 0;
-    const pid_t waited = ::waitpid(pid, &status, WNOHANG);
+    const pid_t waited = ::waitpid(pid_, &status, WNOHANG);
     if (waited < 0 && errno == ECHILD) {  // SIGCHLD ignored: reaped already, its status lost.
-      d->pid_ = -1;
+      pid_ = -1;
       return absl::UnavailableError(absl::StrCat("the replay's shardcoordd (", binary, ") exited before serving: ",
-                                                 d->LogTail()));
+                                                 LogTail()));
     }
-    if (waited == pid) {
-      d->pid_ = -1;
+    if (waited == pid_) {
+      pid_ = -1;
       return absl::UnavailableError(absl::StrCat("the replay's shardcoordd (", binary, ") exited with ",
                                                  WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status),
-                                                 " before serving: ", d->LogTail()));
+                                                 " before serving: ", LogTail()));
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   return absl::UnavailableError(absl::StrCat("the replay's shardcoordd (", binary, ") did not serve within ",
-                                             absl::FormatDuration(deadline), ": ", d->LogTail()));
+                                             absl::FormatDuration(deadline), ": ", LogTail()));
 }
 
 std::string DaemonProcess::LogTail() const {

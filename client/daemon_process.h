@@ -37,6 +37,8 @@ class DaemonProcess {
 
  private:
   DaemonProcess(pid_t pid, std::string dir) : pid_(pid), dir_(std::move(dir)) {}
+  // Waits until its address file is written; UNAVAILABLE when it exits first or after `deadline`.
+  absl::Status AwaitServing(const std::string& binary, absl::Duration deadline);
   // The last lines of its log, for errors.
   std::string LogTail() const;
   // Waits for it to exit, at most `deadline`; true when it has (reaped).
