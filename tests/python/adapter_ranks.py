@@ -1,7 +1,7 @@
 """One rank of the two-rank check of a tower that trains through adapters on a frozen base, under
 the plain executor (run by test_trainer.py; not a test module itself).
 
-    adapter_ranks.py INIT_METHOD RANK WORLD
+    adapter_ranks.py INIT_METHOD RANK WORLD [checkpoint]
 
 Both ranks build the same model: a tower `visual` whose frozen patch embedding (the rest unit) and
 three frozen layers carry a trainable adapter each (LoRA-like: the layer's output plus the
@@ -11,7 +11,9 @@ none). Each microbatch the ranks call the tower CALLS times and get the decision
 gives a trainable module (per_layer when equal, root when not, skip when neither calls it). After
 each microbatch the mean gradients and then, after an SGD step, the parameters must equal those of
 the unsharded model trained on both ranks' batches, and both ranks must have made the same
-all-gathers. Prints one line "result JSON" and exits 0, or fails."""
+all-gathers. With ``checkpoint``, each layer runs under activation checkpointing (non-reentrant:
+its forward runs again in the backward, and the executor's hooks with it): the same must hold, with
+no further all-gather. Prints one line "result JSON" and exits 0, or fails."""
 
 import copy
 import datetime
@@ -20,6 +22,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 from torch import nn
 
 import shardcoord.torch as sct
@@ -43,11 +46,12 @@ class Tower(nn.Module):
         super().__init__()
         self.patch_embed = nn.Linear(6, 5)  # The rest unit "" (frozen).
         self.blocks = nn.ModuleList([Block(5, 4), Block(4, 4), Block(4, 3)])
+        self.checkpoint = False
 
     def forward(self, x):
         x = self.patch_embed(x)
         for b in self.blocks:
-            x = b(x)
+            x = torch.utils.checkpoint.checkpoint(b, x, use_reentrant=False) if self.checkpoint else b(x)
         return x
 
 
@@ -83,11 +87,13 @@ def trainable(model):
 
 def main():
     init, rank, world = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    checkpoint = sys.argv[4:] == ["checkpoint"]
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     torch.manual_seed(0)
     model = Model()
     ref = copy.deepcopy(model)  # Unsharded, trained on both ranks' batches.
+    model.visual.checkpoint = checkpoint
     specs = sct.manifest(model, trainable=True)
     assert [(s.name, s.trainable) for s in specs] == [("visual", True)], specs
     ex = sct.Executor(model, specs, rank_in_group=rank, group_size=world)
@@ -125,7 +131,8 @@ def main():
     # Each unit (the rest and three layers) gathered once a microbatch, whatever the calls, and kept
     # through the backward; nothing under skip.
     assert gathers == [0 if decision(c)["visual"] == "skip" else 4 for c in CALLS], gathers
-    print("result " + json.dumps({"rank": rank, "gathers": gathers, "worst_grad_diff": worst}), flush=True)
+    print("result " + json.dumps({"rank": rank, "gathers": gathers, "worst_grad_diff": worst,
+                                  "checkpoint": checkpoint}), flush=True)
     dist.destroy_process_group()
 
 

@@ -12,7 +12,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List
+from typing import List, Sequence
 
 import pytest
 
@@ -105,14 +105,14 @@ def expect_healthy(run: List[RankResult]):
         assert res.params_hash == run[0].params_hash, "ranks disagree on the trained parameters"
 
 
-def two_ranks(tmp_path, name: str, script: Path, seconds: float) -> List[str]:
-    """Runs ``script INIT_METHOD RANK 2`` as two Gloo ranks (a deadline of ``seconds``); asserts both
-    exit 0 and returns each rank's output."""
+def two_ranks(tmp_path, name: str, script: Path, seconds: float, args: Sequence[str] = ()) -> List[str]:
+    """Runs ``script INIT_METHOD RANK 2 ARGS...`` as two Gloo ranks (a deadline of ``seconds``);
+    asserts both exit 0 and returns each rank's output."""
     procs = []
     try:
         for r in range(2):
             procs.append(start(tmp_path, f"{name}-{r}", [sys.executable, str(script),
-                                                         f"file://{tmp_path}/{name}.store", str(r), "2"]))
+                                                         f"file://{tmp_path}/{name}.store", str(r), "2", *args]))
         deadline = time.monotonic() + seconds
         codes = [wait_code(p, deadline) for p in procs]
     finally:
@@ -140,10 +140,14 @@ def test_a_tower_with_adapters_on_a_frozen_base_trains_like_the_unsharded_model(
     adapters, sharded by the plain executor (the frozen weights only) and opted in as trainable;
     calls equal, divergent and none (per_layer, root, skip): after every microbatch the mean
     gradients and, after a step, the parameters equal the unsharded model's on both ranks' batches,
-    and both ranks made the same all-gathers (each unit once a microbatch, kept for the backward)."""
-    for out in two_ranks(tmp_path, "adapter", ADAPTER_RANKS, 90):
-        result = result_of(out)
-        assert result["worst_grad_diff"] <= 1e-6, result
+    and both ranks made the same all-gathers (each unit once a microbatch, kept for the backward).
+    Again with each layer under activation checkpointing (its forward, and the executor's hooks, run
+    again in the backward): the same, with no further all-gather."""
+    for args in ((), ("checkpoint",)):
+        for out in two_ranks(tmp_path, f"adapter{len(args)}", ADAPTER_RANKS, 90, args):
+            result = result_of(out)
+            assert result["worst_grad_diff"] <= 1e-6, result
+            assert result["checkpoint"] == bool(args), result
 
 
 def test_padded_with_divergent_calls_issues_the_same_all_gathers_on_every_rank(tmp_path):
