@@ -28,6 +28,8 @@ namespace {
 
 using shardcoord::coordinator::EventFilter;
 using shardcoord::coordinator::EventJournal;
+using shardcoord::coordinator::EventKind;
+using shardcoord::coordinator::Severity;
 
 struct Case {
   double wall_ms, p50_us, p99_us, max_us, query_ms;
@@ -55,7 +57,7 @@ Case Run(EventJournal& journal, int readers, int adds) {
   const absl::Time start = absl::Now();
   for (int i = 0; i < adds; ++i) {
     const int64_t t0 = absl::GetCurrentTimeNanos();
-    journal.Add(absl::Now(), "info", "plan_decided", "job", i % 8, 0, "a job's event");
+    journal.Add(absl::Now(), Severity::kInfo, EventKind::kRankRegistered, "job", i % 8, 0, "a job's event");
     lat[i] = absl::GetCurrentTimeNanos() - t0;
   }
   const double wall = absl::ToDoubleMilliseconds(absl::Now() - start);
@@ -86,7 +88,7 @@ int main(int argc, char** argv) {
   }
   const absl::Time fill = absl::Now();
   for (int64_t i = 0; i < events; ++i) {
-    journal.Add(absl::Now(), "info", "rank_registered", absl::StrCat("old-job-", i % 1000), static_cast<int>(i % 64),
+    journal.Add(absl::Now(), Severity::kInfo, EventKind::kRankRegistered, absl::StrCat("old-job-", i % 1000), static_cast<int>(i % 64),
                 0, "an old event of an old job");
     if (i % 50000 == 49999) journal.Flush();  // Keep the unwritten queue under its bound.
   }

@@ -50,7 +50,7 @@ CoordinatorCore::~CoordinatorCore() = default;
 void CoordinatorCore::Event(Severity severity, EventKind kind,
                             const std::string& job, int rank, int group,
                             const std::string& message) {
-  journal_.Add(clock_->Now(), SeverityName(severity), EventKindName(kind), job, rank, group, message);
+  journal_.Add(clock_->Now(), severity, kind, job, rank, group, message);
   metrics_->CountEvent(kind);
   const auto level = severity == Severity::kError     ? spdlog::level::err
                      : severity == Severity::kWarning ? spdlog::level::warn

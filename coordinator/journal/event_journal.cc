@@ -52,14 +52,14 @@ absl::Status EventJournal::Persist(const std::string& path, absl::Duration reten
   return absl::OkStatus();
 }
 
-void EventJournal::Add(absl::Time when, const std::string& severity, const std::string& kind,
-                       const std::string& job_id, int rank, int group, const std::string& message) {
+void EventJournal::Add(absl::Time when, Severity severity, EventKind kind, const std::string& job_id, int rank,
+                       int group, const std::string& message) {
   absl::MutexLock lock(&mu_);
   v1::Event e;
   e.set_id(next_id_++);
   e.set_unix_ms(absl::ToUnixMillis(when));
-  e.set_severity(severity);
-  e.set_kind(kind);
+  e.set_severity(SeverityName(severity));
+  e.set_kind(EventKindName(kind));
   e.set_job_id(job_id);
   e.set_rank(rank);
   e.set_group(group);

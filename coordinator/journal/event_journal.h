@@ -18,6 +18,7 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "coordinator/journal/event_kind.h"
 #include "coordinator/journal/journal_store.h"
 #include "shardcoord/internal/logging.h"
 #include "shardcoord/v1/coordinator.pb.h"
@@ -36,9 +37,9 @@ class EventJournal {
   // it to `retention` and `max_events`, and starts the writer. The error names the file.
   absl::Status Persist(const std::string& path, absl::Duration retention, int64_t max_events);
 
-  // Records an event; severity is "info", "warning" or "error". rank/group -1 = none.
-  void Add(absl::Time when, const std::string& severity, const std::string& kind,
-           const std::string& job_id, int rank, int group, const std::string& message);
+  // Records an event (its severity and kind by their names on the wire). rank/group -1 = none.
+  void Add(absl::Time when, Severity severity, EventKind kind, const std::string& job_id, int rank, int group,
+           const std::string& message);
 
   // Events matching `filter`, oldest first: from the file when there is one (every retained
   // event), else from memory.

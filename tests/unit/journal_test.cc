@@ -114,13 +114,13 @@ TEST(EventJournalTest, EventsSurviveAndIdsContinueAcrossAReopen) {
   {
     EventJournal j(2);  // Two in memory; the file keeps all.
     ASSERT_TRUE(j.Persist(path, absl::Hours(24), 1000).ok());
-    for (int i = 0; i < 5; ++i) j.Add(absl::Now(), "info", "rank_registered", "a", i, 0, "hello");
+    for (int i = 0; i < 5; ++i) j.Add(absl::Now(), Severity::kInfo, EventKind::kRankRegistered, "a", i, 0, "hello");
     j.Flush();
     EXPECT_EQ(j.List({"a", "", 0, 0, 100}).size(), 5u);
   }
   EventJournal again(2);
   ASSERT_TRUE(again.Persist(path, absl::Hours(24), 1000).ok());
-  again.Add(absl::Now(), "warning", "rank_dead", "a", 0, 0, "gone");
+  again.Add(absl::Now(), Severity::kWarning, EventKind::kRankDead, "a", 0, 0, "gone");
   // Before and after the writer wrote it, the new event is listed after the old ones.
   auto listed = again.List({"a", "", 0, 0, 100});
   ASSERT_EQ(listed.size(), 6u);
@@ -139,13 +139,15 @@ TEST(EventJournalTest, IdsGoOnWhenEveryOldEventWasPruned) {
   {
     EventJournal j(10);
     ASSERT_TRUE(j.Persist(path, absl::Hours(24), 1000).ok());
-    for (int i = 0; i < 3; ++i) j.Add(absl::Now() - absl::Hours(48), "info", "old", "a", i, 0, "two days ago");
+    for (int i = 0; i < 3; ++i) {
+      j.Add(absl::Now() - absl::Hours(48), Severity::kInfo, EventKind::kRankLeft, "a", i, 0, "two days ago");
+    }
     j.Flush();
   }
   EventJournal again(10);
   ASSERT_TRUE(again.Persist(path, absl::Hours(24), 1000).ok());
-  EXPECT_TRUE(again.List({"", "old", 0, 0, 100}).empty()) << "older than the retention: pruned";
-  again.Add(absl::Now(), "info", "new", "a", 0, 0, "now");
+  EXPECT_TRUE(again.List({"", "rank_left", 0, 0, 100}).empty()) << "older than the retention: pruned";
+  again.Add(absl::Now(), Severity::kInfo, EventKind::kRankRegistered, "a", 0, 0, "now");
   auto listed = again.List({"", "", 0, 0, 100});
   ASSERT_EQ(listed.size(), 1u);
   EXPECT_EQ(listed[0].id(), 4u);
