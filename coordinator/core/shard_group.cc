@@ -48,13 +48,13 @@ ShardGroup::Census ShardGroup::Count() const {
 
 int ShardGroup::PendingOf(int idx) const {
   int n = 0;
-  for (const auto& [key, p] : pending) n += p.reported[idx] ? 1 : 0;
+  for (const auto& [key, p] : pending_) n += p.reported[idx] ? 1 : 0;
   return n;
 }
 
 std::vector<int> ShardGroup::PendingCounts() const {
   std::vector<int> counts(members.size(), 0);
-  for (const auto& [key, p] : pending) {
+  for (const auto& [key, p] : pending_) {
     for (size_t i = 0; i < counts.size(); ++i) counts[i] += p.reported[i] ? 1 : 0;
   }
   return counts;
@@ -68,10 +68,10 @@ void ShardGroup::SetReference(const Registration& req, const PromotionOptions& p
   reference.resume.reset();
   reference_rank = req.rank;
   modules.clear();
-  module_index.clear();
+  module_index_.clear();
   for (const ModuleSpec& m : req.modules) {
     module_counts[m.name];  // Every module's counts exist, at zero, from the start.
-    module_index[m.name] = static_cast<int>(modules.size());
+    module_index_[m.name] = static_cast<int>(modules.size());
     modules.push_back(m);
   }
   EngineConfig cfg;
@@ -81,31 +81,31 @@ void ShardGroup::SetReference(const Registration& req, const PromotionOptions& p
   cfg.modules = modules;
   cfg.promotion = promotion;
   cfg.group_size = size();
-  engine = std::make_unique<DecisionEngine>(std::move(cfg));
+  engine_ = std::make_unique<DecisionEngine>(std::move(cfg));
   // A new manifest (a rerun may bring one): what was measured against the old one is dropped.
   for (Member& m : members) {
     m.costs.clear();
     m.frozen_budget = 0;
     m.costs_taken = absl::InfinitePast();
   }
-  cost_model.clear();
+  cost_model_.clear();
   RecomputeMeasured();
 }
 
 int64_t ShardGroup::SetPromotionBudget() {
   int64_t min_budget = INT64_MAX;
   for (const Member& m : members) min_budget = std::min(min_budget, m.memory_budget);
-  registered_budget = min_budget;
+  registered_budget_ = min_budget;
   const int64_t budget = EffectiveBudget();
-  engine->SetMinMemoryBudget(budget);
+  engine_->SetMinMemoryBudget(budget);
   return budget;
 }
 
 int64_t ShardGroup::EffectiveBudget() const {
   // 0 (no budget registered) disables promotion, measured or not; a measured room only lowers
   // a registered budget, once every member measured one.
-  if (registered_budget <= 0 || budget_reporters < size()) return registered_budget;
-  return std::min(registered_budget, measured_budget);
+  if (registered_budget_ <= 0 || budget_reporters_ < size()) return registered_budget_;
+  return std::min(registered_budget_, measured_budget_);
 }
 
 namespace {
@@ -142,8 +142,8 @@ std::string ShardGroup::TakeCosts(int idx, const HeartbeatReport& heartbeat, abs
     std::vector<ModuleCostModel> mine(modules.size());
     std::vector<bool> seen(modules.size(), false);
     for (const ModuleCost& r : heartbeat.costs) {
-      auto it = module_index.find(r.module);
-      if (it == module_index.end() || seen[it->second]) continue;
+      auto it = module_index_.find(r.module);
+      if (it == module_index_.end() || seen[it->second]) continue;
       seen[it->second] = true;
       mine[it->second] = CostFromReport(r, modules[it->second]);
     }
@@ -154,12 +154,12 @@ std::string ShardGroup::TakeCosts(int idx, const HeartbeatReport& heartbeat, abs
 }
 
 void ShardGroup::TakeMemberCosts(Member& m, std::vector<ModuleCostModel> mine) {
-  measured.resize(modules.size());
+  measured_.resize(modules.size());
   const std::vector<ModuleCostModel> old = std::move(m.costs);
   m.costs = std::move(mine);
   bool recompute = false;
   for (size_t i = 0; i < modules.size(); ++i) {
-    ModuleCostModel& max = measured[i];
+    ModuleCostModel& max = measured_[i];
     const ModuleCostModel& now = m.costs[i];
     // A lowered maximum is found again among all members; a raised one is the new value.
     if (!old.empty() && (old[i].forward_seconds_per_call >= max.forward_seconds_per_call ||
@@ -176,27 +176,27 @@ void ShardGroup::TakeMemberCosts(Member& m, std::vector<ModuleCostModel> mine) {
 void ShardGroup::TakeMemberBudget(Member& m, int64_t bytes) {
   const int64_t old = m.frozen_budget;
   m.frozen_budget = bytes;
-  if (old <= 0) budget_reporters++;
-  if (bytes <= measured_budget) {
-    measured_budget = bytes;
-  } else if (old == measured_budget) {  // The smallest went up: find the smallest again.
+  if (old <= 0) budget_reporters_++;
+  if (bytes <= measured_budget_) {
+    measured_budget_ = bytes;
+  } else if (old == measured_budget_) {  // The smallest went up: find the smallest again.
     RecomputeMeasured();
   }
 }
 
 void ShardGroup::RecomputeMeasured() {
-  measured.assign(modules.size(), ModuleCostModel{});
-  measured_budget = INT64_MAX;
-  budget_reporters = 0;
+  measured_.assign(modules.size(), ModuleCostModel{});
+  measured_budget_ = INT64_MAX;
+  budget_reporters_ = 0;
   for (const Member& m : members) {
-    for (size_t i = 0; i < m.costs.size() && i < measured.size(); ++i) {
-      measured[i].forward_seconds_per_call = std::max(measured[i].forward_seconds_per_call,
+    for (size_t i = 0; i < m.costs.size() && i < measured_.size(); ++i) {
+      measured_[i].forward_seconds_per_call = std::max(measured_[i].forward_seconds_per_call,
                                                       m.costs[i].forward_seconds_per_call);
-      measured[i].gather_seconds = std::max(measured[i].gather_seconds, m.costs[i].gather_seconds);
+      measured_[i].gather_seconds = std::max(measured_[i].gather_seconds, m.costs[i].gather_seconds);
     }
     if (m.frozen_budget > 0) {
-      budget_reporters++;
-      measured_budget = std::min(measured_budget, m.frozen_budget);
+      budget_reporters_++;
+      measured_budget_ = std::min(measured_budget_, m.frozen_budget);
     }
   }
 }
@@ -211,27 +211,27 @@ void ShardGroup::ForgetMeasures(int idx) {
 }
 
 std::string ShardGroup::UpdateCostModel() {
-  measured.resize(modules.size());
-  const int64_t before = engine->config().min_memory_budget_bytes;
+  measured_.resize(modules.size());
+  const int64_t before = engine_->config().min_memory_budget_bytes;
   const int64_t budget = formed ? EffectiveBudget() : before;
-  if (cost_model.size() != modules.size()) cost_model.assign(modules.size(), ModuleCostModel{});
+  if (cost_model_.size() != modules.size()) cost_model_.assign(modules.size(), ModuleCostModel{});
   // A budget is a limit: any decrease applies at once; seconds (and raises) move by a tenth.
   bool moved = budget < before || Moved(static_cast<double>(before), static_cast<double>(budget));
   for (size_t i = 0; i < modules.size() && !moved; ++i) {
-    moved = Moved(cost_model[i].forward_seconds_per_call, measured[i].forward_seconds_per_call) ||
-            Moved(cost_model[i].gather_seconds, measured[i].gather_seconds);
+    moved = Moved(cost_model_[i].forward_seconds_per_call, measured_[i].forward_seconds_per_call) ||
+            Moved(cost_model_[i].gather_seconds, measured_[i].gather_seconds);
   }
   if (!moved) return "";
-  cost_model = measured;
-  engine->SetCosts(cost_model);
-  engine->SetMinMemoryBudget(budget);
+  cost_model_ = measured_;
+  engine_->SetCosts(cost_model_);
+  engine_->SetMinMemoryBudget(budget);
   std::string text;
-  for (size_t i = 0; i < cost_model.size(); ++i) {
+  for (size_t i = 0; i < cost_model_.size(); ++i) {
     absl::StrAppend(&text, i ? "; " : "", "module '", modules[i].name, "': ",
-                    absl::StrFormat("forward %.4f s/call, gather %.4f s", cost_model[i].forward_seconds_per_call,
-                                    cost_model[i].gather_seconds));
+                    absl::StrFormat("forward %.4f s/call, gather %.4f s", cost_model_[i].forward_seconds_per_call,
+                                    cost_model_[i].gather_seconds));
   }
-  absl::StrAppend(&text, "; budget ", budget, " bytes (registered ", registered_budget, ", ", budget_reporters, " of ",
+  absl::StrAppend(&text, "; budget ", budget, " bytes (registered ", registered_budget_, ", ", budget_reporters_, " of ",
                   size(), " members measured one)");
   return text;
 }
@@ -244,8 +244,8 @@ absl::StatusOr<ShardGroup::PlanCalls> ShardGroup::ParsePlan(const MicrobatchPlan
   PlanCalls calls;
   calls.reserve(plan.calls.size());
   for (const auto& [name, count] : plan.calls) {
-    auto mi = module_index.find(name);
-    const bool known = mi != module_index.end();
+    auto mi = module_index_.find(name);
+    const bool known = mi != module_index_.end();
     std::vector<std::string> registered;
     if (!known) {
       for (const auto& spec : modules) registered.push_back(spec.name);
@@ -257,15 +257,15 @@ absl::StatusOr<ShardGroup::PlanCalls> ShardGroup::ParsePlan(const MicrobatchPlan
 }
 
 absl::Status ShardGroup::CheckPendingRoom(const MicrobatchKey& key, const std::string& who, int max) const {
-  if (static_cast<int>(pending.size()) < max) return absl::OkStatus();
+  if (static_cast<int>(pending_.size()) < max) return absl::OkStatus();
   return absl::ResourceExhaustedError(absl::StrCat(
-      "plan ", key.ToString(), " from ", who, ": group ", index, " already holds ", pending.size(),
+      "plan ", key.ToString(), " from ", who, ": group ", index, " already holds ", pending_.size(),
       " microbatches that some ranks reported and others not yet (max_pending_microbatches); the ranks of "
       "the group are too far apart: wait for the slowest, or raise --max-pending-microbatches"));
 }
 
 bool ShardGroup::Report(const MicrobatchKey& key, int idx, const PlanCalls& calls, absl::Time now) {
-  auto [it, inserted] = pending.try_emplace(key);
+  auto [it, inserted] = pending_.try_emplace(key);
   PendingMicrobatch& p = it->second;
   if (inserted) {
     p.calls.assign(modules.size(), std::vector<int32_t>(size(), 0));
@@ -283,21 +283,21 @@ bool ShardGroup::Report(const MicrobatchKey& key, int idx, const PlanCalls& call
 }
 
 void ShardGroup::Resolve(std::map<MicrobatchKey, PendingMicrobatch>::iterator it) {
-  if (!last_resolved || *last_resolved < it->first) last_resolved = it->first;
-  pending.erase(it);
+  if (!last_resolved_ || *last_resolved_ < it->first) last_resolved_ = it->first;
+  pending_.erase(it);
 }
 
 void ShardGroup::RecordDecision(const v1::MicrobatchDecision& d, int keep) {
   for (const auto& md : d.modules()) module_counts[md.module()].Count(md);
-  last_decided = KeyOf(d);
+  last_decided_ = KeyOf(d);
   history.push_back(d);
   while (static_cast<int>(history.size()) > keep) history.pop_front();
 }
 
 void ShardGroup::RestartKeys() {
-  pending.clear();
-  last_resolved.reset();
-  last_drained.reset();
+  pending_.clear();
+  last_resolved_.reset();
+  last_drained_.reset();
   for (Member& m : members) m.last_planned.reset();
 }
 

@@ -203,16 +203,9 @@ class ShardGroup {
   Registration reference;  // The first registration: manifest and policy.
   int reference_rank = -1;
   std::vector<ModuleSpec> modules;
-  absl::flat_hash_map<std::string, int> module_index;
-  std::unique_ptr<DecisionEngine> engine;  // Owns the group's one seq, for every policy.
   // The plan path's effects, reused from one batch to the next (CoordinatorCore::TakePlans):
   // empty between operations, its vectors keeping their room.
   GroupEffects effects;
-  std::map<MicrobatchKey, PendingMicrobatch> pending;
-  std::optional<MicrobatchKey> last_resolved;  // Decided or failed.
-  std::optional<MicrobatchKey> last_decided;
-  // Auto and per_layer: the last key the engine decided in this epoch (it decides in key order).
-  std::optional<MicrobatchKey> last_drained;
   std::deque<v1::MicrobatchDecision> history;
   // Decisions given, by module (every module of the manifest, from the first registration);
   // the group's totals are their sum.
@@ -221,17 +214,6 @@ class ShardGroup {
   // Whole at least once since the job (re)started in this process: a later FORMING -> HEALTHY
   // is a re-form in a new epoch.
   bool formed = false;
-  // GROUP_STATE_RECOVERING (DESIGN 12): fails its missing members at this deadline;
-  // plans resumed members send meanwhile wait here, in arrival order.
-  absl::Time recovery_deadline = absl::InfiniteFuture();
-  std::vector<std::pair<int, MicrobatchPlan>> deferred_plans;
-  // The cost model the engine decides by (manifest order), the members' maxima it follows, and
-  // the smallest measured budget (with how many members measured one).
-  std::vector<ModuleCostModel> cost_model;
-  std::vector<ModuleCostModel> measured;
-  int64_t registered_budget = 0;  // Smallest memory_budget_bytes of the members.
-  int budget_reporters = 0;
-  int64_t measured_budget = INT64_MAX;
 
   bool Has(int rank) const { return rank >= ranks.front() && rank <= ranks.back(); }
   int IndexOf(int rank) const { return rank - ranks.front(); }
@@ -293,8 +275,35 @@ class ShardGroup {
   // fitted appended, once `bytes` would pass `max_bytes`.
   bool DescribeHistory(int limit, size_t max_bytes, size_t* bytes, v1::ListDecisionsResponse* out) const;
   const GroupRules& rules() const { return rules_; }
+  // Read-only views of the group's own state (tests, status).
+  const std::map<MicrobatchKey, PendingMicrobatch>& pending() const { return pending_; }
+  const std::optional<MicrobatchKey>& last_resolved() const { return last_resolved_; }
+  const std::optional<MicrobatchKey>& last_decided() const { return last_decided_; }
+  absl::Time recovery_deadline() const { return recovery_deadline_; }
+  const std::vector<std::pair<int, MicrobatchPlan>>& deferred_plans() const { return deferred_plans_; }
+  const std::vector<ModuleCostModel>& cost_model() const { return cost_model_; }
 
  private:
+  // The group's own state: only its operations change it.
+  absl::flat_hash_map<std::string, int> module_index_;
+  std::unique_ptr<DecisionEngine> engine_;  // Owns the group's one seq, for every policy.
+  std::map<MicrobatchKey, PendingMicrobatch> pending_;
+  std::optional<MicrobatchKey> last_resolved_;  // Decided or failed.
+  std::optional<MicrobatchKey> last_decided_;
+  // Auto and per_layer: the last key the engine decided in this epoch (it decides in key order).
+  std::optional<MicrobatchKey> last_drained_;
+  // GROUP_STATE_RECOVERING (DESIGN 12): fails its missing members at this deadline;
+  // plans resumed members send meanwhile wait here, in arrival order.
+  absl::Time recovery_deadline_ = absl::InfiniteFuture();
+  std::vector<std::pair<int, MicrobatchPlan>> deferred_plans_;
+  // The cost model the engine decides by (manifest order), the members' maxima it follows, and
+  // the smallest measured budget (with how many members measured one).
+  std::vector<ModuleCostModel> cost_model_;
+  std::vector<ModuleCostModel> measured_;
+  int64_t registered_budget_ = 0;  // Smallest memory_budget_bytes of the members.
+  int budget_reporters_ = 0;
+  int64_t measured_budget_ = INT64_MAX;
+
   // Plan intake (shard_group_plans.cc).
   absl::Status AcceptPlan(int idx, const MicrobatchPlan& plan, absl::Time now, GroupEffects& fx);
   // Whether the group can take `key` from member `idx` now: in order, the group not failed,

@@ -40,8 +40,8 @@ void ShardGroup::TakePlans(int idx, const PlanBatchReport& batch, absl::Time now
     if (state == v1::GROUP_STATE_RECOVERING) {
       // Decided once every member has resumed (a static decision made now could contradict
       // one a member not back yet holds). Bounded like the pending microbatches.
-      if (static_cast<int>(deferred_plans.size()) < max_pending) {
-        deferred_plans.emplace_back(m.rank, plan);
+      if (static_cast<int>(deferred_plans_.size()) < max_pending) {
+        deferred_plans_.emplace_back(m.rank, plan);
         continue;
       }
       s = absl::ResourceExhaustedError(absl::StrCat(
@@ -85,7 +85,7 @@ absl::Status ShardGroup::AcceptPlan(int idx, const MicrobatchPlan& plan, absl::T
   fx.plans_accepted++;
   const bool inserted = Report(key, idx, *calls, now);
   if (!FailSkipped(idx, key, inserted, fx)) return absl::OkStatus();  // Failed: nothing to decide.
-  if (!engine->is_static()) {
+  if (!engine_->is_static()) {
     Drain(now, fx);
     return absl::OkStatus();
   }
@@ -93,7 +93,7 @@ absl::Status ShardGroup::AcceptPlan(int idx, const MicrobatchPlan& plan, absl::T
   // key stays pending until every rank reported it, which is how a rank that skips a
   // microbatch is caught (the microbatch fails for the whole group, as under auto).
   if (inserted) DecideStatic(key, now, fx);
-  auto it = pending.find(key);
+  auto it = pending_.find(key);
   fx.Decide(idx, *it->second.decided);
   if (it->second.num_reported == size()) Resolve(it);
   return absl::OkStatus();
@@ -110,16 +110,16 @@ absl::Status ShardGroup::CheckPlanFits(int idx, const MicrobatchKey& key, const 
     return absl::AbortedError(absl::StrCat("plan ", key.ToString(), " from ", who, " dropped: the group failed at epoch ",
                                            epoch, " (", failure_reason, "); wait for the group to re-form"));
   }
-  auto found = pending.find(key);
-  const bool known = found != pending.end();
-  if (!known && last_resolved && key <= *last_resolved) {
+  auto found = pending_.find(key);
+  const bool known = found != pending_.end();
+  if (!known && last_resolved_ && key <= *last_resolved_) {
     return absl::FailedPreconditionError(absl::StrCat("plan ", key.ToString(), " from ", who, " is stale: group ",
                                                       index, " already resolved every microbatch up to ",
-                                                      last_resolved->ToString()));
+                                                      last_resolved_->ToString()));
   }
   // A static decision is given at once: no window to wait in. A key the rank reported before
   // (it left and came back) is in its window already.
-  if (!engine->is_static() && !(known && found->second.reported[idx])) {
+  if (!engine_->is_static() && !(known && found->second.reported[idx])) {
     const int undecided = PendingOf(idx);
     if (undecided >= m.lookahead) {
       return absl::ResourceExhaustedError(absl::StrCat(
@@ -135,7 +135,7 @@ absl::Status ShardGroup::CheckPlanFits(int idx, const MicrobatchKey& key, const 
 bool ShardGroup::FailSkipped(int idx, const MicrobatchKey& key, bool inserted, GroupEffects& fx) {
   // Microbatches this rank skipped: earlier pending ones it never reported.
   std::vector<MicrobatchKey> skipped;
-  for (auto& [k, pk] : pending) {
+  for (auto& [k, pk] : pending_) {
     if (!(k < key)) break;
     if (!pk.reported[idx]) skipped.push_back(k);
   }
@@ -149,7 +149,7 @@ bool ShardGroup::FailSkipped(int idx, const MicrobatchKey& key, bool inserted, G
   }
   if (!inserted) return true;
   // Ranks that already moved past this key (or left) will never report it.
-  const PendingMicrobatch& p = pending.at(key);
+  const PendingMicrobatch& p = pending_.at(key);
   std::vector<int> never;
   for (size_t i = 0; i < ranks.size(); ++i) {
     if (!p.reported[i] && members[i].WillNeverReport(key)) never.push_back(ranks[i]);
@@ -192,9 +192,9 @@ EventKind TransitionKind(const std::string& what) {
 
 void ShardGroup::DecideStatic(const MicrobatchKey& key, absl::Time now, GroupEffects& fx) {
   std::vector<EngineTransition> transitions;
-  v1::MicrobatchDecision pd = Sealed(engine->DecideStatic(key, epoch, &transitions), now);
+  v1::MicrobatchDecision pd = Sealed(engine_->DecideStatic(key, epoch, &transitions), now);
   Given(pd, fx);
-  pending.at(key).decided = std::move(pd);
+  pending_.at(key).decided = std::move(pd);
   for (const auto& t : transitions) {
     fx.Record(Severity::kInfo, TransitionKind(t.what), -1, absl::StrCat("module '", t.module, "': ", t.detail));
   }
@@ -202,24 +202,24 @@ void ShardGroup::DecideStatic(const MicrobatchKey& key, absl::Time now, GroupEff
 
 void ShardGroup::Drain(absl::Time now, GroupEffects& fx) {
   if (state != v1::GROUP_STATE_HEALTHY) return;  // Forming: not everyone can plan yet.
-  if (engine->is_static()) return;              // Decided as reported (AcceptPlan).
-  while (!pending.empty()) {
-    auto it = pending.begin();
+  if (engine_->is_static()) return;              // Decided as reported (AcceptPlan).
+  while (!pending_.empty()) {
+    auto it = pending_.begin();
     if (it->second.num_reported < size()) break;
     // The engine decides in key order (its promotion window and seq depend on it).
-    if (last_drained && !(*last_drained < it->first)) {
+    if (last_drained_ && !(*last_drained_ < it->first)) {
       const std::string what = absl::StrCat("group ", index, " of job '", rules_.job_id, "' would decide ",
-                                            it->first.ToString(), " after deciding ", last_drained->ToString(),
+                                            it->first.ToString(), " after deciding ", last_drained_->ToString(),
                                             " in epoch ", epoch);
       SHARDCOORD_INVARIANT(false, what);
       FailMicrobatch(it->first, absl::InternalError(absl::StrCat("internal error: ", what)), fx);
       continue;
     }
     std::vector<EngineTransition> transitions;
-    const MicrobatchDecision d = engine->Decide(it->first, epoch, it->second.calls, &transitions);
+    const MicrobatchDecision d = engine_->Decide(it->first, epoch, it->second.calls, &transitions);
     fx.decision_latencies.push_back(now - it->second.first_report);
     v1::MicrobatchDecision pd = Sealed(d, now);
-    last_drained = it->first;
+    last_drained_ = it->first;
     Given(pd, fx);
     fx.Decide(GroupEffects::kEveryMember, std::move(pd));
     Resolve(it);
@@ -240,8 +240,8 @@ v1::CoordinatorMessage ShardGroup::MicrobatchFailed(const MicrobatchKey& key, co
 }
 
 void ShardGroup::FailMicrobatch(const MicrobatchKey& key, const absl::Status& why, GroupEffects& fx) {
-  auto it = pending.find(key);
-  if (it == pending.end()) return;
+  auto it = pending_.find(key);
+  if (it == pending_.end()) return;
   fx.Send(GroupEffects::kEveryMember, MicrobatchFailed(key, why));
   Resolve(it);
   fx.Record(Severity::kError, EventKind::kMicrobatchFailed, -1, std::string(why.message()));
@@ -250,7 +250,7 @@ void ShardGroup::FailMicrobatch(const MicrobatchKey& key, const absl::Status& wh
 void ShardGroup::ExpirePlans(absl::Time now, GroupEffects& fx) {
   const absl::Duration timeout = rules_.options->plan_timeout;
   std::vector<std::pair<MicrobatchKey, absl::Status>> expired;
-  for (const auto& [k, p] : pending) {
+  for (const auto& [k, p] : pending_) {
     const absl::Duration waited = now - p.first_report;
     if (waited <= timeout) continue;
     std::vector<int> missing, have;
@@ -283,8 +283,8 @@ void ShardGroup::TakeHeartbeat(int idx, const HeartbeatReport& heartbeat, absl::
   std::vector<bool> seen(modules.size(), false);
   for (const ModuleMemoryUsage& e : heartbeat.memory) {
     if (m.memory.size() >= modules.size()) break;
-    auto it = module_index.find(e.module);
-    if (it == module_index.end() || seen[it->second] || e.resident_bytes < 0 || e.peak_bytes < 0 ||
+    auto it = module_index_.find(e.module);
+    if (it == module_index_.end() || seen[it->second] || e.resident_bytes < 0 || e.peak_bytes < 0 ||
         e.gathered_bytes < 0) {
       continue;
     }

@@ -40,8 +40,8 @@ void ShardGroup::UpdateState(GroupEffects& fx) {
     formed = true;
     const int64_t min_budget = SetPromotionBudget();
     fx.Record(Severity::kInfo, EventKind::kGroupFormed, -1,
-              absl::StrCat("ranks ", RankList(ranks), " policy=", PolicyName(engine->config().policy),
-                           " fallback=", FallbackName(engine->config().fallback),
+              absl::StrCat("ranks ", RankList(ranks), " policy=", PolicyName(engine_->config().policy),
+                           " fallback=", FallbackName(engine_->config().fallback),
                            " min_memory_budget_bytes=", min_budget));
   } else if (before != v1::GROUP_STATE_HEALTHY) {
     // Whole again after a failure: a new epoch. Microbatch keys start afresh (a job
@@ -49,7 +49,7 @@ void ShardGroup::UpdateState(GroupEffects& fx) {
     epoch++;
     failure_reason.clear();
     RestartKeys();
-    if (engine->config().min_memory_budget_bytes == 0 && engine->next_seq() == 0) {
+    if (engine_->config().min_memory_budget_bytes == 0 && engine_->next_seq() == 0) {
       SetPromotionBudget();  // Whole for the first time through a failure.
     }
     state = v1::GROUP_STATE_HEALTHY;
@@ -90,7 +90,7 @@ void ShardGroup::AnnounceReformed(int rank, GroupEffects& fx) {
 void ShardGroup::OnLeft(int idx, absl::Time now, GroupEffects& fx) {
   // Pending microbatches it never reported can never be decided.
   std::vector<MicrobatchKey> doomed;
-  for (const auto& [k, p] : pending) {
+  for (const auto& [k, p] : pending_) {
     if (!p.reported[idx]) doomed.push_back(k);
   }
   for (const auto& k : doomed) {
@@ -121,8 +121,8 @@ std::string ShardGroup::Fail(int idx, const std::string& full, GroupEffects& fx)
   formed = true;
   if (state == v1::GROUP_STATE_RECOVERING) {
     DropResumes();  // The recovery is over: what the members resumed with is held no longer,
-    deferred_plans.clear();  // nor the plans it held back (the members plan again after the re-form).
-    recovery_deadline = absl::InfiniteFuture();
+    deferred_plans_.clear();  // nor the plans it held back (the members plan again after the re-form).
+    recovery_deadline_ = absl::InfiniteFuture();
   }
   failure_reason = was_failed && !failure_reason.empty() ? absl::StrCat(failure_reason, "; ", full) : full;
   v1::CoordinatorMessage msg = GroupFailed(failure_reason);
@@ -130,8 +130,8 @@ std::string ShardGroup::Fail(int idx, const std::string& full, GroupEffects& fx)
   for (const Member& m : members) {
     if (m.state == v1::RANK_STATE_DEAD) gf->add_dead_ranks(m.rank);
   }
-  for (const auto& [k, p] : pending) ToProto(k, gf->add_cancelled());
-  pending.clear();
+  for (const auto& [k, p] : pending_) ToProto(k, gf->add_cancelled());
+  pending_.clear();
   UpdateState(fx);
   std::string reason = gf->reason();
   fx.Record(Severity::kError, EventKind::kGroupFailed, ranks[idx],
@@ -141,14 +141,14 @@ std::string ShardGroup::Fail(int idx, const std::string& full, GroupEffects& fx)
 }
 
 bool ShardGroup::IsFresh() const {
-  if (state != v1::GROUP_STATE_FORMING || epoch != 0 || last_decided) return false;
+  if (state != v1::GROUP_STATE_FORMING || epoch != 0 || last_decided_) return false;
   return Count().live == 0;
 }
 
 void ShardGroup::StartRecovery(absl::Time now, GroupEffects& fx) {
   const absl::Duration window = rules_.options->recovery_window;
   state = v1::GROUP_STATE_RECOVERING;
-  recovery_deadline = now + window;
+  recovery_deadline_ = now + window;
   fx.Record(Severity::kWarning, EventKind::kGroupRecovering, -1,
             absl::StrCat("a rank resumed after a coordinator restart: the group waits up to ",
                          absl::ToInt64Milliseconds(window), " ms for its members to report what they hold"));
@@ -178,7 +178,7 @@ void ShardGroup::FinishRecovery(absl::Time now, GroupEffects& fx) {
   for (Member& m : members) reports.push_back({m.rank, std::move(*m.resume)});
   DropResumes();
   GroupRecovery rec = PlanGroupRecovery(index, reports);
-  recovery_deadline = absl::InfiniteFuture();
+  recovery_deadline_ = absl::InfiniteFuture();
   epoch = rec.epoch;
   if (!rec.status.ok()) {
     FailRecovery(std::string(rec.status.message()), fx);
@@ -187,9 +187,9 @@ void ShardGroup::FinishRecovery(absl::Time now, GroupEffects& fx) {
   state = v1::GROUP_STATE_HEALTHY;
   formed = true;
   SetPromotionBudget();  // The group's engine is this process's own: restore its state.
-  engine->Restore(rec.next_seq, rec.promoted, rec.sticky);
+  engine_->Restore(rec.next_seq, rec.promoted, rec.sticky);
   for (auto& [key, d] : rec.binding) Given(d, fx);
-  if (!rec.binding.empty()) last_resolved = rec.binding.rbegin()->first;
+  if (!rec.binding.empty()) last_resolved_ = rec.binding.rbegin()->first;
   for (Member& m : members) {  // Out-of-order checks go on from what each rank received.
     for (auto& [key, holders] : rec.holders) {
       if (holders.count(m.rank) && (!m.last_planned || *m.last_planned < key)) m.last_planned = key;
@@ -200,7 +200,7 @@ void ShardGroup::FinishRecovery(absl::Time now, GroupEffects& fx) {
     if (!m.last_planned || *m.last_planned < KeyOf(d)) m.last_planned = KeyOf(d);
     fx.Decide(IndexOf(rank), d);
   }
-  if (engine->is_static()) {
+  if (engine_->is_static()) {
     for (const auto& [key, d] : rec.binding) KeepStaticBinding(key, d, now);
   }
   for (const auto& [rank, key] : rec.lost) {
@@ -212,8 +212,8 @@ void ShardGroup::FinishRecovery(absl::Time now, GroupEffects& fx) {
   fx.recovered = true;
   fx.Record(Severity::kInfo, EventKind::kGroupRecovered, -1, Recovered(epoch, rec));
   ReplayPlans(rec.undecided, now, fx);
-  auto deferred = std::move(deferred_plans);
-  deferred_plans.clear();
+  auto deferred = std::move(deferred_plans_);
+  deferred_plans_.clear();
   ReplayPlans(deferred, now, fx);
 }
 
@@ -231,7 +231,7 @@ void ShardGroup::KeepStaticBinding(const MicrobatchKey& key, const v1::Microbatc
     }
   }
   if (p.num_reported == size()) return;  // Every member has it: nothing left to hand out.
-  pending[key] = std::move(p);
+  pending_[key] = std::move(p);
 }
 
 void ShardGroup::ReplayPlans(const std::vector<std::pair<int, MicrobatchPlan>>& plans, absl::Time now,
@@ -246,8 +246,8 @@ void ShardGroup::ReplayPlans(const std::vector<std::pair<int, MicrobatchPlan>>& 
 void ShardGroup::FailRecovery(const std::string& why, GroupEffects& fx) {
   state = v1::GROUP_STATE_FAILED;
   failure_reason = why;
-  pending.clear();
-  deferred_plans.clear();
+  pending_.clear();
+  deferred_plans_.clear();
   fx.Send(GroupEffects::kEveryMember, GroupFailed(why));
   fx.Record(Severity::kError, EventKind::kGroupRecoveryFailed, -1, why);
   // Every member is live: the group re-forms at once in a new epoch, keys start afresh.
@@ -256,7 +256,7 @@ void ShardGroup::FailRecovery(const std::string& why, GroupEffects& fx) {
 }
 
 std::vector<int> ShardGroup::ExpireRecovery(absl::Time now, std::string* why, std::string* each, GroupEffects& fx) {
-  if (state != v1::GROUP_STATE_RECOVERING || now < recovery_deadline) return {};
+  if (state != v1::GROUP_STATE_RECOVERING || now < recovery_deadline_) return {};
   std::vector<int> missing;
   for (const Member& m : members) {
     if (!m.live()) missing.push_back(m.rank);
@@ -275,13 +275,13 @@ std::vector<int> ShardGroup::ExpireRecovery(absl::Time now, std::string* why, st
     // FAILED with no event and no notice.
     SHARDCOORD_INVARIANT(false, absl::StrCat("group ", index, " is past its recovery deadline with every member live"));
     DropResumes();
-    recovery_deadline = absl::InfiniteFuture();
+    recovery_deadline_ = absl::InfiniteFuture();
     FailRecovery(absl::StrCat("every member is live but not every one resumed within ", window), fx);
     return {};
   }
   state = v1::GROUP_STATE_FAILED;
-  recovery_deadline = absl::InfiniteFuture();
-  deferred_plans.clear();
+  recovery_deadline_ = absl::InfiniteFuture();
+  deferred_plans_.clear();
   DropResumes();
   fx.Record(Severity::kError, EventKind::kRecoveryExpired, -1, *why);
   for (int r : missing) {
@@ -321,8 +321,8 @@ void ShardGroup::StartRerun(const ResumeAuthority* run_auth) {
     }
   }
   RestartKeys();
-  deferred_plans.clear();
-  last_decided.reset();  // The group re-forms in a new epoch once its members are back.
+  deferred_plans_.clear();
+  last_decided_.reset();  // The group re-forms in a new epoch once its members are back.
 }
 
 }  // namespace shardcoord::coordinator

@@ -31,7 +31,7 @@ v1::CoordinatorMessage ShardGroup::Registered(const Registration& req, uint64_t 
                        std::string(FallbackName(req.fallback)) +
                        "; only uniform or all-skip microbatches shard per layer");
   }
-  if (last_decided) ToProto(*last_decided, resp->mutable_last_decided());
+  if (last_decided_) ToProto(*last_decided_, resp->mutable_last_decided());
   resp->set_incarnation(incarnation);
   resp->set_config_digest(config_digest);
   return msg;
@@ -73,7 +73,7 @@ void ShardGroup::Describe(v1::GroupStatus* gs) const {
   for (int r : ranks) gs->add_ranks(r);
   gs->set_state(state);
   gs->set_epoch(epoch);
-  gs->set_pending_microbatches(static_cast<int32_t>(pending.size()));
+  gs->set_pending_microbatches(static_cast<int32_t>(pending_.size()));
   for (const auto& [module, tally] : module_counts) {
     v1::DecisionCounts& c = (*gs->mutable_module_counts())[module];
     c = tally.ToProto();
@@ -81,13 +81,13 @@ void ShardGroup::Describe(v1::GroupStatus* gs) const {
   }
   FillKinds(gs->mutable_counts());
   gs->set_failure_reason(failure_reason);
-  if (engine) {
-    gs->set_next_seq(engine->next_seq());
-    for (const auto& name : engine->ReplicatedModules()) gs->add_promoted_modules(name);
-    gs->set_policy(ToProto(engine->config().policy));
-    gs->set_fallback(ToProto(engine->config().fallback));
+  if (engine_) {
+    gs->set_next_seq(engine_->next_seq());
+    for (const auto& name : engine_->ReplicatedModules()) gs->add_promoted_modules(name);
+    gs->set_policy(ToProto(engine_->config().policy));
+    gs->set_fallback(ToProto(engine_->config().fallback));
   }
-  if (last_decided) ToProto(*last_decided, gs->mutable_last_decided());
+  if (last_decided_) ToProto(*last_decided_, gs->mutable_last_decided());
 }
 
 void ShardGroup::DescribeMembers(absl::Time now, google::protobuf::RepeatedPtrField<v1::RankStatus>* out) const {

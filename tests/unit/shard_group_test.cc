@@ -221,9 +221,9 @@ TEST_F(ShardGroupTest, AUniformMicrobatchIsDecidedPerLayerForEveryMemberOnceBoth
 
   EXPECT_EQ(second.decided, 1);
   EXPECT_THAT(second.decision_latencies, ElementsAre(absl::Milliseconds(250)));
-  EXPECT_THAT(group_->pending, IsEmpty());
-  ASSERT_TRUE(group_->last_decided.has_value());
-  EXPECT_EQ(*group_->last_decided, (MicrobatchKey{0, 0}));
+  EXPECT_THAT(group_->pending(), IsEmpty());
+  ASSERT_TRUE(group_->last_decided().has_value());
+  EXPECT_EQ(*group_->last_decided(), (MicrobatchKey{0, 0}));
   EXPECT_EQ(group_->module_counts["vision_tower"].ToProto().per_layer(), 1);
   EXPECT_EQ(group_->module_counts["audio_tower"].ToProto().skip(), 1);
   EXPECT_THAT(group_->history, SizeIs(1));
@@ -327,7 +327,7 @@ TEST_F(ShardGroupTest, AnOutOfOrderPlanIsRejectedToItsSenderOnly) {
   EXPECT_THAT(fx.warnings[0], HasSubstr("job=job-a"));
   EXPECT_THAT(fx.warnings[0], HasSubstr("rank=2"));
   EXPECT_THAT(fx.warnings[0], HasSubstr("FAILED_PRECONDITION"));
-  EXPECT_THAT(group_->pending, SizeIs(1)) << "the rejected plan adds nothing";
+  EXPECT_THAT(group_->pending(), SizeIs(1)) << "the rejected plan adds nothing";
 }
 
 TEST_F(ShardGroupTest, APlanNamingAModuleOutsideTheManifestIsRejectedAsInvalid) {
@@ -348,7 +348,7 @@ TEST_F(ShardGroupTest, APlanNamingAModuleOutsideTheManifestIsRejectedAsInvalid) 
   ASSERT_THAT(fx.warnings, SizeIs(1));
   EXPECT_THAT(fx.warnings[0], HasSubstr("job=job-a"));
   EXPECT_THAT(fx.warnings[0], HasSubstr("rank=3"));
-  EXPECT_THAT(group_->pending, IsEmpty());
+  EXPECT_THAT(group_->pending(), IsEmpty());
   EXPECT_FALSE(group_->members[1].last_planned.has_value()) << "a rejected plan does not move the rank's order";
 }
 
@@ -369,8 +369,8 @@ TEST_F(ShardGroupTest, UnderPolicyRootEachMemberGetsTheSameDecisionAsSoonAsItRep
   EXPECT_EQ(d0.seq(), 0u);
   EXPECT_TRUE(auth_.CheckSeal(kJob, d0));
   EXPECT_EQ(first.decided, 1);
-  EXPECT_THAT(group_->pending, SizeIs(1)) << "pending until rank 3 reported it too";
-  EXPECT_FALSE(group_->last_resolved.has_value());
+  EXPECT_THAT(group_->pending(), SizeIs(1)) << "pending until rank 3 reported it too";
+  EXPECT_FALSE(group_->last_resolved().has_value());
 
   // Rank 3's calls differ: a static policy ignores them.
   GroupEffects second = TakePlans(1, {Plan(0, 0, /*vision=*/0)}, kT0 + absl::Seconds(3));
@@ -382,9 +382,9 @@ TEST_F(ShardGroupTest, UnderPolicyRootEachMemberGetsTheSameDecisionAsSoonAsItRep
   EXPECT_EQ(d1.seal(), d0.seal());
   EXPECT_EQ(d1.SerializeAsString(), d0.SerializeAsString()) << "the very decision rank 2 got";
   EXPECT_EQ(second.decided, 0) << "one decision, given twice, is counted once";
-  EXPECT_THAT(group_->pending, IsEmpty());
-  ASSERT_TRUE(group_->last_resolved.has_value());
-  EXPECT_EQ(*group_->last_resolved, (MicrobatchKey{0, 0}));
+  EXPECT_THAT(group_->pending(), IsEmpty());
+  ASSERT_TRUE(group_->last_resolved().has_value());
+  EXPECT_EQ(*group_->last_resolved(), (MicrobatchKey{0, 0}));
   EXPECT_EQ(group_->module_counts["vision_tower"].ToProto().root(), 1);
 }
 
@@ -399,7 +399,7 @@ TEST_F(ShardGroupTest, AMicrobatchOneMemberNeverReportsFailsAfterThePlanTimeoutN
   GroupEffects early;
   group_->ExpirePlans(kT0 + options_.plan_timeout, early);
   EXPECT_TRUE(early.empty()) << "not past the timeout yet";
-  EXPECT_THAT(group_->pending, SizeIs(1));
+  EXPECT_THAT(group_->pending(), SizeIs(1));
 
   GroupEffects fx;
   group_->ExpirePlans(kT0 + options_.plan_timeout + absl::Milliseconds(1), fx);
@@ -415,7 +415,7 @@ TEST_F(ShardGroupTest, AMicrobatchOneMemberNeverReportsFailsAfterThePlanTimeoutN
   EXPECT_THAT(EventNames(fx), ElementsAre("microbatch_failed"));
   EXPECT_EQ(fx.events[0].severity, Severity::kError);
   EXPECT_EQ(fx.decided, 0);
-  EXPECT_THAT(group_->pending, IsEmpty());
+  EXPECT_THAT(group_->pending(), IsEmpty());
   EXPECT_EQ(group_->PendingOf(0), 0) << "rank 2's window is free again";
 
   // The late plan of the failed microbatch is stale.
@@ -440,7 +440,7 @@ TEST_F(ShardGroupTest, AMemberDeathFailsTheGroupAndCancelsEveryPendingMicrobatch
   const std::string reason = group_->Fail(1, "no heartbeat for 5000 ms", fx);
   EXPECT_EQ(reason, "group 1 of job 'job-a' failed at epoch 0: no heartbeat for 5000 ms");
   EXPECT_EQ(group_->state, v1::GROUP_STATE_FAILED);
-  EXPECT_THAT(group_->pending, IsEmpty());
+  EXPECT_THAT(group_->pending(), IsEmpty());
   EXPECT_EQ(group_->failure_reason, "no heartbeat for 5000 ms");
 
   ASSERT_THAT(fx.messages, SizeIs(1));
@@ -461,7 +461,7 @@ TEST_F(ShardGroupTest, AMemberDeathFailsTheGroupAndCancelsEveryPendingMicrobatch
   ASSERT_THAT(refused.messages, SizeIs(1));
   ASSERT_TRUE(refused.messages[0].message.has_plan_rejected());
   EXPECT_EQ(refused.messages[0].message.plan_rejected().code(), static_cast<int>(absl::StatusCode::kAborted));
-  EXPECT_THAT(group_->pending, IsEmpty());
+  EXPECT_THAT(group_->pending(), IsEmpty());
 }
 
 TEST_F(ShardGroupTest, AFailedGroupReFormsInTheNextEpochOnceTheDeadMemberIsLiveAgain) {
@@ -521,8 +521,8 @@ TEST_F(ShardGroupTest, ALeaverFailsWhatItNeverPlannedAndWhatItPlannedIsStillDeci
               HasSubstr("rank 3 left the job without planning it"));
   EXPECT_THAT(EventNames(fx), ElementsAre("microbatch_failed"));
   EXPECT_EQ(group_->state, v1::GROUP_STATE_HEALTHY);
-  ASSERT_THAT(group_->pending, SizeIs(1));
-  EXPECT_EQ(group_->pending.begin()->first, (MicrobatchKey{0, 0}));
+  ASSERT_THAT(group_->pending(), SizeIs(1));
+  EXPECT_EQ(group_->pending().begin()->first, (MicrobatchKey{0, 0}));
 
   // Rank 4 reports (0,0): decided with the leaver's calls (0 against 1: divergent).
   const absl::Time last_at = kT0 + absl::Seconds(2);
@@ -534,7 +534,7 @@ TEST_F(ShardGroupTest, ALeaverFailsWhatItNeverPlannedAndWhatItPlannedIsStillDeci
   ExpectModule(*decisions[0].decision, 0, "vision_tower", v1::DECISION_ROOT, v1::REASON_DIVERGENT);
   EXPECT_EQ(decided.decided, 1);
   EXPECT_THAT(decided.decision_latencies, ElementsAre(absl::Seconds(2)));
-  EXPECT_THAT(group_->pending, IsEmpty());
+  EXPECT_THAT(group_->pending(), IsEmpty());
 
   // A later key the leaver cannot report fails at once.
   GroupEffects later = TakePlans(0, {Plan(0, 2, 1)}, last_at);
@@ -542,7 +542,7 @@ TEST_F(ShardGroupTest, ALeaverFailsWhatItNeverPlannedAndWhatItPlannedIsStillDeci
   ASSERT_THAT(later.messages, SizeIs(1));
   ASSERT_TRUE(later.messages[0].message.has_microbatch_failed());
   EXPECT_THAT(later.messages[0].message.microbatch_failed().message(), HasSubstr("ranks 3 already planned"));
-  EXPECT_THAT(group_->pending, IsEmpty());
+  EXPECT_THAT(group_->pending(), IsEmpty());
 }
 
 TEST_F(ShardGroupTest, AKeyTheLeaverSkippedFailsAtOnceAndWhatWaitedBehindItIsDecided) {
@@ -567,7 +567,7 @@ TEST_F(ShardGroupTest, AKeyTheLeaverSkippedFailsAtOnceAndWhatWaitedBehindItIsDec
   const auto decisions = DecisionMessages(last);
   ASSERT_THAT(decisions, SizeIs(1)) << "(0,1) is complete and no longer behind (0,0)";
   EXPECT_EQ(decisions[0].decision->key().microbatch(), 1);
-  EXPECT_THAT(group_->pending, IsEmpty());
+  EXPECT_THAT(group_->pending(), IsEmpty());
 }
 
 TEST_F(ShardGroupTest, UnderPolicyRootAKeyThatFailsOnArrivalIsNeverDecided) {
@@ -582,8 +582,8 @@ TEST_F(ShardGroupTest, UnderPolicyRootAKeyThatFailsOnArrivalIsNeverDecided) {
   ASSERT_THAT(fx.messages, SizeIs(1));
   EXPECT_TRUE(fx.messages[0].message.has_microbatch_failed());
   EXPECT_EQ(fx.decided, 0);
-  ASSERT_TRUE(group_->last_decided.has_value());
-  EXPECT_EQ(*group_->last_decided, (MicrobatchKey{0, 1})) << "the failed key is not in the history";
+  ASSERT_TRUE(group_->last_decided().has_value());
+  EXPECT_EQ(*group_->last_decided(), (MicrobatchKey{0, 1})) << "the failed key is not in the history";
   GroupEffects next = TakePlans(0, {Plan(0, 1, 1)});
   const auto decisions = DecisionMessages(next);
   ASSERT_THAT(decisions, SizeIs(1));
@@ -606,7 +606,7 @@ TEST_F(ShardGroupTest, ARecoveringGroupDefersPlansAndFailsTheMembersNotBackByIts
   group_->MaybeFinishRecovery(kT0, waiting);
   EXPECT_TRUE(waiting.empty()) << "rank 3 has not resumed";
   EXPECT_EQ(group_->state, v1::GROUP_STATE_RECOVERING);
-  EXPECT_EQ(group_->recovery_deadline, kT0 + options_.recovery_window);
+  EXPECT_EQ(group_->recovery_deadline(), kT0 + options_.recovery_window);
   EXPECT_THAT(EventNames(started), ElementsAre("group_recovering"));
   EXPECT_EQ(started.events[0].severity, Severity::kWarning);
   EXPECT_THAT(started.messages, IsEmpty());
@@ -614,8 +614,8 @@ TEST_F(ShardGroupTest, ARecoveringGroupDefersPlansAndFailsTheMembersNotBackByIts
   GroupEffects deferred = TakePlans(0, {Plan(0, 0, 1), Plan(0, 1, 1)}, kT0 + absl::Seconds(1));
   EXPECT_THAT(deferred.messages, IsEmpty());
   EXPECT_EQ(deferred.plans_accepted, 0) << "held, not yet taken";
-  EXPECT_THAT(group_->deferred_plans, SizeIs(2));
-  EXPECT_THAT(group_->pending, IsEmpty());
+  EXPECT_THAT(group_->deferred_plans(), SizeIs(2));
+  EXPECT_THAT(group_->pending(), IsEmpty());
 
   GroupEffects still;
   std::string why, each;
@@ -623,7 +623,7 @@ TEST_F(ShardGroupTest, ARecoveringGroupDefersPlansAndFailsTheMembersNotBackByIts
               IsEmpty());
   EXPECT_TRUE(still.empty());
   EXPECT_EQ(group_->state, v1::GROUP_STATE_RECOVERING);
-  EXPECT_THAT(group_->deferred_plans, SizeIs(2));
+  EXPECT_THAT(group_->deferred_plans(), SizeIs(2));
 
   GroupEffects fx;
   EXPECT_THAT(group_->ExpireRecovery(kT0 + options_.recovery_window, &why, &each, fx), ElementsAre(3));
@@ -635,8 +635,8 @@ TEST_F(ShardGroupTest, ARecoveringGroupDefersPlansAndFailsTheMembersNotBackByIts
   EXPECT_THAT(EventNames(fx), ElementsAre("recovery_expired"));
   EXPECT_EQ(fx.events[0].message, why);
   EXPECT_EQ(group_->state, v1::GROUP_STATE_FAILED);
-  EXPECT_THAT(group_->deferred_plans, IsEmpty());
-  EXPECT_EQ(group_->recovery_deadline, absl::InfiniteFuture());
+  EXPECT_THAT(group_->deferred_plans(), IsEmpty());
+  EXPECT_EQ(group_->recovery_deadline(), absl::InfiniteFuture());
 }
 
 // ---------------------------------------------------------------------------------------
@@ -660,7 +660,7 @@ TEST_F(ShardGroupTest, ARecoveryWindowEndingWithEveryMemberLiveReFormsTheGroupAn
   EXPECT_EQ(group_->state, v1::GROUP_STATE_HEALTHY);
   EXPECT_EQ(group_->epoch, 1);
   EXPECT_FALSE(group_->members[0].resume.has_value());
-  EXPECT_EQ(group_->recovery_deadline, absl::InfiniteFuture());
+  EXPECT_EQ(group_->recovery_deadline(), absl::InfiniteFuture());
   EXPECT_THAT(EventNames(fx), ElementsAre("group_recovery_failed", "group_reformed"));
   ASSERT_THAT(fx.messages, SizeIs(2));
   EXPECT_TRUE(fx.messages[0].message.has_group_failure());
@@ -722,28 +722,28 @@ TEST_F(ShardGroupTest, ACostReportThatMovesTheGroupsModelIsRecordedAsAnEvent) {
   EXPECT_EQ(fx.events[0].rank, 2);
   EXPECT_THAT(fx.events[0].message, HasSubstr("module 'vision_tower': forward 0.0200 s/call, gather 0.0100 s"));
   EXPECT_THAT(fx.events[0].message, Not(HasSubstr("text_tower")));
-  ASSERT_THAT(group_->cost_model, SizeIs(2));
-  EXPECT_DOUBLE_EQ(group_->cost_model[0].forward_seconds_per_call, 0.02);
-  EXPECT_DOUBLE_EQ(group_->cost_model[1].forward_seconds_per_call, 0) << "audio_tower: not reported";
+  ASSERT_THAT(group_->cost_model(), SizeIs(2));
+  EXPECT_DOUBLE_EQ(group_->cost_model()[0].forward_seconds_per_call, 0.02);
+  EXPECT_DOUBLE_EQ(group_->cost_model()[1].forward_seconds_per_call, 0) << "audio_tower: not reported";
 
   // Closer than kMinCostReportSpacing to the last one: dropped, whatever it says.
   GroupEffects soon;
   group_->TakeHeartbeat(0, report(0.5, 0.5), kT0 + kMinCostReportSpacing - absl::Milliseconds(1), soon);
   EXPECT_THAT(soon.events, IsEmpty());
-  EXPECT_DOUBLE_EQ(group_->cost_model[0].forward_seconds_per_call, 0.02);
+  EXPECT_DOUBLE_EQ(group_->cost_model()[0].forward_seconds_per_call, 0.02);
 
   // Within a tenth of the model: kept by the member, the engine's model stays.
   GroupEffects close;
   group_->TakeHeartbeat(0, report(0.021, 0.0105), kT0 + absl::Seconds(5), close);
   EXPECT_THAT(close.events, IsEmpty());
-  EXPECT_DOUBLE_EQ(group_->cost_model[0].forward_seconds_per_call, 0.02);
+  EXPECT_DOUBLE_EQ(group_->cost_model()[0].forward_seconds_per_call, 0.02);
 
   // Another member's larger measure moves the maximum by more than a tenth.
   GroupEffects other;
   group_->TakeHeartbeat(1, report(0.04, 0.01), kT0 + absl::Seconds(5), other);
   ASSERT_THAT(EventNames(other), ElementsAre("group_cost_model"));
   EXPECT_EQ(other.events[0].rank, 3);
-  EXPECT_DOUBLE_EQ(group_->cost_model[0].forward_seconds_per_call, 0.04);
+  EXPECT_DOUBLE_EQ(group_->cost_model()[0].forward_seconds_per_call, 0.04);
 }
 
 }  // namespace
