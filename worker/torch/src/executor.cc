@@ -68,16 +68,25 @@ absl::StatusOr<DataType> ToDataType(const torch::Tensor& t) {
                                                  " are not supported yet (float32, float64)"));
 }
 
-}  // namespace
-
-// Whether the candidate at `path` is opted in as trainable: by `all_trainable`, its path or its
-// last components ("vision_tower" for "model.vision_tower").
-static bool OptedIn(const std::string& path, const ManifestOptions& options) {
-  if (options.all_trainable) return true;
-  return std::any_of(options.trainable.begin(), options.trainable.end(), [&](const std::string& t) {
-    return path == t || absl::EndsWith(path, absl::StrCat(".", t));
-  });
+// Whether `name` names the module at `path`: the path itself, or its last components
+// ("vision_tower" for "model.vision_tower").
+bool Names(const std::string& name, const std::string& path) {
+  return path == name || absl::EndsWith(path, absl::StrCat(".", name));
 }
+
+// Whether the candidate at `path` is opted in as trainable (ManifestOptions::trainable).
+bool OptedIn(const std::string& path, const ManifestOptions& options) {
+  return options.all_trainable || std::any_of(options.trainable.begin(), options.trainable.end(),
+                                              [&](const std::string& t) { return Names(t, path); });
+}
+
+// Whether the backward may need what a forward that gave `output` used: autograd records it, and
+// the output (when given) needs grad.
+bool BackwardNeeds(const torch::Tensor& output) {
+  return torch::GradMode::is_enabled() && (!output.defined() || output.requires_grad());
+}
+
+}  // namespace
 
 absl::StatusOr<std::vector<ModuleSpec>> BuildManifest(torch::nn::Module& model, const ManifestOptions& options) {
   std::vector<ModuleNode> nodes;
@@ -93,9 +102,7 @@ absl::StatusOr<std::vector<ModuleSpec>> BuildManifest(torch::nn::Module& model, 
   }
   const std::vector<ClassifiedModule> classified = ClassifyModules(nodes, options.classify);
   for (const auto& t : options.trainable) {
-    ManifestOptions one;
-    one.trainable = {t};
-    if (std::none_of(classified.begin(), classified.end(), [&](const auto& c) { return OptedIn(c.path, one); })) {
+    if (std::none_of(classified.begin(), classified.end(), [&](const auto& c) { return Names(t, c.path); })) {
       return absl::InvalidArgumentError(absl::StrCat(
           "trainable name '", t, "' is no tower or projector of the model: give a path or last component of "
           "one (the tower and projector names, or ManifestOptions::classify's extra names)"));
@@ -418,9 +425,7 @@ absl::Status FrozenShardExecutor::AfterUnit(const std::string& module, int unit,
 
 absl::Status FrozenShardExecutor::CheckFrozenOutput(const Module& m, const std::string& what,
                                                     const torch::Tensor& output) const {
-  if (m.spec.trainable || !output.defined() || !torch::GradMode::is_enabled() || !output.requires_grad()) {
-    return absl::OkStatus();
-  }
+  if (m.spec.trainable || !output.defined() || !BackwardNeeds(output)) return absl::OkStatus();
   return absl::FailedPreconditionError(absl::StrCat(
       what, " of '", m.spec.name, "' produced an output that requires grad, so backward would need its weights, but ",
       "the executor releases a frozen module's weights after its forward (per_layer, padded) or at EndForward ",
@@ -434,7 +439,7 @@ absl::Status FrozenShardExecutor::AfterForward(Module& m, Unit& u, const torch::
   absl::Status frozen =
       CheckFrozenOutput(m, u.name.empty() ? std::string("the rest unit") : absl::StrCat("unit '", u.name, "'"), output);
   if (m.decision != Decision::kPerLayer && m.decision != Decision::kPadded) return frozen;
-  if (m.spec.trainable && torch::GradMode::is_enabled() && (!output.defined() || output.requires_grad())) {
+  if (m.spec.trainable && BackwardNeeds(output)) {
     m.kept = true;  // Its backward needs the frozen weights: kept until EndBackward, on every rank alike.
     return absl::OkStatus();
   }
