@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Runs on the GPU machine (two GPUs), from the repository root, with the bundle from
-# scripts/gpu/bundle.sh in .gpu/. Builds vlm_trainer there against the machine's LibTorch
-# (CUDA), then runs the seed's two-rank regression on 2 GPUs with NCCL through shardcoordd,
-# and a short training run. Every wait is bounded. Output: ${OUT:-/tmp}/trainer_test.log.
+# Runs on the GPU machine, from the repository root, with the bundle from scripts/gpu/bundle.sh
+# in .gpu/. Builds vlm_trainer there against the machine's LibTorch (CUDA), then runs the seed's
+# two-rank regression through shardcoordd, adapters on the frozen tower against the unsharded
+# model, and a short training run. With two GPUs the ranks run on them over NCCL; with one, they
+# run on the CPUs over Gloo (NCCL refuses two ranks on one GPU), and one rank on the GPU checks
+# the adapters under CUDA autograd. Every wait is bounded. Output: ${OUT:-/tmp}/trainer_test.log.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 b=$root/.gpu
@@ -17,6 +19,8 @@ check() { if eval "$2"; then echo "PASS: $1"; else echo "FAIL: $1"; fail=1; fi; 
 
 echo "== $(date -u +%FT%TZ) $(hostname)"
 nvidia-smi --query-gpu=index,name --format=csv,noheader
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+if [[ $gpus -ge 2 ]]; then device=cuda where="2 GPUs (NCCL)"; else device=cpu where="the CPUs (Gloo; $gpus GPU here)"; fi
 torch_dir=${TORCH_DIR:-/opt/torch/.venv/lib/python3.12/site-packages/torch/share/cmake/Torch}
 echo "== building vlm_trainer against $(python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' 2>/dev/null)"
 cmake -S "$root/examples/vlm_trainer/gpu" -B "$work/build" -DTorch_DIR="$torch_dir" -DCMAKE_BUILD_TYPE=Release \
@@ -32,11 +36,12 @@ trap 'kill -9 $coord 2>/dev/null' EXIT
 for _ in $(seq 100); do [[ -s $work/addr ]] && break; sleep 0.1; done
 addr=$(cat "$work/addr")
 n=0
-train() {  # train POLICY MEDIA [extra]: 2 ranks on 2 GPUs; sets $job; returns non-zero if a rank failed
+train() {  # train POLICY MEDIA [extra]: 2 ranks on $device; sets $job; returns non-zero if a rank failed
   job=j$((n++))
-  local pids=()
-  for r in 0 1; do
-    timeout 300 "$trainer" --coordinator "$addr" --job "$job" --rank $r --world-size 2 --group-size 2 --device cuda \
+  local pids=() ranks=${RANKS_OF_JOB:-2} r
+  for ((r = 0; r < ranks; r++)); do
+    timeout 300 "$trainer" --coordinator "$addr" --job "$job" --rank $r --world-size $ranks --group-size $ranks \
+      --device "${DEVICE_OF_JOB:-$device}" \
       --policy "$1" --media "$2" --steps "${STEPS:-3}" --accum 2 "${@:3}" >"$work/$job-$r.out" 2>"$work/$job-$r.err" &
     pids+=($!)
   done
@@ -48,7 +53,7 @@ train() {  # train POLICY MEDIA [extra]: 2 ranks on 2 GPUs; sets $job; returns n
 losses() { grep '^step' "$work/$1-$2.out" | awk '{print $4}' | tr '\n' ' '; }
 hash_of() { grep '^final' "$work/$1-0.out" | awk '{print $4}'; }
 
-echo "== seed regression on 2 GPUs (NCCL)"
+echo "== seed regression, 2 ranks on $where"
 train root rank0; rc=$?
 check "root, media on rank 0 only, 2 accumulated microbatches: no hang" '[[ $rc == 0 ]]'
 train per_layer none; rc=$?
@@ -68,9 +73,25 @@ for policy in auto per_layer root replicate; do
   train $policy mixed
   check "$policy: outputs equal the unsharded model's, bitwise" '[[ "$(losses $job 0)" == "$(losses $ref 0)" && "$(losses $job 1)" == "$(losses $ref 1)" ]]'
 done
+echo "== adapters (LoRA, rank 4) on the frozen tower, trained projector: equal to the unsharded model, bitwise"
+adapters=(--tower-adapters 4 --image-fraction 0.6)
+for c in "per_layer all per_layer" "per_layer mixed root --fallback padded" "replicate mixed root"; do
+  read -r policy media decided extra <<<"$c"
+  train $policy $media "${adapters[@]}" $extra --no-shard; ref=$job
+  train $policy $media "${adapters[@]}" $extra; rc=$?
+  check "adapters, $policy $media $extra: losses and parameters equal the unsharded model's, decided $decided, never padded or replicate" \
+    '[[ $rc == 0 && "$(losses $job 0)" == "$(losses $ref 0)" && "$(losses $job 1)" == "$(losses $ref 1)" && "$(hash_of $job)" == "$(hash_of $ref)" ]] && grep -q " $decided=[1-9]" $work/$job-0.out && grep -q "padded=0" $work/$job-0.out && grep -q "replicate=0" $work/$job-0.out'
+done
+grep -h '^summary' "$work/$job"-*.out
+if [[ $gpus -ge 1 ]]; then
+  RANKS_OF_JOB=1 DEVICE_OF_JOB=cuda train per_layer all "${adapters[@]}" --no-shard; ref=$job
+  RANKS_OF_JOB=1 DEVICE_OF_JOB=cuda train per_layer all "${adapters[@]}"; rc=$?
+  check "adapters, one rank on the GPU (CUDA autograd): parameters equal the unsharded model's" \
+    '[[ $rc == 0 && "$(losses $job 0)" == "$(losses $ref 0)" && -n "$(hash_of $job)" && "$(hash_of $job)" == "$(hash_of $ref)" ]]'
+fi
 echo "== short training run: auto, skewed mixed media, 50 steps"
 STEPS=50 train auto mixed --skew 0.3 --memory-budget-bytes 1048576; rc=$?
-check "training run finished on both GPUs with identical parameters" \
+check "training run finished on both ranks with identical parameters" \
   '[[ $rc == 0 && "$(grep final $work/$job-0.out)" == "$(grep final $work/$job-1.out)" ]]'
 grep -h -E '^step (0|49) |^final|^summary' "$work/$job"-*.out
 "$b/bin/shardctl" status --coordinator "$addr" --job "$job"
