@@ -6,6 +6,7 @@
 #include <gloo/math.h>
 #include <gloo/rendezvous/context.h>
 #include <gloo/rendezvous/store.h>
+#include <dlfcn.h>
 #include <gloo/transport/tcp/device.h>
 #include <unistd.h>
 
@@ -28,6 +29,8 @@ namespace internal {
 namespace {
 
 constexpr char kGlooHostEnv[] = "SHARDCOORD_GLOO_HOST";
+// The Gloo library shardcoord is built against (Debian's libgloo-dev).
+constexpr char kGlooLibrary[] = "libgloo.so.0";
 // How long a failed collective waits for the coordinator's abort (which names the lost
 // rank) before reporting the failure itself.
 constexpr absl::Duration kPeerVerdictWait = absl::Seconds(1);
@@ -176,12 +179,46 @@ Bytes CopyOf(const void* data, size_t n) {
   return b;
 }
 
+// Gloo's functions must be the ones of the library shardcoord was built against. A LibTorch that
+// carries its own Gloo (pip's wheels export several hundred gloo:: symbols from libtorch_cpu.so)
+// interposes them when it comes before libgloo in the process's lookup order (a trainer linked
+// `shardcoord_worker torch`: libgloo is only a dependency of a dependency), and two Gloo versions
+// then share objects: a segfault in the first connect, seen with LibTorch 2.11 on the GPU
+// machine. The function a call here binds to is compared with libgloo's own definition (dlsym on
+// its handle); a process without libgloo loaded as its own library is not checked.
+absl::Status GlooIsItsOwnLibrary() {
+  static const absl::Status status = [] {
+    void* bound = reinterpret_cast<void*>(&gloo::transport::tcp::CreateDevice);
+    Dl_info info{};
+    if (dladdr(bound, &info) == 0 || info.dli_sname == nullptr) return absl::OkStatus();
+    void* gloo = dlopen(kGlooLibrary, RTLD_LAZY | RTLD_NOLOAD);
+    if (gloo == nullptr) return absl::OkStatus();
+    void* own = dlsym(gloo, info.dli_sname);
+    dlclose(gloo);
+    if (own == nullptr || own == bound) return absl::OkStatus();
+    return absl::FailedPreconditionError(absl::StrCat(
+        "Gloo's functions in this process come from ", info.dli_fname == nullptr ? "another library" : info.dli_fname,
+        ", not from ", kGlooLibrary, ", the Gloo shardcoord was built against (a LibTorch that carries its own Gloo, "
+        "such as pip's, linked before it): two Gloo versions cannot share a process. Link ", kGlooLibrary,
+        " ahead of LibTorch (-Wl,--no-as-needed -lgloo before the Torch libraries; examples/vlm_trainer/gpu does), "
+        "or use the NCCL backend"));
+  }();
+  return status;
+}
+
 class GlooCommunicator final : public CommunicatorBase {
  public:
   GlooCommunicator(std::shared_ptr<EpochRendezvous> rendezvous, CommSpec spec)
       : CommunicatorBase(std::move(rendezvous), std::move(spec)) {}
 
   absl::Status Connect() override {
+    if (absl::Status s = GlooIsItsOwnLibrary(); !s.ok()) {
+      // Reported, so that the coordinator aborts the epoch for the other members with this cause
+      // instead of leaving them to their join timeout.
+      const std::string error = absl::StrCat("rank ", spec().job_rank, ": ", s.message());
+      (void)rendezvous().ReportError(error);
+      return absl::Status(s.code(), absl::StrCat("communicator '", name(), "': ", s.message()));
+    }
     try {
       gloo::transport::tcp::attr attr;
       const char* host = std::getenv(kGlooHostEnv);
