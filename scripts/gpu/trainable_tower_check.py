@@ -326,7 +326,9 @@ def main() -> int:
         row, failed = check_case(case, codes, out, args)
         table.append(row)
         failures += failed
-    if not any((row.get("decisions") or {}).get("skip") for row in table):
+    # Skip is asked of the whole check; LLaVA's mix alone has no microbatch without an image on both
+    # ranks in a few steps, so a run of chosen cases is not held to it.
+    if not args.case and not any((row.get("decisions") or {}).get("skip") for row in table):
         failures.append("no case was decided skip: run more --steps")
     for row in table:
         case = row["case"]
