@@ -98,19 +98,20 @@ void CoordinatorCore::Apply(Job& job, ShardGroup& group, GroupEffects& fx) {
       batched = true;
     }
   };
+  std::vector<Member>& members = group.members();
   for (GroupEffects::Message& out : fx.messages) {
     if (out.member != GroupEffects::kEveryMember) {
-      deliver(group.members[out.member], out, /*last=*/true);
+      deliver(members[out.member], out, /*last=*/true);
       continue;
     }
-    for (size_t i = 0; i < group.members.size(); ++i) deliver(group.members[i], out, i + 1 == group.members.size());
+    for (size_t i = 0; i < members.size(); ++i) deliver(members[i], out, i + 1 == members.size());
   }
   if (batched) Flush(group);
   job.plans_received += fx.plans_accepted;
   job.microbatches_decided += fx.decided;
   for (const absl::Duration latency : fx.decision_latencies) metrics_->ObserveDecisionLatency(latency);
   if (fx.recovered) metrics_->ObserveGroupRecovery(clock_->Now() - started_);
-  for (GroupEffects::Event& e : fx.events) Event(e.severity, e.kind, job.id, e.rank, group.index, e.message);
+  for (GroupEffects::Event& e : fx.events) Event(e.severity, e.kind, job.id, e.rank, group.index(), e.message);
   static logging::RateLimit limit(10);  // A client sending 10^5 bad plans gets 10 lines a second.
   for (std::string& line : fx.warnings) {
     int64_t suppressed = 0;
@@ -125,7 +126,7 @@ void CoordinatorCore::Apply(Job& job, ShardGroup& group, GroupEffects& fx) {
 }
 
 void CoordinatorCore::Flush(ShardGroup& group) {
-  for (Member& m : group.members) {
+  for (Member& m : group.members()) {
     if (m.outgoing.has_decisions() && m.outgoing.decisions().decisions_size() > 0) {
       SinkSend(m, std::move(m.outgoing));
       m.outgoing.Clear();

@@ -185,7 +185,7 @@ class CoordinatorCore {
   template <typename F>
   void ForEachMember(const Job& job, F f) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     for (size_t g = 0; g < job.groups.size(); ++g) {
-      for (Member& m : Owned(job, static_cast<int>(g)).members) f(m);
+      for (Member& m : Owned(job, static_cast<int>(g)).members()) f(m);
     }
   }
   // The member of `group` behind `session_id` if that is the rank's current live session.

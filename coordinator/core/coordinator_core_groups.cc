@@ -40,7 +40,7 @@ void CoordinatorCore::FailGroup(Job& job, ShardGroup& group, int idx, const std:
   GroupEffects fx;
   const std::string reason = group.Fail(idx, full, fx);
   Apply(job, group, fx);
-  NotifyRankLost(job, group, group.ranks[idx], reason);
+  NotifyRankLost(job, group, group.ranks()[idx], reason);
 }
 
 void CoordinatorCore::NotifyRankLost(Job& job, const ShardGroup& group, int rank, const std::string& reason) {
@@ -49,12 +49,12 @@ void CoordinatorCore::NotifyRankLost(Job& job, const ShardGroup& group, int rank
   v1::CoordinatorMessage msg;
   auto* n = msg.mutable_notice();
   n->set_kind(v1::Notice::KIND_RANK_LOST);
-  n->set_group(group.index);
-  n->set_epoch(group.epoch);
+  n->set_group(group.index());
+  n->set_epoch(group.epoch());
   n->set_rank(rank);
   n->set_message(reason);
   ForEachMember(job, [&](Member& other) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (other.group != group.index && other.live()) SendTo(other, msg);
+    if (other.group != group.index() && other.live()) SendTo(other, msg);
   });
 }
 

@@ -55,7 +55,7 @@ void CoordinatorCore::TakeHeartbeat(Job& job, ShardGroup& group, Member& m, cons
 }
 
 void CoordinatorCore::TakePlans(Job& job, ShardGroup& group, Member& m, const PlanBatchReport& batch) {
-  GroupEffects& fx = group.effects;  // Reused: Apply empties it, keeping its room.
+  GroupEffects& fx = group.effects();  // Reused: Apply empties it, keeping its room.
   group.TakePlans(group.IndexOf(m.rank), batch, clock_->Now(), fx);
   Apply(job, group, fx);
 }
@@ -110,7 +110,7 @@ void CoordinatorCore::RemoveMember(Job& job, Member& m, Leaving how, const std::
   jobs_.ForgetSession(m.session);
   m.session_key.clear();
   group.MemberGone(m.rank, clean, reason);
-  Event(clean ? Severity::kInfo : Severity::kError, clean ? EventKind::kRankLeft : EventKind::kRankDead, job.id, m.rank, group.index,
+  Event(clean ? Severity::kInfo : Severity::kError, clean ? EventKind::kRankLeft : EventKind::kRankDead, job.id, m.rank, group.index(),
         full);
   if (how == Leaving::kDead) metrics_->ObserveDeathDetection(clock_->Now() - m.last_seen);
   MaybeEndJob(job);
@@ -173,9 +173,9 @@ void CoordinatorCore::ExpireForming(Job& job, absl::Time now) {
   bool forming = false;
   for (size_t i = 0; i < job.groups.size(); ++i) {
     const ShardGroup& g = Owned(job, static_cast<int>(i));
-    if (g.formed) continue;
+    if (g.formed()) continue;
     forming = true;
-    for (const Member& m : g.members) {
+    for (const Member& m : g.members()) {
       if (m.state == v1::RANK_STATE_UNREGISTERED) never.push_back(m.rank);
     }
   }
@@ -197,9 +197,7 @@ void CoordinatorCore::MaybeEndJob(Job& job) {
   // An ended job is kept to be looked at, not to decide: its groups keep their last few
   // decisions only (up to max_jobs ended jobs may wait for eviction at once).
   for (size_t i = 0; i < job.groups.size(); ++i) {
-    ShardGroup& g = Owned(job, static_cast<int>(i));
-    while (g.history.size() > kEndedJobHistory) g.history.pop_front();
-    g.history.shrink_to_fit();
+    Owned(job, static_cast<int>(i)).TrimHistory(kEndedJobHistory);
   }
 }
 

@@ -33,7 +33,7 @@ void CoordinatorCore::ResumeMember(Job& job, ShardGroup& group, Member& m, uint6
   msg.mutable_registered()->set_resume_credential(job.run_auth->Credential(job.id, m.rank, incarnation_, m.registration));
   msg.mutable_registered()->set_run_id(job.run);
   msg.mutable_registered()->set_registration(m.registration);
-  Event(Severity::kInfo, EventKind::kRankResumed, job.id, m.rank, group.index,
+  Event(Severity::kInfo, EventKind::kRankResumed, job.id, m.rank, group.index(),
         absl::StrCat("from incarnation ", m.resume->incarnation(), " at epoch ", m.resume->group_epoch(), ", holding ",
                      m.resume->held_size(), " decisions and ", m.resume->undecided_size(), " undecided plans"));
   SendTo(m, msg);

@@ -61,7 +61,7 @@ void CoordinatorCore::Seat(Job& job, const Registration& req, uint64_t session_i
                            BufferCharge resume_charge, bool resuming, const RegistrationClaim* proven) {
   ShardGroup& group = Owned(job, job.GroupOf(req.rank));
   Member& m = group.member(req.rank);
-  if (!group.has_reference) group.SetReference(req, options_.promotion);
+  if (!group.has_reference()) group.SetReference(req, options_.promotion);
   group.ForgetMeasures(group.IndexOf(req.rank));  // Its process measures afresh (and resends).
   // The first rank of a group this process has not seen at work resumes: the group waits
   // for all its members (another group's fresh rank may have created the job first).
@@ -71,12 +71,12 @@ void CoordinatorCore::Seat(Job& job, const Registration& req, uint64_t session_i
     Apply(job, group, fx);
   }
   if (resuming && proven == nullptr) {
-    Event(Severity::kWarning, EventKind::kResumeUnverified, job.id, req.rank, group.index,
+    Event(Severity::kWarning, EventKind::kResumeUnverified, job.id, req.rank, group.index(),
           "taken as sent: this coordinator has no resume key that outlived the last one (start it with --state-file "
           "or --token-file so that resumes are checked)");
   }
   if (m.live()) Supersede(job, group, m, req);  // CheckJobAccepts let only a newer proven registration here.
-  if (group.state == v1::GROUP_STATE_RECOVERING) {
+  if (group.state() == v1::GROUP_STATE_RECOVERING) {
     ResumeMember(job, group, m, session_id, std::move(sink), req, std::move(resume_charge));
     m.claim = proven != nullptr ? *proven : RegistrationClaim{};  // A fresh rank while the group recovers proves nothing.
     return;
@@ -91,8 +91,8 @@ void CoordinatorCore::Supersede(Job& job, ShardGroup& group, Member& m, const Re
       req.resume->incarnation(), ", registration ", req.resume->previous().registration(),
       ") and resumed it; this session held an older one (incarnation ", m.claim.incarnation, ", registration ",
       m.claim.serial, "). Only the rank's newest process resumes it");
-  Event(Severity::kWarning, EventKind::kRankSuperseded, job.id, m.rank, group.index, why);
-  if (group.state != v1::GROUP_STATE_RECOVERING) {
+  Event(Severity::kWarning, EventKind::kRankSuperseded, job.id, m.rank, group.index(), why);
+  if (group.state() != v1::GROUP_STATE_RECOVERING) {
     RemoveMember(job, m, Leaving::kDead, why);  // Its group re-forms, as for a death.
     return;
   }
@@ -117,14 +117,14 @@ void CoordinatorCore::JoinGroup(Job& job, ShardGroup& group, Member& m, uint64_t
   const bool rejoin = m.state == v1::RANK_STATE_DEAD || m.state == v1::RANK_STATE_LEFT;
   SetLive(job, m, session_id, std::move(sink), req);
   v1::CoordinatorMessage msg = Welcome(job, group, m, req, rejoin);
-  const int64_t epoch_before = group.epoch;
+  const int64_t epoch_before = group.epoch();
   GroupEffects fx;
   group.UpdateState(fx);
-  msg.mutable_registered()->set_epoch(group.epoch);
+  msg.mutable_registered()->set_epoch(group.epoch());
   SendTo(m, msg);  // The RegisterResponse precedes anything else this rank is sent.
   Apply(job, group, fx);
   OnMemberBack(job, req.rank);
-  if (group.epoch != epoch_before) {
+  if (group.epoch() != epoch_before) {
     group.AnnounceReformed(req.rank, fx);
     Apply(job, group, fx);
   }
@@ -229,12 +229,12 @@ v1::CoordinatorMessage CoordinatorCore::Welcome(const Job& job, const ShardGroup
   msg.mutable_registered()->set_run_id(job.run);
   msg.mutable_registered()->set_registration(m.registration);
   const Policy policy = req.policy;
-  Event(Severity::kInfo, rejoin ? EventKind::kRankRejoined : EventKind::kRankRegistered, job.id, req.rank, group.index,
+  Event(Severity::kInfo, rejoin ? EventKind::kRankRejoined : EventKind::kRankRegistered, job.id, req.rank, group.index(),
         absl::StrCat("host=", req.host, " policy=", PolicyName(policy),
                      " fallback=", FallbackName(req.fallback), " modules=", req.modules.size(),
                      " lookahead=", req.lookahead));
   if (policy == Policy::kPerLayer) {
-    Event(Severity::kWarning, EventKind::kPerLayerRequested, job.id, req.rank, group.index, msg.registered().warnings(0));
+    Event(Severity::kWarning, EventKind::kPerLayerRequested, job.id, req.rank, group.index(), msg.registered().warnings(0));
   }
   return msg;
 }
@@ -301,9 +301,9 @@ absl::Status CoordinatorCore::CheckJobAccepts(const Job& job, const Registration
         absl::ToInt64Milliseconds(options_.heartbeat_timeout),
         " ms); register again then"));
   }
-  if (!g.has_reference) return absl::OkStatus();
-  return CheckSameAsReference(g.reference, g.reference_rank, req,
-                              absl::StrCat(" (job '", job.id, "', group ", g.index, ")"));
+  if (!g.has_reference()) return absl::OkStatus();
+  return CheckSameAsReference(g.reference(), g.reference_rank(), req,
+                              absl::StrCat(" (job '", job.id, "', group ", g.index(), ")"));
 }
 
 Job& CoordinatorCore::CreateJob(const Registration& req, const std::string& run) {

@@ -23,19 +23,19 @@ v1::DecisionCounts DecisionTally::ToProto() const {
   return out;
 }
 
-ShardGroup::ShardGroup(int index, int first_rank, int size, GroupRules rules) : index(index), rules_(std::move(rules)) {
-  ranks.reserve(size);
-  members.resize(size);
+ShardGroup::ShardGroup(int index, int first_rank, int size, GroupRules rules) : index_(index), rules_(std::move(rules)) {
+  ranks_.reserve(size);
+  members_.resize(size);
   for (int i = 0; i < size; ++i) {
-    ranks.push_back(first_rank + i);
-    members[i].rank = first_rank + i;
-    members[i].group = index;
+    ranks_.push_back(first_rank + i);
+    members_[i].rank = first_rank + i;
+    members_[i].group = index_;
   }
 }
 
 ShardGroup::Census ShardGroup::Count() const {
   Census c;
-  for (const Member& m : members) {
+  for (const Member& m : members_) {
     switch (m.state) {
       case v1::RANK_STATE_LIVE: c.live++; break;
       case v1::RANK_STATE_LEFT: c.left++; break;
@@ -53,7 +53,7 @@ int ShardGroup::PendingOf(int idx) const {
 }
 
 std::vector<int> ShardGroup::PendingCounts() const {
-  std::vector<int> counts(members.size(), 0);
+  std::vector<int> counts(members_.size(), 0);
   for (const auto& [key, p] : pending_) {
     for (size_t i = 0; i < counts.size(); ++i) counts[i] += p.reported[i] ? 1 : 0;
   }
@@ -61,29 +61,29 @@ std::vector<int> ShardGroup::PendingCounts() const {
 }
 
 void ShardGroup::SetReference(const Registration& req, const PromotionOptions& promotion) {
-  has_reference = true;
-  reference = req;  // What every member must match: not who sent it, nor what it resumed with.
-  reference.host.clear();
-  reference.pid = 0;
-  reference.resume.reset();
-  reference_rank = req.rank;
-  modules.clear();
+  has_reference_ = true;
+  reference_ = req;  // What every member must match: not who sent it, nor what it resumed with.
+  reference_.host.clear();
+  reference_.pid = 0;
+  reference_.resume.reset();
+  reference_rank_ = req.rank;
+  modules_.clear();
   module_index_.clear();
   for (const ModuleSpec& m : req.modules) {
-    module_counts[m.name];  // Every module's counts exist, at zero, from the start.
-    module_index_[m.name] = static_cast<int>(modules.size());
-    modules.push_back(m);
+    module_counts_[m.name];  // Every module's counts exist, at zero, from the start.
+    module_index_[m.name] = static_cast<int>(modules_.size());
+    modules_.push_back(m);
   }
   EngineConfig cfg;
-  cfg.group = index;
+  cfg.group = index_;
   cfg.policy = req.policy;
   cfg.fallback = req.fallback;
-  cfg.modules = modules;
+  cfg.modules = modules_;
   cfg.promotion = promotion;
   cfg.group_size = size();
   engine_ = std::make_unique<DecisionEngine>(std::move(cfg));
   // A new manifest (a rerun may bring one): what was measured against the old one is dropped.
-  for (Member& m : members) {
+  for (Member& m : members_) {
     m.costs.clear();
     m.frozen_budget = 0;
     m.costs_taken = absl::InfinitePast();
@@ -94,7 +94,7 @@ void ShardGroup::SetReference(const Registration& req, const PromotionOptions& p
 
 int64_t ShardGroup::SetPromotionBudget() {
   int64_t min_budget = INT64_MAX;
-  for (const Member& m : members) min_budget = std::min(min_budget, m.memory_budget);
+  for (const Member& m : members_) min_budget = std::min(min_budget, m.memory_budget);
   registered_budget_ = min_budget;
   const int64_t budget = EffectiveBudget();
   engine_->SetMinMemoryBudget(budget);
@@ -135,17 +135,17 @@ bool Moved(double before, double now) { return std::abs(now - before) > 0.1 * st
 
 std::string ShardGroup::TakeCosts(int idx, const HeartbeatReport& heartbeat, absl::Time now) {
   if (heartbeat.costs.empty() && heartbeat.frozen_budget_bytes <= 0) return "";
-  Member& m = members[idx];
+  Member& m = members_[idx];
   if (now < m.costs_taken + kMinCostReportSpacing) return "";  // Faster than any worker sends.
   m.costs_taken = now;
   if (!heartbeat.costs.empty()) {
-    std::vector<ModuleCostModel> mine(modules.size());
-    std::vector<bool> seen(modules.size(), false);
+    std::vector<ModuleCostModel> mine(modules_.size());
+    std::vector<bool> seen(modules_.size(), false);
     for (const ModuleCost& r : heartbeat.costs) {
       auto it = module_index_.find(r.module);
       if (it == module_index_.end() || seen[it->second]) continue;
       seen[it->second] = true;
-      mine[it->second] = CostFromReport(r, modules[it->second]);
+      mine[it->second] = CostFromReport(r, modules_[it->second]);
     }
     TakeMemberCosts(m, std::move(mine));
   }
@@ -154,11 +154,11 @@ std::string ShardGroup::TakeCosts(int idx, const HeartbeatReport& heartbeat, abs
 }
 
 void ShardGroup::TakeMemberCosts(Member& m, std::vector<ModuleCostModel> mine) {
-  measured_.resize(modules.size());
+  measured_.resize(modules_.size());
   const std::vector<ModuleCostModel> old = std::move(m.costs);
   m.costs = std::move(mine);
   bool recompute = false;
-  for (size_t i = 0; i < modules.size(); ++i) {
+  for (size_t i = 0; i < modules_.size(); ++i) {
     ModuleCostModel& max = measured_[i];
     const ModuleCostModel& now = m.costs[i];
     // A lowered maximum is found again among all members; a raised one is the new value.
@@ -185,10 +185,10 @@ void ShardGroup::TakeMemberBudget(Member& m, int64_t bytes) {
 }
 
 void ShardGroup::RecomputeMeasured() {
-  measured_.assign(modules.size(), ModuleCostModel{});
+  measured_.assign(modules_.size(), ModuleCostModel{});
   measured_budget_ = INT64_MAX;
   budget_reporters_ = 0;
-  for (const Member& m : members) {
+  for (const Member& m : members_) {
     for (size_t i = 0; i < m.costs.size() && i < measured_.size(); ++i) {
       measured_[i].forward_seconds_per_call = std::max(measured_[i].forward_seconds_per_call,
                                                       m.costs[i].forward_seconds_per_call);
@@ -202,7 +202,7 @@ void ShardGroup::RecomputeMeasured() {
 }
 
 void ShardGroup::ForgetMeasures(int idx) {
-  Member& m = members[idx];
+  Member& m = members_[idx];
   if (m.costs.empty() && m.frozen_budget <= 0) return;
   m.costs.clear();
   m.frozen_budget = 0;
@@ -211,13 +211,13 @@ void ShardGroup::ForgetMeasures(int idx) {
 }
 
 std::string ShardGroup::UpdateCostModel() {
-  measured_.resize(modules.size());
+  measured_.resize(modules_.size());
   const int64_t before = engine_->config().min_memory_budget_bytes;
-  const int64_t budget = formed ? EffectiveBudget() : before;
-  if (cost_model_.size() != modules.size()) cost_model_.assign(modules.size(), ModuleCostModel{});
+  const int64_t budget = formed_ ? EffectiveBudget() : before;
+  if (cost_model_.size() != modules_.size()) cost_model_.assign(modules_.size(), ModuleCostModel{});
   // A budget is a limit: any decrease applies at once; seconds (and raises) move by a tenth.
   bool moved = budget < before || Moved(static_cast<double>(before), static_cast<double>(budget));
-  for (size_t i = 0; i < modules.size() && !moved; ++i) {
+  for (size_t i = 0; i < modules_.size() && !moved; ++i) {
     moved = Moved(cost_model_[i].forward_seconds_per_call, measured_[i].forward_seconds_per_call) ||
             Moved(cost_model_[i].gather_seconds, measured_[i].gather_seconds);
   }
@@ -227,7 +227,7 @@ std::string ShardGroup::UpdateCostModel() {
   engine_->SetMinMemoryBudget(budget);
   std::string text;
   for (size_t i = 0; i < cost_model_.size(); ++i) {
-    absl::StrAppend(&text, i ? "; " : "", "module '", modules[i].name, "': ",
+    absl::StrAppend(&text, i ? "; " : "", "module '", modules_[i].name, "': ",
                     absl::StrFormat("forward %.4f s/call, gather %.4f s", cost_model_[i].forward_seconds_per_call,
                                     cost_model_[i].gather_seconds));
   }
@@ -248,7 +248,7 @@ absl::StatusOr<ShardGroup::PlanCalls> ShardGroup::ParsePlan(const MicrobatchPlan
     const bool known = mi != module_index_.end();
     std::vector<std::string> registered;
     if (!known) {
-      for (const auto& spec : modules) registered.push_back(spec.name);
+      for (const auto& spec : modules_) registered.push_back(spec.name);
     }
     if (std::string e = CheckPlanCall(name, count, known, registered); !e.empty()) return bad(e);
     calls.emplace_back(mi->second, count);
@@ -259,7 +259,7 @@ absl::StatusOr<ShardGroup::PlanCalls> ShardGroup::ParsePlan(const MicrobatchPlan
 absl::Status ShardGroup::CheckPendingRoom(const MicrobatchKey& key, const std::string& who, int max) const {
   if (static_cast<int>(pending_.size()) < max) return absl::OkStatus();
   return absl::ResourceExhaustedError(absl::StrCat(
-      "plan ", key.ToString(), " from ", who, ": group ", index, " already holds ", pending_.size(),
+      "plan ", key.ToString(), " from ", who, ": group ", index_, " already holds ", pending_.size(),
       " microbatches that some ranks reported and others not yet (max_pending_microbatches); the ranks of "
       "the group are too far apart: wait for the slowest, or raise --max-pending-microbatches"));
 }
@@ -268,7 +268,7 @@ bool ShardGroup::Report(const MicrobatchKey& key, int idx, const PlanCalls& call
   auto [it, inserted] = pending_.try_emplace(key);
   PendingMicrobatch& p = it->second;
   if (inserted) {
-    p.calls.assign(modules.size(), std::vector<int32_t>(size(), 0));
+    p.calls.assign(modules_.size(), std::vector<int32_t>(size(), 0));
     p.reported.assign(size(), false);
     p.first_report = now;
   }
@@ -277,8 +277,8 @@ bool ShardGroup::Report(const MicrobatchKey& key, int idx, const PlanCalls& call
     p.reported[idx] = true;
     p.num_reported++;
   }
-  members[idx].last_planned = key;
-  members[idx].plans_received++;
+  members_[idx].last_planned = key;
+  members_[idx].plans_received++;
   return inserted;
 }
 
@@ -288,17 +288,22 @@ void ShardGroup::Resolve(std::map<MicrobatchKey, PendingMicrobatch>::iterator it
 }
 
 void ShardGroup::RecordDecision(const v1::MicrobatchDecision& d, int keep) {
-  for (const auto& md : d.modules()) module_counts[md.module()].Count(md);
+  for (const auto& md : d.modules()) module_counts_[md.module()].Count(md);
   last_decided_ = KeyOf(d);
-  history.push_back(d);
-  while (static_cast<int>(history.size()) > keep) history.pop_front();
+  history_.push_back(d);
+  while (static_cast<int>(history_.size()) > keep) history_.pop_front();
 }
 
 void ShardGroup::RestartKeys() {
   pending_.clear();
   last_resolved_.reset();
   last_drained_.reset();
-  for (Member& m : members) m.last_planned.reset();
+  for (Member& m : members_) m.last_planned.reset();
+}
+
+void ShardGroup::TrimHistory(size_t keep) {
+  while (history_.size() > keep) history_.pop_front();
+  history_.shrink_to_fit();
 }
 
 }  // namespace shardcoord::coordinator

@@ -194,33 +194,36 @@ class ShardGroup {
   // communicators and, when the list is not empty, fails the group (Fail).
   std::vector<int> ExpireRecovery(absl::Time now, std::string* why, std::string* each, GroupEffects& fx);
 
-  int index = 0;
-  std::vector<int> ranks;       // Ascending and contiguous.
-  std::vector<Member> members;  // Parallel to `ranks`.
-  v1::GroupState state = v1::GROUP_STATE_FORMING;
-  int64_t epoch = 0;
-  bool has_reference = false;
-  Registration reference;  // The first registration: manifest and policy.
-  int reference_rank = -1;
-  std::vector<ModuleSpec> modules;
-  // The plan path's effects, reused from one batch to the next (CoordinatorCore::TakePlans):
-  // empty between operations, its vectors keeping their room.
-  GroupEffects effects;
-  std::deque<v1::MicrobatchDecision> history;
-  // Decisions given, by module (every module of the manifest, from the first registration);
-  // the group's totals are their sum.
-  std::map<std::string, DecisionTally> module_counts;
-  std::string failure_reason;
-  // Whole at least once since the job (re)started in this process: a later FORMING -> HEALTHY
-  // is a re-form in a new epoch.
-  bool formed = false;
+  // Read-only views for the core and the status pages; the group's own operations write.
+  int index() const { return index_; }
+  const std::vector<int>& ranks() const { return ranks_; }
+  v1::GroupState state() const { return state_; }
+  int64_t epoch() const { return epoch_; }
+  bool has_reference() const { return has_reference_; }
+  const Registration& reference() const { return reference_; }
+  int reference_rank() const { return reference_rank_; }
+  const std::vector<ModuleSpec>& modules() const { return modules_; }
+  const std::deque<v1::MicrobatchDecision>& history() const { return history_; }
+  const std::map<std::string, DecisionTally>& module_counts() const { return module_counts_; }
+  const std::string& failure_reason() const { return failure_reason_; }
+  bool formed() const { return formed_; }
+  // The plan path's effects list, reused from one batch to the next (CoordinatorCore::TakePlans
+  // fills it through the group's operations and applies it): empty between operations, its
+  // vectors keeping their room.
+  GroupEffects& effects() { return effects_; }
+  // The members. Mutable for the core's session binding only (sink, session, outgoing): a rank's
+  // life state is written through MemberLive and MemberGone.
+  std::vector<Member>& members() { return members_; }
+  const std::vector<Member>& members() const { return members_; }
+  // An ended job keeps its last `keep` decisions of history (CoordinatorCore's sweep).
+  void TrimHistory(size_t keep);
 
-  bool Has(int rank) const { return rank >= ranks.front() && rank <= ranks.back(); }
-  int IndexOf(int rank) const { return rank - ranks.front(); }
-  Member& member(int rank) { return members[IndexOf(rank)]; }
-  const Member& member(int rank) const { return members[IndexOf(rank)]; }
+  bool Has(int rank) const { return rank >= ranks_.front() && rank <= ranks_.back(); }
+  int IndexOf(int rank) const { return rank - ranks_.front(); }
+  Member& member(int rank) { return members_[IndexOf(rank)]; }
+  const Member& member(int rank) const { return members_[IndexOf(rank)]; }
   Census Count() const;
-  int size() const { return static_cast<int>(ranks.size()); }
+  int size() const { return static_cast<int>(ranks_.size()); }
   // A rank's life state has one writer, the group: these two for the core (a rank registered,
   // or left or died), and the group's own rules (recovery expiry, a rerun).
   void MemberLive(int rank);
@@ -284,6 +287,24 @@ class ShardGroup {
   const std::vector<ModuleCostModel>& cost_model() const { return cost_model_; }
 
  private:
+  int index_ = 0;
+  std::vector<int> ranks_;       // Ascending and contiguous.
+  std::vector<Member> members_;  // Parallel to `ranks_`.
+  v1::GroupState state_ = v1::GROUP_STATE_FORMING;
+  int64_t epoch_ = 0;
+  bool has_reference_ = false;
+  Registration reference_;  // The first registration: manifest and policy.
+  int reference_rank_ = -1;
+  std::vector<ModuleSpec> modules_;
+  GroupEffects effects_;
+  std::deque<v1::MicrobatchDecision> history_;
+  // Decisions given, by module (every module of the manifest, from the first registration);
+  // the group's totals are their sum.
+  std::map<std::string, DecisionTally> module_counts_;
+  std::string failure_reason_;
+  // Whole at least once since the job (re)started in this process: a later FORMING -> HEALTHY
+  // is a re-form in a new epoch.
+  bool formed_ = false;
   // The group's own state: only its operations change it.
   absl::flat_hash_map<std::string, int> module_index_;
   std::unique_ptr<DecisionEngine> engine_;  // Owns the group's one seq, for every policy.

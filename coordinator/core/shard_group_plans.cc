@@ -12,7 +12,7 @@
 namespace shardcoord::coordinator {
 
 void ShardGroup::TakePlans(int idx, const PlanBatchReport& batch, absl::Time now, GroupEffects& fx) {
-  Member& m = members[idx];
+  Member& m = members_[idx];
   m.last_seen = now;
   if (static_cast<int64_t>(batch.plans.size()) > MaxPlansPerBatch(m.lookahead)) {
     // A worker sends at most its window per message (a window and as many again while plans
@@ -31,13 +31,13 @@ void ShardGroup::TakePlans(int idx, const PlanBatchReport& batch, absl::Time now
     if (!received.malformed.empty()) {  // Nothing in it can be taken: no key to decide or wait for.
       Reject(idx, std::nullopt,
              absl::InvalidArgumentError(absl::StrCat("plan from rank ", m.rank, " (job '", rules_.job_id,
-                                                     "', group ", index, "): ", received.malformed)),
+                                                     "', group ", index_, "): ", received.malformed)),
              batch.epoch, fx);
       continue;
     }
     const MicrobatchPlan& plan = received.plan;
     absl::Status s;
-    if (state == v1::GROUP_STATE_RECOVERING) {
+    if (state_ == v1::GROUP_STATE_RECOVERING) {
       // Decided once every member has resumed (a static decision made now could contradict
       // one a member not back yet holds). Bounded like the pending microbatches.
       if (static_cast<int>(deferred_plans_.size()) < max_pending) {
@@ -45,11 +45,11 @@ void ShardGroup::TakePlans(int idx, const PlanBatchReport& batch, absl::Time now
         continue;
       }
       s = absl::ResourceExhaustedError(absl::StrCat(
-          "group ", index, " is recovering after a coordinator restart and already holds "
+          "group ", index_, " is recovering after a coordinator restart and already holds "
           "max_pending_microbatches plans; plan again once it recovered"));
-    } else if (batch.epoch != epoch) {
+    } else if (batch.epoch != epoch_) {
       s = absl::AbortedError(absl::StrCat("plan ", plan.key.ToString(), " from rank ", m.rank, " was made in epoch ",
-                                          batch.epoch, " but group ", index, " is at epoch ", epoch,
+                                          batch.epoch, " but group ", index_, " is at epoch ", epoch_,
                                           ": it was queued before the group failed; plan again"));
     } else {
       s = AcceptPlan(idx, plan, now, fx);
@@ -60,7 +60,7 @@ void ShardGroup::TakePlans(int idx, const PlanBatchReport& batch, absl::Time now
 
 void ShardGroup::Reject(int idx, const std::optional<MicrobatchKey>& key, const absl::Status& why, int64_t in_epoch,
                         GroupEffects& fx) {
-  Member& m = members[idx];
+  Member& m = members_[idx];
   m.plans_rejected++;
   v1::CoordinatorMessage msg;
   auto* rej = msg.mutable_plan_rejected();
@@ -76,7 +76,7 @@ void ShardGroup::Reject(int idx, const std::optional<MicrobatchKey>& key, const 
 
 absl::Status ShardGroup::AcceptPlan(int idx, const MicrobatchPlan& plan, absl::Time now, GroupEffects& fx) {
   const MicrobatchKey& key = plan.key;
-  const std::string who = absl::StrCat("rank ", ranks[idx], " (job '", rules_.job_id, "', group ", index, ")");
+  const std::string who = absl::StrCat("rank ", ranks_[idx], " (job '", rules_.job_id, "', group ", index_, ")");
   absl::StatusOr<PlanCalls> calls = ParsePlan(plan, who);
   if (!calls.ok()) return calls.status();
   if (absl::Status s = CheckPlanFits(idx, key, who); !s.ok()) return s;
@@ -100,21 +100,21 @@ absl::Status ShardGroup::AcceptPlan(int idx, const MicrobatchPlan& plan, absl::T
 }
 
 absl::Status ShardGroup::CheckPlanFits(int idx, const MicrobatchKey& key, const std::string& who) const {
-  const Member& m = members[idx];
+  const Member& m = members_[idx];
   if (m.last_planned && key <= *m.last_planned) {
     return absl::FailedPreconditionError(absl::StrCat(
         "out-of-order plan ", key.ToString(), " from ", who, ": its previous plan was ",
         m.last_planned->ToString(), "; plans must be reported in increasing (step, microbatch) order"));
   }
-  if (state == v1::GROUP_STATE_FAILED) {
+  if (state_ == v1::GROUP_STATE_FAILED) {
     return absl::AbortedError(absl::StrCat("plan ", key.ToString(), " from ", who, " dropped: the group failed at epoch ",
-                                           epoch, " (", failure_reason, "); wait for the group to re-form"));
+                                           epoch_, " (", failure_reason_, "); wait for the group to re-form"));
   }
   auto found = pending_.find(key);
   const bool known = found != pending_.end();
   if (!known && last_resolved_ && key <= *last_resolved_) {
     return absl::FailedPreconditionError(absl::StrCat("plan ", key.ToString(), " from ", who, " is stale: group ",
-                                                      index, " already resolved every microbatch up to ",
+                                                      index_, " already resolved every microbatch up to ",
                                                       last_resolved_->ToString()));
   }
   // A static decision is given at once: no window to wait in. A key the rank reported before
@@ -142,7 +142,7 @@ bool ShardGroup::FailSkipped(int idx, const MicrobatchKey& key, bool inserted, G
   for (const auto& k : skipped) {
     FailMicrobatch(k,
                    absl::FailedPreconditionError(absl::StrCat(
-                       "microbatch ", k.ToString(), " of group ", index, " can never be decided: rank ", ranks[idx],
+                       "microbatch ", k.ToString(), " of group ", index_, " can never be decided: rank ", ranks_[idx],
                        " reported ", key.ToString(), " without reporting ", k.ToString(),
                        "; every rank of a shard group must run the same microbatches")),
                    fx);
@@ -151,13 +151,13 @@ bool ShardGroup::FailSkipped(int idx, const MicrobatchKey& key, bool inserted, G
   // Ranks that already moved past this key (or left) will never report it.
   const PendingMicrobatch& p = pending_.at(key);
   std::vector<int> never;
-  for (size_t i = 0; i < ranks.size(); ++i) {
-    if (!p.reported[i] && members[i].WillNeverReport(key)) never.push_back(ranks[i]);
+  for (size_t i = 0; i < ranks_.size(); ++i) {
+    if (!p.reported[i] && members_[i].WillNeverReport(key)) never.push_back(ranks_[i]);
   }
   if (never.empty()) return true;
   FailMicrobatch(key,
                  absl::FailedPreconditionError(absl::StrCat(
-                     "microbatch ", key.ToString(), " of group ", index, " can never be decided: ranks ",
+                     "microbatch ", key.ToString(), " of group ", index_, " can never be decided: ranks ",
                      RankList(never),
                      " already planned later microbatches or left; every rank of a shard group must run the same "
                      "microbatches")),
@@ -192,7 +192,7 @@ EventKind TransitionKind(const std::string& what) {
 
 void ShardGroup::DecideStatic(const MicrobatchKey& key, absl::Time now, GroupEffects& fx) {
   std::vector<EngineTransition> transitions;
-  v1::MicrobatchDecision pd = Sealed(engine_->DecideStatic(key, epoch, &transitions), now);
+  v1::MicrobatchDecision pd = Sealed(engine_->DecideStatic(key, epoch_, &transitions), now);
   Given(pd, fx);
   pending_.at(key).decided = std::move(pd);
   for (const auto& t : transitions) {
@@ -201,22 +201,22 @@ void ShardGroup::DecideStatic(const MicrobatchKey& key, absl::Time now, GroupEff
 }
 
 void ShardGroup::Drain(absl::Time now, GroupEffects& fx) {
-  if (state != v1::GROUP_STATE_HEALTHY) return;  // Forming: not everyone can plan yet.
+  if (state_ != v1::GROUP_STATE_HEALTHY) return;  // Forming: not everyone can plan yet.
   if (engine_->is_static()) return;              // Decided as reported (AcceptPlan).
   while (!pending_.empty()) {
     auto it = pending_.begin();
     if (it->second.num_reported < size()) break;
     // The engine decides in key order (its promotion window and seq depend on it).
     if (last_drained_ && !(*last_drained_ < it->first)) {
-      const std::string what = absl::StrCat("group ", index, " of job '", rules_.job_id, "' would decide ",
+      const std::string what = absl::StrCat("group ", index_, " of job '", rules_.job_id, "' would decide ",
                                             it->first.ToString(), " after deciding ", last_drained_->ToString(),
-                                            " in epoch ", epoch);
+                                            " in epoch ", epoch_);
       SHARDCOORD_INVARIANT(false, what);
       FailMicrobatch(it->first, absl::InternalError(absl::StrCat("internal error: ", what)), fx);
       continue;
     }
     std::vector<EngineTransition> transitions;
-    const MicrobatchDecision d = engine_->Decide(it->first, epoch, it->second.calls, &transitions);
+    const MicrobatchDecision d = engine_->Decide(it->first, epoch_, it->second.calls, &transitions);
     fx.decision_latencies.push_back(now - it->second.first_report);
     v1::MicrobatchDecision pd = Sealed(d, now);
     last_drained_ = it->first;
@@ -232,7 +232,7 @@ void ShardGroup::Drain(absl::Time now, GroupEffects& fx) {
 v1::CoordinatorMessage ShardGroup::MicrobatchFailed(const MicrobatchKey& key, const absl::Status& why) const {
   v1::CoordinatorMessage msg;
   auto* f = msg.mutable_microbatch_failed();
-  f->set_group(index);
+  f->set_group(index_);
   ToProto(key, f->mutable_key());
   f->set_code(static_cast<int>(why.code()));
   f->set_message(std::string(why.message()));
@@ -254,10 +254,10 @@ void ShardGroup::ExpirePlans(absl::Time now, GroupEffects& fx) {
     const absl::Duration waited = now - p.first_report;
     if (waited <= timeout) continue;
     std::vector<int> missing, have;
-    for (size_t i = 0; i < ranks.size(); ++i) (p.reported[i] ? have : missing).push_back(ranks[i]);
+    for (size_t i = 0; i < ranks_.size(); ++i) (p.reported[i] ? have : missing).push_back(ranks_[i]);
     expired.emplace_back(
         k, absl::DeadlineExceededError(absl::StrCat(
-               "group ", index, " waited ", absl::ToInt64Milliseconds(waited), " ms for the plan of ", k.ToString(),
+               "group ", index_, " waited ", absl::ToInt64Milliseconds(waited), " ms for the plan of ", k.ToString(),
                " from ranks ", RankList(missing), " (ranks ", RankList(have), " reported it); plan timeout is ",
                absl::ToInt64Milliseconds(timeout),
                " ms: raise --plan-timeout-ms if ranks legitimately fall this far behind")));
@@ -267,7 +267,7 @@ void ShardGroup::ExpirePlans(absl::Time now, GroupEffects& fx) {
 }
 
 void ShardGroup::TakeHeartbeat(int idx, const HeartbeatReport& heartbeat, absl::Time now, GroupEffects& fx) {
-  Member& m = members[idx];
+  Member& m = members_[idx];
   m.last_seen = now;
   m.decision_stalls.Take(heartbeat.decision_stalls);
   m.decision_stall_us.Take(heartbeat.decision_stall_us);
@@ -280,9 +280,9 @@ void ShardGroup::TakeHeartbeat(int idx, const HeartbeatReport& heartbeat, absl::
   // manifest (the first for each), no negative counts; the rest is not kept. A rank's
   // reports then cost no more than its share of the manifest (DESIGN 11).
   m.memory.clear();
-  std::vector<bool> seen(modules.size(), false);
+  std::vector<bool> seen(modules_.size(), false);
   for (const ModuleMemoryUsage& e : heartbeat.memory) {
-    if (m.memory.size() >= modules.size()) break;
+    if (m.memory.size() >= modules_.size()) break;
     auto it = module_index_.find(e.module);
     if (it == module_index_.end() || seen[it->second] || e.resident_bytes < 0 || e.peak_bytes < 0 ||
         e.gathered_bytes < 0) {

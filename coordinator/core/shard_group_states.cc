@@ -17,44 +17,44 @@ namespace shardcoord::coordinator {
 
 void ShardGroup::UpdateState(GroupEffects& fx) {
   const auto [live, left, dead] = Count();
-  const v1::GroupState before = state;
+  const v1::GroupState before = state_;
   // Recovering after a restart: FinishRecovery or ExpireRecovery ends it, or a death.
   if (before == v1::GROUP_STATE_RECOVERING && dead == 0) return;
   const bool reforming = before == v1::GROUP_STATE_FAILED || before == v1::GROUP_STATE_FINISHED;
   if (dead > 0) {
-    state = v1::GROUP_STATE_FAILED;
+    state_ = v1::GROUP_STATE_FAILED;
   } else if (left == size()) {
-    state = v1::GROUP_STATE_FINISHED;
+    state_ = v1::GROUP_STATE_FINISHED;
   } else if (reforming && live < size()) {
     // After a failure (or after everyone left) the group re-forms only once every member
     // is live again: members that merely left would make it decide for ranks not there.
-    state = v1::GROUP_STATE_FORMING;
-    failure_reason.clear();
+    state_ = v1::GROUP_STATE_FORMING;
+    failure_reason_.clear();
   } else if (live + left < size()) {
     // Some member never registered (it may have died before it did).
-    state = v1::GROUP_STATE_FORMING;
-  } else if (before == v1::GROUP_STATE_FORMING && !formed) {
+    state_ = v1::GROUP_STATE_FORMING;
+  } else if (before == v1::GROUP_STATE_FORMING && !formed_) {
     // Formed for the first time: the promotion budget is known now. (Under root or replicate
     // its first members may have been given decisions already: they need no group.)
-    state = v1::GROUP_STATE_HEALTHY;
-    formed = true;
+    state_ = v1::GROUP_STATE_HEALTHY;
+    formed_ = true;
     const int64_t min_budget = SetPromotionBudget();
     fx.Record(Severity::kInfo, EventKind::kGroupFormed, -1,
-              absl::StrCat("ranks ", RankList(ranks), " policy=", PolicyName(engine_->config().policy),
+              absl::StrCat("ranks ", RankList(ranks_), " policy=", PolicyName(engine_->config().policy),
                            " fallback=", FallbackName(engine_->config().fallback),
                            " min_memory_budget_bytes=", min_budget));
   } else if (before != v1::GROUP_STATE_HEALTHY) {
     // Whole again after a failure: a new epoch. Microbatch keys start afresh (a job
     // resumed from a checkpoint plans earlier steps again). The seq goes on, for every policy.
-    epoch++;
-    failure_reason.clear();
+    epoch_++;
+    failure_reason_.clear();
     RestartKeys();
     if (engine_->config().min_memory_budget_bytes == 0 && engine_->next_seq() == 0) {
       SetPromotionBudget();  // Whole for the first time through a failure.
     }
-    state = v1::GROUP_STATE_HEALTHY;
-    formed = true;
-    fx.Record(Severity::kInfo, EventKind::kGroupReformed, -1, absl::StrCat("epoch ", epoch, " ranks ", RankList(ranks)));
+    state_ = v1::GROUP_STATE_HEALTHY;
+    formed_ = true;
+    fx.Record(Severity::kInfo, EventKind::kGroupReformed, -1, absl::StrCat("epoch ", epoch_, " ranks ", RankList(ranks_)));
   }
 }
 
@@ -74,16 +74,16 @@ v1::CoordinatorMessage Reformed(int group, int64_t epoch, const std::string& why
 v1::CoordinatorMessage ShardGroup::GroupFailed(const std::string& why) const {
   v1::CoordinatorMessage msg;
   auto* gf = msg.mutable_group_failure();
-  gf->set_group(index);
-  gf->set_epoch(epoch);
-  gf->set_reason(absl::StrCat("group ", index, " of job '", rules_.job_id, "' failed at epoch ", epoch, ": ", why));
+  gf->set_group(index_);
+  gf->set_epoch(epoch_);
+  gf->set_reason(absl::StrCat("group ", index_, " of job '", rules_.job_id, "' failed at epoch ", epoch_, ": ", why));
   return msg;
 }
 
 void ShardGroup::AnnounceReformed(int rank, GroupEffects& fx) {
-  const v1::CoordinatorMessage notice = Reformed(index, epoch, absl::StrCat("(rank ", rank, " registered again)"));
+  const v1::CoordinatorMessage notice = Reformed(index_, epoch_, absl::StrCat("(rank ", rank, " registered again)"));
   for (int i = 0; i < size(); ++i) {
-    if (ranks[i] != rank) fx.Send(i, notice);
+    if (ranks_[i] != rank) fx.Send(i, notice);
   }
 }
 
@@ -95,8 +95,8 @@ void ShardGroup::OnLeft(int idx, absl::Time now, GroupEffects& fx) {
   }
   for (const auto& k : doomed) {
     FailMicrobatch(k,
-                   absl::FailedPreconditionError(absl::StrCat("microbatch ", k.ToString(), " of group ", index,
-                                                              " can never be decided: rank ", ranks[idx],
+                   absl::FailedPreconditionError(absl::StrCat("microbatch ", k.ToString(), " of group ", index_,
+                                                              " can never be decided: rank ", ranks_[idx],
                                                               " left the job without planning it")),
                    fx);
   }
@@ -105,49 +105,49 @@ void ShardGroup::OnLeft(int idx, absl::Time now, GroupEffects& fx) {
 }
 
 void ShardGroup::DropResumes() {
-  for (Member& m : members) {
+  for (Member& m : members_) {
     m.resume.reset();
     m.resume_charge = BufferCharge();
   }
 }
 
 std::string ShardGroup::Fail(int idx, const std::string& full, GroupEffects& fx) {
-  SHARDCOORD_INVARIANT(members[idx].state == v1::RANK_STATE_DEAD,
-                       absl::StrCat("group ", index, " fails for rank ", ranks[idx], ", which is not marked dead"));
+  SHARDCOORD_INVARIANT(members_[idx].state == v1::RANK_STATE_DEAD,
+                       absl::StrCat("group ", index_, " fails for rank ", ranks_[idx], ", which is not marked dead"));
   // A death fails the group: cancel everything pending and tell every live member.
-  const bool was_failed = state == v1::GROUP_STATE_FAILED;
+  const bool was_failed = state_ == v1::GROUP_STATE_FAILED;
   // Whole again, it re-forms in a new epoch with a notice, even if it never formed before:
   // its live members hold this failure until they hear of the re-form.
-  formed = true;
-  if (state == v1::GROUP_STATE_RECOVERING) {
+  formed_ = true;
+  if (state_ == v1::GROUP_STATE_RECOVERING) {
     DropResumes();  // The recovery is over: what the members resumed with is held no longer,
     deferred_plans_.clear();  // nor the plans it held back (the members plan again after the re-form).
     recovery_deadline_ = absl::InfiniteFuture();
   }
-  failure_reason = was_failed && !failure_reason.empty() ? absl::StrCat(failure_reason, "; ", full) : full;
-  v1::CoordinatorMessage msg = GroupFailed(failure_reason);
+  failure_reason_ = was_failed && !failure_reason_.empty() ? absl::StrCat(failure_reason_, "; ", full) : full;
+  v1::CoordinatorMessage msg = GroupFailed(failure_reason_);
   auto* gf = msg.mutable_group_failure();
-  for (const Member& m : members) {
+  for (const Member& m : members_) {
     if (m.state == v1::RANK_STATE_DEAD) gf->add_dead_ranks(m.rank);
   }
   for (const auto& [k, p] : pending_) ToProto(k, gf->add_cancelled());
   pending_.clear();
   UpdateState(fx);
   std::string reason = gf->reason();
-  fx.Record(Severity::kError, EventKind::kGroupFailed, ranks[idx],
+  fx.Record(Severity::kError, EventKind::kGroupFailed, ranks_[idx],
             absl::StrCat(reason, "; cancelled ", gf->cancelled_size(), " pending microbatches"));
   fx.Send(GroupEffects::kEveryMember, std::move(msg));
   return reason;
 }
 
 bool ShardGroup::IsFresh() const {
-  if (state != v1::GROUP_STATE_FORMING || epoch != 0 || last_decided_) return false;
+  if (state_ != v1::GROUP_STATE_FORMING || epoch_ != 0 || last_decided_) return false;
   return Count().live == 0;
 }
 
 void ShardGroup::StartRecovery(absl::Time now, GroupEffects& fx) {
   const absl::Duration window = rules_.options->recovery_window;
-  state = v1::GROUP_STATE_RECOVERING;
+  state_ = v1::GROUP_STATE_RECOVERING;
   recovery_deadline_ = now + window;
   fx.Record(Severity::kWarning, EventKind::kGroupRecovering, -1,
             absl::StrCat("a rank resumed after a coordinator restart: the group waits up to ",
@@ -156,7 +156,7 @@ void ShardGroup::StartRecovery(absl::Time now, GroupEffects& fx) {
 
 void ShardGroup::MaybeFinishRecovery(absl::Time now, GroupEffects& fx) {
   const bool all_back =
-      std::all_of(members.begin(), members.end(), [](const Member& x) { return x.live() && x.resume.has_value(); });
+      std::all_of(members_.begin(), members_.end(), [](const Member& x) { return x.live() && x.resume.has_value(); });
   if (all_back) FinishRecovery(now, fx);
 }
 
@@ -175,22 +175,22 @@ std::string Recovered(int64_t epoch, const GroupRecovery& rec) {
 
 void ShardGroup::FinishRecovery(absl::Time now, GroupEffects& fx) {
   std::vector<MemberResume> reports;
-  for (Member& m : members) reports.push_back({m.rank, std::move(*m.resume)});
+  for (Member& m : members_) reports.push_back({m.rank, std::move(*m.resume)});
   DropResumes();
-  GroupRecovery rec = PlanGroupRecovery(index, reports);
+  GroupRecovery rec = PlanGroupRecovery(index_, reports);
   recovery_deadline_ = absl::InfiniteFuture();
-  epoch = rec.epoch;
+  epoch_ = rec.epoch;
   if (!rec.status.ok()) {
     FailRecovery(std::string(rec.status.message()), fx);
     return;
   }
-  state = v1::GROUP_STATE_HEALTHY;
-  formed = true;
+  state_ = v1::GROUP_STATE_HEALTHY;
+  formed_ = true;
   SetPromotionBudget();  // The group's engine is this process's own: restore its state.
   engine_->Restore(rec.next_seq, rec.promoted, rec.sticky);
   for (auto& [key, d] : rec.binding) Given(d, fx);
   if (!rec.binding.empty()) last_resolved_ = rec.binding.rbegin()->first;
-  for (Member& m : members) {  // Out-of-order checks go on from what each rank received.
+  for (Member& m : members_) {  // Out-of-order checks go on from what each rank received.
     for (auto& [key, holders] : rec.holders) {
       if (holders.count(m.rank) && (!m.last_planned || *m.last_planned < key)) m.last_planned = key;
     }
@@ -205,12 +205,12 @@ void ShardGroup::FinishRecovery(absl::Time now, GroupEffects& fx) {
   }
   for (const auto& [rank, key] : rec.lost) {
     fx.Send(IndexOf(rank), MicrobatchFailed(key, absl::AbortedError(absl::StrCat(
-                                                     "microbatch ", key.ToString(), " of group ", index,
+                                                     "microbatch ", key.ToString(), " of group ", index_,
                                                      ": its decision was lost in the coordinator restart (no member "
                                                      "holds it any more)"))));
   }
   fx.recovered = true;
-  fx.Record(Severity::kInfo, EventKind::kGroupRecovered, -1, Recovered(epoch, rec));
+  fx.Record(Severity::kInfo, EventKind::kGroupRecovered, -1, Recovered(epoch_, rec));
   ReplayPlans(rec.undecided, now, fx);
   auto deferred = std::move(deferred_plans_);
   deferred_plans_.clear();
@@ -219,12 +219,12 @@ void ShardGroup::FinishRecovery(absl::Time now, GroupEffects& fx) {
 
 void ShardGroup::KeepStaticBinding(const MicrobatchKey& key, const v1::MicrobatchDecision& d, absl::Time now) {
   PendingMicrobatch p;  // Shaped as Report makes one: later reports fill it in.
-  p.calls.assign(modules.size(), std::vector<int32_t>(size(), 0));
+  p.calls.assign(modules_.size(), std::vector<int32_t>(size(), 0));
   p.reported.assign(size(), false);
   p.first_report = now;
   p.decided = d;
   for (int i = 0; i < size(); ++i) {
-    const Member& m = members[i];
+    const Member& m = members_[i];
     if (m.last_planned && key <= *m.last_planned) {
       p.reported[i] = true;
       p.num_reported++;
@@ -238,27 +238,27 @@ void ShardGroup::ReplayPlans(const std::vector<std::pair<int, MicrobatchPlan>>& 
                              GroupEffects& fx) {
   for (const auto& [rank, plan] : plans) {
     const int idx = IndexOf(rank);
-    if (!members[idx].live()) continue;
-    if (absl::Status s = AcceptPlan(idx, plan, now, fx); !s.ok()) Reject(idx, plan.key, s, epoch, fx);
+    if (!members_[idx].live()) continue;
+    if (absl::Status s = AcceptPlan(idx, plan, now, fx); !s.ok()) Reject(idx, plan.key, s, epoch_, fx);
   }
 }
 
 void ShardGroup::FailRecovery(const std::string& why, GroupEffects& fx) {
-  state = v1::GROUP_STATE_FAILED;
-  failure_reason = why;
+  state_ = v1::GROUP_STATE_FAILED;
+  failure_reason_ = why;
   pending_.clear();
   deferred_plans_.clear();
   fx.Send(GroupEffects::kEveryMember, GroupFailed(why));
   fx.Record(Severity::kError, EventKind::kGroupRecoveryFailed, -1, why);
   // Every member is live: the group re-forms at once in a new epoch, keys start afresh.
   UpdateState(fx);
-  fx.Send(GroupEffects::kEveryMember, Reformed(index, epoch, "after its recovery failed"));
+  fx.Send(GroupEffects::kEveryMember, Reformed(index_, epoch_, "after its recovery failed"));
 }
 
 std::vector<int> ShardGroup::ExpireRecovery(absl::Time now, std::string* why, std::string* each, GroupEffects& fx) {
-  if (state != v1::GROUP_STATE_RECOVERING || now < recovery_deadline_) return {};
+  if (state_ != v1::GROUP_STATE_RECOVERING || now < recovery_deadline_) return {};
   std::vector<int> missing;
-  for (const Member& m : members) {
+  for (const Member& m : members_) {
     if (!m.live()) missing.push_back(m.rank);
   }
   // One event for the group, naming the missing ranks (capped), and a short reason per rank:
@@ -266,20 +266,20 @@ std::vector<int> ShardGroup::ExpireRecovery(absl::Time now, std::string* why, st
   const std::string window = absl::StrCat("the recovery window (",
                                           absl::ToInt64Milliseconds(rules_.options->recovery_window),
                                           " ms, --recovery-window-ms) after the coordinator restarted");
-  *why = absl::StrCat(missing.size(), " of ", ranks.size(), " ranks (", RankList(missing), ") did not resume within ",
+  *why = absl::StrCat(missing.size(), " of ", ranks_.size(), " ranks (", RankList(missing), ") did not resume within ",
                       window);
   *each = absl::StrCat("did not resume within ", window);
   if (missing.empty()) {
     // Every member is live yet one has not resumed: not reachable (a rank joining a recovering
     // group always resumes, ResumeMember), so a bug; the group re-forms instead of staying
     // FAILED with no event and no notice.
-    SHARDCOORD_INVARIANT(false, absl::StrCat("group ", index, " is past its recovery deadline with every member live"));
+    SHARDCOORD_INVARIANT(false, absl::StrCat("group ", index_, " is past its recovery deadline with every member live"));
     DropResumes();
     recovery_deadline_ = absl::InfiniteFuture();
     FailRecovery(absl::StrCat("every member is live but not every one resumed within ", window), fx);
     return {};
   }
-  state = v1::GROUP_STATE_FAILED;
+  state_ = v1::GROUP_STATE_FAILED;
   recovery_deadline_ = absl::InfiniteFuture();
   deferred_plans_.clear();
   DropResumes();
@@ -306,15 +306,15 @@ void ShardGroup::MemberGone(int rank, bool clean, const std::string& reason) {
 void ShardGroup::StartRerun(const ResumeAuthority* run_auth) {
   // A new run: what its members' holders proved belongs to the ended run (RegistrationClaim).
   if (run_auth != rules_.auth) {
-    for (Member& m : members) m.claim = RegistrationClaim{};
+    for (Member& m : members_) m.claim = RegistrationClaim{};
   }
   rules_.auth = run_auth;
-  has_reference = false;
-  formed = false;  // A rerun forms its groups afresh.
+  has_reference_ = false;
+  formed_ = false;  // A rerun forms its groups afresh.
   // The ended run's members wait to come back, as in a forming job: one that has not
   // registered again yet is not "left" (its plans are still to come), or the first rank's
   // plans would fail as never decidable and the next ones' be stale.
-  for (Member& m : members) {
+  for (Member& m : members_) {
     if (m.state != v1::RANK_STATE_LIVE) {
       m.state = v1::RANK_STATE_UNREGISTERED;
       m.dead_reason.clear();

@@ -12,8 +12,8 @@ namespace shardcoord::coordinator {
 v1::CoordinatorMessage ShardGroup::Registered(const Registration& req, uint64_t incarnation, uint64_t config_digest) const {
   v1::CoordinatorMessage msg;
   v1::RegisterResponse* resp = msg.mutable_registered();
-  resp->set_group(index);
-  for (int r : ranks) resp->add_group_ranks(r);
+  resp->set_group(index_);
+  for (int r : ranks_) resp->add_group_ranks(r);
   resp->set_heartbeat_interval_ms(static_cast<int32_t>(absl::ToInt64Milliseconds(rules_.options->heartbeat_interval)));
   resp->set_heartbeat_timeout_ms(static_cast<int32_t>(absl::ToInt64Milliseconds(rules_.options->heartbeat_timeout)));
   resp->set_policy(ToProto(req.policy));
@@ -38,7 +38,7 @@ v1::CoordinatorMessage ShardGroup::Registered(const Registration& req, uint64_t 
 }
 
 void ShardGroup::CountInto(v1::JobStatus* js) const {
-  for (const Member& m : members) {
+  for (const Member& m : members_) {
     switch (m.state) {
       case v1::RANK_STATE_LIVE: js->set_ranks_live(js->ranks_live() + 1); break;
       case v1::RANK_STATE_DEAD: js->set_ranks_dead(js->ranks_dead() + 1); break;
@@ -46,41 +46,41 @@ void ShardGroup::CountInto(v1::JobStatus* js) const {
       default: js->set_ranks_unregistered(js->ranks_unregistered() + 1); break;
     }
   }
-  switch (state) {
+  switch (state_) {
     case v1::GROUP_STATE_HEALTHY: js->set_groups_healthy(js->groups_healthy() + 1); break;
     case v1::GROUP_STATE_FAILED: js->set_groups_failed(js->groups_failed() + 1); break;
     case v1::GROUP_STATE_FINISHED: js->set_groups_finished(js->groups_finished() + 1); break;
     case v1::GROUP_STATE_RECOVERING: js->set_groups_recovering(js->groups_recovering() + 1); break;
     default: js->set_groups_forming(js->groups_forming() + 1); break;
   }
-  for (const auto& [module, counts] : module_counts) AddDecisionCounts(counts.ToProto(), js->mutable_counts());
+  for (const auto& [module, counts] : module_counts_) AddDecisionCounts(counts.ToProto(), js->mutable_counts());
   FillKinds(js->mutable_counts());
-  if (has_reference && js->modules_size() == 0) {
+  if (has_reference_ && js->modules_size() == 0) {
     // A status line, not the manifest: a job may control a thousand modules.
-    for (size_t i = 0; i < modules.size() && i < kNamesInMessages; ++i) js->add_modules(modules[i].name);
-    if (modules.size() > kNamesInMessages) {
-      js->add_modules(absl::StrCat("... (", modules.size() - kNamesInMessages, " more)"));
+    for (size_t i = 0; i < modules_.size() && i < kNamesInMessages; ++i) js->add_modules(modules_[i].name);
+    if (modules_.size() > kNamesInMessages) {
+      js->add_modules(absl::StrCat("... (", modules_.size() - kNamesInMessages, " more)"));
     }
-    for (size_t i = 0; i < modules.size() && i < kNamesInMessages; ++i) {
-      if (modules[i].trainable) js->add_trainable_modules(modules[i].name);
+    for (size_t i = 0; i < modules_.size() && i < kNamesInMessages; ++i) {
+      if (modules_[i].trainable) js->add_trainable_modules(modules_[i].name);
     }
   }
 }
 
 void ShardGroup::Describe(v1::GroupStatus* gs) const {
   gs->set_job_id(rules_.job_id);
-  gs->set_group(index);
-  for (int r : ranks) gs->add_ranks(r);
-  gs->set_state(state);
-  gs->set_epoch(epoch);
+  gs->set_group(index_);
+  for (int r : ranks_) gs->add_ranks(r);
+  gs->set_state(state_);
+  gs->set_epoch(epoch_);
   gs->set_pending_microbatches(static_cast<int32_t>(pending_.size()));
-  for (const auto& [module, tally] : module_counts) {
+  for (const auto& [module, tally] : module_counts_) {
     v1::DecisionCounts& c = (*gs->mutable_module_counts())[module];
     c = tally.ToProto();
     AddDecisionCounts(c, gs->mutable_counts());
   }
   FillKinds(gs->mutable_counts());
-  gs->set_failure_reason(failure_reason);
+  gs->set_failure_reason(failure_reason_);
   if (engine_) {
     gs->set_next_seq(engine_->next_seq());
     for (const auto& name : engine_->ReplicatedModules()) gs->add_promoted_modules(name);
@@ -92,8 +92,8 @@ void ShardGroup::Describe(v1::GroupStatus* gs) const {
 
 void ShardGroup::DescribeMembers(absl::Time now, google::protobuf::RepeatedPtrField<v1::RankStatus>* out) const {
   const std::vector<int> pending_plans = PendingCounts();
-  for (size_t i = 0; i < members.size(); ++i) {
-    const Member& m = members[i];
+  for (size_t i = 0; i < members_.size(); ++i) {
+    const Member& m = members_[i];
     v1::RankStatus* rs = out->Add();
     rs->set_job_id(rules_.job_id);
     rs->set_rank(m.rank);
@@ -118,13 +118,13 @@ void ShardGroup::DescribeMembers(absl::Time now, google::protobuf::RepeatedPtrFi
 
 
 bool ShardGroup::DescribeHistory(int limit, size_t max_bytes, size_t* bytes, v1::ListDecisionsResponse* out) const {
-  const size_t start = history.size() > static_cast<size_t>(limit) ? history.size() - limit : 0;
-  for (size_t i = start; i < history.size(); ++i) {
-    *bytes += history[i].ByteSizeLong() + rules_.job_id.size() + 16;
+  const size_t start = history_.size() > static_cast<size_t>(limit) ? history_.size() - limit : 0;
+  for (size_t i = start; i < history_.size(); ++i) {
+    *bytes += history_[i].ByteSizeLong() + rules_.job_id.size() + 16;
     if (*bytes > max_bytes) return false;
     auto* e = out->add_decisions();
     e->set_job_id(rules_.job_id);
-    *e->mutable_decision() = history[i];
+    *e->mutable_decision() = history_[i];
   }
   return true;
 }

@@ -9,9 +9,9 @@
 
 namespace shardcoord::coordinator {
 
-int64_t NextEpochWithTheLock(GroupSlot& slot) {
+void TrimHistoryWithTheLock(GroupSlot& slot) {
   absl::MutexLock lock(&slot.mu);
-  return ++slot.group.epoch;
+  slot.group.TrimHistory(0);
 }
 
 int LiveMembersWithTheLock(const GroupSlot& slot) {
@@ -20,9 +20,10 @@ int LiveMembersWithTheLock(const GroupSlot& slot) {
 }
 
 #ifdef SHARDCOORD_TOUCH_WITHOUT_LOCK
-// What the hot path must never do: write a group's state holding only the core's lock (or
-// nothing), while another thread holds the group's mutex.
-int64_t NextEpochWithoutTheLock(GroupSlot& slot) { return ++slot.group.epoch; }
+// What the hot path must never do: change a group's state holding only the core's lock (or
+// nothing), while another thread holds the group's mutex. (Its fields are private: the group
+// is changed through its operations only.)
+void TrimHistoryWithoutTheLock(GroupSlot& slot) { slot.group.TrimHistory(0); }
 #endif
 
 }  // namespace shardcoord::coordinator

@@ -121,8 +121,8 @@ class ShardGroupTest : public ::testing::Test {
   // What CoordinatorCore::Register and SetLive do to a member that registers.
   void SetLive(int idx, absl::Time now = kT0) {
     group_->ForgetMeasures(idx);
-    Member& m = group_->members[idx];
-    m.state = v1::RANK_STATE_LIVE;
+    group_->MemberLive(group_->ranks()[idx]);
+    Member& m = group_->members()[idx];
     m.session = static_cast<uint64_t>(idx) + 100;
     m.last_seen = now;
     m.last_planned.reset();
@@ -139,12 +139,12 @@ class ShardGroupTest : public ::testing::Test {
     for (int i = 0; i < group_->size(); ++i) SetLive(i);
     GroupEffects fx;
     group_->UpdateState(fx);
-    ASSERT_EQ(group_->state, v1::GROUP_STATE_HEALTHY);
+    ASSERT_EQ(group_->state(), v1::GROUP_STATE_HEALTHY);
   }
 
   GroupEffects TakePlans(int idx, std::vector<v1::MicrobatchPlan> plans, absl::Time now = kT0) {
     GroupEffects fx;
-    group_->TakePlans(idx, FromWire(Batch(group_->epoch, std::move(plans))), now, fx);
+    group_->TakePlans(idx, FromWire(Batch(group_->epoch(), std::move(plans))), now, fx);
     return fx;
   }
 
@@ -162,16 +162,16 @@ TEST_F(ShardGroupTest, AGroupFormsOnceEveryMemberIsLiveAndRecordsItWithoutMessag
   SetLive(0);
   GroupEffects partial;
   group_->UpdateState(partial);
-  EXPECT_EQ(group_->state, v1::GROUP_STATE_FORMING) << "rank 3 has not registered";
+  EXPECT_EQ(group_->state(), v1::GROUP_STATE_FORMING) << "rank 3 has not registered";
   EXPECT_TRUE(partial.empty());
-  EXPECT_FALSE(group_->formed);
+  EXPECT_FALSE(group_->formed());
 
   SetLive(1);
   GroupEffects fx;
   group_->UpdateState(fx);
-  EXPECT_EQ(group_->state, v1::GROUP_STATE_HEALTHY);
-  EXPECT_TRUE(group_->formed);
-  EXPECT_EQ(group_->epoch, 0);
+  EXPECT_EQ(group_->state(), v1::GROUP_STATE_HEALTHY);
+  EXPECT_TRUE(group_->formed());
+  EXPECT_EQ(group_->epoch(), 0);
   EXPECT_THAT(EventNames(fx), ElementsAre("group_formed"));
   EXPECT_EQ(fx.events[0].rank, -1) << "the group's event, not one rank's";
   EXPECT_THAT(fx.events[0].message, HasSubstr("ranks 2,3"));
@@ -196,7 +196,7 @@ TEST_F(ShardGroupTest, AUniformMicrobatchIsDecidedPerLayerForEveryMemberOnceBoth
   EXPECT_EQ(first.decided, 0);
   EXPECT_THAT(first.decision_latencies, IsEmpty());
   EXPECT_EQ(group_->PendingOf(0), 1);
-  EXPECT_EQ(group_->members[0].plans_received, 1);
+  EXPECT_EQ(group_->members()[0].plans_received, 1);
 
   const absl::Time second_at = kT0 + absl::Milliseconds(250);
   GroupEffects second = TakePlans(1, {Plan(0, 0, /*vision=*/2)}, second_at);
@@ -224,9 +224,9 @@ TEST_F(ShardGroupTest, AUniformMicrobatchIsDecidedPerLayerForEveryMemberOnceBoth
   EXPECT_THAT(group_->pending(), IsEmpty());
   ASSERT_TRUE(group_->last_decided().has_value());
   EXPECT_EQ(*group_->last_decided(), (MicrobatchKey{0, 0}));
-  EXPECT_EQ(group_->module_counts["vision_tower"].ToProto().per_layer(), 1);
-  EXPECT_EQ(group_->module_counts["audio_tower"].ToProto().skip(), 1);
-  EXPECT_THAT(group_->history, SizeIs(1));
+  EXPECT_EQ(group_->module_counts().at("vision_tower").ToProto().per_layer(), 1);
+  EXPECT_EQ(group_->module_counts().at("audio_tower").ToProto().skip(), 1);
+  EXPECT_THAT(group_->history(), SizeIs(1));
   // Counts by kind: every kind of decisions.def by name, zero included, beside the frozen fields.
   v1::GroupStatus gs;
   group_->Describe(&gs);
@@ -262,8 +262,8 @@ TEST_F(ShardGroupTest, ADivergentMicrobatchFallsBackToRootForEveryMember) {
   EXPECT_TRUE(auth_.CheckSeal(kJob, d));
   EXPECT_EQ(second.decided, 1);
   EXPECT_THAT(second.decision_latencies, ElementsAre(absl::Seconds(2)));
-  EXPECT_EQ(group_->module_counts["vision_tower"].ToProto().root(), 1);
-  EXPECT_EQ(group_->module_counts["vision_tower"].ToProto().divergent(), 1);
+  EXPECT_EQ(group_->module_counts().at("vision_tower").ToProto().root(), 1);
+  EXPECT_EQ(group_->module_counts().at("vision_tower").ToProto().divergent(), 1);
 }
 
 TEST_F(ShardGroupTest, DecisionsComeInKeyOrderWithConsecutiveSeqs) {
@@ -301,7 +301,7 @@ TEST_F(ShardGroupTest, APlanWithoutAKeyIsRejectedNamingWhatIsMissing) {
   EXPECT_EQ(rej.code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
   EXPECT_THAT(rej.message(), HasSubstr("carries no key"));
   EXPECT_THAT(rej.message(), HasSubstr("every plan must name its microbatch"));
-  EXPECT_FALSE(group_->members[0].last_planned.has_value()) << "nothing of it was taken";
+  EXPECT_FALSE(group_->members()[0].last_planned.has_value()) << "nothing of it was taken";
 }
 
 TEST_F(ShardGroupTest, AnOutOfOrderPlanIsRejectedToItsSenderOnly) {
@@ -321,8 +321,8 @@ TEST_F(ShardGroupTest, AnOutOfOrderPlanIsRejectedToItsSenderOnly) {
   EXPECT_EQ(rej.epoch(), 0);
   EXPECT_THAT(rej.message(), HasSubstr("out-of-order plan (0,0)"));
   EXPECT_THAT(rej.message(), HasSubstr("previous plan was (0,1)"));
-  EXPECT_EQ(group_->members[0].plans_rejected, 1);
-  EXPECT_EQ(group_->members[1].plans_rejected, 0);
+  EXPECT_EQ(group_->members()[0].plans_rejected, 1);
+  EXPECT_EQ(group_->members()[1].plans_rejected, 0);
   ASSERT_THAT(fx.warnings, SizeIs(1));
   EXPECT_THAT(fx.warnings[0], HasSubstr("job=job-a"));
   EXPECT_THAT(fx.warnings[0], HasSubstr("rank=2"));
@@ -342,14 +342,14 @@ TEST_F(ShardGroupTest, APlanNamingAModuleOutsideTheManifestIsRejectedAsInvalid) 
   ASSERT_TRUE(fx.messages[0].message.has_plan_rejected());
   EXPECT_EQ(fx.messages[0].message.plan_rejected().code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
   EXPECT_THAT(fx.messages[0].message.plan_rejected().message(), HasSubstr("unknown module 'text_tower'"));
-  EXPECT_EQ(group_->members[1].plans_rejected, 1);
-  EXPECT_EQ(group_->members[1].plans_received, 0);
-  EXPECT_EQ(group_->members[0].plans_rejected, 0);
+  EXPECT_EQ(group_->members()[1].plans_rejected, 1);
+  EXPECT_EQ(group_->members()[1].plans_received, 0);
+  EXPECT_EQ(group_->members()[0].plans_rejected, 0);
   ASSERT_THAT(fx.warnings, SizeIs(1));
   EXPECT_THAT(fx.warnings[0], HasSubstr("job=job-a"));
   EXPECT_THAT(fx.warnings[0], HasSubstr("rank=3"));
   EXPECT_THAT(group_->pending(), IsEmpty());
-  EXPECT_FALSE(group_->members[1].last_planned.has_value()) << "a rejected plan does not move the rank's order";
+  EXPECT_FALSE(group_->members()[1].last_planned.has_value()) << "a rejected plan does not move the rank's order";
 }
 
 // ---------------------------------------------------------------------------------------
@@ -385,7 +385,7 @@ TEST_F(ShardGroupTest, UnderPolicyRootEachMemberGetsTheSameDecisionAsSoonAsItRep
   EXPECT_THAT(group_->pending(), IsEmpty());
   ASSERT_TRUE(group_->last_resolved().has_value());
   EXPECT_EQ(*group_->last_resolved(), (MicrobatchKey{0, 0}));
-  EXPECT_EQ(group_->module_counts["vision_tower"].ToProto().root(), 1);
+  EXPECT_EQ(group_->module_counts().at("vision_tower").ToProto().root(), 1);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -434,14 +434,13 @@ TEST_F(ShardGroupTest, AMemberDeathFailsTheGroupAndCancelsEveryPendingMicrobatch
   ASSERT_EQ(TakePlans(0, {Plan(0, 0, 1), Plan(0, 1, 1)}).plans_accepted, 2);
 
   // As CoordinatorCore::RemoveMember does before FailGroup.
-  group_->members[1].state = v1::RANK_STATE_DEAD;
-  group_->members[1].dead_reason = "no heartbeat";
+  group_->MemberGone(group_->ranks()[1], /*clean=*/false, "no heartbeat");
   GroupEffects fx;
   const std::string reason = group_->Fail(1, "no heartbeat for 5000 ms", fx);
   EXPECT_EQ(reason, "group 1 of job 'job-a' failed at epoch 0: no heartbeat for 5000 ms");
-  EXPECT_EQ(group_->state, v1::GROUP_STATE_FAILED);
+  EXPECT_EQ(group_->state(), v1::GROUP_STATE_FAILED);
   EXPECT_THAT(group_->pending(), IsEmpty());
-  EXPECT_EQ(group_->failure_reason, "no heartbeat for 5000 ms");
+  EXPECT_EQ(group_->failure_reason(), "no heartbeat for 5000 ms");
 
   ASSERT_THAT(fx.messages, SizeIs(1));
   EXPECT_EQ(fx.messages[0].member, GroupEffects::kEveryMember);
@@ -469,17 +468,17 @@ TEST_F(ShardGroupTest, AFailedGroupReFormsInTheNextEpochOnceTheDeadMemberIsLiveA
   Form();
   TakePlans(0, {Plan(0, 0, 1)});
   ASSERT_THAT(DecisionMessages(TakePlans(1, {Plan(0, 0, 1)})), SizeIs(1));  // seq 0, epoch 0
-  group_->members[0].state = v1::RANK_STATE_DEAD;
+  group_->MemberGone(group_->ranks()[0], /*clean=*/false, "stream lost");
   GroupEffects failed;
   group_->Fail(0, "stream lost", failed);
-  ASSERT_EQ(group_->state, v1::GROUP_STATE_FAILED);
+  ASSERT_EQ(group_->state(), v1::GROUP_STATE_FAILED);
 
   SetLive(0, kT0 + absl::Seconds(1));
   GroupEffects fx;
   group_->UpdateState(fx);
-  EXPECT_EQ(group_->state, v1::GROUP_STATE_HEALTHY);
-  EXPECT_EQ(group_->epoch, 1);
-  EXPECT_TRUE(group_->failure_reason.empty());
+  EXPECT_EQ(group_->state(), v1::GROUP_STATE_HEALTHY);
+  EXPECT_EQ(group_->epoch(), 1);
+  EXPECT_TRUE(group_->failure_reason().empty());
   EXPECT_THAT(EventNames(fx), ElementsAre("group_reformed"));
   EXPECT_THAT(fx.events[0].message, HasSubstr("epoch 1"));
   EXPECT_THAT(fx.messages, IsEmpty()) << "the core announces the re-form (AnnounceReformed)";
@@ -510,7 +509,7 @@ TEST_F(ShardGroupTest, ALeaverFailsWhatItNeverPlannedAndWhatItPlannedIsStillDeci
   ASSERT_EQ(TakePlans(0, {Plan(0, 0, 1), Plan(0, 1, 1)}).plans_accepted, 2);
   ASSERT_EQ(TakePlans(1, {Plan(0, 0, /*vision=*/0)}).plans_accepted, 1);
 
-  group_->members[1].state = v1::RANK_STATE_LEFT;  // As CoordinatorCore::RemoveMember does.
+  group_->MemberGone(group_->ranks()[1], /*clean=*/true, "left");  // As CoordinatorCore::RemoveMember does.
   GroupEffects fx;
   group_->OnLeft(1, kT0 + absl::Seconds(1), fx);
   ASSERT_THAT(fx.messages, SizeIs(1));
@@ -520,7 +519,7 @@ TEST_F(ShardGroupTest, ALeaverFailsWhatItNeverPlannedAndWhatItPlannedIsStillDeci
   EXPECT_THAT(fx.messages[0].message.microbatch_failed().message(),
               HasSubstr("rank 3 left the job without planning it"));
   EXPECT_THAT(EventNames(fx), ElementsAre("microbatch_failed"));
-  EXPECT_EQ(group_->state, v1::GROUP_STATE_HEALTHY);
+  EXPECT_EQ(group_->state(), v1::GROUP_STATE_HEALTHY);
   ASSERT_THAT(group_->pending(), SizeIs(1));
   EXPECT_EQ(group_->pending().begin()->first, (MicrobatchKey{0, 0}));
 
@@ -552,7 +551,7 @@ TEST_F(ShardGroupTest, AKeyTheLeaverSkippedFailsAtOnceAndWhatWaitedBehindItIsDec
   Make(3, v1::POLICY_PER_LAYER);
   Form();
   ASSERT_EQ(TakePlans(1, {Plan(0, 1, 1)}).plans_accepted, 1);
-  group_->members[1].state = v1::RANK_STATE_LEFT;
+  group_->MemberGone(group_->ranks()[1], /*clean=*/true, "left");
   GroupEffects left;
   group_->OnLeft(1, kT0, left);
   EXPECT_THAT(left.messages, IsEmpty()) << "it reported the one pending key";
@@ -601,11 +600,11 @@ TEST_F(ShardGroupTest, ARecoveringGroupDefersPlansAndFailsTheMembersNotBackByIts
   GroupEffects started;
   group_->StartRecovery(kT0, started);
   SetLive(0);
-  group_->members[0].resume = v1::ResumeState{};
+  group_->members()[0].resume = v1::ResumeState{};
   GroupEffects waiting;
   group_->MaybeFinishRecovery(kT0, waiting);
   EXPECT_TRUE(waiting.empty()) << "rank 3 has not resumed";
-  EXPECT_EQ(group_->state, v1::GROUP_STATE_RECOVERING);
+  EXPECT_EQ(group_->state(), v1::GROUP_STATE_RECOVERING);
   EXPECT_EQ(group_->recovery_deadline(), kT0 + options_.recovery_window);
   EXPECT_THAT(EventNames(started), ElementsAre("group_recovering"));
   EXPECT_EQ(started.events[0].severity, Severity::kWarning);
@@ -622,19 +621,19 @@ TEST_F(ShardGroupTest, ARecoveringGroupDefersPlansAndFailsTheMembersNotBackByIts
   EXPECT_THAT(group_->ExpireRecovery(kT0 + options_.recovery_window - absl::Milliseconds(1), &why, &each, still),
               IsEmpty());
   EXPECT_TRUE(still.empty());
-  EXPECT_EQ(group_->state, v1::GROUP_STATE_RECOVERING);
+  EXPECT_EQ(group_->state(), v1::GROUP_STATE_RECOVERING);
   EXPECT_THAT(group_->deferred_plans(), SizeIs(2));
 
   GroupEffects fx;
   EXPECT_THAT(group_->ExpireRecovery(kT0 + options_.recovery_window, &why, &each, fx), ElementsAre(3));
-  EXPECT_EQ(group_->members[1].state, v1::RANK_STATE_DEAD);
-  EXPECT_EQ(group_->members[1].dead_reason, each);
+  EXPECT_EQ(group_->members()[1].state, v1::RANK_STATE_DEAD);
+  EXPECT_EQ(group_->members()[1].dead_reason, each);
   EXPECT_THAT(each, HasSubstr("did not resume within the recovery window (5000 ms"));
-  EXPECT_EQ(group_->members[0].state, v1::RANK_STATE_LIVE);
+  EXPECT_EQ(group_->members()[0].state, v1::RANK_STATE_LIVE);
   EXPECT_THAT(why, HasSubstr("1 of 2 ranks (3) did not resume"));
   EXPECT_THAT(EventNames(fx), ElementsAre("recovery_expired"));
   EXPECT_EQ(fx.events[0].message, why);
-  EXPECT_EQ(group_->state, v1::GROUP_STATE_FAILED);
+  EXPECT_EQ(group_->state(), v1::GROUP_STATE_FAILED);
   EXPECT_THAT(group_->deferred_plans(), IsEmpty());
   EXPECT_EQ(group_->recovery_deadline(), absl::InfiniteFuture());
 }
@@ -651,15 +650,15 @@ TEST_F(ShardGroupTest, ARecoveryWindowEndingWithEveryMemberLiveReFormsTheGroupAn
   group_->StartRecovery(kT0, started);
   SetLive(0);
   SetLive(1);
-  group_->members[0].resume = v1::ResumeState{};
+  group_->members()[0].resume = v1::ResumeState{};
   const int64_t broken_before = InvariantFailures();
   GroupEffects fx;
   std::string why, each;
   EXPECT_THAT(group_->ExpireRecovery(kT0 + options_.recovery_window, &why, &each, fx), IsEmpty());
   EXPECT_EQ(InvariantFailures(), broken_before + 1);
-  EXPECT_EQ(group_->state, v1::GROUP_STATE_HEALTHY);
-  EXPECT_EQ(group_->epoch, 1);
-  EXPECT_FALSE(group_->members[0].resume.has_value());
+  EXPECT_EQ(group_->state(), v1::GROUP_STATE_HEALTHY);
+  EXPECT_EQ(group_->epoch(), 1);
+  EXPECT_FALSE(group_->members()[0].resume.has_value());
   EXPECT_EQ(group_->recovery_deadline(), absl::InfiniteFuture());
   EXPECT_THAT(EventNames(fx), ElementsAre("group_recovery_failed", "group_reformed"));
   ASSERT_THAT(fx.messages, SizeIs(2));
@@ -687,7 +686,7 @@ TEST_F(ShardGroupTest, AHeartbeatKeepsMemoryOnlyForManifestModulesWithSaneNumber
   hb.set_decision_stalls(7);
   GroupEffects fx;
   group_->TakeHeartbeat(1, FromWire(hb), kT0 + absl::Seconds(1), fx);
-  const Member& m = group_->members[1];
+  const Member& m = group_->members()[1];
   ASSERT_THAT(m.memory, SizeIs(1));
   EXPECT_EQ(m.memory[0].module, "vision_tower");
   EXPECT_EQ(m.memory[0].resident_bytes, 100);
@@ -696,7 +695,7 @@ TEST_F(ShardGroupTest, AHeartbeatKeepsMemoryOnlyForManifestModulesWithSaneNumber
   EXPECT_EQ(m.gathered_bytes.at("vision_tower").total(), 300);
   EXPECT_EQ(m.decision_stalls.total(), 7);
   EXPECT_EQ(m.last_seen, kT0 + absl::Seconds(1));
-  EXPECT_TRUE(group_->members[0].memory.empty());
+  EXPECT_TRUE(group_->members()[0].memory.empty());
   EXPECT_TRUE(fx.empty()) << "no cost report: nothing for the journal";
 }
 
