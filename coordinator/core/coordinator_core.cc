@@ -69,7 +69,7 @@ void CoordinatorCore::Event(Severity severity, EventKind kind,
 
 Member* CoordinatorCore::LiveIn(ShardGroup& group, int rank, uint64_t session_id) {
   Member& m = group.member(rank);
-  return m.session == session_id && m.live() ? &m : nullptr;
+  return group.binding(rank).session == session_id && m.live() ? &m : nullptr;
 }
 
 Member* CoordinatorCore::LiveMember(uint64_t session_id, Job** job) {
@@ -85,11 +85,13 @@ void CoordinatorCore::Apply(Job& job, ShardGroup& group, GroupEffects& fx) {
   bool batched = false;
   // `last`: no other member gets this decision, so it is moved, not copied (a decision to
   // every member of a group of G costs G - 1 copies).
-  const auto deliver = [&](Member& m, GroupEffects::Message& out, bool last) ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+  const auto deliver = [&](int idx, GroupEffects::Message& out, bool last) ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    const Member& m = group.members()[idx];
+    SessionBinding& b = group.binding_at(idx);
     if (!out.decision) {
-      SendTo(m, out.message);
-    } else if (m.live() && m.sink) {
-      auto* to = m.outgoing.mutable_decisions()->add_decisions();
+      SendTo(m, b, out.message);
+    } else if (m.live() && b.sink) {
+      auto* to = b.outgoing.mutable_decisions()->add_decisions();
       if (last) {
         *to = std::move(*out.decision);
       } else {
@@ -98,13 +100,17 @@ void CoordinatorCore::Apply(Job& job, ShardGroup& group, GroupEffects& fx) {
       batched = true;
     }
   };
-  std::vector<Member>& members = group.members();
+  for (auto& [idx, why] : fx.cuts) {
+    SessionBinding& b = group.binding_at(idx);
+    if (b.cut_reason.empty()) b.cut_reason = std::move(why);
+  }
+  const int size = group.size();
   for (GroupEffects::Message& out : fx.messages) {
     if (out.member != GroupEffects::kEveryMember) {
-      deliver(members[out.member], out, /*last=*/true);
+      deliver(out.member, out, /*last=*/true);
       continue;
     }
-    for (size_t i = 0; i < members.size(); ++i) deliver(members[i], out, i + 1 == members.size());
+    for (int i = 0; i < size; ++i) deliver(i, out, i + 1 == size);
   }
   if (batched) Flush(group);
   job.plans_received += fx.plans_accepted;
@@ -126,33 +132,34 @@ void CoordinatorCore::Apply(Job& job, ShardGroup& group, GroupEffects& fx) {
 }
 
 void CoordinatorCore::Flush(ShardGroup& group) {
-  for (Member& m : group.members()) {
-    if (m.outgoing.has_decisions() && m.outgoing.decisions().decisions_size() > 0) {
-      SinkSend(m, std::move(m.outgoing));
-      m.outgoing.Clear();
+  for (int i = 0; i < group.size(); ++i) {
+    SessionBinding& b = group.binding_at(i);
+    if (b.outgoing.has_decisions() && b.outgoing.decisions().decisions_size() > 0) {
+      SinkSend(b, std::move(b.outgoing));
+      b.outgoing.Clear();
     }
   }
 }
 
-void CoordinatorCore::SendTo(Member& m, const v1::CoordinatorMessage& msg) {
-  if (m.state != v1::RANK_STATE_LIVE || !m.sink) return;
+void CoordinatorCore::SendTo(const Member& m, SessionBinding& b, const v1::CoordinatorMessage& msg) {
+  if (m.state != v1::RANK_STATE_LIVE || !b.sink) return;
   // Decisions batched so far go first: the rank sees messages in the order produced.
-  if (m.outgoing.has_decisions() && m.outgoing.decisions().decisions_size() > 0) {
-    SinkSend(m, std::move(m.outgoing));
-    m.outgoing.Clear();
+  if (b.outgoing.has_decisions() && b.outgoing.decisions().decisions_size() > 0) {
+    SinkSend(b, std::move(b.outgoing));
+    b.outgoing.Clear();
   }
-  SinkSend(m, msg);
+  SinkSend(b, msg);
 }
 
-void CoordinatorCore::SinkSend(Member& m, v1::CoordinatorMessage msg) {
-  if (!m.sink || !m.cut_reason.empty()) return;
+void CoordinatorCore::SinkSend(SessionBinding& b, v1::CoordinatorMessage msg) {
+  if (!b.sink || !b.cut_reason.empty()) return;
   // Refused: the rank is not reading. Tick fails it (not here: we may be deep inside a
   // group's state change); until then nothing more is queued for it.
-  if (absl::Status s = m.sink->Send(std::move(msg)); !s.ok()) {
-    m.cut_reason = std::string(s.message());
+  if (absl::Status s = b.sink->Send(std::move(msg)); !s.ok()) {
+    b.cut_reason = std::string(s.message());
     return;
   }
-  mu_.Kick(m.sink);  // The write starts once mu_ is released.
+  mu_.Kick(b.sink);  // The write starts once mu_ is released.
 }
 
 void CoordinatorCore::RecordDaemonEvent(bool started, const std::string& detail) {

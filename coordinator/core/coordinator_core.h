@@ -180,12 +180,16 @@ class CoordinatorCore {
   Member& OwnedMember(const Job& job, int rank) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return Owned(job, job.GroupOf(rank)).member(rank);
   }
+  SessionBinding& BindingOf(const Job& job, int rank) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return Owned(job, job.GroupOf(rank)).binding(rank);
+  }
   static GroupSlot& SlotOf(const Job& job, int rank) { return *job.groups[job.GroupOf(rank)]; }
-  // Calls f(member) for every rank of the job, in rank order.
+  // Calls f(member, its session binding) for every rank of the job, in rank order.
   template <typename F>
   void ForEachMember(const Job& job, F f) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     for (size_t g = 0; g < job.groups.size(); ++g) {
-      for (Member& m : Owned(job, static_cast<int>(g)).members()) f(m);
+      ShardGroup& group = Owned(job, static_cast<int>(g));
+      for (int i = 0; i < group.size(); ++i) f(group.members()[i], group.binding_at(i));
     }
   }
   // The member of `group` behind `session_id` if that is the rank's current live session.
@@ -208,11 +212,17 @@ class CoordinatorCore {
   // Marks the rank left (or dead) and fails / cancels what its group was waiting for.
   void RemoveMember(Job& job, Member& member, Leaving how, const std::string& reason)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Sends the decisions batched in members' `outgoing`.
+  // Sends the decisions batched in the bindings' `outgoing`.
   void Flush(ShardGroup& group) ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  void SendTo(Member& member, const v1::CoordinatorMessage& msg) ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  // Sends through the member's sink; a refused send sets Member::cut_reason.
-  void SinkSend(Member& member, v1::CoordinatorMessage msg) ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // To a live member with a session: what is batched for it first, then `msg`.
+  void SendTo(const Member& member, SessionBinding& to, const v1::CoordinatorMessage& msg)
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  void SendTo(const Job& job, const Member& member, const v1::CoordinatorMessage& msg)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    SendTo(member, BindingOf(job, member.rank), msg);
+  }
+  // Sends through the session's sink; a refused send sets SessionBinding::cut_reason.
+  void SinkSend(SessionBinding& to, v1::CoordinatorMessage msg) ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Register's steps (DESIGN 3, "Registration"; DESIGN 8 for the group it joins).
   // The checks that need no state, first: a malformed request changes nothing.
   absl::Status CheckRequestAlone(const Registration& req) const;

@@ -26,7 +26,7 @@ class CoordinatorCore::JobHost final : public CommHost {
     return core_.OwnedMember(job_, rank).dead_reason;
   }
   void Send(int rank, const v1::CoordinatorMessage& msg) override ABSL_EXCLUSIVE_LOCKS_REQUIRED(core_.mu_) {
-    core_.SendTo(core_.OwnedMember(job_, rank), msg);
+    core_.SendTo(job_, core_.OwnedMember(job_, rank), msg);
   }
   void Event(Severity severity, EventKind kind, int rank, const std::string& message) override
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(core_.mu_) {
@@ -54,7 +54,7 @@ absl::StatusOr<Job*> CoordinatorCore::CommCaller(const CommCallerId& caller) {
         "rank ", rank, " of job '", job_id, "' is not a live registered rank; register it before "
         "using communicators"));
   }
-  if (!SameSecret(caller.session_key, OwnedMember(job, rank).session_key)) {
+  if (!SameSecret(caller.session_key, BindingOf(job, rank).session_key)) {
     return absl::PermissionDeniedError(absl::StrCat(
         "rank ", rank, " of job '", Printable(job_id, 64), "': this call does not come from the rank's live session "
         "(session_key missing or wrong); communicator calls are accepted only from the worker that registered the rank"));

@@ -16,10 +16,9 @@ namespace shardcoord::coordinator {
 
 void CoordinatorCore::SetLive(Job& job, Member& m, uint64_t session_id, std::shared_ptr<RankSink> sink,
                               const Registration& req) {
-  if (m.session != 0) jobs_.ForgetSession(m.session);
+  SessionBinding& b = BindingOf(job, m.rank);
+  if (b.session != 0) jobs_.ForgetSession(b.session);
   Owned(job, m.group).MemberLive(m.rank);
-  m.session = session_id;
-  m.sink = std::move(sink);
   m.host = req.host;
   m.pid = req.pid;
   m.last_seen = clock_->Now();
@@ -29,9 +28,11 @@ void CoordinatorCore::SetLive(Job& job, Member& m, uint64_t session_id, std::sha
   m.registrations++;
   m.lookahead = req.lookahead;
   m.memory_budget = req.memory_budget_bytes;
-  m.cut_reason.clear();
-  m.session_key = NewSessionKey();
-  m.registration = ++last_registration_;
+  b.session = session_id;
+  b.sink = std::move(sink);
+  b.cut_reason.clear();
+  b.session_key = NewSessionKey();
+  b.registration = ++last_registration_;
   job.ended = absl::InfinitePast();
   jobs_.BindSession(session_id, job, req.rank);
 }
@@ -53,8 +54,8 @@ void CoordinatorCore::NotifyRankLost(Job& job, const ShardGroup& group, int rank
   n->set_epoch(group.epoch());
   n->set_rank(rank);
   n->set_message(reason);
-  ForEachMember(job, [&](Member& other) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (other.group != group.index() && other.live()) SendTo(other, msg);
+  ForEachMember(job, [&](Member& other, SessionBinding& to) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (other.group != group.index() && other.live()) SendTo(other, to, msg);
   });
 }
 

@@ -85,8 +85,8 @@ void CoordinatorCore::OnSessionClosed(uint64_t session_id, const std::string& wh
   }
   // A rank already found not reading (or breaking the protocol) whose stream ends before the
   // tick fails it: the finding is the cause, not the end of the stream it led to.
-  RemoveMember(*job, *m, Leaving::kDead,
-               m->cut_reason.empty() ? absl::StrCat("session stream lost (", why, ")") : std::string(m->cut_reason));
+  const std::string& cut = BindingOf(*job, m->rank).cut_reason;
+  RemoveMember(*job, *m, Leaving::kDead, cut.empty() ? absl::StrCat("session stream lost (", why, ")") : std::string(cut));
 }
 
 void CoordinatorCore::RemoveMember(Job& job, Member& m, Leaving how, const std::string& reason) {
@@ -96,19 +96,20 @@ void CoordinatorCore::RemoveMember(Job& job, Member& m, Leaving how, const std::
   const std::string full = absl::StrCat("rank ", m.rank, " ", how == Leaving::kDead ? "declared dead: " : "", reason);
   // Flush what it was owed, then detach it. A dead rank whose write is stuck is cut for it
   // too: its queue is dropped at once instead of staying charged until its TCP goes.
-  if (m.sink && how == Leaving::kDead && BacklogOf(*m.sink).stalled_since < clock_->Now() - kNotReadingGrace) {
-    m.sink->CutForNotReading();
+  SessionBinding& b = group.binding(m.rank);
+  if (b.sink && how == Leaving::kDead && BacklogOf(*b.sink).stalled_since < clock_->Now() - kNotReadingGrace) {
+    b.sink->CutForNotReading();
   }
-  if (m.sink) {
-    if (m.outgoing.has_decisions()) {
-      SinkSend(m, std::move(m.outgoing));
-      m.outgoing.Clear();
+  if (b.sink) {
+    if (b.outgoing.has_decisions()) {
+      SinkSend(b, std::move(b.outgoing));
+      b.outgoing.Clear();
     }
-    m.sink->Close(clean ? absl::OkStatus() : absl::AbortedError(full));
+    b.sink->Close(clean ? absl::OkStatus() : absl::AbortedError(full));
   }
-  m.sink.reset();
-  jobs_.ForgetSession(m.session);
-  m.session_key.clear();
+  b.sink.reset();
+  jobs_.ForgetSession(b.session);
+  b.session_key.clear();
   group.MemberGone(m.rank, clean, reason);
   Event(clean ? Severity::kInfo : Severity::kError, clean ? EventKind::kRankLeft : EventKind::kRankDead, job.id, m.rank, group.index(),
         full);
@@ -136,15 +137,15 @@ void CoordinatorCore::ReclaimBuffers(absl::Time now) {
   // that has not read for a heartbeat timeout, whatever the budget (a rank that heartbeats but
   // never reads held its bytes for as long as it lived).
   struct Holder {
-    Member* m;
+    SessionBinding* to;
     RankSink::Backlog b;
   };
   std::vector<Holder> stalled;
   for (auto& entry : jobs_) {
-    ForEachMember(*entry.second, [&](Member& m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      if (!m.live() || !m.sink || !m.cut_reason.empty()) return;
-      const RankSink::Backlog b = BacklogOf(*m.sink);
-      if (b.stalled_since < now - kNotReadingGrace) stalled.push_back({&m, b});
+    ForEachMember(*entry.second, [&](Member& m, SessionBinding& to) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      if (!m.live() || !to.sink || !to.cut_reason.empty()) return;
+      const RankSink::Backlog b = BacklogOf(*to.sink);
+      if (b.stalled_since < now - kNotReadingGrace) stalled.push_back({&to, b});
     });
   }
   std::sort(stalled.begin(), stalled.end(), [](const Holder& a, const Holder& b) { return a.b.charged > b.b.charged; });
@@ -154,7 +155,7 @@ void CoordinatorCore::ReclaimBuffers(absl::Time now) {
     // Over the budget, the holders of queued bytes; whatever the budget, a write stuck longer
     // than the heartbeat timeout (its bytes in flight are not in `charged`).
     if ((over <= 0 || h.b.charged == 0) && waited <= options_.heartbeat_timeout) continue;
-    h.m->cut_reason = absl::StrCat(
+    h.to->cut_reason = absl::StrCat(
         "not reading its session stream: ", h.b.charged, " bytes queued for it have waited ",
         absl::ToInt64Milliseconds(waited), " ms for it to read",
         over > 0 ? absl::StrCat(" while the daemon's buffers for all clients are over their limit (max_buffered_bytes ",
@@ -162,7 +163,7 @@ void CoordinatorCore::ReclaimBuffers(absl::Time now) {
                  : absl::StrCat(", longer than the heartbeat timeout (", absl::ToInt64Milliseconds(
                                                                             options_.heartbeat_timeout), " ms)"),
         "; a rank must keep reading its decisions");
-    h.m->sink->CutForNotReading();
+    h.to->sink->CutForNotReading();
     over -= h.b.charged;
   }
 }
@@ -184,7 +185,7 @@ void CoordinatorCore::ExpireForming(Job& job, absl::Time now) {
       "job '", job.id, "' did not form within form_timeout_ms (", absl::ToInt64Milliseconds(options_.limits.form_timeout),
       " ms): ", never.size(), " of its ", job.world_size, " ranks never registered (", RankList(never),
       "); start every rank of the job, or give them longer (form_timeout_ms)");
-  ForEachMember(job, [&](Member& m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  ForEachMember(job, [&](Member& m, SessionBinding&) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (m.live()) RemoveMember(job, m, Leaving::kDead, why);
   });
 }
@@ -217,10 +218,10 @@ void CoordinatorCore::Tick(absl::Time started) {
     Job* job = entry.second.get();
     ExpireRecovery(*job, now);
     ExpireForming(*job, now);
-    ForEachMember(*job, [&](Member& m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    ForEachMember(*job, [&](Member& m, SessionBinding& to) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       if (!m.live()) return;
-      if (!m.cut_reason.empty()) {
-        RemoveMember(*job, m, Leaving::kDead, std::string(m.cut_reason));
+      if (!to.cut_reason.empty()) {
+        RemoveMember(*job, m, Leaving::kDead, std::string(to.cut_reason));
         return;
       }
       absl::Duration silent = now - m.last_seen;
@@ -252,7 +253,7 @@ void CoordinatorCore::RestartHeartbeatDeadlines(absl::Duration gap) {
   last_pause_end_ = now;  // Writes waiting across the pause waited for the daemon, not their ranks.
   int extended = 0;
   for (auto& [id, job] : jobs_) {
-    ForEachMember(*job, [&](Member& m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    ForEachMember(*job, [&](Member& m, SessionBinding&) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       if (!m.live()) return;
       m.last_seen = std::max(m.last_seen, now);
       extended++;
@@ -272,11 +273,11 @@ void CoordinatorCore::Shutdown() {
   notice.mutable_notice()->set_kind(v1::Notice::KIND_SHUTDOWN);
   notice.mutable_notice()->set_message("coordinator is shutting down");
   for (auto& [id, job] : jobs_) {
-    ForEachMember(*job, [&](Member& m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      if (!m.live() || !m.sink) return;
-      SendTo(m, notice);
-      m.sink->Close(absl::UnavailableError("coordinator is shutting down"));
-      m.sink.reset();
+    ForEachMember(*job, [&](Member& m, SessionBinding& to) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      if (!m.live() || !to.sink) return;
+      SendTo(m, to, notice);
+      to.sink->Close(absl::UnavailableError("coordinator is shutting down"));
+      to.sink.reset();
     });
   }
 }

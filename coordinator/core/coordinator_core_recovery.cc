@@ -29,14 +29,15 @@ void CoordinatorCore::ResumeMember(Job& job, ShardGroup& group, Member& m, uint6
   m.resume_charge = std::move(charge);
   v1::CoordinatorMessage msg = group.Registered(req, incarnation_, config_digest_);
   msg.mutable_registered()->set_epoch(m.resume->group_epoch());
-  msg.mutable_registered()->set_session_key(m.session_key);
-  msg.mutable_registered()->set_resume_credential(job.run_auth->Credential(job.id, m.rank, incarnation_, m.registration));
+  SessionBinding& b = group.binding(m.rank);
+  msg.mutable_registered()->set_session_key(b.session_key);
+  msg.mutable_registered()->set_resume_credential(job.run_auth->Credential(job.id, m.rank, incarnation_, b.registration));
   msg.mutable_registered()->set_run_id(job.run);
-  msg.mutable_registered()->set_registration(m.registration);
+  msg.mutable_registered()->set_registration(b.registration);
   Event(Severity::kInfo, EventKind::kRankResumed, job.id, m.rank, group.index(),
         absl::StrCat("from incarnation ", m.resume->incarnation(), " at epoch ", m.resume->group_epoch(), ", holding ",
                      m.resume->held_size(), " decisions and ", m.resume->undecided_size(), " undecided plans"));
-  SendTo(m, msg);
+  SendTo(m, b, msg);
   if (req.resume.has_value()) ResumeComms(job, m.rank, *req.resume);
   GroupEffects fx;
   group.MaybeFinishRecovery(clock_->Now(), fx);

@@ -82,7 +82,7 @@ void CoordinatorCore::Seat(Job& job, const Registration& req, uint64_t session_i
     return;
   }
   JoinGroup(job, group, m, session_id, std::move(sink), req);
-  m.claim = proven != nullptr ? *proven : RegistrationClaim{incarnation_, m.registration};
+  m.claim = proven != nullptr ? *proven : RegistrationClaim{incarnation_, BindingOf(job, m.rank).registration};
 }
 
 void CoordinatorCore::Supersede(Job& job, ShardGroup& group, Member& m, const Registration& req) {
@@ -96,8 +96,9 @@ void CoordinatorCore::Supersede(Job& job, ShardGroup& group, Member& m, const Re
     RemoveMember(job, m, Leaving::kDead, why);  // Its group re-forms, as for a death.
     return;
   }
-  if (m.sink) m.sink->Close(absl::PermissionDeniedError(why));
-  m.sink.reset();  // ResumeMember binds the new session in its place.
+  SessionBinding& b = group.binding(m.rank);
+  if (b.sink) b.sink->Close(absl::PermissionDeniedError(why));
+  b.sink.reset();  // ResumeMember binds the new session in its place.
 }
 
 absl::Status CoordinatorCore::CheckRequestAlone(const Registration& req) const {
@@ -121,7 +122,7 @@ void CoordinatorCore::JoinGroup(Job& job, ShardGroup& group, Member& m, uint64_t
   GroupEffects fx;
   group.UpdateState(fx);
   msg.mutable_registered()->set_epoch(group.epoch());
-  SendTo(m, msg);  // The RegisterResponse precedes anything else this rank is sent.
+  SendTo(m, group.binding(m.rank), msg);  // The RegisterResponse precedes anything else this rank is sent.
   Apply(job, group, fx);
   OnMemberBack(job, req.rank);
   if (group.epoch() != epoch_before) {
@@ -224,10 +225,11 @@ absl::Status CoordinatorCore::CheckUnverifiedResumeIsTimely(const Registration& 
 v1::CoordinatorMessage CoordinatorCore::Welcome(const Job& job, const ShardGroup& group, const Member& m,
                                                 const Registration& req, bool rejoin) {
   v1::CoordinatorMessage msg = group.Registered(req, incarnation_, config_digest_);
-  msg.mutable_registered()->set_session_key(m.session_key);
-  msg.mutable_registered()->set_resume_credential(job.run_auth->Credential(job.id, req.rank, incarnation_, m.registration));
+  const SessionBinding& b = BindingOf(job, m.rank);
+  msg.mutable_registered()->set_session_key(b.session_key);
+  msg.mutable_registered()->set_resume_credential(job.run_auth->Credential(job.id, req.rank, incarnation_, b.registration));
   msg.mutable_registered()->set_run_id(job.run);
-  msg.mutable_registered()->set_registration(m.registration);
+  msg.mutable_registered()->set_registration(b.registration);
   const Policy policy = req.policy;
   Event(Severity::kInfo, rejoin ? EventKind::kRankRejoined : EventKind::kRankRegistered, job.id, req.rank, group.index(),
         absl::StrCat("host=", req.host, " policy=", PolicyName(policy),

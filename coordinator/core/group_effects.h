@@ -43,6 +43,9 @@ struct GroupEffects {
   std::vector<Event> events;
   std::vector<std::string> warnings;  // Log lines, written after unlocking (10 a second at most).
   std::vector<absl::Duration> decision_latencies;  // First report to decision, per decision.
+  // Members to cut at the next tick (index, why): they broke the protocol. The core keeps the
+  // first reason of each (SessionBinding::cut_reason) and sends them nothing more.
+  std::vector<std::pair<int, std::string>> cuts;
   int64_t plans_accepted = 0;
   int64_t decided = 0;    // Decisions given (the job's counter).
   bool recovered = false;  // The group recovered after a restart (its time goes to a histogram).
@@ -59,11 +62,12 @@ struct GroupEffects {
     events.clear();
     warnings.clear();
     decision_latencies.clear();
+    cuts.clear();
     plans_accepted = decided = 0;
     recovered = false;
   }
   bool empty() const {
-    return messages.empty() && events.empty() && warnings.empty() && decision_latencies.empty() &&
+    return messages.empty() && events.empty() && warnings.empty() && decision_latencies.empty() && cuts.empty() &&
            plans_accepted == 0 && decided == 0 && !recovered;
   }
 };

@@ -26,6 +26,7 @@ v1::DecisionCounts DecisionTally::ToProto() const {
 ShardGroup::ShardGroup(int index, int first_rank, int size, GroupRules rules) : index_(index), rules_(std::move(rules)) {
   ranks_.reserve(size);
   members_.resize(size);
+  bindings_.resize(size);
   for (int i = 0; i < size; ++i) {
     ranks_.push_back(first_rank + i);
     members_[i].rank = first_rank + i;

@@ -33,13 +33,12 @@
 #include "coordinator/core/group_effects.h"
 #include "coordinator/core/registration.h"
 #include "coordinator/core/resume_auth.h"
+#include "coordinator/core/session_binding.h"
 #include "coordinator/core/worker_report.h"
 #include "coordinator/settings/options.h"
 #include "shardcoord/v1/coordinator.pb.h"
 
 namespace shardcoord::coordinator {
-
-class RankSink;
 
 // A running total of a number a rank reports cumulatively (decision stalls, bytes gathered):
 // a report below the previous one is a new worker process counting from zero again, so the
@@ -79,8 +78,6 @@ struct Member {
   int rank = 0;
   int group = 0;
   v1::RankState state = v1::RANK_STATE_UNREGISTERED;
-  uint64_t session = 0;
-  std::shared_ptr<RankSink> sink;
   std::string host;
   int64_t pid = 0;
   absl::Time last_seen = absl::InfinitePast();
@@ -91,9 +88,6 @@ struct Member {
   int64_t registrations = 0;
   int lookahead = kDefaultLookahead;
   int64_t memory_budget = 0;
-  // Why the rank is to be failed at the next tick ("" while it is not): its sink refused a
-  // send (it does not read), or it broke the protocol. Nothing more is sent to it.
-  std::string cut_reason;
   std::vector<ModuleMemoryUsage> memory;  // As last reported.
   // As last reported, per manifest module (empty: none yet): forward and the sum of its
   // units' gathers, no names (a 16k-rank group holds two numbers per rank and module).
@@ -102,14 +96,11 @@ struct Member {
   absl::Time costs_taken = absl::InfinitePast();           // When its last report was taken.
   ReportedTotal decision_stalls, decision_stall_us;  // From heartbeats, across worker restarts.
   std::map<std::string, ReportedTotal> gathered_bytes;  // By module of the manifest, likewise.
-  std::string session_key;  // Of the live session (RegisterResponse.session_key).
-  uint64_t registration = 0;  // The serial of its live session's answer (RegisterResponse.registration).
   RegistrationClaim claim;    // What its holder proved, kept when it dies or leaves.
   // What the rank held when it resumed after a restart, until its group recovered;
   // its memory is charged to the daemon's buffers meanwhile.
   std::optional<v1::ResumeState> resume;
   BufferCharge resume_charge;
-  v1::CoordinatorMessage outgoing;  // Decisions batched during one CoordinatorCore::Apply.
 
   bool live() const { return state == v1::RANK_STATE_LIVE; }
   // Whether the rank can no longer report `key` (one it has not reported): it left (a rank
@@ -211,10 +202,13 @@ class ShardGroup {
   // fills it through the group's operations and applies it): empty between operations, its
   // vectors keeping their room.
   GroupEffects& effects() { return effects_; }
-  // The members. Mutable for the core's session binding only (sink, session, outgoing): a rank's
-  // life state is written through MemberLive and MemberGone.
+  // The members. Mutable for the core's registration and heartbeat bookkeeping (host, pid,
+  // last_seen, claim, resume); a rank's life state is written through MemberLive and MemberGone.
   std::vector<Member>& members() { return members_; }
   const std::vector<Member>& members() const { return members_; }
+  // The core's session of each member (SessionBinding); the group's own operations never touch it.
+  SessionBinding& binding(int rank) { return bindings_[IndexOf(rank)]; }
+  SessionBinding& binding_at(int idx) { return bindings_[idx]; }
   // An ended job keeps its last `keep` decisions of history (CoordinatorCore's sweep).
   void TrimHistory(size_t keep);
 
@@ -290,6 +284,7 @@ class ShardGroup {
   int index_ = 0;
   std::vector<int> ranks_;       // Ascending and contiguous.
   std::vector<Member> members_;  // Parallel to `ranks_`.
+  std::vector<SessionBinding> bindings_;  // Parallel to `ranks_`; the core's (binding()).
   v1::GroupState state_ = v1::GROUP_STATE_FORMING;
   int64_t epoch_ = 0;
   bool has_reference_ = false;

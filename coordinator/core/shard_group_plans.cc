@@ -19,11 +19,9 @@ void ShardGroup::TakePlans(int idx, const PlanBatchReport& batch, absl::Time now
     // of entries that failed locally wait to be sent, in an older worker): a client sending
     // more would get a rejection for each plan past the window, and those alone could fill
     // its outbox.
-    if (m.cut_reason.empty()) {
-      m.cut_reason = absl::StrCat("broke the protocol: sent ", batch.plans.size(),
-                                  " plans in one batch; with a lookahead window of ", m.lookahead,
-                                  " a worker sends at most ", MaxPlansPerBatch(m.lookahead));
-    }
+    fx.cuts.emplace_back(idx, absl::StrCat("broke the protocol: sent ", batch.plans.size(),
+                                           " plans in one batch; with a lookahead window of ", m.lookahead,
+                                           " a worker sends at most ", MaxPlansPerBatch(m.lookahead)));
     return;
   }
   const int max_pending = rules_.options->limits.max_pending_microbatches;

@@ -123,7 +123,7 @@ class ShardGroupTest : public ::testing::Test {
     group_->ForgetMeasures(idx);
     group_->MemberLive(group_->ranks()[idx]);
     Member& m = group_->members()[idx];
-    m.session = static_cast<uint64_t>(idx) + 100;
+    group_->binding_at(idx).session = static_cast<uint64_t>(idx) + 100;
     m.last_seen = now;
     m.last_planned.reset();
     m.dead_reason.clear();
@@ -131,7 +131,7 @@ class ShardGroupTest : public ::testing::Test {
     m.registrations++;
     m.lookahead = request_.lookahead;
     m.memory_budget = request_.memory_budget_bytes;
-    m.cut_reason.clear();
+    group_->binding_at(idx).cut_reason.clear();
   }
 
   // Every member live, and the group formed (HEALTHY).
@@ -427,6 +427,24 @@ TEST_F(ShardGroupTest, AMicrobatchOneMemberNeverReportsFailsAfterThePlanTimeoutN
 
 // ---------------------------------------------------------------------------------------
 // Deaths and re-forming
+
+// A batch over what a worker ever sends (two windows and 16) is a broken protocol: the group
+// takes none of it and asks the core to cut the member (GroupEffects::cuts; the core keeps the
+// reason in the member's session binding, never seen by the group, and fails the rank at the tick).
+TEST_F(ShardGroupTest, ABatchOverTheWindowAsksTheCoreToCutTheMember) {
+  Make(2, v1::POLICY_PER_LAYER);
+  Form();
+  std::vector<v1::MicrobatchPlan> plans;
+  for (int mb = 0; mb <= MaxPlansPerBatch(request_.lookahead); ++mb) plans.push_back(Plan(0, mb, 1));
+  const GroupEffects fx = TakePlans(1, plans);
+  ASSERT_THAT(fx.cuts, SizeIs(1));
+  EXPECT_EQ(fx.cuts[0].first, 1);
+  EXPECT_THAT(fx.cuts[0].second, HasSubstr("broke the protocol: sent " + std::to_string(plans.size()) + " plans"));
+  EXPECT_EQ(fx.plans_accepted, 0);
+  EXPECT_THAT(fx.messages, IsEmpty()) << "no rejection per plan: those alone could fill its outbox";
+  EXPECT_THAT(group_->pending(), IsEmpty());
+  EXPECT_THAT(TakePlans(0, {Plan(0, 0, 1)}).cuts, IsEmpty());
+}
 
 TEST_F(ShardGroupTest, AMemberDeathFailsTheGroupAndCancelsEveryPendingMicrobatch) {
   Make(2, v1::POLICY_PER_LAYER);
