@@ -10,7 +10,7 @@ b=$root/.gpu work=$(mktemp -d)
 export LD_LIBRARY_PATH=/usr/lib/x86_64-linux-gnu:/usr/local/cuda-13.0/targets/x86_64-linux/lib:/usr/local/cuda/lib64:$b/lib
 torch_dir=${TORCH_DIR:-/opt/torch/.venv/lib/python3.12/site-packages/torch/share/cmake/Torch}
 mkdir -p "$root/examples/vlm_trainer/gpu-unfixed"
-grep -v -e 'no-as-needed' -e '^  "-Wl' "$root/examples/vlm_trainer/gpu/CMakeLists.txt" |
+grep -v -e 'no-as-needed' "$root/examples/vlm_trainer/gpu/CMakeLists.txt" |
   sed 's|target_link_libraries(vlm_trainer PRIVATE ${BUNDLE}/lib/libshardcoord_worker.so.0|& ${ABSL_LIBS} ${TORCH_LIBRARIES})|' \
   > "$root/examples/vlm_trainer/gpu-unfixed/CMakeLists.txt"
 grep -n target_link_libraries "$root/examples/vlm_trainer/gpu-unfixed/CMakeLists.txt"

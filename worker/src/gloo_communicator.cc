@@ -200,8 +200,9 @@ absl::Status GlooIsItsOwnLibrary() {
         "Gloo's functions in this process come from ", info.dli_fname == nullptr ? "another library" : info.dli_fname,
         ", not from ", kGlooLibrary, ", the Gloo shardcoord was built against (a LibTorch that carries its own Gloo, "
         "such as pip's, linked before it): two Gloo versions cannot share a process. Link ", kGlooLibrary,
-        " ahead of LibTorch (-Wl,--no-as-needed -lgloo before the Torch libraries; examples/vlm_trainer/gpu does), "
-        "or use the NCCL backend"));
+        " ahead of LibTorch: name shardcoord::worker (the installed CMake package) before the Torch libraries, or "
+        "add -Wl,--push-state,--no-as-needed -lgloo -Wl,--pop-state before the Torch libraries; or use the NCCL "
+        "backend"));
   }();
   return status;
 }
