@@ -67,15 +67,15 @@ void CoordinatorCore::Event(Severity severity, EventKind kind,
   });
 }
 
-Member* CoordinatorCore::LiveIn(ShardGroup& group, int rank, uint64_t session_id) {
-  Member& m = group.member(rank);
+const Member* CoordinatorCore::LiveIn(ShardGroup& group, int rank, uint64_t session_id) {
+  const Member& m = group.member(rank);
   return group.binding(rank).session == session_id && m.live() ? &m : nullptr;
 }
 
-Member* CoordinatorCore::LiveMember(uint64_t session_id, Job** job) {
+const Member* CoordinatorCore::LiveMember(uint64_t session_id, Job** job) {
   const SessionRef* ref = jobs_.FindSession(session_id);
   if (ref == nullptr) return nullptr;
-  Member* m = LiveIn(Owned(*ref->job, ref->job->GroupOf(ref->rank)), ref->rank, session_id);
+  const Member* m = LiveIn(Owned(*ref->job, ref->job->GroupOf(ref->rank)), ref->rank, session_id);
   if (m != nullptr) *job = ref->job;
   return m;
 }

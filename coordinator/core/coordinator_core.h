@@ -177,7 +177,7 @@ class CoordinatorCore {
       ABSL_NO_THREAD_SAFETY_ANALYSIS {
     return job.groups[group]->group;
   }
-  Member& OwnedMember(const Job& job, int rank) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  const Member& OwnedMember(const Job& job, int rank) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return Owned(job, job.GroupOf(rank)).member(rank);
   }
   SessionBinding& BindingOf(const Job& job, int rank) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -193,24 +193,24 @@ class CoordinatorCore {
     }
   }
   // The member of `group` behind `session_id` if that is the rank's current live session.
-  static Member* LiveIn(ShardGroup& group, int rank, uint64_t session_id);
+  static const Member* LiveIn(ShardGroup& group, int rank, uint64_t session_id);
 
   // Carries out what one of `group`'s operations asked (GroupEffects), under the group's
   // lock: its messages, in order, to its live members' sinks, then its events and counters.
   void Apply(Job& job, ShardGroup& group, GroupEffects& fx) ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // The parts of a bundle, in the order OnBundle takes them: heartbeat and plans with the
   // group's mutex held too, or mu_ exclusively; CommAbort acknowledgements under mu_ exclusive.
-  void TakeHeartbeat(Job& job, ShardGroup& group, Member& m, const HeartbeatReport& heartbeat)
+  void TakeHeartbeat(Job& job, ShardGroup& group, const Member& m, const HeartbeatReport& heartbeat)
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  void TakePlans(Job& job, ShardGroup& group, Member& m, const PlanBatchReport& batch) ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  void TakeCommAborted(Job& job, Member& m, const CommAbortAck& ack) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void TakePlans(Job& job, ShardGroup& group, const Member& m, const PlanBatchReport& batch) ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  void TakeCommAborted(Job& job, const Member& m, const CommAbortAck& ack) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Returns the session's member if it is the rank's current live session.
-  Member* LiveMember(uint64_t session_id, Job** job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  const Member* LiveMember(uint64_t session_id, Job** job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // How a rank stops: a clean leave, its trainer's failure (said in its goodbye), or declared dead.
   enum class Leaving { kClean, kFailed, kDead };
   // Marks the rank left (or dead) and fails / cancels what its group was waiting for.
-  void RemoveMember(Job& job, Member& member, Leaving how, const std::string& reason)
+  void RemoveMember(Job& job, const Member& member, Leaving how, const std::string& reason)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Sends the decisions batched in the bindings' `outgoing`.
   void Flush(ShardGroup& group) ABSL_SHARED_LOCKS_REQUIRED(mu_);
@@ -248,7 +248,7 @@ class CoordinatorCore {
   void SyncRunPins(const Job* joining = nullptr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // An accepted rank becomes live in its group (not recovering): its RegisterResponse, the
   // group's state, its communicators, and a notice to the others if the group re-formed.
-  void JoinGroup(Job& job, ShardGroup& group, Member& m, uint64_t session_id, std::shared_ptr<RankSink> sink,
+  void JoinGroup(Job& job, ShardGroup& group, const Member& m, uint64_t session_id, std::shared_ptr<RankSink> sink,
                  const Registration& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The RegisterResponse for an accepted rank (session key, resume credential), with its events.
   v1::CoordinatorMessage Welcome(const Job& job, const ShardGroup& group, const Member& m,
@@ -261,7 +261,7 @@ class CoordinatorCore {
   // The live holder of `m`'s slot gives it up to a verified resume of a newer registration:
   // its session ends (PERMISSION_DENIED saying why), evented; outside recovery it is lost to
   // its group as a death is.
-  void Supersede(Job& job, ShardGroup& group, Member& m, const Registration& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Supersede(Job& job, ShardGroup& group, const Member& m, const Registration& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The accepted rank takes its slot: its group recovering (ResumeMember) or not (JoinGroup),
   // superseding a holder `proven` outdates; `proven`: what a verified resume proved, else null
   // (an unverified resume is evented as such).
@@ -269,7 +269,7 @@ class CoordinatorCore {
             BufferCharge resume_charge, bool resuming, const RegistrationClaim* proven)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   Job& CreateJob(const Registration& req, const std::string& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void SetLive(Job& job, Member& m, uint64_t session_id, std::shared_ptr<RankSink> sink,
+  void SetLive(Job& job, const Member& m, uint64_t session_id, std::shared_ptr<RankSink> sink,
                const Registration& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The status query's part, under mu_ shared: takes each group's mutex itself.
   void FillJobStatus(const Job& job, v1::JobStatus* out) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
@@ -300,7 +300,7 @@ class CoordinatorCore {
   // Recovery after a restart (coordinator_core_recovery.cc, DESIGN 12; the group's part in
   // shard_group_states.cc).
   // A rank (resuming, or registering for the first time) joins a recovering group.
-  void ResumeMember(Job& job, ShardGroup& group, Member& m, uint64_t session_id, std::shared_ptr<RankSink> sink,
+  void ResumeMember(Job& job, ShardGroup& group, const Member& m, uint64_t session_id, std::shared_ptr<RankSink> sink,
                     const Registration& req, BufferCharge charge) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Takes the memory a resume will be held in from buffers_, or says which bound refuses it.
   absl::StatusOr<BufferCharge> ChargeResume(const Registration& req);

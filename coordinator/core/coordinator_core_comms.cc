@@ -103,8 +103,8 @@ absl::Status CoordinatorCore::CommReport(const CommReportCall& call) {
   return (*job)->comms->Report(host, mu_, call);
 }
 
-void CoordinatorCore::TakeCommAborted(Job& job, Member& m, const CommAbortAck& ack) {
-  m.last_seen = clock_->Now();
+void CoordinatorCore::TakeCommAborted(Job& job, const Member& m, const CommAbortAck& ack) {
+  Owned(job, m.group).MemberSeen(m.rank, clock_->Now());
   JobHost host(*this, job);
   job.comms->AckAbort(host, mu_, ack, m.rank);
 }

@@ -14,20 +14,11 @@
 
 namespace shardcoord::coordinator {
 
-void CoordinatorCore::SetLive(Job& job, Member& m, uint64_t session_id, std::shared_ptr<RankSink> sink,
+void CoordinatorCore::SetLive(Job& job, const Member& m, uint64_t session_id, std::shared_ptr<RankSink> sink,
                               const Registration& req) {
   SessionBinding& b = BindingOf(job, m.rank);
   if (b.session != 0) jobs_.ForgetSession(b.session);
-  Owned(job, m.group).MemberLive(m.rank);
-  m.host = req.host;
-  m.pid = req.pid;
-  m.last_seen = clock_->Now();
-  m.last_planned.reset();
-  m.resume.reset();  // A resume is held only from ResumeMember on (which sets it after this).
-  m.resume_charge = BufferCharge();
-  m.registrations++;
-  m.lookahead = req.lookahead;
-  m.memory_budget = req.memory_budget_bytes;
+  Owned(job, m.group).MemberLive(m.rank, req, clock_->Now());
   b.session = session_id;
   b.sink = std::move(sink);
   b.cut_reason.clear();
@@ -54,7 +45,7 @@ void CoordinatorCore::NotifyRankLost(Job& job, const ShardGroup& group, int rank
   n->set_epoch(group.epoch());
   n->set_rank(rank);
   n->set_message(reason);
-  ForEachMember(job, [&](Member& other, SessionBinding& to) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  ForEachMember(job, [&](const Member& other, SessionBinding& to) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (other.group != group.index() && other.live()) SendTo(other, to, msg);
   });
 }

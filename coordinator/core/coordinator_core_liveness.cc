@@ -25,7 +25,7 @@ void CoordinatorCore::OnBundle(uint64_t session_id, const WorkerReport& report) 
     // Acknowledgements change the state of the job's communicators.
     CoreLock lock(&mu_);
     Job* job = nullptr;
-    Member* m = LiveMember(session_id, &job);
+    const Member* m = LiveMember(session_id, &job);
     if (m == nullptr) return;
     ShardGroup& group = Owned(*job, m->group);
     if (report.heartbeat) TakeHeartbeat(*job, group, *m, *report.heartbeat);
@@ -39,13 +39,13 @@ void CoordinatorCore::OnBundle(uint64_t session_id, const WorkerReport& report) 
   if (ref == nullptr) return;  // A stale session; its rank re-registered or was declared dead.
   GroupSlot& slot = SlotOf(*ref->job, ref->rank);
   absl::MutexLock group_lock(&slot.mu);
-  Member* m = LiveIn(slot.group, ref->rank, session_id);
+  const Member* m = LiveIn(slot.group, ref->rank, session_id);
   if (m == nullptr) return;
   if (report.heartbeat) TakeHeartbeat(*ref->job, slot.group, *m, *report.heartbeat);
   if (report.plans) TakePlans(*ref->job, slot.group, *m, *report.plans);
 }
 
-void CoordinatorCore::TakeHeartbeat(Job& job, ShardGroup& group, Member& m, const HeartbeatReport& heartbeat) {
+void CoordinatorCore::TakeHeartbeat(Job& job, ShardGroup& group, const Member& m, const HeartbeatReport& heartbeat) {
   const absl::Time now = clock_->Now();
   GroupEffects fx;
   group.TakeHeartbeat(group.IndexOf(m.rank), heartbeat, now, fx);
@@ -54,7 +54,7 @@ void CoordinatorCore::TakeHeartbeat(Job& job, ShardGroup& group, Member& m, cons
   Apply(job, group, fx);
 }
 
-void CoordinatorCore::TakePlans(Job& job, ShardGroup& group, Member& m, const PlanBatchReport& batch) {
+void CoordinatorCore::TakePlans(Job& job, ShardGroup& group, const Member& m, const PlanBatchReport& batch) {
   GroupEffects& fx = group.effects();  // Reused: Apply empties it, keeping its room.
   group.TakePlans(group.IndexOf(m.rank), batch, clock_->Now(), fx);
   Apply(job, group, fx);
@@ -63,7 +63,7 @@ void CoordinatorCore::TakePlans(Job& job, ShardGroup& group, Member& m, const Pl
 void CoordinatorCore::OnGoodbye(uint64_t session_id, const std::string& reason, bool failed) {
   CoreLock lock(&mu_);
   Job* job = nullptr;
-  Member* m = LiveMember(session_id, &job);
+  const Member* m = LiveMember(session_id, &job);
   if (m == nullptr) return;
   if (failed) {  // The trainer stopped on an error: its group fails now, naming it and the error.
     RemoveMember(*job, *m, Leaving::kFailed,
@@ -78,7 +78,7 @@ void CoordinatorCore::OnSessionClosed(uint64_t session_id, const std::string& wh
   CoreLock lock(&mu_);
   if (shut_down_) return;  // Our own shutdown closed it: no rank died.
   Job* job = nullptr;
-  Member* m = LiveMember(session_id, &job);
+  const Member* m = LiveMember(session_id, &job);
   if (m == nullptr) {
     jobs_.ForgetSession(session_id);
     return;
@@ -89,7 +89,7 @@ void CoordinatorCore::OnSessionClosed(uint64_t session_id, const std::string& wh
   RemoveMember(*job, *m, Leaving::kDead, cut.empty() ? absl::StrCat("session stream lost (", why, ")") : std::string(cut));
 }
 
-void CoordinatorCore::RemoveMember(Job& job, Member& m, Leaving how, const std::string& reason) {
+void CoordinatorCore::RemoveMember(Job& job, const Member& m, Leaving how, const std::string& reason) {
   ShardGroup& group = Owned(job, m.group);
   const bool clean = how == Leaving::kClean;
   // "rank 1 left cleanly", "rank 1 failed: ERROR" (its trainer said so), "rank 1 declared dead: WHY".
@@ -142,7 +142,7 @@ void CoordinatorCore::ReclaimBuffers(absl::Time now) {
   };
   std::vector<Holder> stalled;
   for (auto& entry : jobs_) {
-    ForEachMember(*entry.second, [&](Member& m, SessionBinding& to) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    ForEachMember(*entry.second, [&](const Member& m, SessionBinding& to) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       if (!m.live() || !to.sink || !to.cut_reason.empty()) return;
       const RankSink::Backlog b = BacklogOf(*to.sink);
       if (b.stalled_since < now - kNotReadingGrace) stalled.push_back({&to, b});
@@ -185,7 +185,7 @@ void CoordinatorCore::ExpireForming(Job& job, absl::Time now) {
       "job '", job.id, "' did not form within form_timeout_ms (", absl::ToInt64Milliseconds(options_.limits.form_timeout),
       " ms): ", never.size(), " of its ", job.world_size, " ranks never registered (", RankList(never),
       "); start every rank of the job, or give them longer (form_timeout_ms)");
-  ForEachMember(job, [&](Member& m, SessionBinding&) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  ForEachMember(job, [&](const Member& m, SessionBinding&) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (m.live()) RemoveMember(job, m, Leaving::kDead, why);
   });
 }
@@ -218,7 +218,7 @@ void CoordinatorCore::Tick(absl::Time started) {
     Job* job = entry.second.get();
     ExpireRecovery(*job, now);
     ExpireForming(*job, now);
-    ForEachMember(*job, [&](Member& m, SessionBinding& to) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    ForEachMember(*job, [&](const Member& m, SessionBinding& to) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       if (!m.live()) return;
       if (!to.cut_reason.empty()) {
         RemoveMember(*job, m, Leaving::kDead, std::string(to.cut_reason));
@@ -253,11 +253,9 @@ void CoordinatorCore::RestartHeartbeatDeadlines(absl::Duration gap) {
   last_pause_end_ = now;  // Writes waiting across the pause waited for the daemon, not their ranks.
   int extended = 0;
   for (auto& [id, job] : jobs_) {
-    ForEachMember(*job, [&](Member& m, SessionBinding&) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      if (!m.live()) return;
-      m.last_seen = std::max(m.last_seen, now);
-      extended++;
-    });
+    for (size_t g = 0; g < job->groups.size(); ++g) {
+      extended += Owned(*job, static_cast<int>(g)).RestartHeartbeatDeadlines(now);
+    }
   }
   const std::string what = absl::StrCat("the coordinator did not run for ", absl::ToInt64Milliseconds(gap),
                                         " ms (paused, starved or the clock jumped); heartbeat deadlines of ",
@@ -273,7 +271,7 @@ void CoordinatorCore::Shutdown() {
   notice.mutable_notice()->set_kind(v1::Notice::KIND_SHUTDOWN);
   notice.mutable_notice()->set_message("coordinator is shutting down");
   for (auto& [id, job] : jobs_) {
-    ForEachMember(*job, [&](Member& m, SessionBinding& to) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    ForEachMember(*job, [&](const Member& m, SessionBinding& to) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       if (!m.live() || !to.sink) return;
       SendTo(m, to, notice);
       to.sink->Close(absl::UnavailableError("coordinator is shutting down"));

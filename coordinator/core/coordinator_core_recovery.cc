@@ -20,13 +20,12 @@ absl::StatusOr<BufferCharge> CoordinatorCore::ChargeResume(const Registration& r
   return BufferCharge(buffers_.get(), bytes);
 }
 
-void CoordinatorCore::ResumeMember(Job& job, ShardGroup& group, Member& m, uint64_t session_id,
+void CoordinatorCore::ResumeMember(Job& job, ShardGroup& group, const Member& m, uint64_t session_id,
                                    std::shared_ptr<RankSink> sink, const Registration& req,
                                    BufferCharge charge) {
   SetLive(job, m, session_id, std::move(sink), req);
   // A rank that never registered before the restart holds nothing.
-  m.resume = req.resume.has_value() ? *req.resume : v1::ResumeState{};
-  m.resume_charge = std::move(charge);
+  group.HoldResume(m.rank, req.resume.has_value() ? *req.resume : v1::ResumeState{}, std::move(charge));
   v1::CoordinatorMessage msg = group.Registered(req, incarnation_, config_digest_);
   msg.mutable_registered()->set_epoch(m.resume->group_epoch());
   SessionBinding& b = group.binding(m.rank);

@@ -60,7 +60,7 @@ absl::Status CoordinatorCore::Register(uint64_t session_id, const Registration& 
 void CoordinatorCore::Seat(Job& job, const Registration& req, uint64_t session_id, std::shared_ptr<RankSink> sink,
                            BufferCharge resume_charge, bool resuming, const RegistrationClaim* proven) {
   ShardGroup& group = Owned(job, job.GroupOf(req.rank));
-  Member& m = group.member(req.rank);
+  const Member& m = group.member(req.rank);
   if (!group.has_reference()) group.SetReference(req, options_.promotion);
   group.ForgetMeasures(group.IndexOf(req.rank));  // Its process measures afresh (and resends).
   // The first rank of a group this process has not seen at work resumes: the group waits
@@ -78,14 +78,14 @@ void CoordinatorCore::Seat(Job& job, const Registration& req, uint64_t session_i
   if (m.live()) Supersede(job, group, m, req);  // CheckJobAccepts let only a newer proven registration here.
   if (group.state() == v1::GROUP_STATE_RECOVERING) {
     ResumeMember(job, group, m, session_id, std::move(sink), req, std::move(resume_charge));
-    m.claim = proven != nullptr ? *proven : RegistrationClaim{};  // A fresh rank while the group recovers proves nothing.
+    group.SetClaim(m.rank, proven != nullptr ? *proven : RegistrationClaim{});  // A fresh rank while the group recovers proves nothing.
     return;
   }
   JoinGroup(job, group, m, session_id, std::move(sink), req);
-  m.claim = proven != nullptr ? *proven : RegistrationClaim{incarnation_, BindingOf(job, m.rank).registration};
+  group.SetClaim(m.rank, proven != nullptr ? *proven : RegistrationClaim{incarnation_, BindingOf(job, m.rank).registration});
 }
 
-void CoordinatorCore::Supersede(Job& job, ShardGroup& group, Member& m, const Registration& req) {
+void CoordinatorCore::Supersede(Job& job, ShardGroup& group, const Member& m, const Registration& req) {
   const std::string why = absl::StrCat(
       "superseded: a process proved a newer registration of rank ", m.rank, " of job '", job.id, "' (incarnation ",
       req.resume->incarnation(), ", registration ", req.resume->previous().registration(),
@@ -113,7 +113,7 @@ absl::Status CoordinatorCore::CheckRequestAlone(const Registration& req) const {
   return CheckRootIsPossible(req);
 }
 
-void CoordinatorCore::JoinGroup(Job& job, ShardGroup& group, Member& m, uint64_t session_id,
+void CoordinatorCore::JoinGroup(Job& job, ShardGroup& group, const Member& m, uint64_t session_id,
                                 std::shared_ptr<RankSink> sink, const Registration& req) {
   const bool rejoin = m.state == v1::RANK_STATE_DEAD || m.state == v1::RANK_STATE_LEFT;
   SetLive(job, m, session_id, std::move(sink), req);

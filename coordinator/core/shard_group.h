@@ -202,9 +202,8 @@ class ShardGroup {
   // fills it through the group's operations and applies it): empty between operations, its
   // vectors keeping their room.
   GroupEffects& effects() { return effects_; }
-  // The members. Mutable for the core's registration and heartbeat bookkeeping (host, pid,
-  // last_seen, claim, resume); a rank's life state is written through MemberLive and MemberGone.
-  std::vector<Member>& members() { return members_; }
+  // The members, read-only: the group's operations write them (MemberLive, MemberGone,
+  // MemberSeen, SetClaim, HoldResume, and the plan and heartbeat paths).
   const std::vector<Member>& members() const { return members_; }
   // The core's session of each member (SessionBinding); the group's own operations never touch it.
   SessionBinding& binding(int rank) { return bindings_[IndexOf(rank)]; }
@@ -214,14 +213,23 @@ class ShardGroup {
 
   bool Has(int rank) const { return rank >= ranks_.front() && rank <= ranks_.back(); }
   int IndexOf(int rank) const { return rank - ranks_.front(); }
-  Member& member(int rank) { return members_[IndexOf(rank)]; }
   const Member& member(int rank) const { return members_[IndexOf(rank)]; }
   Census Count() const;
   int size() const { return static_cast<int>(ranks_.size()); }
   // A rank's life state has one writer, the group: these two for the core (a rank registered,
-  // or left or died), and the group's own rules (recovery expiry, a rerun).
-  void MemberLive(int rank);
+  // or left or died), and the group's own rules (recovery expiry, a rerun). MemberLive also
+  // takes what the registration says of the rank (host, pid, lookahead, budget) and starts it
+  // afresh (no plans, no resume held, seen now).
+  void MemberLive(int rank, const Registration& req, absl::Time now);
   void MemberGone(int rank, bool clean, const std::string& reason);
+  // The rest of what the core records of a member: a sign of life outside the plan path, what it
+  // proved when registering (RegistrationClaim), what it held when it resumed after a restart.
+  void MemberSeen(int rank, absl::Time now);
+  void SetClaim(int rank, const RegistrationClaim& claim);
+  void HoldResume(int rank, v1::ResumeState resume, BufferCharge charge);
+  // A pause of the daemon: every live member's heartbeat deadline starts again at `now`;
+  // returns how many there were.
+  int RestartHeartbeatDeadlines(absl::Time now);
 
   // Plans member `idx` reported that are not resolved yet: computed, never cached.
   int PendingOf(int idx) const;
@@ -281,6 +289,7 @@ class ShardGroup {
   const std::vector<ModuleCostModel>& cost_model() const { return cost_model_; }
 
  private:
+  Member& mutable_member(int rank) { return members_[IndexOf(rank)]; }
   int index_ = 0;
   std::vector<int> ranks_;       // Ascending and contiguous.
   std::vector<Member> members_;  // Parallel to `ranks_`.

@@ -196,7 +196,7 @@ void ShardGroup::FinishRecovery(absl::Time now, GroupEffects& fx) {
     }
   }
   for (const auto& [rank, d] : rec.resend) {
-    Member& m = member(rank);
+    Member& m = mutable_member(rank);
     if (!m.last_planned || *m.last_planned < KeyOf(d)) m.last_planned = KeyOf(d);
     fx.Decide(IndexOf(rank), d);
   }
@@ -285,20 +285,49 @@ std::vector<int> ShardGroup::ExpireRecovery(absl::Time now, std::string* why, st
   DropResumes();
   fx.Record(Severity::kError, EventKind::kRecoveryExpired, -1, *why);
   for (int r : missing) {
-    member(r).state = v1::RANK_STATE_DEAD;
-    member(r).dead_reason = *each;
+    mutable_member(r).state = v1::RANK_STATE_DEAD;
+    mutable_member(r).dead_reason = *each;
   }
   return missing;
 }
 
-void ShardGroup::MemberLive(int rank) {
-  Member& m = member(rank);
+void ShardGroup::MemberLive(int rank, const Registration& req, absl::Time now) {
+  Member& m = mutable_member(rank);
   m.state = v1::RANK_STATE_LIVE;
   m.dead_reason.clear();
+  m.host = req.host;
+  m.pid = req.pid;
+  m.last_seen = now;
+  m.last_planned.reset();
+  m.resume.reset();  // A resume is held only from HoldResume on (the core calls it after this).
+  m.resume_charge = BufferCharge();
+  m.registrations++;
+  m.lookahead = req.lookahead;
+  m.memory_budget = req.memory_budget_bytes;
+}
+
+void ShardGroup::MemberSeen(int rank, absl::Time now) { mutable_member(rank).last_seen = now; }
+
+void ShardGroup::SetClaim(int rank, const RegistrationClaim& claim) { mutable_member(rank).claim = claim; }
+
+void ShardGroup::HoldResume(int rank, v1::ResumeState resume, BufferCharge charge) {
+  Member& m = mutable_member(rank);
+  m.resume = std::move(resume);
+  m.resume_charge = std::move(charge);
+}
+
+int ShardGroup::RestartHeartbeatDeadlines(absl::Time now) {
+  int live = 0;
+  for (Member& m : members_) {
+    if (!m.live()) continue;
+    m.last_seen = std::max(m.last_seen, now);
+    ++live;
+  }
+  return live;
 }
 
 void ShardGroup::MemberGone(int rank, bool clean, const std::string& reason) {
-  Member& m = member(rank);
+  Member& m = mutable_member(rank);
   m.state = clean ? v1::RANK_STATE_LEFT : v1::RANK_STATE_DEAD;
   m.dead_reason = reason;
 }

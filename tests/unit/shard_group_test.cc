@@ -121,17 +121,10 @@ class ShardGroupTest : public ::testing::Test {
   // What CoordinatorCore::Register and SetLive do to a member that registers.
   void SetLive(int idx, absl::Time now = kT0) {
     group_->ForgetMeasures(idx);
-    group_->MemberLive(group_->ranks()[idx]);
-    Member& m = group_->members()[idx];
-    group_->binding_at(idx).session = static_cast<uint64_t>(idx) + 100;
-    m.last_seen = now;
-    m.last_planned.reset();
-    m.dead_reason.clear();
-    m.resume.reset();
-    m.registrations++;
-    m.lookahead = request_.lookahead;
-    m.memory_budget = request_.memory_budget_bytes;
-    group_->binding_at(idx).cut_reason.clear();
+    group_->MemberLive(group_->ranks()[idx], request_, now);
+    SessionBinding& b = group_->binding_at(idx);
+    b.session = static_cast<uint64_t>(idx) + 100;
+    b.cut_reason.clear();
   }
 
   // Every member live, and the group formed (HEALTHY).
@@ -618,7 +611,7 @@ TEST_F(ShardGroupTest, ARecoveringGroupDefersPlansAndFailsTheMembersNotBackByIts
   GroupEffects started;
   group_->StartRecovery(kT0, started);
   SetLive(0);
-  group_->members()[0].resume = v1::ResumeState{};
+  group_->HoldResume(group_->ranks()[0], v1::ResumeState{}, BufferCharge());
   GroupEffects waiting;
   group_->MaybeFinishRecovery(kT0, waiting);
   EXPECT_TRUE(waiting.empty()) << "rank 3 has not resumed";
@@ -668,7 +661,7 @@ TEST_F(ShardGroupTest, ARecoveryWindowEndingWithEveryMemberLiveReFormsTheGroupAn
   group_->StartRecovery(kT0, started);
   SetLive(0);
   SetLive(1);
-  group_->members()[0].resume = v1::ResumeState{};
+  group_->HoldResume(group_->ranks()[0], v1::ResumeState{}, BufferCharge());
   const int64_t broken_before = InvariantFailures();
   GroupEffects fx;
   std::string why, each;
