@@ -370,7 +370,9 @@ class ShardGroup {
 inline constexpr absl::Duration kMinCostReportSpacing = absl::Seconds(4);
 
 // A group and the mutex that guards it. The hot path takes it with the core's lock held
-// shared; the clang build checks every access (tests/compile_fail/).
+// shared; the clang build checks every access (tests/compile_fail/). It is only ever taken
+// exclusively (absl::MutexLock): clang counts a call of a group operation as a read of `group`,
+// so a reader lock on `mu` around a changing operation would not be flagged.
 struct GroupSlot {
   GroupSlot(int index, int first_rank, int size, GroupRules rules) : group(index, first_rank, size, std::move(rules)) {}
   mutable absl::Mutex mu;

@@ -53,7 +53,7 @@ train() {  # train POLICY MEDIA [extra]: 2 ranks on $device; sets $job; returns 
 losses() { grep '^step' "$work/$1-$2.out" | awk '{print $4}' | tr '\n' ' '; }
 hash_of() { grep '^final' "$work/$1-0.out" | awk '{print $4}'; }
 # same_losses JOB REF: both ranks' loss sequences equal, and not empty (two crashed runs are not equal runs).
-same_losses() { [[ -n "$(losses $1 0)" && "$(losses $1 0)" == "$(losses $2 0)" && "$(losses $1 1)" == "$(losses $2 1)" ]]; }
+same_losses() { [[ -n "$(losses $1 0)" && -n "$(losses $1 1)" && "$(losses $1 0)" == "$(losses $2 0)" && "$(losses $1 1)" == "$(losses $2 1)" ]]; }
 
 echo "== seed regression, 2 ranks on $where"
 train root rank0; rc=$?

@@ -20,8 +20,17 @@ namespace shardcoord::testing {
 Subprocess::Subprocess(std::vector<std::string> argv, std::string stdout_path,
                        std::string stderr_path, std::vector<std::string> env)
     : stdout_path_(std::move(stdout_path)), stderr_path_(std::move(stderr_path)) {
+  // `env` replaces what the environment has of the same name: getenv and the sanitizers take a
+  // name's first entry, the loader its last, so an entry added beside an inherited one is ignored
+  // by some readers.
+  const auto name_of = [](const std::string& entry) { return entry.substr(0, entry.find('=') + 1); };
   std::vector<std::string> envs;
-  for (char** e = environ; *e != nullptr; ++e) envs.emplace_back(*e);
+  for (char** e = environ; *e != nullptr; ++e) {
+    const std::string entry(*e);
+    bool replaced = false;
+    for (const auto& mine : env) replaced = replaced || name_of(mine) == name_of(entry);
+    if (!replaced) envs.push_back(entry);
+  }
   for (auto& e : env) envs.push_back(e);
   std::vector<char*> cargv, cenv;
   for (auto& a : argv) cargv.push_back(a.data());

@@ -185,9 +185,10 @@ Bytes CopyOf(const void* data, size_t n) {
 // `shardcoord_worker torch`: libgloo is only a dependency of a dependency), and two Gloo versions
 // then share objects: a segfault in the first connect, seen with LibTorch 2.11 on the GPU
 // machine. The function a call here binds to is compared with libgloo's own definition (dlsym on
-// its handle); a process without libgloo loaded as its own library is not checked.
+// its handle); a process without libgloo loaded as its own library is not checked. Not cached: a
+// library loaded later with RTLD_GLOBAL can interpose too, and a connect is rare.
 absl::Status GlooIsItsOwnLibrary() {
-  static const absl::Status status = [] {
+  return [] {
     void* bound = reinterpret_cast<void*>(&gloo::transport::tcp::CreateDevice);
     Dl_info info{};
     if (dladdr(bound, &info) == 0 || info.dli_sname == nullptr) return absl::OkStatus();
@@ -200,11 +201,10 @@ absl::Status GlooIsItsOwnLibrary() {
         "Gloo's functions in this process come from ", info.dli_fname == nullptr ? "another library" : info.dli_fname,
         ", not from ", kGlooLibrary, ", the Gloo shardcoord was built against (a LibTorch that carries its own Gloo, "
         "such as pip's, linked before it): two Gloo versions cannot share a process. Link ", kGlooLibrary,
-        " ahead of LibTorch: name shardcoord::worker (the installed CMake package) before the Torch libraries, or "
-        "add -Wl,--push-state,--no-as-needed -lgloo -Wl,--pop-state before the Torch libraries; or use the NCCL "
+        " ahead of LibTorch: link -Wl,--push-state,--no-as-needed,-l:libgloo.so.0,--pop-state (one item) after "
+        "the worker and before the Torch libraries (README, \"Using the worker library\"); or use the NCCL "
         "backend"));
   }();
-  return status;
 }
 
 class GlooCommunicator final : public CommunicatorBase {
