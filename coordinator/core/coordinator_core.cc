@@ -132,22 +132,19 @@ void CoordinatorCore::Apply(Job& job, ShardGroup& group, GroupEffects& fx) {
 }
 
 void CoordinatorCore::Flush(ShardGroup& group) {
-  for (int i = 0; i < group.size(); ++i) {
-    SessionBinding& b = group.binding_at(i);
-    if (b.outgoing.has_decisions() && b.outgoing.decisions().decisions_size() > 0) {
-      SinkSend(b, std::move(b.outgoing));
-      b.outgoing.Clear();
-    }
+  for (int i = 0; i < group.size(); ++i) SendBatched(group.binding_at(i));
+}
+
+void CoordinatorCore::SendBatched(SessionBinding& b) {
+  if (b.outgoing.has_decisions() && b.outgoing.decisions().decisions_size() > 0) {
+    SinkSend(b, std::move(b.outgoing));
+    b.outgoing.Clear();
   }
 }
 
 void CoordinatorCore::SendTo(const Member& m, SessionBinding& b, const v1::CoordinatorMessage& msg) {
   if (m.state != v1::RANK_STATE_LIVE || !b.sink) return;
-  // Decisions batched so far go first: the rank sees messages in the order produced.
-  if (b.outgoing.has_decisions() && b.outgoing.decisions().decisions_size() > 0) {
-    SinkSend(b, std::move(b.outgoing));
-    b.outgoing.Clear();
-  }
+  SendBatched(b);  // Decisions batched so far go first: the rank sees messages in the order produced.
   SinkSend(b, msg);
 }
 

@@ -212,8 +212,9 @@ class CoordinatorCore {
   // Marks the rank left (or dead) and fails / cancels what its group was waiting for.
   void RemoveMember(Job& job, const Member& member, Leaving how, const std::string& reason)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Sends the decisions batched in the bindings' `outgoing`.
+  // Sends the decisions batched in the bindings' `outgoing` (every member's, or one's).
   void Flush(ShardGroup& group) ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  void SendBatched(SessionBinding& to) ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // To a live member with a session: what is batched for it first, then `msg`.
   void SendTo(const Member& member, SessionBinding& to, const v1::CoordinatorMessage& msg)
       ABSL_SHARED_LOCKS_REQUIRED(mu_);

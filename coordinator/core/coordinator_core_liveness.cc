@@ -101,10 +101,7 @@ void CoordinatorCore::RemoveMember(Job& job, const Member& m, Leaving how, const
     b.sink->CutForNotReading();
   }
   if (b.sink) {
-    if (b.outgoing.has_decisions()) {
-      SinkSend(b, std::move(b.outgoing));
-      b.outgoing.Clear();
-    }
+    SendBatched(b);
     b.sink->Close(clean ? absl::OkStatus() : absl::AbortedError(full));
   }
   b.sink.reset();

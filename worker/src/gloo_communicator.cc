@@ -188,23 +188,21 @@ Bytes CopyOf(const void* data, size_t n) {
 // its handle); a process without libgloo loaded as its own library is not checked. Not cached: a
 // library loaded later with RTLD_GLOBAL can interpose too, and a connect is rare.
 absl::Status GlooIsItsOwnLibrary() {
-  return [] {
-    void* bound = reinterpret_cast<void*>(&gloo::transport::tcp::CreateDevice);
-    Dl_info info{};
-    if (dladdr(bound, &info) == 0 || info.dli_sname == nullptr) return absl::OkStatus();
-    void* gloo = dlopen(kGlooLibrary, RTLD_LAZY | RTLD_NOLOAD);
-    if (gloo == nullptr) return absl::OkStatus();
-    void* own = dlsym(gloo, info.dli_sname);
-    dlclose(gloo);
-    if (own == nullptr || own == bound) return absl::OkStatus();
-    return absl::FailedPreconditionError(absl::StrCat(
-        "Gloo's functions in this process come from ", info.dli_fname == nullptr ? "another library" : info.dli_fname,
-        ", not from ", kGlooLibrary, ", the Gloo shardcoord was built against (a LibTorch that carries its own Gloo, "
-        "such as pip's, linked before it): two Gloo versions cannot share a process. Link ", kGlooLibrary,
-        " ahead of LibTorch: link -Wl,--push-state,--no-as-needed,-l:libgloo.so.0,--pop-state (one item) after "
-        "the worker and before the Torch libraries (README, \"Using the worker library\"); or use the NCCL "
-        "backend"));
-  }();
+  void* bound = reinterpret_cast<void*>(&gloo::transport::tcp::CreateDevice);
+  Dl_info info{};
+  if (dladdr(bound, &info) == 0 || info.dli_sname == nullptr) return absl::OkStatus();
+  void* gloo = dlopen(kGlooLibrary, RTLD_LAZY | RTLD_NOLOAD);
+  if (gloo == nullptr) return absl::OkStatus();
+  void* own = dlsym(gloo, info.dli_sname);
+  dlclose(gloo);
+  if (own == nullptr || own == bound) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "Gloo's functions in this process come from ", info.dli_fname == nullptr ? "another library" : info.dli_fname,
+      ", not from ", kGlooLibrary, ", the Gloo shardcoord was built against (a LibTorch that carries its own Gloo, "
+      "such as pip's, linked before it): two Gloo versions cannot share a process. Link ", kGlooLibrary,
+      " ahead of LibTorch: link -Wl,--push-state,--no-as-needed,-l:libgloo.so.0,--pop-state (one item) after "
+      "the worker and before the Torch libraries (README, \"Using the worker library\"); or use the NCCL "
+      "backend"));
 }
 
 class GlooCommunicator final : public CommunicatorBase {
