@@ -83,20 +83,17 @@ const Member* CoordinatorCore::LiveMember(uint64_t session_id, Job** job) {
 void CoordinatorCore::Apply(Job& job, ShardGroup& group, GroupEffects& fx) {
   if (fx.empty()) return;  // Most heartbeats: no scan of the members.
   bool batched = false;
-  // `last`: no other member gets this decision, so it is moved, not copied (a decision to
-  // every member of a group of G costs G - 1 copies).
-  const auto deliver = [&](int idx, GroupEffects::Message& out, bool last) ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+  // A decision is serialized once, for the first member that takes it, and shared with the
+  // others (decision_wire.h): every member gets the same bytes.
+  EncodedDecision encoded;
+  const auto deliver = [&](int idx, const GroupEffects::Message& out) ABSL_SHARED_LOCKS_REQUIRED(mu_) {
     const Member& m = group.members()[idx];
     SessionBinding& b = group.binding_at(idx);
     if (!out.decision) {
       SendTo(m, b, out.message);
     } else if (m.live() && b.sink) {
-      auto* to = b.outgoing.mutable_decisions()->add_decisions();
-      if (last) {
-        *to = std::move(*out.decision);
-      } else {
-        *to = *out.decision;
-      }
+      if (!encoded) encoded = EncodeDecision(*out.decision);
+      b.outgoing.push_back(encoded);
       batched = true;
     }
   };
@@ -105,12 +102,13 @@ void CoordinatorCore::Apply(Job& job, ShardGroup& group, GroupEffects& fx) {
     if (b.cut_reason.empty()) b.cut_reason = std::move(why);
   }
   const int size = group.size();
-  for (GroupEffects::Message& out : fx.messages) {
+  for (const GroupEffects::Message& out : fx.messages) {
+    encoded.reset();
     if (out.member != GroupEffects::kEveryMember) {
-      deliver(out.member, out, /*last=*/true);
+      deliver(out.member, out);
       continue;
     }
-    for (int i = 0; i < size; ++i) deliver(i, out, i + 1 == size);
+    for (int i = 0; i < size; ++i) deliver(i, out);
   }
   if (batched) Flush(group);
   job.plans_received += fx.plans_accepted;
@@ -136,10 +134,11 @@ void CoordinatorCore::Flush(ShardGroup& group) {
 }
 
 void CoordinatorCore::SendBatched(SessionBinding& b) {
-  if (b.outgoing.has_decisions() && b.outgoing.decisions().decisions_size() > 0) {
-    SinkSend(b, std::move(b.outgoing));
-    b.outgoing.Clear();
-  }
+  if (b.outgoing.empty()) return;
+  std::vector<EncodedDecision> batch;
+  batch.swap(b.outgoing);
+  if (!b.sink || !b.cut_reason.empty()) return;
+  OnQueued(b, b.sink->SendDecisions(std::move(batch)));
 }
 
 void CoordinatorCore::SendTo(const Member& m, SessionBinding& b, const v1::CoordinatorMessage& msg) {
@@ -152,8 +151,12 @@ void CoordinatorCore::SinkSend(SessionBinding& b, v1::CoordinatorMessage msg) {
   if (!b.sink || !b.cut_reason.empty()) return;
   // Refused: the rank is not reading. Tick fails it (not here: we may be deep inside a
   // group's state change); until then nothing more is queued for it.
-  if (absl::Status s = b.sink->Send(std::move(msg)); !s.ok()) {
-    b.cut_reason = std::string(s.message());
+  OnQueued(b, b.sink->Send(std::move(msg)));
+}
+
+void CoordinatorCore::OnQueued(SessionBinding& b, const absl::Status& queued) {
+  if (!queued.ok()) {
+    b.cut_reason = std::string(queued.message());
     return;
   }
   mu_.Kick(b.sink);  // The write starts once mu_ is released.

@@ -224,6 +224,9 @@ class CoordinatorCore {
   }
   // Sends through the session's sink; a refused send sets SessionBinding::cut_reason.
   void SinkSend(SessionBinding& to, v1::CoordinatorMessage msg) ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // What the sink answered a send: refused sets `to.cut_reason`; queued, its write starts once
+  // mu_ is released.
+  void OnQueued(SessionBinding& to, const absl::Status& queued) ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Register's steps (DESIGN 3, "Registration"; DESIGN 8 for the group it joins).
   // The checks that need no state, first: a malformed request changes nothing.
   absl::Status CheckRequestAlone(const Registration& req) const;

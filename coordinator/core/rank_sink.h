@@ -3,8 +3,11 @@
 #ifndef SHARDCOORD_COORDINATOR_CORE_RANK_SINK_H_
 #define SHARDCOORD_COORDINATOR_CORE_RANK_SINK_H_
 
+#include <vector>
+
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "coordinator/core/decision_wire.h"
 #include "shardcoord/v1/coordinator.pb.h"
 
 namespace shardcoord::coordinator {
@@ -19,6 +22,10 @@ class RankSink {
   // message.
   // Takes `msg` (moved in where the caller is done with it: no copy on the hot path).
   virtual absl::Status Send(v1::CoordinatorMessage msg) = 0;
+  // Queues one message of decisions, `batch` in order, as Send would queue
+  // CoordinatorMessage{decisions: batch}: the same bound, the same refusal. The decisions are
+  // shared with the other members' sinks (decision_wire.h), never changed.
+  virtual absl::Status SendDecisions(std::vector<EncodedDecision> batch) = 0;
   // Starts writing what Send queued, if no write is in flight. The core calls it after
   // releasing its mutex, once per call that queued something for the rank: starting a
   // network write is the costly part of sending, and must not hold up every other rank.

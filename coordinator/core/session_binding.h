@@ -5,7 +5,9 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
+#include "coordinator/core/decision_wire.h"
 #include "coordinator/core/rank_sink.h"
 #include "shardcoord/v1/coordinator.pb.h"
 
@@ -21,7 +23,8 @@ struct SessionBinding {
   std::shared_ptr<RankSink> sink;
   std::string session_key;    // Of the live session (RegisterResponse.session_key).
   uint64_t registration = 0;  // The serial of the live session's answer (RegisterResponse.registration).
-  v1::CoordinatorMessage outgoing;  // Decisions batched during one CoordinatorCore::Apply.
+  // Decisions batched during one CoordinatorCore::Apply, each shared with the group's other members.
+  std::vector<EncodedDecision> outgoing;
   // Why the rank is to be failed at the next tick ("" while it is not): its sink refused a send
   // (it does not read), or it broke the protocol (GroupEffects::cuts). Nothing more is sent to it.
   std::string cut_reason;

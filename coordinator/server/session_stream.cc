@@ -7,13 +7,17 @@
 #include <algorithm>
 #include <atomic>
 #include <deque>
+#include <iterator>
 #include <optional>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "coordinator/core/decision_wire.h"
 #include "coordinator/server/auth.h"
 #include "coordinator/server/wire_intake.h"
 #include "google/protobuf/unknown_field_set.h"
+#include "grpc/slice.h"
 #include "grpcpp/alarm.h"
 #include "shardcoord/internal/logging.h"
 #include "shardcoord/proto/convert.h"
@@ -53,7 +57,8 @@ namespace {
 
 // Consecutive decision messages queued for a rank are written as one message, up to a
 // count and a size (a decision lists every module: a big manifest makes big decisions, and
-// the worker's receive limit is kWorkerMaxReceiveBytes, see worker.cc).
+// the worker's receive limit is kWorkerMaxReceiveBytes, see worker.cc). The size bounds a merge,
+// not one batch the core queued: the core queues at most one operation's decisions at a time.
 constexpr int kMaxDecisionsPerWrite = 256;
 constexpr size_t kMaxBytesPerWrite = 1 << 20;
 
@@ -77,6 +82,9 @@ class SessionSink final : public RankSink {
   // queued, or the daemon's buffers are full and this rank holds more than a short queue:
   // the rank does not read.
   absl::Status Send(v1::CoordinatorMessage msg) override;
+  // Queues them as one message, or adds them to the decisions queued last, up to the bounds of
+  // one write: the decisions' bytes are written as they are (decision_wire.h).
+  absl::Status SendDecisions(std::vector<EncodedDecision> batch) override;
   // Starts the write of what is queued (the core calls it after unlocking).
   void Kick() override {
     absl::MutexLock lock(&mu_);
@@ -102,21 +110,31 @@ class SessionSink final : public RankSink {
  private:
   // Starts the next write or the finish, if nothing is in flight.
   void StartNextLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Takes a new message's share of the bounds (its wire size, and its cost for the daemon's
+  // buffers, which it returns), or says why not: the rank does not read.
+  absl::StatusOr<int64_t> AdmitLocked(size_t wire_bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   mutable absl::Mutex mu_;
   SessionCall* call_ ABSL_GUARDED_BY(mu_);
-  // Gives back what the queued messages of `wire_bytes` were charged.
-  void DequeuedLocked(size_t wire_bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    queued_bytes_ -= static_cast<int64_t>(wire_bytes);
-    const int64_t cost = QueuedMessageCost(static_cast<int64_t>(wire_bytes));
-    charged_ -= cost;
-    budget_->Give(cost);
+  // A message waiting to be written: decisions (their bytes, shared with the other members'
+  // queues), or any other message.
+  struct Queued {
+    std::vector<EncodedDecision> decisions;  // Empty: `message` is the one to write.
+    v1::CoordinatorMessage message;
+    size_t wire_bytes = 0;  // As queued (without the incarnation, which the write adds).
+    int64_t cost = 0;       // Taken from budget_ for it.
+  };
+  // Gives back what `q` was charged.
+  void DequeuedLocked(const Queued& q) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    queued_bytes_ -= static_cast<int64_t>(q.wire_bytes);
+    charged_ -= q.cost;
+    budget_->Give(q.cost);
   }
 
   const int64_t max_bytes_;
   const std::shared_ptr<BufferBudget> budget_;
   const uint64_t incarnation_;  // Stamped on every message (DESIGN 12).
-  std::deque<std::pair<v1::CoordinatorMessage, size_t>> queue_ ABSL_GUARDED_BY(mu_);  // (message, wire size)
+  std::deque<Queued> queue_ ABSL_GUARDED_BY(mu_);
   int64_t queued_bytes_ ABSL_GUARDED_BY(mu_) = 0;   // Wire bytes in queue_.
   int64_t charged_ ABSL_GUARDED_BY(mu_) = 0;        // Taken from budget_ for queue_.
   bool overflowed_ ABSL_GUARDED_BY(mu_) = false;  // A Send was refused.
@@ -124,7 +142,7 @@ class SessionSink final : public RankSink {
   absl::Time write_started_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();  // Of the write in flight.
   std::optional<grpc::Status> finish_ ABSL_GUARDED_BY(mu_);
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
-  v1::CoordinatorMessage current_ ABSL_GUARDED_BY(mu_);  // Owned by the write in flight.
+  grpc::ByteBuffer current_ ABSL_GUARDED_BY(mu_);  // Owned by the write in flight.
 };
 
 // What a completion-queue tag stands for: one operation of one call.
@@ -192,7 +210,7 @@ class SessionCall {
   }
 
   // For the sink: called with the sink's mutex held, so that a detached sink starts nothing.
-  void StartWrite(const v1::CoordinatorMessage* msg) {
+  void StartWrite(const grpc::ByteBuffer* msg) {
     BeginOp();
     stream_.Write(*msg, &write_tag_);
   }
@@ -226,8 +244,10 @@ class SessionCall {
 
   void Read() {
     BeginOp();
-    stream_.Read(&in_, &read_tag_);
+    stream_.Read(&in_bytes_, &read_tag_);
   }
+  // Parses what was read into in_.
+  bool ParseIn() { return grpc::SerializationTraits<v1::WorkerMessage>::Deserialize(&in_bytes_, &in_).ok(); }
 
   // The registration, the only message a Session may begin with.
   void OnFirstMessage();
@@ -263,7 +283,9 @@ class SessionCall {
   const std::shared_ptr<SessionStreams::Shared> shared_;
   grpc::ServerCompletionQueue* const cq_;
   grpc::ServerContext ctx_;
-  grpc::ServerAsyncReaderWriter<v1::CoordinatorMessage, v1::WorkerMessage> stream_;
+  // Raw: the sink writes decisions as the bytes the core encoded once for their whole group
+  // (decision_wire.h); what is read is parsed here (ParseIn).
+  grpc::ServerAsyncReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer> stream_;
   Tag accepted_tag_{this, Tag::kAccepted};
   Tag read_tag_{this, Tag::kRead};
   Tag write_tag_{this, Tag::kWrite};
@@ -275,6 +297,7 @@ class SessionCall {
   std::string peer_;
   std::string job_scope_;  // The only job this session may register for; "" for any.
   std::shared_ptr<SessionSink> sink_;
+  grpc::ByteBuffer in_bytes_;
   v1::WorkerMessage in_;
   bool registered_ = false;
   absl::Mutex mu_;
@@ -293,6 +316,18 @@ void SessionCall::OnRead(bool ok) {
                                    "the Session ended before a `register` could be read: the client closed it, or "
                                    "its first message could not be parsed (every string must be valid UTF-8, and "
                                    "the message a WorkerMessage)"));
+    return;
+  }
+  if (!ParseIn()) {
+    // Before a registration, answered as before one could be read; after, the rank's stream ends
+    // with the reason (gRPC's typed reads ended it as a close, OK, with nothing said).
+    const std::string why =
+        registered_ ? "a message on the Session could not be parsed (every string must be valid UTF-8, and the "
+                      "message a WorkerMessage); the stream is closed: the rank must register again"
+                    : "the Session's first message could not be parsed (every string must be valid UTF-8, and the "
+                      "message a WorkerMessage); send a RegisterRequest";
+    sink_->Close(absl::InvalidArgumentError(why));
+    if (registered_) core->OnSessionClosed(id_, why);
     return;
   }
   if (!registered_) return OnFirstMessage();
@@ -347,13 +382,11 @@ void SessionCall::OnFirstMessage() {
   Read();
 }
 
-absl::Status SessionSink::Send(v1::CoordinatorMessage msg) {
-  const size_t size = msg.ByteSizeLong();
-  const int64_t cost = QueuedMessageCost(static_cast<int64_t>(size));
-  absl::MutexLock lock(&mu_);
-  if (call_ == nullptr || finish_.has_value()) return absl::OkStatus();  // Closing: not the rank's fault.
+absl::StatusOr<int64_t> SessionSink::AdmitLocked(size_t wire_bytes) {
+  const int64_t size = static_cast<int64_t>(wire_bytes);
+  const int64_t cost = QueuedMessageCost(size);
   if (overflowed_) return absl::ResourceExhaustedError("not reading its session stream");
-  if (queued_bytes_ + static_cast<int64_t>(size) > max_bytes_) {
+  if (queued_bytes_ + size > max_bytes_) {
     overflowed_ = true;
     return absl::ResourceExhaustedError(absl::StrCat(
         "not reading its session stream: more than ", max_bytes_,
@@ -374,10 +407,41 @@ absl::Status SessionSink::Send(v1::CoordinatorMessage msg) {
           "its decisions"));
     }
   }
-  queue_.emplace_back(std::move(msg), size);
-  queue_.back().first.set_incarnation(incarnation_);
-  queued_bytes_ += static_cast<int64_t>(size);
+  queued_bytes_ += size;
   charged_ += cost;
+  return cost;
+}
+
+absl::Status SessionSink::Send(v1::CoordinatorMessage msg) {
+  const size_t size = msg.ByteSizeLong();
+  absl::MutexLock lock(&mu_);
+  if (call_ == nullptr || finish_.has_value()) return absl::OkStatus();  // Closing: not the rank's fault.
+  absl::StatusOr<int64_t> cost = AdmitLocked(size);
+  if (!cost.ok()) return cost.status();
+  queue_.push_back({{}, std::move(msg), size, *cost});
+  return absl::OkStatus();
+}
+
+absl::Status SessionSink::SendDecisions(std::vector<EncodedDecision> batch) {
+  if (batch.empty()) return absl::OkStatus();
+  const size_t size = DecisionsMessageSize(batch, 0);
+  absl::MutexLock lock(&mu_);
+  if (call_ == nullptr || finish_.has_value()) return absl::OkStatus();  // Closing: not the rank's fault.
+  absl::StatusOr<int64_t> cost = AdmitLocked(size);
+  if (!cost.ok()) return cost.status();
+  if (!queue_.empty()) {
+    // Behind decisions not yet written: one write, while it stays within a write's bounds.
+    Queued& last = queue_.back();
+    if (!last.decisions.empty() && last.decisions.size() + batch.size() <= kMaxDecisionsPerWrite &&
+        last.wire_bytes + size <= kMaxBytesPerWrite) {
+      last.decisions.insert(last.decisions.end(), std::make_move_iterator(batch.begin()),
+                            std::make_move_iterator(batch.end()));
+      last.wire_bytes += size;
+      last.cost += *cost;
+      return absl::OkStatus();
+    }
+  }
+  queue_.push_back({std::move(batch), {}, size, *cost});
   return absl::OkStatus();
 }
 
@@ -403,6 +467,7 @@ void SessionSink::Close(const absl::Status& status) {
 void SessionSink::OnWriteDone(bool ok) {
   absl::MutexLock lock(&mu_);
   writing_ = false;
+  current_.Clear();  // Its bytes are not kept until the next write.
   if (!ok) {
     // The stream is broken; nothing more can be written.
     queue_.clear();
@@ -419,23 +484,20 @@ void SessionSink::OnWriteDone(bool ok) {
 void SessionSink::StartNextLocked() {
   if (call_ == nullptr) return;
   if (!queue_.empty()) {
-    current_ = std::move(queue_.front().first);
-    size_t bytes = queue_.front().second;
-    DequeuedLocked(bytes);
-    queue_.pop_front();
-    if (current_.has_decisions()) {
-      auto* batch = current_.mutable_decisions();
-      while (!queue_.empty() && queue_.front().first.has_decisions() &&
-             batch->decisions_size() + queue_.front().first.decisions().decisions_size() <= kMaxDecisionsPerWrite &&
-             bytes + queue_.front().second <= kMaxBytesPerWrite) {
-        for (auto& d : *queue_.front().first.mutable_decisions()->mutable_decisions()) {
-          *batch->add_decisions() = std::move(d);
-        }
-        bytes += queue_.front().second;
-        DequeuedLocked(queue_.front().second);
-        queue_.pop_front();
-      }
+    Queued& next = queue_.front();
+    current_.Clear();  // Serialize fills only an empty buffer.
+    if (next.decisions.empty()) {
+      next.message.set_incarnation(incarnation_);
+      bool own = false;
+      grpc::SerializationTraits<v1::CoordinatorMessage>::Serialize(next.message, &current_, &own);
+    } else {
+      grpc_slice bytes = grpc_slice_malloc(DecisionsMessageSize(next.decisions, incarnation_));
+      WriteDecisionsMessage(next.decisions, incarnation_, GRPC_SLICE_START_PTR(bytes));
+      grpc::Slice slice(bytes, grpc::Slice::STEAL_REF);
+      current_ = grpc::ByteBuffer(&slice, 1);
     }
+    DequeuedLocked(next);
+    queue_.pop_front();
     writing_ = true;
     write_started_ = absl::Now();
     call_->StartWrite(&current_);

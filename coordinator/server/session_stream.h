@@ -26,9 +26,10 @@
 
 namespace shardcoord::coordinator {
 
-// The Coordinator service with Session on the completion-queue API and every other method
-// on the callback API.
-using CoordinatorServiceBase = v1::Coordinator::WithAsyncMethod_Session<
+// The Coordinator service with Session on the completion-queue API, raw (its messages as bytes:
+// decisions are written as encoded once per group, decision_wire.h), and every other method on
+// the callback API.
+using CoordinatorServiceBase = v1::Coordinator::WithRawMethod_Session<
     v1::Coordinator::WithCallbackMethod_GetStatus<v1::Coordinator::WithCallbackMethod_ListRanks<
         v1::Coordinator::WithCallbackMethod_ListGroups<v1::Coordinator::WithCallbackMethod_ListDecisions<
             v1::Coordinator::WithCallbackMethod_ListEvents<v1::Coordinator::WithCallbackMethod_CommJoin<

@@ -650,6 +650,20 @@ TEST_F(InProcessTest, ARegistrationThatCannotBeParsedIsAnsweredWithAnError) {
   EXPECT_TRUE(RawSession(server_->address()).Register(RawRequest(0, 2, 1)).ok()) << "the daemon goes on";
 }
 
+TEST_F(InProcessTest, AMessageThatCannotBeParsedAfterRegisteringEndsTheStreamWithTheReason) {
+  // The session's reads are raw (its writes are decisions encoded once per group): a message that
+  // does not parse is refused by name, where gRPC's typed reads ended the stream as a close.
+  RawSession raw(server_->address());
+  ASSERT_TRUE(raw.Register(RawRequest(0, 2, 1)).ok());
+  raw.SendPlan(RawPlan(0, 0, "vision_tower\xff", 1));  // Serialized as is; the daemon's parser refuses it.
+  EXPECT_FALSE(raw.Next(v1::CoordinatorMessage::kDecisions).has_value());
+  const grpc::Status end = raw.stream->Finish();
+  EXPECT_EQ(end.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << end.error_message();
+  EXPECT_THAT(end.error_message(), HasSubstr("a message on the Session could not be parsed (every string must be "
+                                             "valid UTF-8"));
+  EXPECT_TRUE(RawSession(server_->address()).Register(RawRequest(1, 2, 1)).ok()) << "the daemon goes on";
+}
+
 TEST_F(InProcessTest, APlanBatchBeyondTheLookaheadWindowFailsTheSenderForWhatItDid) {
   // Issue 25: one batch of 10^5 plans made 10^5 rejections that filled the sender's own
   // outbox: it was failed as "not reading". The batch breaks the protocol; it says so.

@@ -48,6 +48,13 @@ class RecordingSink final : public RankSink {
     messages.push_back(msg);
     return absl::OkStatus();
   }
+  // Kept as the message it stands for (the daemon's sink writes those bytes).
+  absl::Status SendDecisions(std::vector<coordinator::EncodedDecision> batch) override {
+    absl::StatusOr<v1::CoordinatorMessage> msg = coordinator::DecodeDecisions(batch);
+    EXPECT_TRUE(msg.ok()) << msg.status();
+    if (!msg.ok()) return msg.status();
+    return Send(*std::move(msg));
+  }
   bool refuse = false;  // Acts as a rank that stopped reading: its queue is full.
   void Close(const absl::Status& status) override {
     closed = true;
