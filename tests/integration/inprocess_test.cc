@@ -664,6 +664,18 @@ TEST_F(InProcessTest, AMessageThatCannotBeParsedAfterRegisteringEndsTheStreamWit
   EXPECT_TRUE(RawSession(server_->address()).Register(RawRequest(1, 2, 1)).ok()) << "the daemon goes on";
 }
 
+TEST_F(InProcessTest, AMessageOverTheReceiveLimitEndsOnlyItsStream) {
+  // The raw Session keeps gRPC's receive limit (4 MiB): a bigger message is refused before it is
+  // parsed, the stream ends with the limit named, and the daemon goes on.
+  RawSession raw(server_->address());
+  ASSERT_TRUE(raw.Register(RawRequest(0, 2, 1)).ok());
+  raw.SendPlan(RawPlan(0, 0, std::string(5 << 20, 'm'), 1));
+  EXPECT_FALSE(raw.Next(v1::CoordinatorMessage::kDecisions).has_value());
+  const grpc::Status end = raw.stream->Finish();
+  EXPECT_EQ(end.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << end.error_message();
+  EXPECT_TRUE(RawSession(server_->address()).Register(RawRequest(1, 2, 1)).ok()) << "the daemon goes on";
+}
+
 TEST_F(InProcessTest, APlanBatchBeyondTheLookaheadWindowFailsTheSenderForWhatItDid) {
   // Issue 25: one batch of 10^5 plans made 10^5 rejections that filled the sender's own
   // outbox: it was failed as "not reading". The batch breaks the protocol; it says so.
