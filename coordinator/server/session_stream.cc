@@ -309,13 +309,11 @@ void SessionCall::OnRead(bool ok) {
   CoordinatorCore* core = shared_->core;
   if (!ok) {
     core->OnSessionClosed(id_, absl::StrCat("stream from ", peer_, " ended"));
-    // Before a registration, answered: a message gRPC cannot parse (a string field that is no
-    // UTF-8) ends the reads like a close, and was answered OK with nothing said.
+    // The client closed its side (a message that does not parse is ParseIn's, below). Before a
+    // registration, answered: a stream closed with nothing said is a broken client.
     sink_->Close(registered_ ? absl::OkStatus()
-                             : absl::InvalidArgumentError(
-                                   "the Session ended before a `register` could be read: the client closed it, or "
-                                   "its first message could not be parsed (every string must be valid UTF-8, and "
-                                   "the message a WorkerMessage)"));
+                             : absl::InvalidArgumentError("the Session ended before a `register` was sent: the "
+                                                          "first message of a Session must be a RegisterRequest"));
     return;
   }
   if (!ParseIn()) {
