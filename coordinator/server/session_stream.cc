@@ -16,6 +16,7 @@
 #include "coordinator/core/decision_wire.h"
 #include "coordinator/server/auth.h"
 #include "coordinator/server/wire_intake.h"
+#include "google/protobuf/arena.h"
 #include "google/protobuf/unknown_field_set.h"
 #include "grpc/slice.h"
 #include "grpcpp/alarm.h"
@@ -246,12 +247,17 @@ class SessionCall {
     BeginOp();
     stream_.Read(&in_bytes_, &read_tag_);
   }
-  // Parses what was read into in_.
-  bool ParseIn() { return grpc::SerializationTraits<v1::WorkerMessage>::Deserialize(&in_bytes_, &in_).ok(); }
+  // What was read, parsed into `arena` (nullptr: it does not parse).
+  v1::WorkerMessage* ParseIn(google::protobuf::Arena* arena) {
+    auto* in = google::protobuf::Arena::CreateMessage<v1::WorkerMessage>(arena);
+    return grpc::SerializationTraits<v1::WorkerMessage>::Deserialize(&in_bytes_, in).ok() ? in : nullptr;
+  }
 
   // The registration, the only message a Session may begin with.
-  void OnFirstMessage();
+  void OnFirstMessage(const v1::WorkerMessage& in);
   void OnRead(bool ok);
+  // A message read after the registration.
+  void OnMessage(const v1::WorkerMessage& in);
 
   void OnDone() {
     if (sink_) sink_->Detach();
@@ -298,7 +304,6 @@ class SessionCall {
   std::string job_scope_;  // The only job this session may register for; "" for any.
   std::shared_ptr<SessionSink> sink_;
   grpc::ByteBuffer in_bytes_;
-  v1::WorkerMessage in_;
   bool registered_ = false;
   absl::Mutex mu_;
   int ops_ ABSL_GUARDED_BY(mu_) = 0;  // Started, not yet completed.
@@ -316,7 +321,19 @@ void SessionCall::OnRead(bool ok) {
                                                           "first message of a Session must be a RegisterRequest"));
     return;
   }
-  if (!ParseIn()) {
+  // Parsed into an arena whose first block is this thread's scratch: a plan's map, key and strings
+  // are bump-allocated and dropped together once the message is handled, not allocated and freed
+  // one by one. The message is handled before OnRead returns, and a queue's completions run on its
+  // one thread, so the block is never in use twice.
+  // (On the heap, made once per thread: 64 KiB of static TLS would not fit a dlopen'ed library.)
+  constexpr size_t kScratchBytes = 64 << 10;
+  static thread_local const std::unique_ptr<char[]> scratch(new char[kScratchBytes]);
+  google::protobuf::ArenaOptions arena_options;
+  arena_options.initial_block = scratch.get();
+  arena_options.initial_block_size = kScratchBytes;
+  google::protobuf::Arena arena(arena_options);
+  const v1::WorkerMessage* in = ParseIn(&arena);
+  if (in == nullptr) {
     // Before a registration, answered as before one could be read; after, the rank's stream ends
     // with the reason (gRPC's typed reads ended it as a close, OK, with nothing said).
     const std::string why =
@@ -328,21 +345,26 @@ void SessionCall::OnRead(bool ok) {
     if (registered_) core->OnSessionClosed(id_, why);
     return;
   }
-  if (!registered_) return OnFirstMessage();
-  if (in_.incarnation() != 0 && in_.incarnation() != core->incarnation()) {
-    const std::string why = absl::StrCat("message meant for coordinator incarnation ", in_.incarnation(),
+  if (!registered_) return OnFirstMessage(*in);
+  OnMessage(*in);
+}
+
+void SessionCall::OnMessage(const v1::WorkerMessage& in) {
+  CoordinatorCore* core = shared_->core;
+  if (in.incarnation() != 0 && in.incarnation() != core->incarnation()) {
+    const std::string why = absl::StrCat("message meant for coordinator incarnation ", in.incarnation(),
                                          ", but this is incarnation ", core->incarnation(),
                                          ": the coordinator restarted; the worker must resume");
     sink_->Close(absl::FailedPreconditionError(why));
     core->OnSessionClosed(id_, why);
     return;
   }
-  switch (in_.kind_case()) {
+  switch (in.kind_case()) {
     case v1::WorkerMessage::kBundle:
-      core->OnBundle(id_, FromWire(in_.bundle()));
+      core->OnBundle(id_, FromWire(in.bundle()));
       break;
     case v1::WorkerMessage::kGoodbye:
-      core->OnGoodbye(id_, in_.goodbye().reason(), in_.goodbye().failed());
+      core->OnGoodbye(id_, in.goodbye().reason(), in.goodbye().failed());
       sink_->Close(absl::OkStatus());
       return;
     case v1::WorkerMessage::kRegister:
@@ -353,7 +375,7 @@ void SessionCall::OnRead(bool ok) {
       core->OnSessionClosed(id_, "register sent twice on one stream");
       return;
     default:
-      if (SentRetiredKind(in_)) {
+      if (SentRetiredKind(in)) {
         sink_->Close(absl::FailedPreconditionError(kRetiredKind));
         core->OnSessionClosed(id_, kRetiredKind);
         return;
@@ -363,14 +385,14 @@ void SessionCall::OnRead(bool ok) {
   Read();
 }
 
-void SessionCall::OnFirstMessage() {
-  if (in_.kind_case() != v1::WorkerMessage::kRegister) {
+void SessionCall::OnFirstMessage(const v1::WorkerMessage& in) {
+  if (in.kind_case() != v1::WorkerMessage::kRegister) {
     sink_->Close(absl::FailedPreconditionError(
         "the first message of a Session must be `register`; send a RegisterRequest first"));
     return;
   }
-  absl::Status s = Grant{Role::kRank, job_scope_}.AllowsJob(in_.register_().job_id(), "register");
-  if (s.ok()) s = shared_->core->Register(id_, FromWire(in_.register_()), sink_);
+  absl::Status s = Grant{Role::kRank, job_scope_}.AllowsJob(in.register_().job_id(), "register");
+  if (s.ok()) s = shared_->core->Register(id_, FromWire(in.register_()), sink_);
   if (!s.ok()) {
     sink_->Close(s);
     return;
