@@ -506,18 +506,33 @@ void SessionSink::StartNextLocked() {
   if (!queue_.empty()) {
     Queued& next = queue_.front();
     current_.Clear();  // Serialize fills only an empty buffer.
+    grpc::Status serialized;
     if (next.decisions.empty()) {
       next.message.set_incarnation(incarnation_);
       bool own = false;
-      grpc::SerializationTraits<v1::CoordinatorMessage>::Serialize(next.message, &current_, &own);
+      serialized = grpc::SerializationTraits<v1::CoordinatorMessage>::Serialize(next.message, &current_, &own);
     } else {
       grpc_slice bytes = grpc_slice_malloc(DecisionsMessageSize(next.decisions, incarnation_));
       WriteDecisionsMessage(next.decisions, incarnation_, GRPC_SLICE_START_PTR(bytes));
       grpc::Slice slice(bytes, grpc::Slice::STEAL_REF);
-      current_ = grpc::ByteBuffer(&slice, 1);
+      grpc::ByteBuffer written(&slice, 1);
+      current_.Swap(&written);
     }
     DequeuedLocked(next);
     queue_.pop_front();
+    if (!serialized.ok()) {
+      // Our own message did not serialize (only a bug can do that): the stream ends saying so,
+      // rather than a part of what the rank was sent going missing.
+      current_.Clear();
+      for (const Queued& q : queue_) DequeuedLocked(q);
+      queue_.clear();
+      finish_ = grpc::Status(grpc::StatusCode::INTERNAL,
+                             absl::StrCat("the coordinator could not serialize a message for this rank (",
+                                          serialized.error_message(), "); register again"));
+      finished_ = true;
+      call_->Finish(*finish_);
+      return;
+    }
     writing_ = true;
     write_started_ = absl::Now();
     call_->StartWrite(&current_);

@@ -620,6 +620,61 @@ TEST_F(NonReaderTest, ANonReaderIsFailedOnceTheDaemonsBuffersAreFullWhateverItsO
   EXPECT_EQ(server_->core().buffers()->used(), 0) << "its queue was given back";
 }
 
+TEST_F(InProcessTest, DecisionsQueuedBehindAWriteLeaveMergedInOrderAndGiveTheirBytesBack) {
+  // 1,500 plans, one per message, to a rank that reads only once all are decided. Each decision
+  // lists 300 modules (about 20 KB), so together they are far past what the stream's flow control
+  // and the sockets hold: the writes stall, and later decisions queue behind the write in flight
+  // and are merged into it (SessionSink::SendDecisions). They must all arrive, in order, at most 256 to a
+  // write, and every byte they took from the daemon's budget must come back while the stream is
+  // still open (not only when its queue is dropped at the end).
+  server_->Shutdown(absl::Milliseconds(10));
+  coordinator::CoordinatorOptions o;
+  o.max_lookahead = 2000;
+  o.heartbeat_interval = absl::Milliseconds(200);
+  o.heartbeat_timeout = absl::Seconds(120);  // This raw client sends no heartbeat: it must stay live.
+  o.limits.max_outbox_bytes = int64_t{256} << 20;  // It is not a non-reader: it reads them all below.
+  StartServer(o);
+  RawSession raw(server_->address(), /*deadline_s=*/60);
+  v1::RegisterRequest r = RawRequest(0, 1, 1);
+  r.set_policy(v1::POLICY_REPLICATE);  // One decision per plan, at once.
+  r.set_lookahead(2000);
+  for (int i = 0; i < 300; ++i) {
+    v1::ModuleSpec* m = r.add_modules();
+    m->set_name(absl::StrCat("model.audio_tower.encoder.a_module_name_long_enough_to_weigh_", i));
+    m->set_param_bytes(4096);
+  }
+  ASSERT_TRUE(raw.Register(r).ok());
+  constexpr int kPlans = 1500;
+  for (int step = 0; step < kPlans; ++step) raw.SendPlan(RawPlan(step, 0, "vision_tower", 1));
+  const auto decided = [&] {
+    const v1::StatusResponse s = server_->core().Status("job");
+    return s.jobs_size() == 1 ? s.jobs(0).microbatches_decided() : int64_t{0};
+  };
+  ASSERT_TRUE(testing::WaitUntil([&] { return decided() == kPlans; }, absl::Seconds(30), absl::Milliseconds(1)))
+      << decided() << " of " << kPlans << " decided";
+  int messages = 0;
+  int64_t next = 0;
+  v1::CoordinatorMessage in;
+  while (next < kPlans && raw.stream->Read(&in)) {
+    if (!in.has_decisions()) continue;
+    ++messages;
+    EXPECT_LE(in.decisions().decisions_size(), 256) << "one write holds at most kMaxDecisionsPerWrite";
+    EXPECT_NE(in.incarnation(), 0u) << "every write names the daemon's incarnation";
+    for (const v1::MicrobatchDecision& d : in.decisions().decisions()) {
+      ASSERT_EQ(d.key().step(), next) << "decisions out of order or lost";
+      ++next;
+    }
+  }
+  EXPECT_EQ(next, kPlans);
+  EXPECT_LT(messages, kPlans) << "no write carried more than one decision: nothing was merged";
+  EXPECT_TRUE(testing::WaitUntil([&] { return server_->core().buffers()->used() == 0; }, absl::Seconds(30),
+                                 absl::Milliseconds(1)))
+      << server_->core().buffers()->used() << " bytes still charged with the stream open and its queue written";
+  EXPECT_EQ(server_->core().Ranks("job").ranks(0).state(), v1::RANK_STATE_LIVE)
+      << "the bytes must come back from the written queue, not from a dead rank's dropped one";
+  raw.ctx.TryCancel();
+}
+
 TEST_F(InProcessTest, AClientSendingARetiredKindAfterRegisteringIsToldWhatToSend) {
   // Issue 27: plans alone (WorkerMessage field 2, now reserved) would parse as an
   // empty message, which a newer peer's unknown kind is, and be ignored: the sender would
@@ -661,6 +716,9 @@ TEST_F(InProcessTest, AMessageThatCannotBeParsedAfterRegisteringEndsTheStreamWit
   EXPECT_EQ(end.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << end.error_message();
   EXPECT_THAT(end.error_message(), HasSubstr("a message on the Session could not be parsed (every string must be "
                                              "valid UTF-8"));
+  const v1::RankStatus rank0 = server_->core().Ranks("job").ranks(0);
+  EXPECT_EQ(rank0.state(), v1::RANK_STATE_DEAD);
+  EXPECT_THAT(rank0.dead_reason(), HasSubstr("could not be parsed")) << "the rank's status names the cause";
   EXPECT_TRUE(RawSession(server_->address()).Register(RawRequest(1, 2, 1)).ok()) << "the daemon goes on";
 }
 
