@@ -716,9 +716,13 @@ TEST_F(InProcessTest, AMessageThatCannotBeParsedAfterRegisteringEndsTheStreamWit
   EXPECT_EQ(end.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << end.error_message();
   EXPECT_THAT(end.error_message(), HasSubstr("a message on the Session could not be parsed (every string must be "
                                              "valid UTF-8"));
-  const v1::RankStatus rank0 = server_->core().Ranks("job").ranks(0);
-  EXPECT_EQ(rank0.state(), v1::RANK_STATE_DEAD);
-  EXPECT_THAT(rank0.dead_reason(), HasSubstr("could not be parsed")) << "the rank's status names the cause";
+  // The stream is ended first (so the client reads this cause, not the death that follows), then
+  // the rank is declared dead: the client may see the end before the death.
+  const auto rank0 = [&] { return server_->core().Ranks("job").ranks(0); };
+  EXPECT_TRUE(testing::WaitUntil([&] { return rank0().state() == v1::RANK_STATE_DEAD; }, absl::Seconds(30),
+                                 absl::Milliseconds(1)))
+      << rank0().DebugString();
+  EXPECT_THAT(rank0().dead_reason(), HasSubstr("could not be parsed")) << "the rank's status names the cause";
   EXPECT_TRUE(RawSession(server_->address()).Register(RawRequest(1, 2, 1)).ok()) << "the daemon goes on";
 }
 
