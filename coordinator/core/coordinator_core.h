@@ -23,7 +23,7 @@
 // annotated ABSL_SHARED_LOCKS_REQUIRED(mu_) take a group the caller holds either way.
 // What may block or call back runs after the lock is released: log lines and the
 // completions of waiting communicator calls are queued under it (CoreMutex::Defer) and
-// carried out on the way out (core_mutex.h). RankSink::Send is the exception, on purpose: it
+// carried out on the way out (core_mutex.h). RankSink::Send (and SendDecisions) is the exception, on purpose: it
 // is called with the lock held, so that messages to one rank leave in the order the core
 // produced them; that is why a sink must only queue (never block, never call back). The
 // network writes start after unlocking (CoreMutex::Kick, RankSink::Kick).
