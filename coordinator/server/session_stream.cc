@@ -131,6 +131,13 @@ class SessionSink final : public RankSink {
     charged_ -= q.cost;
     budget_->Give(q.cost);
   }
+  // Drops what is queued (nothing more will be written) and gives back all it was charged.
+  void DropQueueLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    queue_.clear();
+    queued_bytes_ = 0;
+    budget_->Give(charged_);
+    charged_ = 0;
+  }
 
   const int64_t max_bytes_;
   const std::shared_ptr<BufferBudget> budget_;
@@ -472,10 +479,7 @@ void SessionSink::Close(const absl::Status& status) {
   if (overflowed_) {
     // The rank stopped reading: what is queued would only wait behind the stuck write, and
     // the stuck write would hold the stream until the client went away: cancel it.
-    queue_.clear();
-    queued_bytes_ = 0;
-    budget_->Give(charged_);
-    charged_ = 0;
+    DropQueueLocked();
     if (writing_) {
       call_->Cancel();
       return;
@@ -490,10 +494,7 @@ void SessionSink::OnWriteDone(bool ok) {
   current_.Clear();  // Its bytes are not kept until the next write.
   if (!ok) {
     // The stream is broken; nothing more can be written.
-    queue_.clear();
-    queued_bytes_ = 0;
-    budget_->Give(charged_);
-    charged_ = 0;
+    DropQueueLocked();
     if (!finish_) finish_ = grpc::Status(grpc::StatusCode::UNAVAILABLE, "write failed");
   }
   StartNextLocked();
@@ -520,23 +521,19 @@ void SessionSink::StartNextLocked() {
     }
     DequeuedLocked(next);
     queue_.pop_front();
-    if (!serialized.ok()) {
-      // Our own message did not serialize (only a bug can do that): the stream ends saying so,
-      // rather than a part of what the rank was sent going missing.
-      current_.Clear();
-      for (const Queued& q : queue_) DequeuedLocked(q);
-      queue_.clear();
-      finish_ = grpc::Status(grpc::StatusCode::INTERNAL,
-                             absl::StrCat("the coordinator could not serialize a message for this rank (",
-                                          serialized.error_message(), "); register again"));
-      finished_ = true;
-      call_->Finish(*finish_);
+    if (serialized.ok()) {
+      writing_ = true;
+      write_started_ = absl::Now();
+      call_->StartWrite(&current_);
       return;
     }
-    writing_ = true;
-    write_started_ = absl::Now();
-    call_->StartWrite(&current_);
-    return;
+    // Our own message did not serialize (only a bug can do that): the stream ends saying so,
+    // rather than a part of what the rank was sent going missing.
+    current_.Clear();
+    DropQueueLocked();
+    finish_ = grpc::Status(grpc::StatusCode::INTERNAL,
+                           absl::StrCat("the coordinator could not serialize a message for this rank (",
+                                        serialized.error_message(), "); register again"));
   }
   if (finish_.has_value() && !finished_) {
     finished_ = true;
