@@ -72,10 +72,18 @@ const Member* CoordinatorCore::LiveIn(ShardGroup& group, int rank, uint64_t sess
   return group.binding(rank).session == session_id && m.live() ? &m : nullptr;
 }
 
+CoordinatorCore::HeldGroup::HeldGroup(const Job& job, const GroupSlot& slot) : slot_(slot) {
+  const bool free = slot.mu.LockNested();
+  SHARDCOORD_INVARIANT(free, absl::StrCat("group ", slot.group.index(), " of job '", job.id,
+                                          "' was locked by another thread while the core's lock was held exclusively"));
+}
+
 const Member* CoordinatorCore::LiveMember(uint64_t session_id, Job** job) {
   const SessionRef* ref = jobs_.FindSession(session_id);
   if (ref == nullptr) return nullptr;
-  const Member* m = LiveIn(Owned(*ref->job, ref->job->GroupOf(ref->rank)), ref->rank, session_id);
+  GroupSlot& slot = SlotOf(*ref->job, ref->rank);
+  HeldGroup held(*ref->job, slot);
+  const Member* m = LiveIn(slot.group, ref->rank, session_id);
   if (m != nullptr) *job = ref->job;
   return m;
 }

@@ -18,8 +18,8 @@
 // collective progress included, that carry no CommAbort acknowledgement) only touches one
 // group (the progress goes to the communicator table under its own leaf mutex): it holds
 // `mu_` shared (CoreReaderLock) plus that group's mutex, so that different groups, of one job
-// or of several, are served in parallel. A holder of `mu_` exclusive holds every group (their
-// mutexes are only taken under `mu_` shared) and reaches them through Owned(). The functions
+// or of several, are served in parallel. A holder of `mu_` exclusive takes a group's mutex as
+// it goes (HeldGroup), which never waits (they are only taken under `mu_` shared). The functions
 // annotated ABSL_SHARED_LOCKS_REQUIRED(mu_) take a group the caller holds either way.
 // What may block or call back runs after the lock is released: log lines and the
 // completions of waiting communicator calls are queued under it (CoreMutex::Defer) and
@@ -172,34 +172,30 @@ class CoordinatorCore {
 
  private:
   // Group access. A group's state is guarded by its slot's mutex (GroupSlot), which the hot
-  // path takes with mu_ held shared. A holder of mu_ exclusive holds every group as well:
-  // the group mutexes are only ever taken under mu_ shared, so none is held meanwhile. Owned
-  // says so to the lock analysis, and is the only place that does. The analysis cannot express
-  // "mu_ exclusive implies every group mutex free" (the groups are a run-time collection), so
-  // Owned checks it at run time instead, on every call: the group's mutex must be free (a failed
-  // TryLock is an invariant failure, which every test of the core asserts did not happen).
-  ShardGroup& Owned(const Job& job, int group) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_)
-      ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    GroupSlot& slot = *job.groups[group];
-    if (SHARDCOORD_INVARIANT(slot.mu.TryLock(), absl::StrCat("group ", group, " of job '", job.id,
-                                                               "' is locked while the core's lock is held exclusively"))) {
-      slot.mu.Unlock();
-    }
-    return slot.group;
-  }
-  const Member& OwnedMember(const Job& job, int rank) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return Owned(job, job.GroupOf(rank)).member(rank);
-  }
-  SessionBinding& BindingOf(const Job& job, int rank) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return Owned(job, job.GroupOf(rank)).binding(rank);
-  }
+  // path takes with mu_ held shared (GroupLock). A holder of mu_ exclusive takes it too, for
+  // the scope of a HeldGroup: no other thread holds a group mutex meanwhile (they are only taken
+  // under mu_ shared), so the take never waits, and the exclusive paths may nest (a removal
+  // inside a scan of the same group: GroupMutex::LockNested). The lock analysis so checks every
+  // access to a group, from either kind of path, with no exception.
+  class ABSL_SCOPED_LOCKABLE HeldGroup {
+   public:
+    // With mu_ held exclusively only. A take that had to wait is an invariant failure.
+    HeldGroup(const Job& job, const GroupSlot& slot) ABSL_EXCLUSIVE_LOCK_FUNCTION(slot.mu);
+    ~HeldGroup() ABSL_UNLOCK_FUNCTION() { slot_.mu.UnlockNested(); }
+    HeldGroup(const HeldGroup&) = delete;
+    HeldGroup& operator=(const HeldGroup&) = delete;
+
+   private:
+    const GroupSlot& slot_;
+  };
   static GroupSlot& SlotOf(const Job& job, int rank) { return *job.groups[job.GroupOf(rank)]; }
-  // Calls f(member, its session binding) for every rank of the job, in rank order.
+  // Calls f(group, member, its session binding) for every rank of the job, in rank order, each
+  // group held meanwhile.
   template <typename F>
   void ForEachMember(const Job& job, F f) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    for (size_t g = 0; g < job.groups.size(); ++g) {
-      ShardGroup& group = Owned(job, static_cast<int>(g));
-      for (int i = 0; i < group.size(); ++i) f(group.members()[i], group.binding_at(i));
+    for (const auto& slot : job.groups) {
+      HeldGroup held(job, *slot);
+      for (int i = 0; i < slot->group.size(); ++i) f(slot->group.members()[i], slot->group.binding_at(i));
     }
   }
   // The member of `group` behind `session_id` if that is the rank's current live session.
@@ -228,10 +224,6 @@ class CoordinatorCore {
   // To a live member with a session: what is batched for it first, then `msg`.
   void SendTo(const Member& member, SessionBinding& to, const v1::CoordinatorMessage& msg)
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  void SendTo(const Job& job, const Member& member, const v1::CoordinatorMessage& msg)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    SendTo(member, BindingOf(job, member.rank), msg);
-  }
   // Sends through the session's sink; a refused send sets SessionBinding::cut_reason.
   void SinkSend(SessionBinding& to, v1::CoordinatorMessage msg) ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // What the sink answered a send: refused sets `to.cut_reason`; queued, its write starts once

@@ -20,13 +20,19 @@ class CoordinatorCore::JobHost final : public CommHost {
   JobHost(CoordinatorCore& core, Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(core.mu_) : core_(core), job_(job) {}
   absl::Time Now() const override { return core_.clock_->Now(); }
   v1::RankState StateOf(int rank) const override ABSL_EXCLUSIVE_LOCKS_REQUIRED(core_.mu_) {
-    return core_.OwnedMember(job_, rank).state;
+    GroupSlot& slot = SlotOf(job_, rank);
+    HeldGroup held(job_, slot);
+    return slot.group.member(rank).state;
   }
   std::string DeadReasonOf(int rank) const override ABSL_EXCLUSIVE_LOCKS_REQUIRED(core_.mu_) {
-    return core_.OwnedMember(job_, rank).dead_reason;
+    GroupSlot& slot = SlotOf(job_, rank);
+    HeldGroup held(job_, slot);
+    return slot.group.member(rank).dead_reason;
   }
   void Send(int rank, const v1::CoordinatorMessage& msg) override ABSL_EXCLUSIVE_LOCKS_REQUIRED(core_.mu_) {
-    core_.SendTo(job_, core_.OwnedMember(job_, rank), msg);
+    GroupSlot& slot = SlotOf(job_, rank);
+    HeldGroup held(job_, slot);
+    core_.SendTo(slot.group.member(rank), slot.group.binding(rank), msg);
   }
   void Event(Severity severity, EventKind kind, int rank, const std::string& message) override
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(core_.mu_) {
@@ -41,6 +47,16 @@ class CoordinatorCore::JobHost final : public CommHost {
   Job& job_;
 };
 
+namespace {
+
+absl::Status NotALiveRank(const std::string& job_id, int rank) {
+  return absl::FailedPreconditionError(absl::StrCat(
+      "rank ", rank, " of job '", Printable(job_id, 64), "' is not a live registered rank; register it before "
+      "using communicators"));
+}
+
+}  // namespace
+
 absl::StatusOr<Job*> CoordinatorCore::CommCaller(const CommCallerId& caller) {
   const std::string& job_id = caller.job_id;
   const int rank = caller.rank;
@@ -49,12 +65,11 @@ absl::StatusOr<Job*> CoordinatorCore::CommCaller(const CommCallerId& caller) {
     return absl::NotFoundError(absl::StrCat("no job '", Printable(job_id, 64), "': register the rank first"));
   }
   Job& job = *found;
-  if (rank < 0 || rank >= job.world_size || OwnedMember(job, rank).state != v1::RANK_STATE_LIVE) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "rank ", rank, " of job '", job_id, "' is not a live registered rank; register it before "
-        "using communicators"));
-  }
-  if (!SameSecret(caller.session_key, BindingOf(job, rank).session_key)) {
+  if (rank < 0 || rank >= job.world_size) return NotALiveRank(job_id, rank);
+  GroupSlot& slot = SlotOf(job, rank);
+  HeldGroup held(job, slot);
+  if (slot.group.member(rank).state != v1::RANK_STATE_LIVE) return NotALiveRank(job_id, rank);
+  if (!SameSecret(caller.session_key, slot.group.binding(rank).session_key)) {
     return absl::PermissionDeniedError(absl::StrCat(
         "rank ", rank, " of job '", Printable(job_id, 64), "': this call does not come from the rank's live session "
         "(session_key missing or wrong); communicator calls are accepted only from the worker that registered the rank"));
@@ -104,7 +119,11 @@ absl::Status CoordinatorCore::CommReport(const CommReportCall& call) {
 }
 
 void CoordinatorCore::TakeCommAborted(Job& job, const Member& m, const CommAbortAck& ack) {
-  Owned(job, m.group).MemberSeen(m.rank, clock_->Now());
+  {
+    GroupSlot& slot = *job.groups[m.group];
+    HeldGroup held(job, slot);
+    slot.group.MemberSeen(m.rank, clock_->Now());
+  }
   JobHost host(*this, job);
   job.comms->AckAbort(host, mu_, ack, m.rank);
 }

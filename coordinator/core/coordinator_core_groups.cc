@@ -16,9 +16,11 @@ namespace shardcoord::coordinator {
 
 void CoordinatorCore::SetLive(Job& job, const Member& m, uint64_t session_id, std::shared_ptr<RankSink> sink,
                               const Registration& req) {
-  SessionBinding& b = BindingOf(job, m.rank);
+  GroupSlot& slot = *job.groups[m.group];
+  HeldGroup held(job, slot);
+  SessionBinding& b = slot.group.binding(m.rank);
   if (b.session != 0) jobs_.ForgetSession(b.session);
-  Owned(job, m.group).MemberLive(m.rank, req, clock_->Now());
+  slot.group.MemberLive(m.rank, req, clock_->Now());
   b.session = session_id;
   b.sink = std::move(sink);
   b.cut_reason.clear();

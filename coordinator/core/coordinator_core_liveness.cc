@@ -27,10 +27,11 @@ void CoordinatorCore::OnBundle(uint64_t session_id, const WorkerReport& report) 
     Job* job = nullptr;
     const Member* m = LiveMember(session_id, &job);
     if (m == nullptr) return;
-    ShardGroup& group = Owned(*job, m->group);
-    if (report.heartbeat) TakeHeartbeat(*job, group, *m, *report.heartbeat);
+    GroupSlot& slot = *job->groups[m->group];
+    HeldGroup held(*job, slot);
+    if (report.heartbeat) TakeHeartbeat(*job, slot.group, *m, *report.heartbeat);
     for (const CommAbortAck& ack : report.comm_aborted) TakeCommAborted(*job, *m, ack);
-    if (report.plans) TakePlans(*job, group, *m, *report.plans);
+    if (report.plans) TakePlans(*job, slot.group, *m, *report.plans);
     return;
   }
   // The hot path: this group only.
@@ -38,7 +39,7 @@ void CoordinatorCore::OnBundle(uint64_t session_id, const WorkerReport& report) 
   const SessionRef* ref = jobs_.FindSession(session_id);
   if (ref == nullptr) return;  // A stale session; its rank re-registered or was declared dead.
   GroupSlot& slot = SlotOf(*ref->job, ref->rank);
-  absl::MutexLock group_lock(&slot.mu);
+  GroupLock group_lock(&slot.mu);
   const Member* m = LiveIn(slot.group, ref->rank, session_id);
   if (m == nullptr) return;
   if (report.heartbeat) TakeHeartbeat(*ref->job, slot.group, *m, *report.heartbeat);
@@ -85,12 +86,16 @@ void CoordinatorCore::OnSessionClosed(uint64_t session_id, const std::string& wh
   }
   // A rank already found not reading (or breaking the protocol) whose stream ends before the
   // tick fails it: the finding is the cause, not the end of the stream it led to.
-  const std::string& cut = BindingOf(*job, m->rank).cut_reason;
+  GroupSlot& slot = SlotOf(*job, m->rank);
+  HeldGroup held(*job, slot);
+  const std::string cut = slot.group.binding(m->rank).cut_reason;
   RemoveMember(*job, *m, Leaving::kDead, cut.empty() ? absl::StrCat("session stream lost (", why, ")") : std::string(cut));
 }
 
 void CoordinatorCore::RemoveMember(Job& job, const Member& m, Leaving how, const std::string& reason) {
-  ShardGroup& group = Owned(job, m.group);
+  GroupSlot& slot = *job.groups[m.group];
+  HeldGroup held(job, slot);
+  ShardGroup& group = slot.group;
   const bool clean = how == Leaving::kClean;
   // "rank 1 left cleanly", "rank 1 failed: ERROR" (its trainer said so), "rank 1 declared dead: WHY".
   const std::string full = absl::StrCat("rank ", m.rank, " ", how == Leaving::kDead ? "declared dead: " : "", reason);
@@ -134,15 +139,17 @@ void CoordinatorCore::ReclaimBuffers(absl::Time now) {
   // that has not read for a heartbeat timeout, whatever the budget (a rank that heartbeats but
   // never reads held its bytes for as long as it lived).
   struct Holder {
-    SessionBinding* to;
+    Job* job;
+    int rank;
     RankSink::Backlog b;
   };
   std::vector<Holder> stalled;
   for (auto& entry : jobs_) {
-    ForEachMember(*entry.second, [&](const Member& m, SessionBinding& to) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    Job* job = entry.second.get();
+    ForEachMember(*job, [&](const Member& m, SessionBinding& to) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       if (!m.live() || !to.sink || !to.cut_reason.empty()) return;
       const RankSink::Backlog b = BacklogOf(*to.sink);
-      if (b.stalled_since < now - kNotReadingGrace) stalled.push_back({&to, b});
+      if (b.stalled_since < now - kNotReadingGrace) stalled.push_back({job, m.rank, b});
     });
   }
   std::sort(stalled.begin(), stalled.end(), [](const Holder& a, const Holder& b) { return a.b.charged > b.b.charged; });
@@ -152,7 +159,10 @@ void CoordinatorCore::ReclaimBuffers(absl::Time now) {
     // Over the budget, the holders of queued bytes; whatever the budget, a write stuck longer
     // than the heartbeat timeout (its bytes in flight are not in `charged`).
     if ((over <= 0 || h.b.charged == 0) && waited <= options_.heartbeat_timeout) continue;
-    h.to->cut_reason = absl::StrCat(
+    GroupSlot& slot = SlotOf(*h.job, h.rank);
+    HeldGroup held(*h.job, slot);
+    SessionBinding& to = slot.group.binding(h.rank);
+    to.cut_reason = absl::StrCat(
         "not reading its session stream: ", h.b.charged, " bytes queued for it have waited ",
         absl::ToInt64Milliseconds(waited), " ms for it to read",
         over > 0 ? absl::StrCat(" while the daemon's buffers for all clients are over their limit (max_buffered_bytes ",
@@ -160,7 +170,7 @@ void CoordinatorCore::ReclaimBuffers(absl::Time now) {
                  : absl::StrCat(", longer than the heartbeat timeout (", absl::ToInt64Milliseconds(
                                                                             options_.heartbeat_timeout), " ms)"),
         "; a rank must keep reading its decisions");
-    h.to->sink->CutForNotReading();
+    to.sink->CutForNotReading();
     over -= h.b.charged;
   }
 }
@@ -169,8 +179,9 @@ void CoordinatorCore::ExpireForming(Job& job, absl::Time now) {
   if (job.has_ended() || now - job.started <= options_.limits.form_timeout) return;
   std::vector<int> never;  // The ranks of groups that never formed that never registered.
   bool forming = false;
-  for (size_t i = 0; i < job.groups.size(); ++i) {
-    const ShardGroup& g = Owned(job, static_cast<int>(i));
+  for (const auto& slot : job.groups) {
+    HeldGroup held(job, *slot);
+    ShardGroup& g = slot->group;  // Not const: the analysis follows a reference only without a conversion.
     if (g.formed()) continue;
     forming = true;
     for (const Member& m : g.members()) {
@@ -188,14 +199,16 @@ void CoordinatorCore::ExpireForming(Job& job, absl::Time now) {
 }
 
 void CoordinatorCore::MaybeEndJob(Job& job) {
-  for (size_t i = 0; i < job.groups.size(); ++i) {
-    if (Owned(job, static_cast<int>(i)).Count().live > 0) return;
+  for (const auto& slot : job.groups) {
+    HeldGroup held(job, *slot);
+    if (slot->group.Count().live > 0) return;
   }
   job.ended = clock_->Now();  // Kept for `job_retention`, then forgotten.
   // An ended job is kept to be looked at, not to decide: its groups keep their last few
   // decisions only (up to max_jobs ended jobs may wait for eviction at once).
-  for (size_t i = 0; i < job.groups.size(); ++i) {
-    Owned(job, static_cast<int>(i)).TrimHistory(kEndedJobHistory);
+  for (const auto& slot : job.groups) {
+    HeldGroup held(job, *slot);
+    slot->group.TrimHistory(kEndedJobHistory);
   }
 }
 
@@ -229,11 +242,11 @@ void CoordinatorCore::Tick(absl::Time started) {
                                   absl::ToInt64Milliseconds(options_.heartbeat_timeout), " ms)"));
       }
     });
-    for (size_t g = 0; g < job->groups.size(); ++g) {
-      ShardGroup& group = Owned(*job, static_cast<int>(g));
+    for (const auto& slot : job->groups) {
+      HeldGroup held(*job, *slot);
       GroupEffects fx;
-      group.ExpirePlans(now, fx);
-      Apply(*job, group, fx);
+      slot->group.ExpirePlans(now, fx);
+      Apply(*job, slot->group, fx);
     }
     TickComms(*job, now);
   }
@@ -250,8 +263,9 @@ void CoordinatorCore::RestartHeartbeatDeadlines(absl::Duration gap) {
   last_pause_end_ = now;  // Writes waiting across the pause waited for the daemon, not their ranks.
   int extended = 0;
   for (auto& [id, job] : jobs_) {
-    for (size_t g = 0; g < job->groups.size(); ++g) {
-      extended += Owned(*job, static_cast<int>(g)).RestartHeartbeatDeadlines(now);
+    for (const auto& slot : job->groups) {
+      HeldGroup held(*job, *slot);
+      extended += slot->group.RestartHeartbeatDeadlines(now);
     }
   }
   const std::string what = absl::StrCat("the coordinator did not run for ", absl::ToInt64Milliseconds(gap),

@@ -44,8 +44,9 @@ void CoordinatorCore::ResumeMember(Job& job, ShardGroup& group, const Member& m,
 }
 
 void CoordinatorCore::ExpireRecovery(Job& job, absl::Time now) {
-  for (size_t g = 0; g < job.groups.size(); ++g) {
-    ShardGroup& group = Owned(job, static_cast<int>(g));
+  for (const auto& slot : job.groups) {
+    HeldGroup held(job, *slot);
+    ShardGroup& group = slot->group;
     GroupEffects fx;
     std::string why, each;
     const std::vector<int> missing = group.ExpireRecovery(now, &why, &each, fx);

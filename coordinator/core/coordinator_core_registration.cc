@@ -59,7 +59,9 @@ absl::Status CoordinatorCore::Register(uint64_t session_id, const Registration& 
 
 void CoordinatorCore::Seat(Job& job, const Registration& req, uint64_t session_id, std::shared_ptr<RankSink> sink,
                            BufferCharge resume_charge, bool resuming, const RegistrationClaim* proven) {
-  ShardGroup& group = Owned(job, job.GroupOf(req.rank));
+  GroupSlot& slot = SlotOf(job, req.rank);
+  HeldGroup held(job, slot);
+  ShardGroup& group = slot.group;
   const Member& m = group.member(req.rank);
   if (!group.has_reference()) group.SetReference(req, options_.promotion);
   group.ForgetMeasures(group.IndexOf(req.rank));  // Its process measures afresh (and resends).
@@ -82,7 +84,7 @@ void CoordinatorCore::Seat(Job& job, const Registration& req, uint64_t session_i
     return;
   }
   JoinGroup(job, group, m, session_id, std::move(sink), req);
-  group.SetClaim(m.rank, proven != nullptr ? *proven : RegistrationClaim{incarnation_, BindingOf(job, m.rank).registration});
+  group.SetClaim(m.rank, proven != nullptr ? *proven : RegistrationClaim{incarnation_, group.binding(m.rank).registration});
 }
 
 void CoordinatorCore::Supersede(Job& job, ShardGroup& group, const Member& m, const Registration& req) {
@@ -225,7 +227,7 @@ absl::Status CoordinatorCore::CheckUnverifiedResumeIsTimely(const Registration& 
 v1::CoordinatorMessage CoordinatorCore::Welcome(const Job& job, const ShardGroup& group, const Member& m,
                                                 const Registration& req, bool rejoin) {
   v1::CoordinatorMessage msg = group.Registered(req, incarnation_, config_digest_);
-  const SessionBinding& b = BindingOf(job, m.rank);
+  const SessionBinding& b = group.binding(m.rank);
   msg.mutable_registered()->set_session_key(b.session_key);
   msg.mutable_registered()->set_resume_credential(job.run_auth->Credential(job.id, req.rank, incarnation_, b.registration));
   msg.mutable_registered()->set_run_id(job.run);
@@ -267,7 +269,10 @@ Job* CoordinatorCore::ReuseOrForgetEndedJob(const Registration& req) {
     job->run = ResumeAuthority::NewRunId();
     job->run_auth = std::make_unique<const ResumeAuthority>(resume_auth_.ForRun(job->id, job->run));
   }
-  for (size_t i = 0; i < job->groups.size(); ++i) Owned(*job, static_cast<int>(i)).StartRerun(job->run_auth.get());
+  for (const auto& slot : job->groups) {
+    HeldGroup held(*job, *slot);
+    slot->group.StartRerun(job->run_auth.get());
+  }
   Event(Severity::kInfo, EventKind::kJobRerun, job->id, req.rank, -1,
         "every rank had left: the job runs again under the same id and sizes, its keys from the start");
   return job;
@@ -286,7 +291,9 @@ absl::Status CoordinatorCore::CheckJobAccepts(const Job& job, const Registration
         "register: group size mismatch: job '", job.id, "' has group_size ", job.group_size,
         " but rank ", req.rank, " registered with ", req.group_size));
   }
-  const ShardGroup& g = Owned(job, job.GroupOf(req.rank));
+  GroupSlot& slot = SlotOf(job, req.rank);
+  HeldGroup held(job, slot);
+  ShardGroup& g = slot.group;  // Not const: the analysis follows a reference only without a conversion.
   const Member& existing = g.member(req.rank);
   if (proven != nullptr && existing.claim.incarnation != 0 && *proven < existing.claim) {
     return absl::PermissionDeniedError(absl::StrCat(

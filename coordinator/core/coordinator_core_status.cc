@@ -22,13 +22,13 @@ void CoordinatorCore::FillJobStatus(const Job& job, v1::JobStatus* js) const {
   js->set_plans_received(job.plans_received);
   js->set_microbatches_decided(job.microbatches_decided);
   for (const auto& slot : job.groups) {
-    absl::MutexLock group_lock(&slot->mu);  // Its members and counts move on the hot path.
+    GroupLock group_lock(&slot->mu);  // Its members and counts move on the hot path.
     slot->group.CountInto(js);
   }
   // Communicators change under the exclusive lock only (their progress under their own).
   const auto left = [&](int rank) {
     GroupSlot& slot = SlotOf(job, rank);
-    absl::MutexLock group_lock(&slot.mu);
+    GroupLock group_lock(&slot.mu);
     return slot.group.member(rank).state == v1::RANK_STATE_LEFT;
   };
   for (std::string& alert : job.comms->Alerts(left)) js->add_comm_alerts(std::move(alert));
@@ -60,7 +60,7 @@ v1::ListRanksResponse CoordinatorCore::Ranks(const std::string& job_id) const {
   const absl::Time now = clock_->Now();
   for (const Job* job : jobs_.Select(job_id)) {
     for (const auto& slot : job->groups) {  // Groups are contiguous ranges: rank order is kept.
-      absl::MutexLock group_lock(&slot->mu);
+      GroupLock group_lock(&slot->mu);
       slot->group.DescribeMembers(now, out.mutable_ranks());
     }
   }
@@ -72,7 +72,7 @@ v1::ListGroupsResponse CoordinatorCore::Groups(const std::string& job_id) const 
   v1::ListGroupsResponse out;
   for (const Job* job : jobs_.Select(job_id)) {
     for (const auto& slot : job->groups) {
-      absl::MutexLock group_lock(&slot->mu);
+      GroupLock group_lock(&slot->mu);
       slot->group.Describe(out.add_groups());
     }
   }
@@ -91,7 +91,7 @@ v1::ListDecisionsResponse CoordinatorCore::Decisions(const std::string& job_id, 
     for (size_t gi = 0; gi < job->groups.size(); ++gi) {
       if (group >= 0 && static_cast<int>(gi) != group) continue;
       const GroupSlot& slot = *job->groups[gi];
-      absl::MutexLock group_lock(&slot.mu);
+      GroupLock group_lock(&slot.mu);
       if (!slot.group.DescribeHistory(limit, kMaxAnswerBytes, &bytes, &out)) {
         out.set_truncated(true);
         return out;

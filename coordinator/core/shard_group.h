@@ -7,8 +7,8 @@
 // communicator (only a broken invariant is logged at once, invariant.h).
 // Like DecisionEngine it is not thread-safe: the core keeps each group in a GroupSlot, whose
 // mutex guards it (ABSL_GUARDED_BY), so that the clang build's lock analysis refuses code
-// that touches a group without holding that mutex (DESIGN 9). The core's exclusive lock
-// stands in for every group's mutex (CoordinatorCore::Owned); nothing else does.
+// that touches a group without holding that mutex (DESIGN 9), on the hot path and on the
+// core's exclusive paths alike (GroupMutex::LockNested).
 #ifndef SHARDCOORD_COORDINATOR_CORE_SHARD_GROUP_H_
 #define SHARDCOORD_COORDINATOR_CORE_SHARD_GROUP_H_
 
@@ -207,6 +207,7 @@ class ShardGroup {
   const std::vector<Member>& members() const { return members_; }
   // The core's session of each member (SessionBinding); the group's own operations never touch it.
   SessionBinding& binding(int rank) { return bindings_[IndexOf(rank)]; }
+  const SessionBinding& binding(int rank) const { return bindings_[IndexOf(rank)]; }
   SessionBinding& binding_at(int idx) { return bindings_[idx]; }
   // An ended job keeps its last `keep` decisions of history (CoordinatorCore's sweep).
   void TrimHistory(size_t keep);
@@ -369,13 +370,56 @@ class ShardGroup {
 // worker sends at most one per kCostReportInterval, 5 s).
 inline constexpr absl::Duration kMinCostReportSpacing = absl::Seconds(4);
 
-// A group and the mutex that guards it. The hot path takes it with the core's lock held
-// shared; the clang build checks every access (tests/compile_fail/). It is only ever taken
-// exclusively (absl::MutexLock): clang counts a call of a group operation as a read of `group`,
-// so a reader lock on `mu` around a changing operation would not be flagged.
+// The mutex of one shard group (GroupSlot::mu). Two kinds of holder take it:
+// - a thread holding the core's lock shared (the hot path, the status queries) takes it with
+//   GroupLock, once, and holds no other group's meanwhile;
+// - the holder of the core's lock exclusively takes it with LockNested (CoordinatorCore::
+//   HeldGroup), as it goes: its operations nest (a death found while scanning a group removes
+//   a member of that same group, whose removal scans the job's groups again), so a nested
+//   take of a mutex this holder already took only counts.
+// LockNested never waits: the group mutexes are only taken under the core's lock shared, so
+// while it is held exclusively no other thread holds one. A take that finds it held all the
+// same is reported (returns false) and then waits for it. The analysis checks both kinds, so
+// every access to a group's state is checked by the compiler (tests/compile_fail/).
+class ABSL_LOCKABLE GroupMutex {
+ public:
+  void Lock() ABSL_EXCLUSIVE_LOCK_FUNCTION() { mu_.Lock(); }
+  void Unlock() ABSL_UNLOCK_FUNCTION() { mu_.Unlock(); }
+  bool TryLock() ABSL_EXCLUSIVE_TRYLOCK_FUNCTION(true) { return mu_.TryLock(); }
+  // Only with the core's lock held exclusively (`nested_` is guarded by it).
+  bool LockNested() ABSL_EXCLUSIVE_LOCK_FUNCTION() {
+    if (nested_++ > 0 || mu_.TryLock()) return true;
+    mu_.Lock();
+    return false;
+  }
+  void UnlockNested() ABSL_UNLOCK_FUNCTION() {
+    if (--nested_ == 0) mu_.Unlock();
+  }
+
+ private:
+  absl::Mutex mu_;
+  int nested_ = 0;  // LockNested's depth: written only under the core's lock held exclusively.
+};
+
+// GroupMutex held for a scope, by a holder of the core's lock shared.
+class ABSL_SCOPED_LOCKABLE GroupLock {
+ public:
+  explicit GroupLock(GroupMutex* mu) ABSL_EXCLUSIVE_LOCK_FUNCTION(mu) : mu_(mu) { mu_->Lock(); }
+  ~GroupLock() ABSL_UNLOCK_FUNCTION() { mu_->Unlock(); }
+  GroupLock(const GroupLock&) = delete;
+  GroupLock& operator=(const GroupLock&) = delete;
+
+ private:
+  GroupMutex* mu_;
+};
+
+// A group and the mutex that guards it. The clang build checks every access
+// (tests/compile_fail/). The mutex is only ever taken exclusively: clang counts a call of a
+// group operation as a read of `group`, so a reader lock on `mu` around a changing operation
+// would not be flagged.
 struct GroupSlot {
   GroupSlot(int index, int first_rank, int size, GroupRules rules) : group(index, first_rank, size, std::move(rules)) {}
-  mutable absl::Mutex mu;
+  mutable GroupMutex mu;
   ShardGroup group ABSL_GUARDED_BY(mu);
 };
 

@@ -10,12 +10,12 @@
 namespace shardcoord::coordinator {
 
 void TrimHistoryWithTheLock(GroupSlot& slot) {
-  absl::MutexLock lock(&slot.mu);
+  GroupLock lock(&slot.mu);
   slot.group.TrimHistory(0);
 }
 
 int LiveMembersWithTheLock(const GroupSlot& slot) {
-  absl::MutexLock lock(&slot.mu);
+  GroupLock lock(&slot.mu);
   return slot.group.Count().live;
 }
 

@@ -10,6 +10,7 @@
 
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -756,5 +757,36 @@ TEST_F(ShardGroupTest, ACostReportThatMovesTheGroupsModelIsRecordedAsAnEvent) {
   EXPECT_DOUBLE_EQ(group_->cost_model()[0].forward_seconds_per_call, 0.04);
 }
 
+// The exclusive paths' take of a group's mutex (CoordinatorCore::HeldGroup) nests: an inner
+// take only counts, and the mutex is free again only after the outermost release.
+bool InnerScopeTakesAndReleases(GroupMutex& mu) {  // As a removal inside a scan of its group.
+  const bool without_waiting = mu.LockNested();
+  mu.UnlockNested();
+  return without_waiting;
+}
+
+TEST(GroupMutexTest, NestedTakesCountAndOnlyTheOutermostReleaseFreesTheMutex) {
+  GroupMutex mu;
+  const auto free_for_another_thread = [&mu] {
+    bool took = false;
+    std::thread([&] {
+      if (mu.TryLock()) {
+        took = true;
+        mu.Unlock();
+      }
+    }).join();
+    return took;
+  };
+  const bool without_waiting = mu.LockNested();  // Free: taken without waiting.
+  EXPECT_TRUE(without_waiting);
+  EXPECT_TRUE(InnerScopeTakesAndReleases(mu));
+  EXPECT_FALSE(free_for_another_thread()) << "an inner release freed the mutex its outer scope holds";
+  mu.UnlockNested();
+  EXPECT_TRUE(free_for_another_thread()) << "the outermost release left the mutex held";
+  EXPECT_TRUE(InnerScopeTakesAndReleases(mu));  // The depth came back to 0: a take locks again.
+  EXPECT_TRUE(free_for_another_thread());
+}
+
 }  // namespace
+
 }  // namespace shardcoord::coordinator
