@@ -19,6 +19,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "coordinator/core/rank_sink.h"
+#include "coordinator/core/scoped_lock.h"
 
 namespace shardcoord::coordinator {
 
@@ -67,16 +68,7 @@ class ABSL_LOCKABLE CoreMutex {
 };
 
 // Holds a CoreMutex exclusively for a scope.
-class ABSL_SCOPED_LOCKABLE CoreLock {
- public:
-  explicit CoreLock(CoreMutex* mu) ABSL_EXCLUSIVE_LOCK_FUNCTION(mu) : mu_(mu) { mu_->Lock(); }
-  ~CoreLock() ABSL_UNLOCK_FUNCTION() { mu_->Unlock(); }
-  CoreLock(const CoreLock&) = delete;
-  CoreLock& operator=(const CoreLock&) = delete;
-
- private:
-  CoreMutex* const mu_;
-};
+using CoreLock = ExclusiveLock<CoreMutex>;
 
 // Holds a CoreMutex shared for a scope (the hot path, which then takes a group's mutex; the
 // status queries).

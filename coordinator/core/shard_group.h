@@ -33,6 +33,7 @@
 #include "coordinator/core/group_effects.h"
 #include "coordinator/core/registration.h"
 #include "coordinator/core/resume_auth.h"
+#include "coordinator/core/scoped_lock.h"
 #include "coordinator/core/session_binding.h"
 #include "coordinator/core/worker_report.h"
 #include "coordinator/settings/options.h"
@@ -402,16 +403,7 @@ class ABSL_LOCKABLE GroupMutex {
 };
 
 // GroupMutex held for a scope, by a holder of the core's lock shared.
-class ABSL_SCOPED_LOCKABLE GroupLock {
- public:
-  explicit GroupLock(GroupMutex* mu) ABSL_EXCLUSIVE_LOCK_FUNCTION(mu) : mu_(mu) { mu_->Lock(); }
-  ~GroupLock() ABSL_UNLOCK_FUNCTION() { mu_->Unlock(); }
-  GroupLock(const GroupLock&) = delete;
-  GroupLock& operator=(const GroupLock&) = delete;
-
- private:
-  GroupMutex* mu_;
-};
+using GroupLock = ExclusiveLock<GroupMutex>;
 
 // A group and the mutex that guards it. The clang build checks every access
 // (tests/compile_fail/). The mutex is only ever taken exclusively: clang counts a call of a
